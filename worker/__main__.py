@@ -1,0 +1,3 @@
+from worker.ops.cli import main
+
+raise SystemExit(main())
