@@ -1,0 +1,423 @@
+"""Settings: one validated object built from defaults < TOML file < environment < command line.
+
+Each layer is flattened into dotted keys (``pipeline.max_in_flight``, ``kafka.bootstrap.servers``) that
+remember where they came from, so a bad value fails at start with one line naming the key, what was expected,
+the value (never a secret one) and its origin. ``[kafka]`` options are librdkafka's own and pass through
+untouched, which is what lets SASL/SSL and every other client option work without code here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from worker.errors import UserError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "triage-mini"
+
+Provider = Literal["cpu", "cuda", "dml"]
+InferenceMode = Literal["score", "generate"]
+PoolKind = Literal["process", "thread", "batch"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["console", "json"]
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
+TopicName = Annotated[str, msgspec.Meta(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")]
+
+SECRET_MARKERS = ("password", "secret", "key", "token", "jaas", "credentials")
+MASK = "***"
+
+
+class TopicSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Topic names, and the layout `topics create` gives them."""
+
+    input: TopicName = "tickets.raw"
+    output: TopicName = "tickets.triaged"
+    dead_letter: TopicName = "tickets.dlq"
+    partitions: PositiveInt = 3
+    replication_factor: PositiveInt = 1
+
+
+class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Consumer loop knobs: how much work may be in flight, how long a ticket may take, commit cadence."""
+
+    group_id: Annotated[str, msgspec.Meta(min_length=1)] = "triage-worker"
+    max_in_flight: PositiveInt = 64
+    # Consumption pauses at max_in_flight and resumes once the in-flight count has drained to this level;
+    # None means half of max_in_flight (see `resume_threshold`).
+    resume_below: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    deadline_ms: PositiveMs = 2000
+    poll_batch_size: PositiveInt = 100
+    poll_timeout_ms: PositiveMs = 100
+    commit_interval_ms: PositiveMs = 1000
+    revoke_timeout_ms: PositiveMs = 10000
+    shutdown_timeout_ms: PositiveMs = 15000
+    max_value_bytes: PositiveInt = 1048576
+
+    def __post_init__(self) -> None:
+        if self.resume_below is not None and self.resume_below >= self.max_in_flight:
+            raise ValueError(
+                f"resume_below: expected int < max_in_flight ({self.max_in_flight}), got {self.resume_below}"
+            )
+
+    @property
+    def resume_threshold(self) -> int:
+        """`resume_below` with its default applied (half of `max_in_flight`), always < `max_in_flight`."""
+        return self.max_in_flight // 2 if self.resume_below is None else self.resume_below
+
+
+class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Which model answers and how it runs. None means "let the inference room choose" (see its docs)."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)] = str(DEFAULT_MODEL_DIR)
+    taxonomy: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    provider: Provider = "cpu"
+    provider_options: dict[str, str] = msgspec.field(default_factory=dict)
+    intra_op_num_threads: PositiveInt = 1
+    mode: InferenceMode = "score"
+    pool: PoolKind | None = None
+    pool_size: PositiveInt | None = None
+    batch_size: PositiveInt = 8
+    max_ticket_tokens: PositiveInt = 256
+    # Test-only: adds this much latency to every classification, to exercise deadlines and back-pressure.
+    extra_latency_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    level: LogLevel = "info"
+    format: LogFormat = "console"
+
+
+def _default_kafka() -> dict[str, str]:
+    return {"bootstrap.servers": "127.0.0.1:9092"}
+
+
+class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Everything the worker and its commands read; build it with `load_settings`."""
+
+    kafka: dict[str, str] = msgspec.field(default_factory=_default_kafka)
+    topics: TopicSettings = msgspec.field(default_factory=TopicSettings)
+    pipeline: PipelineSettings = msgspec.field(default_factory=PipelineSettings)
+    inference: InferenceSettings = msgspec.field(default_factory=InferenceSettings)
+    log: LogSettings = msgspec.field(default_factory=LogSettings)
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "topics": TopicSettings,
+    "pipeline": PipelineSettings,
+    "inference": InferenceSettings,
+    "log": LogSettings,
+}
+# Fields that are string→string tables: set one entry at a time, like the kafka section.
+_MAP_FIELDS = frozenset({("inference", "provider_options")})
+_FIELD_TYPES: dict[str, dict[str, Any]] = {
+    name: {field.name: field.type for field in msgspec.structs.fields(cls)} for name, cls in _SECTIONS.items()
+}
+
+# KAFKA_* variables that belong to Kafka's own scripts and Docker image, not to librdkafka.
+_KAFKA_JVM_ENV = frozenset(
+    {
+        "KAFKA_HOME",
+        "KAFKA_OPTS",
+        "KAFKA_HEAP_OPTS",
+        "KAFKA_LOG4J_OPTS",
+        "KAFKA_JVM_PERFORMANCE_OPTS",
+        "KAFKA_GC_LOG_OPTS",
+        "KAFKA_JMX_OPTS",
+        "KAFKA_DEBUG",
+        "KAFKA_JMX_PORT",
+        "KAFKA_LOG_DIR",
+        "KAFKA_CLUSTER_ID",
+        "KAFKA_VERSION",
+    }
+)
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a librdkafka option holds a credential (password, key, token, JAAS config, ...)."""
+    lowered = key.lower()
+    return any(marker in lowered for marker in SECRET_MARKERS)
+
+
+def masked_kafka_config(kafka: Mapping[str, str]) -> dict[str, str]:
+    """A copy of librdkafka options that is safe to log or print: secret values replaced by ``***``."""
+    return {key: MASK if is_secret_key(key) else value for key, value in kafka.items()}
+
+
+class _Entry(msgspec.Struct, frozen=True):
+    value: object
+    source: str
+    # Values from the environment and the command line are strings and get converted to the field's type;
+    # values from TOML already have a type, which must match.
+    from_text: bool
+
+
+_Key = tuple[str, ...]
+
+
+def _error(key: str, problem: str, source: str | None = None) -> UserError:
+    origin = f" (from {source})" if source else ""
+    return UserError(f"config error: {key}: {problem}{origin}")
+
+
+def _split_key(dotted: str, source: str) -> _Key:
+    """``pipeline.max_in_flight`` → ("pipeline", "max_in_flight"); kafka keys keep their own dots."""
+    section, _, rest = dotted.partition(".")
+    if section == "kafka" and rest:
+        return ("kafka", rest)
+    if section not in _SECTIONS:
+        raise _error(dotted, f"unknown section; expected one of kafka, {', '.join(_SECTIONS)}", source)
+    name, _, entry = rest.partition(".")
+    if name not in _FIELD_TYPES[section]:
+        raise _error(dotted, f"unknown key; {section} has {', '.join(_FIELD_TYPES[section])}", source)
+    if (section, name) in _MAP_FIELDS:
+        if not entry:
+            raise _error(dotted, f"set one entry at a time, as {dotted}.<name>", source)
+        return (section, name, entry)
+    if entry:
+        raise _error(dotted, f"unknown key; {section}.{name} is not a table", source)
+    return (section, name)
+
+
+def _file_entries(path: Path) -> dict[_Key, _Entry]:
+    try:
+        with path.open("rb") as handle:
+            document = tomllib.load(handle)
+    except OSError as error:
+        raise UserError(f"config error: cannot read {path}: {error.strerror or error}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"config error: {path}: invalid TOML: {error}") from None
+    source = str(path)
+    entries: dict[_Key, _Entry] = {}
+    for section, table in document.items():
+        if section != "kafka" and section not in _SECTIONS:
+            raise _error(section, f"unknown section; expected one of kafka, {', '.join(_SECTIONS)}", source)
+        if not isinstance(table, dict):
+            raise _error(section, "expected a table", source)
+        for name, value in table.items():
+            if section == "kafka":
+                entries[("kafka", name)] = _Entry(value, source, from_text=False)
+                continue
+            if (section, name) in _MAP_FIELDS:
+                if not isinstance(value, dict):
+                    raise _error(f"{section}.{name}", "expected a table of strings", source)
+                for entry, entry_value in value.items():
+                    entries[(section, name, entry)] = _Entry(entry_value, source, from_text=False)
+            else:
+                entries[_split_key(f"{section}.{name}", source)] = _Entry(value, source, from_text=False)
+    return entries
+
+
+def _env_entries(env: Mapping[str, str]) -> dict[_Key, _Entry]:
+    entries: dict[_Key, _Entry] = {}
+    for variable, value in env.items():
+        if variable.startswith("KAFKA_") and variable not in _KAFKA_JVM_ENV:
+            option = variable.removeprefix("KAFKA_").lower().replace("_", ".")
+            if option and not variable.endswith("_OPTS"):
+                entries[("kafka", option)] = _Entry(value, variable, from_text=True)
+            continue
+        if not variable.startswith("TRIAGE_"):
+            continue
+        parts = variable.removeprefix("TRIAGE_").lower().split("__")
+        if len(parts) == 1:
+            # Catch the easy typo TRIAGE_PIPELINE_MAX_IN_FLIGHT; leave other TRIAGE_* variables alone.
+            section, _, name = parts[0].partition("_")
+            if name in _FIELD_TYPES.get(section, {}):
+                raise UserError(
+                    f"config error: {variable}: use a double underscore between section and key, "
+                    f"as TRIAGE_{section.upper()}__<KEY>"
+                )
+            continue
+        if parts[0] == "kafka":
+            raise UserError(f"config error: {variable}: set librdkafka options as KAFKA_<OPTION>")
+        entries[_split_key(".".join(parts), variable)] = _Entry(value, variable, from_text=True)
+    return entries
+
+
+def _override_entries(overrides: Mapping[str, object]) -> dict[_Key, _Entry]:
+    source = "command line"
+    return {
+        _split_key(dotted, source): _Entry(value, source, from_text=isinstance(value, str))
+        for dotted, value in overrides.items()
+        if value is not None
+    }
+
+
+def _render(value: object, from_text: bool = False) -> str:
+    """A value for an error line: env/flag text as typed (quoted only when blank), TOML values as TOML."""
+    if from_text and isinstance(value, str) and re.fullmatch(r"\S+", value):
+        text = value
+    elif isinstance(value, str | int | float | bool):
+        text = _toml_value(value)
+    else:
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _readable(error: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int` >= 1" → "expected int >= 1" (the caller appends the offending value)."""
+    message = str(error).split(" - at `", 1)[0].replace("`", "")
+    message = re.sub(r", got \w+$", "", message)
+    message = message.replace("int | null", "int").replace("str | null", "str")
+    return message[:1].lower() + message[1:]
+
+
+def _is_optional(field_type: Any) -> bool:
+    return typing.get_origin(field_type) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+        field_type
+    )
+
+
+def _as_option_string(key: str, entry: _Entry) -> str:
+    """librdkafka and ORT take string options; TOML numbers and booleans are written the way they expect."""
+    value = entry.value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return str(value)
+    # Never echo the value: a misplaced table here may well hold credentials.
+    raise _error(key, f"expected a string, number or boolean, got {type(value).__name__}", entry.source)
+
+
+def _convert(key: _Key, entry: _Entry) -> object:
+    section, name = key[0], key[1]
+    dotted = ".".join(key)
+    if section == "kafka" or len(key) == 3:
+        return _as_option_string(dotted, entry)
+    field_type = _FIELD_TYPES[section][name]
+    value = entry.value
+    if entry.from_text and value == "" and _is_optional(field_type):
+        return None
+    try:
+        return msgspec.convert(value, field_type, strict=not entry.from_text)
+    except msgspec.ValidationError as error:
+        if typing.get_origin(field_type) is Literal or "Invalid enum value" in str(error):
+            choices = typing.get_args(field_type) or ()
+            flat = [c for arg in choices for c in (typing.get_args(arg) or (arg,)) if c is not type(None)]
+            problem = "expected one of " + ", ".join(_render(choice) for choice in flat)
+        else:
+            problem = _readable(error)
+        raise _error(dotted, f"{problem}, got {_render(value, entry.from_text)}", entry.source) from None
+
+
+def _assemble(entries: Mapping[_Key, _Entry]) -> Settings:
+    document: dict[str, dict[str, Any]] = {"kafka": _default_kafka(), **{name: {} for name in _SECTIONS}}
+    for key, entry in entries.items():
+        value = _convert(key, entry)
+        if len(key) == 3:
+            document[key[0]].setdefault(key[1], {})[key[2]] = value
+        else:
+            document[key[0]][key[1]] = value
+    try:
+        return msgspec.convert(document, Settings)
+    except msgspec.ValidationError as error:
+        # Only cross-field checks can fail here: every value was converted on its own above.
+        message = str(error)
+        problem, _, where = message.partition(" - at `$.")
+        section = where.rstrip("`")
+        name, _, detail = problem.partition(": ")
+        sources = sorted(
+            {
+                entry.source
+                for key, entry in entries.items()
+                if key[0] == section and len(key) == 2 and key[1] in problem
+            }
+        )
+        raise _error(f"{section}.{name}", detail or problem, ", ".join(sources) or None) from None
+
+
+def load_settings(
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Settings:
+    """Build Settings from defaults < `config_file` (TOML) < `env` (default: os.environ) < `overrides`.
+
+    `overrides` uses dotted keys (``pipeline.max_in_flight``, ``kafka.security.protocol``); a None value means
+    "flag not given" and is skipped. Raises UserError with one line naming the bad key and where it came from.
+    """
+    entries: dict[_Key, _Entry] = {}
+    if config_file is not None:
+        entries.update(_file_entries(config_file))
+    entries.update(_env_entries(os.environ if env is None else env))
+    entries.update(_override_entries(overrides or {}))
+    return _assemble(entries)
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and repeatable ``--set KEY=VALUE`` to a command's parser."""
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML settings file")
+    parser.add_argument(
+        "--set",
+        dest="config_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one setting, e.g. --set pipeline.max_in_flight=8 (repeatable; wins over file and env)",
+    )
+
+
+def _parse_sets(pairs: Iterable[str]) -> dict[str, object]:
+    parsed: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            # Don't echo the argument: a mistyped "--set kafka.sasl.password:xyz" holds a secret.
+            raise UserError("config error: --set expects KEY=VALUE, e.g. --set pipeline.max_in_flight=8")
+        parsed[key.strip()] = value
+    return parsed
+
+
+def settings_from_args(args: argparse.Namespace, overrides: Mapping[str, object] | None = None) -> Settings:
+    """Settings for a command that called `add_config_argument`; `overrides` (its flags) beat ``--set``."""
+    merged = _parse_sets(getattr(args, "config_overrides", None) or [])
+    merged.update({key: value for key, value in (overrides or {}).items() if value is not None})
+    return load_settings(getattr(args, "config", None), overrides=merged)
+
+
+def _toml_value(value: object) -> str:
+    # JSON string escapes are valid TOML basic-string escapes.
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+_UNSET_HINTS = {
+    "pipeline.resume_below": "half of max_in_flight",
+    "inference.taxonomy": "the model's own taxonomy.toml",
+    "inference.pool": "the provider's default pool",
+    "inference.pool_size": "chosen from the CPU count",
+}
+
+
+def settings_to_toml(settings: Settings) -> str:
+    """Effective settings as a TOML file `--config` accepts back, with kafka secrets masked."""
+    lines = ["[kafka]"]
+    lines += [f"{_toml_value(k)} = {_toml_value(v)}" for k, v in masked_kafka_config(settings.kafka).items()]
+    for section in _SECTIONS:
+        values = msgspec.structs.asdict(getattr(settings, section))
+        lines += ["", f"[{section}]"]
+        tables: list[str] = []
+        for name, value in values.items():
+            if value is None:
+                hint = _UNSET_HINTS.get(f"{section}.{name}", "unset")
+                lines.append(f"# {name}: not set ({hint})")
+            elif isinstance(value, dict):
+                tables += ["", f"[{section}.{name}]"]
+                tables += [f"{_toml_value(k)} = {_toml_value(v)}" for k, v in value.items()]
+            else:
+                lines.append(f"{name} = {_toml_value(value)}")
+        lines += tables
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,144 @@
+"""Turn a Kafka record value into a TicketEvent, or say precisely why it cannot be one.
+
+Valid tickets take one pass through a reused typed msgspec decoder. Only when that fails do we parse again
+without types to find the first problem and name its field: that message goes into the dead letter's
+``triage.error.message`` header, where an operator has to understand it without the original producer at hand.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from typing import Literal
+
+import msgspec
+
+from worker.messages import RFC3339_PATTERN, TicketEvent
+
+DecodeErrorType = Literal[
+    "too_large",
+    "invalid_utf8",
+    "invalid_json",
+    "not_an_object",
+    "missing_field",
+    "empty_field",
+    "wrong_type",
+    "invalid_timestamp",
+    "null_value",
+]
+
+_DECODER = msgspec.json.Decoder(TicketEvent)
+_OPTIONAL_STRINGS = ("subject", "customer_id", "channel")
+_RFC3339 = re.compile(RFC3339_PATTERN)
+
+
+class DecodeError(Exception):
+    """The value is not a ticket; `error_type` is a stable machine name, `message` names the field."""
+
+    def __init__(self, error_type: DecodeErrorType, message: str) -> None:
+        super().__init__(f"{error_type}: {message}")
+        self.error_type: DecodeErrorType = error_type
+        self.message = message
+
+
+def decode_ticket(value: bytes | None, max_value_bytes: int) -> TicketEvent:
+    """Decode one record value; raises DecodeError for anything that is not a valid TicketEvent."""
+    if value is None:
+        raise DecodeError("null_value", "value is null (a tombstone), expected a JSON ticket")
+    if len(value) > max_value_bytes:
+        raise DecodeError(
+            "too_large",
+            f"value is {len(value)} bytes, over the {max_value_bytes}-byte limit (pipeline.max_value_bytes)",
+        )
+    try:
+        # msgspec checks the UTF-8 of the strings it keeps, not of unknown fields it skips.
+        if not value.isascii():
+            value.decode("utf-8")
+        event = _DECODER.decode(value)
+    except (UnicodeDecodeError, msgspec.DecodeError) as error:
+        raise _diagnose(value, error) from None
+    if event.created_at is not None:
+        _check_timestamp(event.created_at)
+    return event
+
+
+def _check_timestamp(text: str) -> None:
+    """The Struct's pattern checks the shape (offset required); msgspec's parser then checks the calendar."""
+    try:
+        if not _RFC3339.match(text):
+            raise ValueError(text)
+        msgspec.convert(text, datetime.datetime)
+    except (ValueError, msgspec.ValidationError):
+        raise DecodeError(
+            "invalid_timestamp",
+            f"`created_at` must be an RFC 3339 timestamp like 2024-05-01T12:30:00Z, got {_show(text)}",
+        ) from None
+
+
+def _diagnose(value: bytes, error: Exception) -> DecodeError:
+    """Re-read a rejected value without types and explain the first thing wrong with it."""
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return DecodeError("invalid_utf8", f"value is not valid UTF-8: {bad.reason} at byte {bad.start}")
+    try:
+        document = msgspec.json.decode(value)
+    except msgspec.DecodeError as bad:
+        return DecodeError("invalid_json", f"value is not valid JSON: {_lower_first(str(bad))}")
+    if not isinstance(document, dict):
+        return DecodeError("not_an_object", f"value must be a JSON object, got {_json_type(document)}")
+    for name in ("ticket_id", "body"):
+        if name not in document:
+            return DecodeError("missing_field", f"required field `{name}` is missing")
+        if not isinstance(document[name], str):
+            return _wrong_type(name, "a string", document[name])
+    if document["ticket_id"] == "":
+        return DecodeError("empty_field", "`ticket_id` must not be empty")
+    for name in (*_OPTIONAL_STRINGS, "created_at"):
+        field = document.get(name)
+        if field is not None and not isinstance(field, str):
+            return _wrong_type(name, "a string or null", field)
+    created_at = document.get("created_at")
+    if created_at is not None:
+        try:
+            _check_timestamp(created_at)
+        except DecodeError as bad:
+            return bad
+    metadata = document.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            return _wrong_type("metadata", "an object of strings or null", metadata)
+        for key, item in metadata.items():
+            if not isinstance(item, str):
+                return _wrong_type(f"metadata.{key}", "a string", item)
+    # Every rule above mirrors the Struct; reaching here means they drifted apart. Keep msgspec's words.
+    return DecodeError("wrong_type", _lower_first(str(error)).replace("`", ""))
+
+
+def _wrong_type(field: str, expected: str, got: object) -> DecodeError:
+    return DecodeError("wrong_type", f"`{field}` must be {expected}, got {_json_type(got)}")
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _show(text: str) -> str:
+    shown = msgspec.json.encode(text[:60]).decode()
+    return shown if len(text) <= 60 else shown[:-1] + '..."'
+
+
+def _lower_first(text: str) -> str:
+    return text[:1].lower() + text[1:]

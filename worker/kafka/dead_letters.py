@@ -1,0 +1,159 @@
+"""Dead-letter header contract: what the worker adds to a record it cannot decode, and how replay reads it.
+
+A dead letter is the original record, key, value and headers untouched, plus the ``triage.*`` headers below,
+so an operator can see why it failed and where it came from, fix the producer or the worker, and replay it.
+``schemas/dead_letter.md`` is generated from `HEADER_DOCS` (``triage-worker schemas --write``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import msgspec
+
+ERROR_TYPE = "triage.error.type"
+ERROR_MESSAGE = "triage.error.message"
+SOURCE_TOPIC = "triage.source.topic"
+SOURCE_PARTITION = "triage.source.partition"
+SOURCE_OFFSET = "triage.source.offset"
+FAILED_AT = "triage.failed_at"
+REPLAY_COUNT = "triage.replay_count"
+
+HEADER_DOCS: tuple[tuple[str, str], ...] = (
+    (ERROR_TYPE, "Stable machine name of the failure, e.g. `invalid_json`, `missing_field`, `too_large`."),
+    (ERROR_MESSAGE, "Human-readable reason naming the field, UTF-8, at most 1024 bytes (cut with `…`)."),
+    (SOURCE_TOPIC, "Topic the record was consumed from."),
+    (SOURCE_PARTITION, "Partition it was consumed from (decimal)."),
+    (SOURCE_OFFSET, "Offset it had there (decimal)."),
+    (
+        FAILED_AT,
+        "When the worker gave up on it: RFC 3339 UTC with milliseconds, e.g. 2024-05-01T12:30:00.123Z.",
+    ),
+    (
+        REPLAY_COUNT,
+        "How many times it was replayed before this failure (decimal; 0 when first dead-lettered).",
+    ),
+)
+DEAD_LETTER_HEADERS: frozenset[str] = frozenset(name for name, _ in HEADER_DOCS)
+
+# Kafka headers travel in every fetch of the record; cap the one free-text header.
+MAX_MESSAGE_BYTES = 1024
+_ELLIPSIS = "…"
+
+# As confluent-kafka's Message.headers() gives them: a header may be present with no value (None).
+Headers = Sequence[tuple[str, bytes | None]]
+
+
+class DeadLetterInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """The ``triage.*`` headers of a dead letter, parsed."""
+
+    error_type: str
+    error_message: str
+    topic: str
+    partition: int
+    offset: int
+    failed_at: str
+    replay_count: int
+
+
+class DeadLetterHeaderError(ValueError):
+    """A record lacks a dead-letter header or has a malformed one (it was not written by this worker)."""
+
+
+def truncate_message(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`message` cut to at most `limit` UTF-8 bytes on a character boundary, ending in `…` when cut."""
+    encoded = message.encode("utf-8")
+    if len(encoded) <= limit:
+        return message
+    room = limit - len(_ELLIPSIS.encode("utf-8"))
+    return encoded[:room].decode("utf-8", errors="ignore") + _ELLIPSIS
+
+
+def _text(value: bytes | None) -> str:
+    return "" if value is None else value.decode("utf-8", errors="replace")
+
+
+def _decimal(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _last(headers: Headers, name: str) -> bytes | None:
+    """Kafka allows a header name more than once; the last one wins, as in most clients' lookups."""
+    found: bytes | None = None
+    for key, value in headers:
+        if key == name:
+            found = value
+    return found
+
+
+def dead_letter_headers(
+    original_headers: Headers | None,
+    error_type: str,
+    message: str,
+    topic: str,
+    partition: int,
+    offset: int,
+    replay_count: int = 0,
+    failed_at: datetime.datetime | None = None,
+) -> list[tuple[str, bytes | None]]:
+    """Headers for the dead letter of a record: its own headers untouched, then the ``triage.*`` ones.
+
+    ``triage.*`` headers left by an earlier failure (a replayed dead letter failing again) are dropped so they
+    don't pile up, but the replay count they carry is kept: the larger of it and `replay_count` is written.
+    """
+    originals = list(original_headers or ())
+    carried = _decimal(_text(_last(originals, REPLAY_COUNT)))
+    count = replay_count if carried is None else max(replay_count, carried)
+    when = failed_at or datetime.datetime.now(datetime.UTC)
+    stamp = when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return [
+        *((name, value) for name, value in originals if name not in DEAD_LETTER_HEADERS),
+        (ERROR_TYPE, error_type.encode("utf-8")),
+        (ERROR_MESSAGE, truncate_message(message).encode("utf-8")),
+        (SOURCE_TOPIC, topic.encode("utf-8")),
+        (SOURCE_PARTITION, str(partition).encode("ascii")),
+        (SOURCE_OFFSET, str(offset).encode("ascii")),
+        (FAILED_AT, stamp.encode("ascii")),
+        (REPLAY_COUNT, str(count).encode("ascii")),
+    ]
+
+
+def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
+    """Parse the ``triage.*`` headers of a dead letter; DeadLetterHeaderError names a missing or bad one."""
+    present = list(headers or ())
+    text: dict[str, str] = {}
+    for name in DEAD_LETTER_HEADERS:
+        value = _last(present, name)
+        if value is None:
+            raise DeadLetterHeaderError(f"not a dead letter of this worker: header {name} is missing")
+        text[name] = _text(value)
+    numbers: dict[str, int] = {}
+    for name in (SOURCE_PARTITION, SOURCE_OFFSET, REPLAY_COUNT):
+        number = _decimal(text[name])
+        if number is None:
+            raise DeadLetterHeaderError(f"header {name} must be a decimal number, got {text[name][:40]!r}")
+        numbers[name] = number
+    return DeadLetterInfo(
+        error_type=text[ERROR_TYPE],
+        error_message=text[ERROR_MESSAGE],
+        topic=text[SOURCE_TOPIC],
+        partition=numbers[SOURCE_PARTITION],
+        offset=numbers[SOURCE_OFFSET],
+        failed_at=text[FAILED_AT],
+        replay_count=numbers[REPLAY_COUNT],
+    )
+
+
+def replay_headers(headers: Headers | None) -> list[tuple[str, bytes | None]]:
+    """Headers for putting a dead letter back on the input topic: the original ones, replay count + 1.
+
+    The ``triage.error.*``/``triage.source.*`` headers go (they describe the old failure); the incremented
+    ``triage.replay_count`` stays so a record that fails again is dead-lettered with its history.
+    """
+    present = list(headers or ())
+    count = read_dead_letter(present).replay_count + 1
+    return [
+        *((name, value) for name, value in present if name not in DEAD_LETTER_HEADERS),
+        (REPLAY_COUNT, str(count).encode("ascii")),
+    ]

@@ -1,0 +1,69 @@
+"""Message contracts: the one source of truth for what crosses Kafka.
+
+`schemas/*.schema.json` are generated from these Structs (`triage-worker schemas --write`) and a test fails
+when the files drift from them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Priority = Literal["Low", "Medium", "High", "Critical"]
+PRIORITIES: tuple[Priority, ...] = ("Low", "Medium", "High", "Critical")
+
+FallbackReason = Literal["deadline_exceeded", "model_error", "invalid_output", "overloaded"]
+
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+# RFC 3339 date-time shape (offset required). The decoder also checks the calendar (no 2024-02-30).
+RFC3339_PATTERN = r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$"
+
+
+def _timestamp(description: str) -> msgspec.Meta:
+    return msgspec.Meta(
+        pattern=RFC3339_PATTERN, description=description, extra_json_schema={"format": "date-time"}
+    )
+
+
+class TicketEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """A raw support ticket as producers publish it (JSON object; unknown fields are tolerated)."""
+
+    ticket_id: Annotated[str, msgspec.Meta(min_length=1, description="Producer's id of the ticket.")]
+    body: Annotated[str, msgspec.Meta(description="Free text of the ticket (may be empty).")]
+    subject: str | None = None
+    customer_id: str | None = None
+    channel: str | None = None
+    created_at: Annotated[str, _timestamp("RFC 3339 timestamp set by the producer.")] | None = None
+    metadata: dict[str, str] | None = None
+
+
+class SourcePosition(msgspec.Struct, kw_only=True, frozen=True):
+    """Where the ticket was read from, so a record can be traced back to its input offset."""
+
+    topic: NonEmptyStr
+    partition: NonNegativeInt
+    offset: NonNegativeInt
+
+
+class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
+    """Exactly one per ticket on the output topic: a classification, or a fallback with its reason."""
+
+    schema_version: int
+    ticket_id: NonEmptyStr
+    intent: NonEmptyStr
+    priority: Priority
+    confidence: Probability
+    fallback: bool
+    fallback_reason: FallbackReason | None
+    scores: Annotated[dict[str, Probability], msgspec.Meta(description="Top labels and their probabilities.")]
+    model: Annotated[str, msgspec.Meta(description="Id of the model that answered.")]
+    latency_ms: Annotated[float, msgspec.Meta(ge=0.0)]
+    classified_at: Annotated[str, _timestamp("RFC 3339 UTC time the record was made.")]
+    source: SourcePosition
+    truncated: bool

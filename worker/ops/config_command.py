@@ -1,0 +1,121 @@
+"""`config show` (effective settings, secrets masked) and `schemas --check|--write` (contracts on disk).
+
+The files in ``schemas/`` are generated from the msgspec Structs and the dead-letter header table, so the
+Structs stay the one source of truth; ``--check`` is what CI and the tests run to catch a drifted copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+import typing
+from pathlib import Path
+
+import msgspec
+
+from worker.config import add_config_argument, settings_from_args, settings_to_toml
+from worker.decoding import DecodeErrorType
+from worker.kafka.dead_letters import HEADER_DOCS, MAX_MESSAGE_BYTES
+from worker.messages import TicketEvent, TriageResult
+
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def _json_schema(struct: type[msgspec.Struct]) -> str:
+    schema: dict[str, object] = {"$schema": JSON_SCHEMA_DIALECT, **msgspec.json.schema(struct)}
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def _dead_letter_doc() -> str:
+    rows = "\n".join(f"| `{name}` | {meaning} |" for name, meaning in HEADER_DOCS)
+    error_types = ", ".join(f"`{name}`" for name in typing.get_args(DecodeErrorType))
+    return f"""# Dead-letter records
+
+<!-- Generated from worker/kafka/dead_letters.py by `triage-worker schemas --write`; do not edit. -->
+
+A record the worker cannot decode as a `TicketEvent` goes to the dead-letter topic (`topics.dead_letter`,
+default `tickets.dlq`) with its original key, value bytes and headers untouched, plus these headers
+(values are UTF-8 text):
+
+| Header | Meaning |
+|---|---|
+{rows}
+
+`triage.error.type` values written by the decoder: {error_types}.
+
+`triage.error.message` is cut to {MAX_MESSAGE_BYTES} bytes. When a replayed record fails again, the
+`triage.*` headers of the earlier failure are replaced, not repeated, and `triage.replay_count` carries on.
+"""
+
+
+def schema_files() -> dict[str, str]:
+    """File name in ``schemas/`` → the content generated from the code right now."""
+    return {
+        "ticket_event.schema.json": _json_schema(TicketEvent),
+        "triage_result.schema.json": _json_schema(TriageResult),
+        "dead_letter.md": _dead_letter_doc(),
+    }
+
+
+def drifted_schemas(directory: Path) -> dict[str, str]:
+    """File name → unified diff (disk → code) for each file in `directory` that is missing or stale."""
+    drift: dict[str, str] = {}
+    for name, expected in schema_files().items():
+        path = directory / name
+        actual = path.read_text(encoding="utf-8") if path.is_file() else ""
+        if actual != expected:
+            diff = difflib.unified_diff(
+                actual.splitlines(keepends=True),
+                expected.splitlines(keepends=True),
+                fromfile=f"{path} (on disk)",
+                tofile=f"{path} (from the code)",
+            )
+            drift[name] = "".join(diff)
+    return drift
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    sys.stdout.write(settings_to_toml(settings_from_args(args)))
+    return 0
+
+
+def _schemas(args: argparse.Namespace) -> int:
+    directory: Path = args.dir
+    if args.write:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, content in schema_files().items():
+            (directory / name).write_text(content, encoding="utf-8")
+            print(f"wrote {directory / name}")
+        return 0
+    drift = drifted_schemas(directory)
+    for name, diff in drift.items():
+        lines = diff.splitlines()
+        shown = "\n".join(lines[:40]) + (
+            f"\n... ({len(lines) - 40} more diff lines)" if len(lines) > 40 else ""
+        )
+        print(f"{directory / name} is out of date with the code:\n{shown}", file=sys.stderr)
+    if drift:
+        print("run `triage-worker schemas --write` and commit the result", file=sys.stderr)
+        return 1
+    print(f"schemas in {directory} match the code")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    config = subparsers.add_parser("config", help="inspect the effective configuration")
+    actions = config.add_subparsers(title="actions", metavar="ACTION", required=True)
+    show = actions.add_parser(
+        "show", help="print the effective settings as TOML (defaults < file < env < --set), secrets masked"
+    )
+    add_config_argument(show)
+    show.set_defaults(handler=_show_config)
+
+    schemas = subparsers.add_parser("schemas", help="check or regenerate the message schemas in schemas/")
+    mode = schemas.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="exit 1 with a diff if the files drifted")
+    mode.add_argument("--write", action="store_true", help="regenerate the files from the code")
+    schemas.add_argument("--dir", type=Path, default=SCHEMA_DIR, help=f"schema folder (default {SCHEMA_DIR})")
+    schemas.set_defaults(handler=_schemas)
