@@ -2,4 +2,7 @@
 
 
 class UserError(Exception):
-    """A problem the user can fix (bad config, missing runtime, bad file); printed as one line, no traceback."""
+    """A problem the user can fix (bad config, missing runtime, bad file).
+
+    The CLI prints it as one line, without a traceback.
+    """

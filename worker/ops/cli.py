@@ -18,6 +18,7 @@ from worker.errors import UserError
 # Modules that add a sub-command, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.config_command",
+    "worker.ops.broker_command",
 )
 
 

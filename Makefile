@@ -1,0 +1,45 @@
+# Two commands for a new machine: `make setup` (once) and `make test`. Everything else builds on them.
+# Needs Python 3.11+, and for the local Kafka broker Java 17+ and Maven (jars come from Maven Central).
+
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# First Python 3.11+ on PATH; override with `make setup PYTHON=/path/to/python3.12`.
+PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
+PORT ?= 9092
+PYTEST_ARGS ?=
+
+.PHONY: setup kafka-jars broker-start broker-stop broker-status test lint
+
+setup: $(STAMP)
+
+# Reinstalls only when pyproject.toml changes (the stamp is older than it).
+$(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: Python 3.11+ not found; install python3.11 or pass PYTHON=..." >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+# Resolves the Kafka broker's jars into ~/.cache/triage-worker/kafka/<version> (TRIAGE_KAFKA_HOME); once.
+kafka-jars: setup
+	$(BIN)/triage-worker broker fetch
+
+broker-start: kafka-jars
+	$(BIN)/triage-worker broker start --port $(PORT)
+
+broker-stop: setup
+	$(BIN)/triage-worker broker stop
+
+broker-status: setup
+	$(BIN)/triage-worker broker status
+
+# The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one.
+test: setup kafka-jars
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy --strict worker

@@ -1,0 +1,135 @@
+"""Shared fixtures: one real Kafka broker per test session, and uniquely named topics per test.
+
+The broker comes from, in order: `KAFKA_BOOTSTRAP_SERVERS` (a broker you already run), testcontainers'
+Kafka when a Docker engine answers, else the project's own local broker (`worker/kafka/local_broker.py`:
+Apache Kafka from Maven-resolved jars) on a free port with a fresh log dir, stopped when the session ends.
+The same tests run against any of the three.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from worker.kafka import local_broker
+from worker.kafka.admin import TopicSpec, create_topics
+
+
+@dataclass
+class _BrokerSource:
+    description: str = ""
+    local: local_broker.LocalBroker | None = None
+
+
+_SOURCE = _BrokerSource()
+
+
+def _docker_engine_answers() -> bool:
+    """A quick ping: on machines with only the docker client (or nothing), this fails within ~2 s."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=2)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+def _announce(config: pytest.Config, line: str) -> None:
+    _SOURCE.description = line
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # fixture setup output is captured otherwise
+            reporter.write_line(f"\n[kafka] {line}")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Bootstrap servers (`host:port`) of a real Kafka broker shared by the whole session."""
+    given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if given:
+        _announce(request.config, f"using the broker given by KAFKA_BOOTSTRAP_SERVERS={given}")
+        yield given
+        return
+
+    if _docker_engine_answers():
+        try:
+            from testcontainers.community.kafka import KafkaContainer
+        except ImportError:  # testcontainers < 4.15 kept the module here
+            from testcontainers.kafka import KafkaContainer
+
+        started = time.monotonic()
+        container = KafkaContainer().with_kraft().start(timeout=120)
+        try:
+            bootstrap: str = container.get_bootstrap_server()
+            _announce(
+                request.config,
+                f"broker came up in Docker via testcontainers ({container.image}) at {bootstrap} "
+                f"in {time.monotonic() - started:.1f}s",
+            )
+            yield bootstrap
+        finally:
+            container.stop()
+        return
+
+    broker = local_broker.LocalBroker(tmp_path_factory.mktemp("kafka-broker"), port=local_broker.free_port())
+    started = time.monotonic()
+    broker.start(fresh=True, echo=lambda _line: None)
+    _SOURCE.local = broker
+    _announce(
+        request.config,
+        f"broker came up from the Maven-resolved jars at {local_broker.jars_dir(broker.home)} "
+        f"on {broker.bootstrap} in {time.monotonic() - started:.1f}s (log {broker.log_file})",
+    )
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+        _SOURCE.local = None
+
+
+@pytest.fixture(scope="session")
+def local_kafka_broker(kafka_bootstrap: str) -> local_broker.LocalBroker:
+    """The session's broker when it is the project's local one, for tests that stop and restart it.
+
+    Skips when the session uses an external or Docker broker, which tests must not stop.
+    """
+    if _SOURCE.local is None:
+        pytest.skip("needs the project's local broker (the session uses an external or Docker broker)")
+    return _SOURCE.local
+
+
+@pytest.fixture
+def kafka_config(kafka_bootstrap: str) -> dict[str, str]:
+    """Base librdkafka options for the session broker; a fresh dict per test, safe to extend."""
+    return {"bootstrap.servers": kafka_bootstrap}
+
+
+@pytest.fixture
+def unique_topic(kafka_bootstrap: str, request: pytest.FixtureRequest) -> Callable[..., str]:
+    """Factory: `unique_topic("name", partitions=3)` creates a topic no other test (or run) uses."""
+    test_name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+
+    def create(name: str, partitions: int = 3) -> str:
+        topic = f"test.{test_name}.{name}.{uuid.uuid4().hex[:8]}"
+        create_topics({"bootstrap.servers": kafka_bootstrap}, [TopicSpec(topic, partitions, 1)])
+        return topic
+
+    return create
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _SOURCE.description:
+        terminalreporter.write_sep("-", "kafka")
+        terminalreporter.write_line(_SOURCE.description)

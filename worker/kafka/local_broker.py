@@ -1,0 +1,426 @@
+"""A real Apache Kafka broker for development and tests, without Docker.
+
+Machines this project targets have Java and Maven but often no Docker engine, and no Kafka package exists in
+Debian or PyPI. So the broker's jars are resolved from Maven Central with the small pom in `deploy/kafka/`
+(cached outside the repo), and one KRaft node (broker + controller) is started on 127.0.0.1 as a detached
+JVM. Its state lives in one directory: `server.properties`, `data/` (the log dir), `logs/server.log`,
+`logs/stdout.log`, `broker.pid` and `broker.port`.
+
+A stopped broker can be started again on the same data (`start(fresh=False)`), which tests use to prove the
+worker survives a broker restart.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.errors import UserError
+
+KAFKA_VERSION = "4.1.1"
+DEFAULT_PORT = 9092
+READY_LINE = "Kafka Server started"
+JAVA_MIN_MAJOR = 17  # Kafka 4.x brokers need Java 17+.
+HEAP_OPTS = ("-Xms128m", "-Xmx512m")
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+POM_FILE = _REPO_ROOT / "deploy" / "kafka" / "pom.xml"
+LOG4J_CONFIG = _REPO_ROOT / "deploy" / "kafka" / "log4j2.properties"
+
+Echo = Callable[[str], None]
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triage-worker"
+
+
+def kafka_home() -> Path:
+    """Where the jars are cached: `$TRIAGE_KAFKA_HOME`, else `~/.cache/triage-worker/kafka/<version>`."""
+    override = os.environ.get("TRIAGE_KAFKA_HOME")
+    return Path(override) if override else cache_root() / "kafka" / KAFKA_VERSION
+
+
+def default_state_dir() -> Path:
+    return cache_root() / "broker"
+
+
+def require_tool(name: str, install_hint: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise UserError(f"`{name}` was not found on PATH; the local Kafka broker needs it ({install_hint})")
+    return path
+
+
+def require_java() -> str:
+    java = require_tool(
+        "java", f"install a Java {JAVA_MIN_MAJOR}+ runtime, e.g. `apt-get install openjdk-17-jre`"
+    )
+    # `java -version` prints e.g. `openjdk version "17.0.15" 2025-04-15` (or "1.8.0_392" for Java 8).
+    result = subprocess.run([java, "-version"], capture_output=True, text=True, check=False)
+    match = re.search(r'version "(?:1\.)?(\d+)', result.stderr)
+    if match is None or int(match.group(1)) < JAVA_MIN_MAJOR:
+        found = result.stderr.splitlines()[0] if result.stderr else "unknown version"
+        raise UserError(f"Kafka {KAFKA_VERSION} needs Java {JAVA_MIN_MAJOR}+, found: {found}")
+    return java
+
+
+def _pom_digest() -> str:
+    if not POM_FILE.is_file():
+        raise UserError(
+            f"{POM_FILE} is missing; the local broker runs from a source checkout of triage-worker"
+        )
+    return hashlib.sha256(POM_FILE.read_bytes()).hexdigest()
+
+
+def jars_dir(home: Path | None = None) -> Path:
+    return (home or kafka_home()) / "libs"
+
+
+def jars_ready(home: Path | None = None) -> bool:
+    home = home or kafka_home()
+    marker = home / ".complete"
+    return marker.is_file() and marker.read_text().strip() == _pom_digest()
+
+
+def fetch_jars(home: Path | None = None, echo: Echo = _print) -> Path:
+    """Resolve the broker's jars into the cache once; later calls return at once.
+
+    The jars are copied into a temporary folder and renamed into place, and a marker records which pom they
+    came from, so an interrupted or outdated fetch is never mistaken for a complete one.
+    """
+    home = home or kafka_home()
+    libs = jars_dir(home)
+    if jars_ready(home):
+        return libs
+    mvn = require_tool("mvn", "install Apache Maven 3.8+, e.g. `apt-get install maven`")
+    require_java()
+    echo(f"Fetching Kafka {KAFKA_VERSION} jars from Maven Central into {libs} (once; takes about a minute)")
+    home.mkdir(parents=True, exist_ok=True)
+    staging = home / "libs.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    command = [
+        mvn,
+        "--batch-mode",
+        "-Dstyle.color=never",
+        "-f",
+        str(POM_FILE),
+        "dependency:copy-dependencies",
+        f"-DoutputDirectory={staging}",
+        "-DincludeScope=runtime",
+    ]
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    output: list[str] = []
+    for line in process.stdout:
+        output.append(line.rstrip())
+        # One line per downloaded jar: progress without Maven's noise (nothing when ~/.m2 has them).
+        match = re.search(r"Downloaded from \S+: (\S+\.jar) ", line)
+        if match:
+            echo("  downloaded " + match.group(1).rsplit("/", 1)[-1])
+    if process.wait() != 0:
+        tail = "\n".join(output[-25:])
+        raise UserError(f"Maven could not resolve the Kafka jars (`{' '.join(command)}`):\n{tail}")
+    shutil.rmtree(libs, ignore_errors=True)
+    staging.rename(libs)
+    (home / ".complete").write_text(_pom_digest() + "\n")
+    echo(f"Fetched {len(list(libs.glob('*.jar')))} jars in {time.monotonic() - started:.0f}s")
+    return libs
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        # Reap it first if it is our own child that already exited, or kill(0) would see a zombie.
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_kafka_process(pid: int) -> bool:
+    """Guard against a stale pid file whose pid now belongs to an unrelated process."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if not cmdline.exists():
+        return _pid_alive(pid)  # No procfs (macOS): trust the pid.
+    try:
+        return b"kafka.Kafka" in cmdline.read_bytes()
+    except OSError:
+        return False
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    if not path.is_file():
+        return f"({path} does not exist)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _cluster_id() -> str:
+    """Same format as `kafka-storage random-uuid`, without paying for a JVM start."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+@dataclass(frozen=True)
+class BrokerStatus:
+    running: bool
+    pid: int | None
+    port: int | None
+    state_dir: Path
+    log_file: Path
+
+    @property
+    def bootstrap(self) -> str | None:
+        return f"127.0.0.1:{self.port}" if self.port is not None else None
+
+
+class LocalBroker:
+    """One single-node KRaft broker whose whole state lives in `state_dir`."""
+
+    def __init__(self, state_dir: Path | None = None, port: int = DEFAULT_PORT, home: Path | None = None):
+        self.state_dir = state_dir or default_state_dir()
+        self.port = port
+        self.home = home or kafka_home()
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.state_dir / "data"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / "server.log"
+
+    @property
+    def stdout_file(self) -> Path:
+        return self.log_dir / "stdout.log"
+
+    @property
+    def properties_file(self) -> Path:
+        return self.state_dir / "server.properties"
+
+    @property
+    def _pid_file(self) -> Path:
+        return self.state_dir / "broker.pid"
+
+    @property
+    def _port_file(self) -> Path:
+        return self.state_dir / "broker.port"
+
+    def _recorded_pid(self) -> int | None:
+        try:
+            pid = int(self._pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if _pid_alive(pid) and _is_kafka_process(pid) else None
+
+    def status(self) -> BrokerStatus:
+        pid = self._recorded_pid()
+        port: int | None = None
+        if pid is not None:
+            try:
+                port = int(self._port_file.read_text().strip())
+            except (OSError, ValueError):
+                port = None
+        return BrokerStatus(pid is not None, pid, port, self.state_dir, self.log_file)
+
+    def _classpath(self) -> str:
+        return str(jars_dir(self.home) / "*")
+
+    def _java_command(self, java: str, main_class: str, *args: str) -> list[str]:
+        return [
+            java,
+            *HEAP_OPTS,
+            "-Djava.awt.headless=true",
+            f"-Dkafka.logs.dir={self.log_dir}",
+            f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+            "-cp",
+            self._classpath(),
+            main_class,
+            *args,
+        ]
+
+    def _controller_port(self) -> int:
+        """Keep the controller port of an existing log dir: `--standalone` recorded it in the metadata."""
+        if self.properties_file.is_file():
+            match = re.search(r"CONTROLLER://127\.0\.0\.1:(\d+)", self.properties_file.read_text())
+            if match is not None:
+                return int(match.group(1))
+        return free_port()
+
+    def _write_properties(self, controller_port: int) -> None:
+        listeners = f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller_port}"
+        properties = {
+            "process.roles": "broker,controller",
+            "node.id": "1",
+            "controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}",
+            "listeners": listeners,
+            # Pinned to 127.0.0.1: --standalone records the advertised controller address in the metadata.
+            "advertised.listeners": listeners,
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "log.dirs": str(self.data_dir),
+            "offsets.topic.replication.factor": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            # The default 3 s delay before the first group rebalance makes every consumer test slower.
+            "group.initial.rebalance.delay.ms": "0",
+        }
+        text = "# Written by triage-worker (worker/kafka/local_broker.py); rewritten on every start.\n"
+        text += "".join(f"{key}={value}\n" for key, value in properties.items())
+        self.properties_file.write_text(text)
+
+    def _format(self, java: str) -> None:
+        command = self._java_command(
+            java,
+            "kafka.tools.StorageTool",
+            "format",
+            "--standalone",
+            "-t",
+            _cluster_id(),
+            "-c",
+            str(self.properties_file),
+        )
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise UserError(
+                f"formatting the Kafka log dir {self.data_dir} failed:\n{result.stdout}{result.stderr}"
+            )
+
+    def start(self, fresh: bool = True, timeout_s: float = 90.0, echo: Echo = _print) -> BrokerStatus:
+        """Start the broker detached and wait until it serves clients.
+
+        `fresh=True` wipes the state directory first; `fresh=False` keeps topics, messages and committed
+        offsets of an earlier run (formatting only if the log dir was never formatted).
+        """
+        current = self.status()
+        if current.running:
+            if fresh:
+                raise UserError(
+                    f"a local broker is already running (pid {current.pid}); stop it before a fresh start"
+                )
+            return current
+        if port_open(self.port):
+            raise UserError(f"port {self.port} on 127.0.0.1 is already in use; pick another with --port")
+        fetch_jars(self.home, echo)
+        java = require_java()
+        if fresh:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._write_properties(self._controller_port())
+        if not (self.data_dir / "meta.properties").is_file():
+            self._format(java)
+
+        started = time.monotonic()
+        log_offset = self.log_file.stat().st_size if self.log_file.is_file() else 0
+        with self.stdout_file.open("ab") as stdout:
+            process = subprocess.Popen(
+                self._java_command(java, "kafka.Kafka", str(self.properties_file)),
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Survives the shell (and Ctrl-C) that started it.
+            )
+        self._pid_file.write_text(f"{process.pid}\n")
+        self._port_file.write_text(f"{self.port}\n")
+        self._wait_ready(process, log_offset, started + timeout_s)
+        echo(f"Kafka {KAFKA_VERSION} broker ready in {time.monotonic() - started:.1f}s (pid {process.pid})")
+        return self.status()
+
+    def _wait_ready(self, process: subprocess.Popen[bytes], log_offset: int, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                self._forget()
+                raise UserError(
+                    f"the Kafka broker exited with code {process.returncode} while starting; "
+                    f"log {self.log_file}:\n{_tail(self.log_file)}\n{_tail(self.stdout_file, 10)}"
+                )
+            if self._logged_ready(log_offset) and port_open(self.port):
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise UserError(
+            f"the Kafka broker did not become ready on {self.bootstrap} in time; "
+            f"log {self.log_file}:\n{_tail(self.log_file)}\n{_tail(self.stdout_file, 10)}"
+        )
+
+    def _logged_ready(self, offset: int) -> bool:
+        try:
+            with self.log_file.open("rb") as log:
+                log.seek(offset)
+                return READY_LINE.encode() in log.read()
+        except OSError:
+            return False
+
+    def _forget(self) -> None:
+        self._pid_file.unlink(missing_ok=True)
+        self._port_file.unlink(missing_ok=True)
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """SIGTERM (a clean shutdown flushes logs), then SIGKILL after `timeout_s`; False if not running."""
+        pid = self._recorded_pid()
+        if pid is None:
+            self._forget()
+            return False
+        with contextlib.suppress(ProcessLookupError):  # it may exit on its own meanwhile
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while _pid_alive(pid):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                while _pid_alive(pid):
+                    time.sleep(0.05)
+                break
+            time.sleep(0.1)
+        self._forget()
+        return True
