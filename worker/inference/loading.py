@@ -1,0 +1,94 @@
+"""Open an ORT GenAI model folder on the configured provider, and find the taxonomy that goes with it.
+
+Any folder the ORT GenAI builder produces works (genai_config.json + ONNX + tokenizer files with a chat
+template): the project's own models or a published one such as Phi-4-mini-instruct's ONNX int4 folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import onnxruntime_genai as og
+
+from worker.config import InferenceSettings
+from worker.errors import UserError
+from worker.inference.taxonomy import Taxonomy, load_taxonomy
+
+DEFAULT_TAXONOMY = Path(__file__).resolve().parents[2] / "taxonomies" / "default.toml"
+
+# ORT GenAI's name of each provider, and the package that brings its runtime.
+_PROVIDERS = {"cpu": None, "cuda": "cuda", "dml": "dml"}
+_PACKAGES = {"cuda": ("onnxruntime-genai-cuda", "cuda"), "dml": ("onnxruntime-genai-directml", "directml")}
+
+
+def model_dir(settings: InferenceSettings) -> Path:
+    """The model folder, checked to be an ORT GenAI folder (a clear error beats ORT's own)."""
+    folder = Path(settings.model).expanduser()
+    if not (folder / "genai_config.json").is_file():
+        raise UserError(
+            f"inference.model: {folder} is not an ORT GenAI model folder (no genai_config.json); build one "
+            "with `triage-worker model export` or download one"
+        )
+    return folder
+
+
+def model_id(folder: Path) -> str:
+    """The id written into every record: the folder name, plus its version file when it has one."""
+    version = folder / "VERSION"
+    suffix = f"@{version.read_text(encoding='utf-8').strip()}" if version.is_file() else ""
+    return folder.name + suffix
+
+
+def resolve_taxonomy(settings: InferenceSettings) -> tuple[Taxonomy, Path]:
+    """The configured taxonomy, else the model's own `taxonomy.toml`, else the shipped default."""
+    if settings.taxonomy is not None:
+        path = Path(settings.taxonomy).expanduser()
+    elif (Path(settings.model) / "taxonomy.toml").is_file():
+        path = Path(settings.model) / "taxonomy.toml"
+    elif DEFAULT_TAXONOMY.is_file():
+        path = DEFAULT_TAXONOMY
+    else:
+        raise UserError("inference.taxonomy: the model folder has no taxonomy.toml; set inference.taxonomy")
+    return load_taxonomy(path), path
+
+
+def load_model(settings: InferenceSettings) -> og.Model:
+    """Create the og.Model on the configured provider with its options and intra-op thread count.
+
+    Thread count is set explicitly because ORT's default was measured to be effectively single-threaded
+    here; with several worker processes, 1 thread each (the default) avoids oversubscribing the cores.
+    """
+    folder = model_dir(settings)
+    config = og.Config(str(folder))
+    config.clear_providers()
+    provider = _PROVIDERS[settings.provider]
+    if provider is not None:
+        config.append_provider(provider)
+        for key, value in settings.provider_options.items():
+            config.set_provider_option(provider, key, value)
+    overlay: dict[str, Any] = {
+        "model": {"decoder": {"session_options": {"intra_op_num_threads": settings.intra_op_num_threads}}}
+    }
+    config.overlay(json.dumps(overlay))
+    try:
+        return og.Model(config)
+    except Exception as error:  # ORT GenAI raises plain RuntimeError for everything
+        raise _provider_error(settings, error) from None
+
+
+def _provider_error(settings: InferenceSettings, error: Exception) -> UserError:
+    message = str(error)
+    if settings.provider in _PACKAGES and (
+        any(
+            marker in message.lower()
+            for marker in ("interface not available", "failed to load library", "not been built with")
+        )
+    ):
+        package, extra = _PACKAGES[settings.provider]
+        return UserError(
+            f"inference.provider={settings.provider} needs the {package} package "
+            f"(pip install 'triage-worker[{extra}]'): {message.splitlines()[0]}"
+        )
+    return UserError(f"cannot load model {settings.model} on {settings.provider}: {message.splitlines()[0]}")

@@ -1,0 +1,172 @@
+"""`triage-worker classify`: classify one ticket text, or a JSONL file of TicketEvents, without Kafka.
+
+Prints TriageResult JSON lines, exactly what the worker would publish (source topic `cli`, partition 0,
+offset = the ticket's line index), so a model or taxonomy can be tried and compared offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+import msgspec
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from worker.config import Settings, add_config_argument, settings_from_args
+from worker.errors import UserError
+from worker.inference.engine import Classification, ClassifyRequest, Engine
+from worker.inference.pool import ClassifierPool, open_pool
+from worker.inference.prompt import ticket_text
+from worker.messages import SourcePosition, TicketEvent, TriageResult
+from worker.ops.logs import configure_logging
+from worker.pipeline.records import encode_result, triage_result
+
+SOURCE_TOPIC = "cli"
+_EVENT_DECODER = msgspec.json.Decoder(TicketEvent)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "classify",
+        help="classify a ticket text or a JSONL file of tickets with the local model (no Kafka)",
+        description="Print one TriageResult JSON line per ticket.",
+    )
+    parser.add_argument("text", nargs="?", help="ticket text (omit when using --input)")
+    parser.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of TicketEvent objects")
+    parser.add_argument("--output", type=Path, metavar="FILE", help="write results here (default: stdout)")
+    parser.add_argument("--model", metavar="DIR", help="ORT GenAI model folder (inference.model)")
+    parser.add_argument("--taxonomy", metavar="FILE", help="taxonomy TOML (inference.taxonomy)")
+    parser.add_argument("--mode", choices=["score", "generate"], help="inference.mode")
+    parser.add_argument("--provider", choices=["cpu", "cuda", "dml"], help="inference.provider")
+    parser.add_argument(
+        "--deadline-ms", type=int, metavar="MS", help="per-ticket deadline (pipeline.deadline_ms)"
+    )
+    add_config_argument(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.text is None) == (args.input is None):
+        raise UserError("classify: give either a ticket TEXT or --input FILE")
+    settings = settings_from_args(
+        args,
+        {
+            "inference.model": args.model,
+            "inference.taxonomy": args.taxonomy,
+            "inference.mode": args.mode,
+            "inference.provider": args.provider,
+            "pipeline.deadline_ms": args.deadline_ms,
+        },
+    )
+    configure_logging(settings.log)
+    if args.text is not None:
+        return _classify_text(settings, args.text, args.output)
+    return _classify_file(settings, args.input, args.output)
+
+
+def _classify_text(settings: Settings, text: str, output: Path | None) -> int:
+    """One ticket: an in-process context (starting worker processes would cost more than the ticket)."""
+    context = Engine(settings.inference).new_context()
+    deadline = time.monotonic() + settings.pipeline.deadline_ms / 1000.0
+    answer = context.classify(ClassifyRequest(0, text, deadline))
+    event = TicketEvent(ticket_id="cli-0", body=text)
+    with _open_output(output) as out:
+        out.write(encode_result(triage_result(event, answer, _source(0))) + b"\n")
+    return 0
+
+
+def _classify_file(settings: Settings, path: Path, output: Path | None) -> int:
+    console = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
+    events, bad = _read_events(path, console)
+    if not events:
+        console.print(f"{path}: no tickets to classify")
+    results: dict[int, TriageResult] = {}
+    fallbacks: collections.Counter[str] = collections.Counter()
+    with open_pool(settings.inference, settings.log) as pool:
+        started = time.monotonic()  # throughput of the model, not of loading it
+        progress = Progress(
+            TextColumn("classifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        )
+        with progress:
+            task = progress.add_task("classify", total=len(events))
+            for line, answer in _run(pool, settings, events):
+                results[line] = triage_result(events[line], answer, _source(line))
+                if answer.fallback_reason is not None:
+                    fallbacks[answer.fallback_reason] += 1
+                progress.advance(task)
+    elapsed = time.monotonic() - started
+    with _open_output(output) as out:
+        for line in sorted(results):
+            out.write(encode_result(results[line]) + b"\n")
+    rate = len(results) / elapsed if elapsed > 0 else 0.0
+    summary = ", ".join(f"{reason}={count}" for reason, count in sorted(fallbacks.items())) or "none"
+    console.print(
+        f"classified {len(results)} tickets in {elapsed:.1f} s ({rate:.1f} tickets/s); "
+        f"fallbacks: {summary}; bad lines skipped: {bad}"
+    )
+    return 0
+
+
+def _run(
+    pool: ClassifierPool, settings: Settings, events: dict[int, TicketEvent]
+) -> Iterator[tuple[int, Classification]]:
+    """Submit with a small in-flight window so each ticket's deadline starts when it is sent, not when the
+    file was read; yield results as they complete."""
+    window = max(2, 2 * pool.size)
+    pending = collections.deque(sorted(events))
+    in_flight = 0
+    while pending or in_flight:
+        while pending and in_flight < window:
+            line = pending.popleft()
+            deadline = time.monotonic() + settings.pipeline.deadline_ms / 1000.0
+            pool.submit(ClassifyRequest(line, ticket_text(events[line]), deadline))
+            in_flight += 1
+        for line, answer in pool.poll(0.1):
+            in_flight -= 1
+            yield line, answer
+
+
+def _read_events(path: Path, console: Console) -> tuple[dict[int, TicketEvent], int]:
+    """Line index → event for every valid line, and the number of bad lines (each reported with its line
+    number and skipped, so one bad line does not cost the whole file)."""
+    events: dict[int, TicketEvent] = {}
+    bad = 0
+    try:
+        handle = path.open("rb")
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror or error}") from None
+    with handle:
+        for index, raw in enumerate(handle):
+            if not raw.strip():
+                continue
+            try:
+                events[index] = _EVENT_DECODER.decode(raw)
+            except msgspec.DecodeError as error:
+                bad += 1
+                console.print(f"{path}:{index + 1}: skipped, not a TicketEvent: {error}")
+    return events, bad
+
+
+def _source(line: int) -> SourcePosition:
+    return SourcePosition(topic=SOURCE_TOPIC, partition=0, offset=line)
+
+
+@contextlib.contextmanager
+def _open_output(output: Path | None) -> Iterator[IO[bytes]]:
+    if output is None:
+        yield sys.stdout.buffer
+        sys.stdout.buffer.flush()
+        return
+    try:
+        handle = output.open("wb")
+    except OSError as error:
+        raise UserError(f"cannot write {output}: {error.strerror or error}") from None
+    with handle:
+        yield handle
