@@ -19,6 +19,7 @@ from worker.errors import UserError
 COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.config_command",
     "worker.ops.broker_command",
+    "worker.ops.replay_command",
     "worker.ops.classify_command",
 )
 

@@ -1,0 +1,165 @@
+"""Pure parts of the replay: what ops type (times, ranges, rates, transforms), filters, rate, progress."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from worker.errors import UserError
+from worker.kafka.dead_letters import DeadLetterInfo
+from worker.ops.replay import (
+    OffsetRange,
+    OffsetTracker,
+    Outcome,
+    RecordReport,
+    ReplayOptions,
+    ReplaySummary,
+    TokenBucket,
+    _kafka_call,
+    apply_transform,
+    classify,
+    load_transform,
+    parse_offset_ranges,
+    parse_rate,
+    parse_time,
+)
+
+
+def test_offset_ranges_accept_closed_open_and_single_forms() -> None:
+    assert parse_offset_ranges("2:10-20, 0:5-,1:7") == (
+        OffsetRange(0, 5, None),
+        OffsetRange(1, 7, 8),
+        OffsetRange(2, 10, 21),
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("0:20-10", "END is before START"),
+        ("0:1-2,0:3-4", "given twice"),
+        ("zero:1-2", "expected P:START-END"),
+    ],
+)
+def test_bad_offset_ranges_say_what_is_wrong(text: str, problem: str) -> None:
+    with pytest.raises(UserError, match=problem):
+        parse_offset_ranges(text)
+
+
+def test_times_are_rfc3339_dates_or_durations_ago() -> None:
+    now = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
+    assert parse_time("2h", now) == datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
+    assert parse_time("30m", now) == datetime(2024, 5, 1, 11, 30, tzinfo=UTC)
+    assert parse_time("2024-05-01T10:00:00Z") == datetime(2024, 5, 1, 10, 0, tzinfo=UTC)
+    assert parse_time("2024-05-01") == datetime(2024, 5, 1, tzinfo=UTC)
+    with pytest.raises(UserError, match="RFC 3339"):
+        parse_time("yesterday")
+
+
+def test_rates_are_per_second() -> None:
+    assert parse_rate("50") == 50
+    assert parse_rate("50/s") == 50
+    assert parse_rate("600/m") == 10
+    for bad in ("0", "-5", "fast"):
+        with pytest.raises(UserError, match="--rate"):
+            parse_rate(bad)
+
+
+def test_transform_loads_from_a_file_and_checks_its_result(tmp_path: Path) -> None:
+    fixes = tmp_path / "fixes.py"
+    fixes.write_text("def close(value):\n    return value + b'}'\n\ndef text(value):\n    return 'oops'\n")
+    assert apply_transform(load_transform(f"{fixes}:close"), b'{"a": 1') == b'{"a": 1}'
+    with pytest.raises(TypeError, match="returned str"):
+        apply_transform(load_transform(f"{fixes}:text"), b"x")
+    with pytest.raises(UserError, match="no function 'missing'"):
+        load_transform(f"{fixes}:missing")
+    with pytest.raises(UserError, match="cannot load"):
+        load_transform("no_such_module_here:fix")
+
+
+def _info(
+    error_type: str = "invalid_json", topic: str = "t", partition: int = 0, count: int = 0
+) -> DeadLetterInfo:
+    return DeadLetterInfo(
+        error_type=error_type,
+        error_message="m",
+        topic=topic,
+        partition=partition,
+        offset=1,
+        failed_at="2024-05-01T12:00:00.000Z",
+        replay_count=count,
+    )
+
+
+def test_filters_select_and_max_replays_stop_loops() -> None:
+    options = ReplayOptions(
+        dlq_topic="dlq",
+        group="g",
+        error_types=frozenset({"invalid_json"}),
+        source_topic="t",
+        source_partition=1,
+    )
+    assert classify(_info(partition=1), options) is None
+    assert classify(_info("missing_field", partition=1), options) is Outcome.SKIPPED_FILTER
+    assert classify(_info(topic="other", partition=1), options) is Outcome.SKIPPED_FILTER
+    assert classify(_info(partition=2), options) is Outcome.SKIPPED_FILTER
+    assert classify(_info(partition=1, count=2), options) is None
+    assert classify(_info(partition=1, count=3), options) is Outcome.SKIPPED_MAX_REPLAYS
+
+
+def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:
+    """Over 10 simulated seconds, with late wake-ups, the bucket grants rate * 10 tokens within 10 %."""
+    now, granted = 0.0, 0
+    bucket = TokenBucket(50.0, now)
+    while now < 10.0:
+        wait = bucket.wait_time(now)
+        if wait == 0:
+            granted += 1
+        else:
+            now += wait * 1.3  # the caller oversleeps; the burst lets it catch up
+    assert 450 <= granted <= 550
+
+
+def test_progress_is_committed_only_up_to_the_first_unconfirmed_offset() -> None:
+    tracker = OffsetTracker(start=10)
+    for offset in (10, 11, 12, 13):
+        tracker.begin(offset)
+    tracker.settle(11)
+    tracker.settle(13)
+    assert tracker.position == 10  # 10 is still in flight
+    tracker.settle(10)
+    assert tracker.position == 12  # 12 still in flight (or failed): never committed past
+    tracker.settle(12)
+    assert tracker.position == 14
+
+
+def test_summary_counts_by_error_type_and_lists_what_needs_attention() -> None:
+    summary = ReplaySummary("dlq", "g", dry_run=False)
+
+    def report(offset: int, outcome: Outcome, error_type: str | None) -> RecordReport:
+        return RecordReport(0, offset, outcome, error_type, 0, "t", b"k", None)
+
+    summary.add(report(0, Outcome.REPLAYED, "invalid_json"))
+    summary.add(report(1, Outcome.SKIPPED_MAX_REPLAYS, "invalid_json"))
+    summary.add(report(2, Outcome.PUBLISH_FAILED, "missing_field"))
+    summary.add(report(3, Outcome.UNREADABLE, None))
+    data = summary.to_json()
+    assert data["counts"]["replayed"] == 1
+    assert data["counts"]["transform_failed"] == 0
+    assert data["by_error_type"]["invalid_json"]["skipped_max_replays"] == 1
+    assert data["by_error_type"]["(unreadable)"]["unreadable"] == 1
+    assert [item["offset"] for item in data["attention"]] == [1, 2, 3]
+    assert summary.failed
+
+
+def test_kafka_errors_never_echo_a_secret_config_value() -> None:
+    def fail() -> None:
+        raise KafkaException(KafkaError(KafkaError._INVALID_ARG, 'Invalid value "hunter2" for sasl.password'))
+
+    with pytest.raises(UserError) as caught:
+        _kafka_call("create a consumer", fail, {"sasl.password": "hunter2", "bootstrap.servers": "b:9092"})
+    assert "hunter2" not in str(caught.value)
+    assert "***" in str(caught.value)

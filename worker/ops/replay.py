@@ -1,0 +1,714 @@
+"""Dead-letter replay: republish what the worker dead-lettered, once the cause is fixed.
+
+Home-made replays are where messages get duplicated, looped forever or lost, so this one is built around
+three guarantees:
+
+* **Bounded loops.** Every republished record carries ``triage.replay_count`` = previous + 1. The worker keeps
+  that header when it dead-letters the record again, so a record that keeps failing reaches ``max_replays``
+  and is then skipped and reported instead of circling between the topics.
+* **At-least-once, few duplicates.** Progress is committed under the replay's own consumer group, and only up
+  to the last offset whose republished record (and every one before it) the broker confirmed (idempotent
+  producer, ``acks=all``). A killed replay resumes there: it re-sends at most what was in flight.
+* **A finite run.** The end offsets are captured at start; dead letters that arrive meanwhile (perhaps
+  replayed records failing again) wait for the next run instead of being chased.
+
+Everything the group passes over counts as done *for that group*: records skipped by a filter or by the
+max-replay bound are behind its committed position. A replay with a different selection therefore needs its
+own ``--group`` (the README's ops section shows the workflow).
+
+The time window (``--since``/``--until``) applies to when a record was dead-lettered, i.e. the dead-letter
+record's Kafka timestamp: ``--since`` seeks with the broker's time index and ``--until`` ends each partition
+at its first later record, which is then left for a later run rather than committed past.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from worker.config import MASK, Settings, is_secret_key
+from worker.errors import UserError
+from worker.kafka.clients import consumer_config, producer_config
+from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
+
+Transform = Callable[[bytes], bytes | None]
+Header = tuple[str, bytes | None]
+
+DEFAULT_MAX_REPLAYS = 3
+METADATA_TIMEOUT_S = 10.0
+# Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
+COMMIT_INTERVAL_S = 0.2
+# How long a Ctrl-C'd replay waits for in-flight records before committing what was confirmed.
+INTERRUPT_DRAIN_S = 30.0
+
+
+class Outcome(StrEnum):
+    """What happened to one dead letter; the values are the summary's and the JSON's count names."""
+
+    REPLAYED = "replayed"
+    SKIPPED_FILTER = "skipped_filter"
+    SKIPPED_MAX_REPLAYS = "skipped_max_replays"
+    TRANSFORM_SKIPPED = "transform_skipped"
+    TRANSFORM_FAILED = "transform_failed"
+    PUBLISH_FAILED = "publish_failed"
+    UNREADABLE = "unreadable"
+
+
+# Outcomes listed record by record in the report: each one needs a person to look at it.
+ATTENTION = frozenset(
+    {Outcome.SKIPPED_MAX_REPLAYS, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED, Outcome.UNREADABLE}
+)
+
+
+@dataclass(frozen=True)
+class OffsetRange:
+    """Offsets ``start`` to ``end`` - 1 of one dead-letter partition; ``end`` None: up to the end at start."""
+
+    partition: int
+    start: int
+    end: int | None
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """One replay: which dead letters, filtered how, sent where, how fast. See `run_replay`."""
+
+    dlq_topic: str
+    group: str
+    since: datetime | None = None
+    until: datetime | None = None
+    offsets: tuple[OffsetRange, ...] | None = None
+    error_types: frozenset[str] = frozenset()
+    source_topic: str | None = None
+    source_partition: int | None = None
+    limit: int | None = None
+    max_replays: int = DEFAULT_MAX_REPLAYS
+    to_topic: str | None = None
+    rate: float | None = None
+    transform: Transform | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """Where one dead-letter partition's replay starts (after the group's committed position) and ends."""
+
+    partition: int
+    start: int
+    end: int
+    committed: int | None
+
+
+@dataclass(frozen=True)
+class RecordReport:
+    """One dead letter's outcome, as shown in the dry-run listing and the attention list."""
+
+    partition: int
+    offset: int
+    outcome: Outcome
+    error_type: str | None
+    replay_count: int | None
+    target: str | None
+    key: bytes | None
+    detail: str | None = None
+
+
+@dataclass
+class ReplaySummary:
+    """Counts by outcome and by error type, plus the records that need attention."""
+
+    dlq_topic: str
+    group: str
+    dry_run: bool
+    plan: list[PartitionPlan] = field(default_factory=list)
+    counts: Counter[Outcome] = field(default_factory=Counter)
+    by_error_type: dict[str, Counter[Outcome]] = field(default_factory=dict)
+    attention: list[RecordReport] = field(default_factory=list)
+    # Dry runs list every record they would replay, so ops can see exactly what a real run would send.
+    would_replay: list[RecordReport] = field(default_factory=list)
+    committed: dict[int, int] = field(default_factory=dict)
+    interrupted: bool = False
+    elapsed_s: float = 0.0
+
+    def add(self, report: RecordReport) -> None:
+        self.counts[report.outcome] += 1
+        self.by_error_type.setdefault(report.error_type or "(unreadable)", Counter())[report.outcome] += 1
+        if report.outcome in ATTENTION:
+            self.attention.append(report)
+        elif report.outcome is Outcome.REPLAYED and self.dry_run:
+            self.would_replay.append(report)
+
+    @property
+    def failed(self) -> bool:
+        return self.counts[Outcome.PUBLISH_FAILED] > 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json``: stable keys, every outcome present (0 when none)."""
+
+        def record(report: RecordReport) -> dict[str, Any]:
+            return {
+                "partition": report.partition,
+                "offset": report.offset,
+                "outcome": report.outcome.value,
+                "error_type": report.error_type,
+                "replay_count": report.replay_count,
+                "target": report.target,
+                "key": printable(report.key),
+                "detail": report.detail,
+            }
+
+        return {
+            "dlq_topic": self.dlq_topic,
+            "group": self.group,
+            "dry_run": self.dry_run,
+            "interrupted": self.interrupted,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "partitions": [
+                {"partition": p.partition, "start": p.start, "end": p.end, "committed_before": p.committed}
+                for p in self.plan
+            ],
+            "committed": {str(partition): offset for partition, offset in sorted(self.committed.items())},
+            "counts": {outcome.value: self.counts[outcome] for outcome in Outcome},
+            "by_error_type": {
+                error_type: {outcome.value: counts[outcome] for outcome in Outcome}
+                for error_type, counts in sorted(self.by_error_type.items())
+            },
+            "attention": [record(report) for report in self.attention],
+            "would_replay": [record(report) for report in self.would_replay],
+        }
+
+
+class ReplayObserver(Protocol):
+    """Told about the plan and each settled record, so the CLI can draw progress while the replay runs."""
+
+    def planned(self, plan: list[PartitionPlan]) -> None: ...
+
+    def settled(self, report: RecordReport) -> None: ...
+
+
+# --- parsing what ops type -------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_time(text: str, now: datetime | None = None) -> datetime:
+    """An RFC 3339 time or date (naive = UTC), or a duration ago: ``30m``, ``2h``, ``1d``, ``1w``."""
+    value = text.strip()
+    match = _DURATION.match(value.lower())
+    if match:
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise UserError(
+            f"invalid time {text!r}: expected RFC 3339 (2024-05-01T10:00:00Z), a date, or a duration ago (2h)"
+        ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+_RANGE = re.compile(r"^(\d+):(\d+)(?:-(\d*))?$")
+
+
+def parse_offset_ranges(text: str) -> tuple[OffsetRange, ...]:
+    """``P:START-END`` (END inclusive), ``P:START-`` (to the end) or ``P:OFFSET``, comma-separated."""
+    ranges: dict[int, OffsetRange] = {}
+    for item in (part.strip() for part in text.split(",")):
+        match = _RANGE.match(item)
+        if not match:
+            raise UserError(f"invalid --offsets item {item!r}: expected P:START-END, P:START- or P:OFFSET")
+        partition, start = int(match.group(1)), int(match.group(2))
+        last = match.group(3)
+        if last is None:
+            end: int | None = start + 1
+        elif last == "":
+            end = None
+        else:
+            end = int(last) + 1
+            if end <= start:
+                raise UserError(f"invalid --offsets item {item!r}: END is before START")
+        if partition in ranges:
+            raise UserError(f"invalid --offsets: partition {partition} is given twice")
+        ranges[partition] = OffsetRange(partition, start, end)
+    return tuple(ranges[p] for p in sorted(ranges))
+
+
+def parse_rate(text: str) -> float:
+    """``50``, ``50/s``, ``3000/m`` → records per second (> 0)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|min|h))?\s*", text)
+    rate = float(match.group(1)) if match else 0.0
+    if not match or rate <= 0:
+        raise UserError(
+            f"invalid --rate {text!r}: expected a positive number of records per second, e.g. 50/s"
+        )
+    per = {"s": 1, None: 1, "m": 60, "min": 60, "h": 3600}[match.group(2)]
+    return rate / per
+
+
+def load_transform(spec: str) -> Transform:
+    """``module:function`` (importable, or in the current directory) or ``path/to/file.py:function``."""
+    module_name, sep, function_name = spec.rpartition(":")
+    if not sep or not module_name or not function_name:
+        raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if module_spec is None or module_spec.loader is None or not path.is_file():
+                raise UserError(f"--transform: no such file {module_name}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
+            if "" not in sys.path and "." not in sys.path:
+                sys.path.append(".")
+            module = importlib.import_module(module_name)
+    except UserError:
+        raise
+    except Exception as error:
+        raise UserError(f"--transform: cannot load {module_name}: {type(error).__name__}: {error}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UserError(f"--transform: {module_name} has no function {function_name!r}")
+    transform: Transform = function
+    return transform
+
+
+def default_group(dlq_topic: str) -> str:
+    """The replay's own consumer group: never the worker's, so their committed positions never mix."""
+    return f"triage-replay.{dlq_topic}"
+
+
+# --- pure pieces of the replay -----------------------------------------------------------------------------
+
+
+def classify(info: DeadLetterInfo, options: ReplayOptions) -> Outcome | None:
+    """Why this dead letter is not replayed (a filter, the max-replay bound), or None if it is selected."""
+    if options.error_types and info.error_type not in options.error_types:
+        return Outcome.SKIPPED_FILTER
+    if options.source_topic is not None and info.topic != options.source_topic:
+        return Outcome.SKIPPED_FILTER
+    if options.source_partition is not None and info.partition != options.source_partition:
+        return Outcome.SKIPPED_FILTER
+    if info.replay_count >= options.max_replays:
+        return Outcome.SKIPPED_MAX_REPLAYS
+    return None
+
+
+def apply_transform(transform: Transform, value: bytes) -> bytes | None:
+    """Run the ops' fix; None means "skip this record". Raises with a readable message on bad results."""
+    result = transform(value)
+    if result is not None and not isinstance(result, bytes | bytearray):
+        raise TypeError(f"transform returned {type(result).__name__}, expected bytes or None")
+    return None if result is None else bytes(result)
+
+
+class TokenBucket:
+    """Rate limit: ``rate`` tokens per second, bursts of at most ``burst`` (a tenth of a second's worth).
+
+    A small burst keeps the long-run rate exact while letting the replay catch up after short stalls
+    (a slow poll, a commit), so the rate holds within a few percent over any run of a few seconds.
+    """
+
+    def __init__(self, rate: float, now: float) -> None:
+        self._rate = rate
+        self._burst = max(1.0, rate / 10)
+        self._tokens = 1.0
+        self._stamp = now
+
+    def wait_time(self, now: float) -> float:
+        """Take a token and return 0, or return how long to wait before one is available (none taken)."""
+        self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
+        self._stamp = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / self._rate
+
+
+class OffsetTracker:
+    """Which offsets of one partition are settled, so progress is committed only up to the first that isn't.
+
+    Records are begun in offset order; a republished record settles when the broker confirms it, every other
+    outcome settles at once. A record whose publish failed never settles: the partition's committed position
+    stays before it, so the next run retries it.
+    """
+
+    def __init__(self, start: int) -> None:
+        self.position = start
+        self._open: deque[int] = deque()
+        self._settled: set[int] = set()
+
+    def begin(self, offset: int) -> None:
+        self._open.append(offset)
+
+    def settle(self, offset: int) -> None:
+        self._settled.add(offset)
+        while self._open and self._open[0] in self._settled:
+            done = self._open.popleft()
+            self._settled.discard(done)
+            self.position = done + 1
+
+
+def printable(raw: bytes | None, limit: int = 60) -> str | None:
+    if raw is None:
+        return None
+    text = raw.decode("utf-8", errors="replace")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# --- the replay against Kafka -------------------------------------------------------------------------------
+
+
+# Group coordinator errors are passing (a new group's coordinator loading, one moving between brokers).
+_COORDINATOR_ERRORS = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+    }
+)
+
+
+def _kafka_call(what: str, call: Callable[[], Any], kafka_config: Mapping[str, str] | None = None) -> Any:
+    """Run a client call, retrying passing errors for a while; a Kafka error becomes one line, with any
+    secret config value blanked out of it."""
+    deadline = time.monotonic() + METADATA_TIMEOUT_S
+    while True:
+        try:
+            return call()
+        except KafkaException as error:
+            kafka_error = error.args[0] if error.args and isinstance(error.args[0], KafkaError) else None
+            passing = kafka_error is not None and (
+                kafka_error.retriable() or kafka_error.code() in _COORDINATOR_ERRORS
+            )
+            if passing and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            text = kafka_error.str() if kafka_error is not None else str(error)
+            for key, value in (kafka_config or {}).items():
+                if value and is_secret_key(key):
+                    text = text.replace(value, MASK)
+            raise UserError(f"Kafka: cannot {what}: {text}") from None
+
+
+def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan]:
+    """Start and end offset per partition: selection start, raised to the group's committed position."""
+    topic = options.dlq_topic
+    metadata = _kafka_call(
+        "read topic metadata", lambda: consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
+    )
+    topic_metadata = metadata.topics.get(topic)
+    if topic_metadata is None or topic_metadata.error is not None or not topic_metadata.partitions:
+        raise UserError(
+            f"dead-letter topic {topic!r} does not exist (set it with --dlq or topics.dead_letter)"
+        )
+    partitions = sorted(topic_metadata.partitions)
+    wanted = {r.partition: r for r in options.offsets} if options.offsets is not None else None
+    if wanted is not None:
+        missing = sorted(set(wanted) - set(partitions))
+        if missing:
+            raise UserError(f"--offsets: {topic} has no partition {', '.join(map(str, missing))}")
+        partitions = sorted(wanted)
+    committed = {
+        tp.partition: tp.offset if tp.offset >= 0 else None
+        for tp in _kafka_call(
+            f"read the committed offsets of group {options.group}",
+            lambda: consumer.committed(
+                [TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT_S
+            ),
+        )
+    }
+    since_offsets: dict[int, int] = {}
+    if options.since is not None:
+        millis = int(options.since.timestamp() * 1000)
+        for tp in _kafka_call(
+            "look up offsets by time",
+            lambda: consumer.offsets_for_times(
+                [TopicPartition(topic, p, millis) for p in partitions], timeout=METADATA_TIMEOUT_S
+            ),
+        ):
+            since_offsets[tp.partition] = tp.offset
+    plans = []
+    for partition in partitions:
+        low, high = _kafka_call(
+            f"read the offsets of {topic} [{partition}]",
+            partial(
+                consumer.get_watermark_offsets, TopicPartition(topic, partition), timeout=METADATA_TIMEOUT_S
+            ),
+        )
+        start, end = low, high
+        if wanted is not None:
+            start = max(start, wanted[partition].start)
+            end = min(end, wanted[partition].end if wanted[partition].end is not None else end)
+        if partition in since_offsets:
+            # -1: no record at or after that time in this partition.
+            found = since_offsets[partition]
+            start = max(start, found if found >= 0 else high)
+        if committed[partition] is not None:
+            start = max(start, committed[partition])
+        plans.append(PartitionPlan(partition, start, max(start, end), committed[partition]))
+    return plans
+
+
+class _Replay:
+    """One run: reads the planned ranges, republishes selected records, commits confirmed progress."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        options: ReplayOptions,
+        observer: ReplayObserver | None,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        self.options = options
+        self.observer = observer
+        self.should_stop = should_stop
+        self.summary = ReplaySummary(options.dlq_topic, options.group, options.dry_run)
+        # The pipeline's client options (user's librdkafka options; no auto-commit; idempotent, acks=all
+        # producer), in the replay's own group, with end-of-partition events to know when a range is read.
+        consumer_options = {
+            **consumer_config(settings),
+            "group.id": options.group,
+            "enable.partition.eof": "true",
+            "isolation.level": "read_committed",
+        }
+        self.consumer = _kafka_call("create a consumer", lambda: Consumer(consumer_options), settings.kafka)
+        self.producer: Any = None
+        if not options.dry_run:
+            producer_options = producer_config(settings)
+            self.producer = _kafka_call(
+                "create a producer", lambda: Producer(producer_options), settings.kafka
+            )
+        self.trackers: dict[int, OffsetTracker] = {}
+        self.starts: dict[int, int] = {}
+        self.ends: dict[int, int] = {}
+        self.active: set[int] = set()
+        self.selected = 0
+        self.last_commit = 0.0
+        self.committed: dict[int, int] = {}
+
+    def run(self) -> ReplaySummary:
+        started = time.monotonic()
+        try:
+            self._run()
+        finally:
+            self.summary.elapsed_s = time.monotonic() - started
+            self.consumer.close()
+        return self.summary
+
+    def _run(self) -> None:
+        plan = plan_partitions(self.consumer, self.options)
+        self.summary.plan = plan
+        if self.observer is not None:
+            self.observer.planned(plan)
+        for item in plan:
+            self.trackers[item.partition] = OffsetTracker(item.start)
+            self.starts[item.partition] = item.start
+            self.ends[item.partition] = item.end
+            if item.start < item.end:
+                self.active.add(item.partition)
+        if not self.active:
+            return
+        topic = self.options.dlq_topic
+        self.consumer.assign(
+            [TopicPartition(topic, p, self.trackers[p].position) for p in sorted(self.active)]
+        )
+        bucket = TokenBucket(self.options.rate, time.monotonic()) if self.options.rate else None
+        until_ms = int(self.options.until.timestamp() * 1000) if self.options.until else None
+        try:
+            while self.active and not self.should_stop():
+                for message in self.consumer.consume(num_messages=100, timeout=0.1):
+                    self._handle(message, bucket, until_ms)
+                    if not self.active or self.should_stop():
+                        break
+                self._serve(0)
+        except KeyboardInterrupt:
+            self.summary.interrupted = True
+        self.summary.interrupted = self.summary.interrupted or self.should_stop()
+        self._drain(deadline=time.monotonic() + INTERRUPT_DRAIN_S if self.summary.interrupted else None)
+        self._commit(force=True)
+        self.summary.committed = dict(self.committed)
+
+    def _handle(self, message: Any, bucket: TokenBucket | None, until_ms: int | None) -> None:
+        error = message.error()
+        partition = message.partition()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                self.active.discard(partition)
+                return
+            if error.fatal():
+                raise UserError(f"Kafka: consumer failed: {error.str()}")
+            return  # Transient; librdkafka retries by itself.
+        offset = message.offset()
+        if partition not in self.active:
+            return
+        if offset >= self.ends[partition] or (until_ms is not None and message.timestamp()[1] > until_ms):
+            self.active.discard(partition)
+            return
+        try:
+            info = read_dead_letter(message.headers() or [])
+        except ValueError as problem:
+            self._begin_and_settle(message, Outcome.UNREADABLE, None, detail=str(problem))
+            return
+        skipped = classify(info, self.options)
+        if skipped is not None:
+            self._begin_and_settle(message, skipped, info)
+            return
+        if self.options.limit is not None and self.selected >= self.options.limit:
+            self.active.clear()
+            return
+        self.selected += 1
+        value: bytes | None = message.value()
+        if self.options.transform is not None and value is not None:
+            try:
+                value = apply_transform(self.options.transform, value)
+            except Exception as problem:  # The ops' code: any failure is reported for this record only.
+                self._begin_and_settle(
+                    message, Outcome.TRANSFORM_FAILED, info, detail=f"{type(problem).__name__}: {problem}"
+                )
+                return
+            if value is None:
+                self._begin_and_settle(message, Outcome.TRANSFORM_SKIPPED, info)
+                return
+        target = self.options.to_topic or info.topic
+        report = RecordReport(
+            partition, offset, Outcome.REPLAYED, info.error_type, info.replay_count, target, message.key()
+        )
+        if self.options.dry_run:
+            self.trackers[partition].begin(offset)
+            self._settle(report)
+            return
+        if bucket is not None:
+            while (wait := bucket.wait_time(time.monotonic())) > 0:
+                if self.should_stop():
+                    return  # Not begun: the committed position stays before this record.
+                self._serve(min(wait, 0.05))
+        self.trackers[partition].begin(offset)
+        headers = replay_headers(message.headers())
+        self._produce(target, message.key(), value, headers, report)
+
+    def _produce(
+        self, target: str, key: bytes | None, value: bytes | None, headers: list[Header], report: RecordReport
+    ) -> None:
+        def delivered(error: Any, _message: Any) -> None:
+            if error is None:
+                self._settle(report)
+            else:
+                self._fail(report, error.str())
+
+        while True:
+            try:
+                self.producer.produce(target, value=value, key=key, headers=headers, on_delivery=delivered)
+                break
+            except BufferError:  # librdkafka's local queue is full: let deliveries drain it.
+                self._serve(0.1)
+            except KafkaException as error:  # e.g. an invalid topic name given with --to
+                self._fail(report, str(error.args[0]) if error.args else str(error))
+                break
+        self.producer.poll(0)
+
+    def _fail(self, report: RecordReport, detail: str) -> None:
+        # Left unsettled, so the committed position stays before it and a rerun retries it; the rest of the
+        # partition would be re-sent by that rerun anyway, so stop reading it now.
+        self.active.discard(report.partition)
+        failed = RecordReport(
+            report.partition,
+            report.offset,
+            Outcome.PUBLISH_FAILED,
+            report.error_type,
+            report.replay_count,
+            report.target,
+            report.key,
+            detail,
+        )
+        self._record(failed)
+
+    def _begin_and_settle(
+        self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
+    ) -> None:
+        self.trackers[message.partition()].begin(message.offset())
+        self._settle(
+            RecordReport(
+                message.partition(),
+                message.offset(),
+                outcome,
+                info.error_type if info else None,
+                info.replay_count if info else None,
+                None,
+                message.key(),
+                detail,
+            )
+        )
+
+    def _settle(self, report: RecordReport) -> None:
+        self.trackers[report.partition].settle(report.offset)
+        self._record(report)
+
+    def _record(self, report: RecordReport) -> None:
+        self.summary.add(report)
+        if self.observer is not None:
+            self.observer.settled(report)
+
+    def _serve(self, timeout: float) -> None:
+        """Run delivery callbacks (waiting up to `timeout`), then commit what they confirmed."""
+        if self.producer is not None:
+            self.producer.poll(timeout)
+        elif timeout > 0:
+            time.sleep(timeout)
+        self._commit(force=False)
+
+    def _drain(self, deadline: float | None) -> None:
+        while self.producer is not None and len(self.producer) > 0:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            self._serve(0.1)
+
+    def _commit(self, force: bool) -> None:
+        if self.options.dry_run:
+            return
+        now = time.monotonic()
+        if not force and now - self.last_commit < COMMIT_INTERVAL_S:
+            return
+        self.last_commit = now
+        changed = [
+            TopicPartition(self.options.dlq_topic, partition, tracker.position)
+            for partition, tracker in self.trackers.items()
+            if tracker.position != self.committed.get(partition, self.starts[partition])
+        ]
+        if not changed:
+            return
+        _kafka_call(
+            f"commit progress for group {self.options.group}",
+            lambda: self.consumer.commit(offsets=changed, asynchronous=False),
+        )
+        for tp in changed:
+            self.committed[tp.partition] = tp.offset
+
+
+def run_replay(
+    settings: Settings,
+    options: ReplayOptions,
+    observer: ReplayObserver | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> ReplaySummary:
+    """Replay the dead letters `options` select; return what happened. Raises UserError on setup problems.
+
+    `should_stop` is polled between records (the CLI sets it on SIGTERM/SIGINT): the replay then stops
+    reading, waits for in-flight records, commits what was confirmed and returns a summary marked interrupted.
+    """
+    return _Replay(settings, options, observer, should_stop).run()

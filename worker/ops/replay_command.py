@@ -1,0 +1,303 @@
+"""`triage-worker replay`: the ops' command around `worker.ops.replay` (flags, progress bar, report).
+
+Output is for two readers: a person (a live progress bar on stderr when it is a terminal, then tables on
+stdout) and a script (``--json``: one JSON object on stdout). Exit codes: 0 done, 1 some publish failed
+(those records stay before the committed position and are retried by the next run), 2 a user error,
+130 interrupted (confirmed progress is committed first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType, TracebackType
+
+import msgspec
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from worker.config import add_config_argument, settings_from_args
+from worker.errors import UserError
+from worker.ops.replay import (
+    DEFAULT_MAX_REPLAYS,
+    Outcome,
+    PartitionPlan,
+    RecordReport,
+    ReplayOptions,
+    ReplaySummary,
+    default_group,
+    load_transform,
+    parse_offset_ranges,
+    parse_rate,
+    parse_time,
+    printable,
+    run_replay,
+)
+
+EXAMPLES = """\
+examples:
+  # what would be replayed, by error type (publishes and commits nothing)
+  triage-worker replay --from-beginning --dry-run
+  # replay one kind of failure, repaired in flight, at most 200 records/s
+  triage-worker replay --from-beginning --error-type invalid_json --transform fixes:repair_json --rate 200/s
+  # the last two hours, into a scratch topic to check first
+  triage-worker replay --since 2h --to tickets.replay-check --group triage-replay.check-1
+"""
+
+_COLUMNS: tuple[tuple[Outcome, str], ...] = (
+    (Outcome.REPLAYED, "replayed"),
+    (Outcome.SKIPPED_FILTER, "filtered out"),
+    (Outcome.SKIPPED_MAX_REPLAYS, "at max replays"),
+    (Outcome.TRANSFORM_SKIPPED, "transform skipped"),
+    (Outcome.TRANSFORM_FAILED, "transform failed"),
+    (Outcome.PUBLISH_FAILED, "publish failed"),
+    (Outcome.UNREADABLE, "unreadable"),
+)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a partition number, got {text!r}")
+    return int(text)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="republish dead letters to their source topic, filtered, rate-limited and resumable",
+        description=(
+            "Republish dead letters (original key, value and headers; triage.replay_count + 1) to the topic "
+            "they came from. Progress is committed under the replay's own consumer group once the broker "
+            "confirmed the records, so a rerun resumes where the last one stopped; records the group passed "
+            "over (filtered or skipped) count as done for that group: use another --group for another "
+            "selection. The run stops at the end offsets seen at start."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_argument(parser)
+    where = parser.add_argument_group("selection (one required)")
+    selection = where.add_mutually_exclusive_group(required=True)
+    selection.add_argument(
+        "--from-beginning", action="store_true", help="from the group's committed position, else the start"
+    )
+    selection.add_argument(
+        "--since", metavar="TIME", help="records dead-lettered since TIME: RFC 3339, a date, or ago (2h, 30m)"
+    )
+    selection.add_argument(
+        "--offsets",
+        metavar="P:START-END,...",
+        help="dead-letter offsets per partition, END inclusive (P:START- = to the end, P:OFFSET = one)",
+    )
+    filters = parser.add_argument_group("filters")
+    filters.add_argument("--until", metavar="TIME", help="stop at records dead-lettered after TIME")
+    filters.add_argument(
+        "--error-type",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="only this triage.error.type (repeatable)",
+    )
+    filters.add_argument("--source-topic", metavar="TOPIC", help="only records that came from TOPIC")
+    filters.add_argument(
+        "--source-partition", type=_non_negative_int, metavar="P", help="only records from source partition P"
+    )
+    filters.add_argument("--limit", type=_positive_int, metavar="N", help="replay at most N records this run")
+    safety = parser.add_argument_group("safety and output")
+    safety.add_argument("--dry-run", action="store_true", help="show what would be replayed; publish nothing")
+    safety.add_argument(
+        "--max-replays",
+        type=_positive_int,
+        default=DEFAULT_MAX_REPLAYS,
+        metavar="N",
+        help=f"skip (and report) records already replayed N times (default {DEFAULT_MAX_REPLAYS})",
+    )
+    safety.add_argument("--rate", metavar="N/s", help="publish at most N records per second")
+    safety.add_argument(
+        "--transform",
+        metavar="MODULE:FUNCTION",
+        help="repair values in flight: bytes -> bytes, or None to skip",
+    )
+    safety.add_argument("--to", metavar="TOPIC", help="publish here instead of each record's source topic")
+    safety.add_argument(
+        "--dlq", metavar="TOPIC", help="dead-letter topic to read (default: topics.dead_letter)"
+    )
+    safety.add_argument("--group", help="consumer group holding the progress (default: triage-replay.<dlq>)")
+    safety.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.set_defaults(handler=run)
+
+
+def options_from_args(args: argparse.Namespace, dlq_topic: str) -> ReplayOptions:
+    """The flags as ReplayOptions; UserError for values argparse cannot check (times, ranges, transform)."""
+    since = parse_time(args.since) if args.since else None
+    until = parse_time(args.until) if args.until else None
+    if since is not None and until is not None and until <= since:
+        raise UserError("--until must be later than --since")
+    return ReplayOptions(
+        dlq_topic=dlq_topic,
+        group=args.group or default_group(dlq_topic),
+        since=since,
+        until=until,
+        offsets=parse_offset_ranges(args.offsets) if args.offsets else None,
+        error_types=frozenset(args.error_type),
+        source_topic=args.source_topic,
+        source_partition=args.source_partition,
+        limit=args.limit,
+        max_replays=args.max_replays,
+        to_topic=args.to,
+        rate=parse_rate(args.rate) if args.rate else None,
+        transform=load_transform(args.transform) if args.transform else None,
+        dry_run=args.dry_run,
+    )
+
+
+class _ProgressBar:
+    """Live counts on stderr while the replay runs (only on a terminal; logs get the final report)."""
+
+    def __init__(self, console: Console, dry_run: bool) -> None:
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[counts]}"),
+            console=console,
+            disable=not console.is_terminal,
+        )
+        self._label = "dry run" if dry_run else "replay"
+        self._task: TaskID | None = None
+        self._counts = {outcome: 0 for outcome, _ in _COLUMNS}
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._progress.stop()
+
+    def planned(self, plan: list[PartitionPlan]) -> None:
+        total = sum(item.end - item.start for item in plan)
+        self._task = self._progress.add_task(self._label, total=total, counts=self._text())
+        self._progress.start()
+
+    def settled(self, report: RecordReport) -> None:
+        self._counts[report.outcome] += 1
+        if self._task is not None:
+            self._progress.update(self._task, advance=1, counts=self._text())
+
+    def _text(self) -> str:
+        return "  ".join(f"{label} {self._counts[outcome]}" for outcome, label in _COLUMNS)
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """First SIGINT/SIGTERM asks the replay to stop cleanly (drain, commit); a second SIGINT aborts."""
+    stop = threading.Event()
+
+    def handle(signum: int, _frame: FrameType | None) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, {"topics.dead_letter": args.dlq})
+    options = options_from_args(args, settings.topics.dead_letter)
+    err = Console(stderr=True)
+    with _stop_on_signals() as stop, _ProgressBar(err, options.dry_run) as bar:
+        summary = run_replay(settings, options, bar, should_stop=stop.is_set)
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(summary.to_json()).decode() + "\n")
+    else:
+        # Piped to a file or a log, keep rows whole rather than folding them at 80 columns.
+        out = Console()
+        _print_report(out if out.is_terminal else Console(width=200), summary, options)
+    if summary.interrupted:
+        return 130
+    return 1 if summary.failed else 0
+
+
+def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptions) -> None:
+    title = f"{summary.dlq_topic} → {options.to_topic or 'source topics'} (group {summary.group})"
+    if summary.dry_run:
+        console.print(f"[bold]Dry run[/] of {title}: nothing was published, no progress was committed.")
+        if summary.would_replay:
+            title = f"Would replay ({len(summary.would_replay)})"
+            console.print(_records_table(title, summary.would_replay, outcome=False))
+    else:
+        console.print(f"[bold]Replay[/] of {title}")
+    for item in summary.plan:
+        resumed = f", resumed after group's committed {item.committed}" if item.committed is not None else ""
+        console.print(f"  partition {item.partition}: offsets {item.start}..{item.end - 1}{resumed}")
+    if summary.attention:
+        console.print(_records_table(f"Needs attention ({len(summary.attention)})", summary.attention))
+    console.print(_summary_table(summary))
+    if summary.committed:
+        positions = ", ".join(f"{p}→{offset}" for p, offset in sorted(summary.committed.items()))
+        console.print(f"Committed for group {summary.group}: partition→next offset {positions}")
+    if summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
+        console.print(
+            f"Note: {summary.counts[Outcome.SKIPPED_FILTER]} records skipped by the filters are behind the "
+            "committed position of this group: replay them with another --group."
+        )
+    if summary.counts[Outcome.TRANSFORM_FAILED] and not summary.dry_run:
+        console.print(
+            "Note: records the transform failed on stay in the dead-letter topic; after fixing it, replay "
+            "them with --offsets and another --group."
+        )
+    if summary.failed:
+        console.print(
+            "[red]Some publishes failed[/]: progress stopped before them; rerun the same command to retry."
+        )
+    if summary.interrupted:
+        console.print("[yellow]Interrupted[/]: confirmed progress was committed; rerun to resume.")
+
+
+def _records_table(title: str, reports: list[RecordReport], outcome: bool = True) -> Table:
+    """One row per record; `outcome` False for the dry-run listing, where every row would be replayed."""
+    table = Table(title=title, title_justify="left")
+    columns = ["partition", "offset", "error type", "replays", "target", "key"]
+    for column in [*columns, "outcome", "detail"] if outcome else columns:
+        table.add_column(column, overflow="fold")
+    for report in reports:
+        cells = [
+            str(report.partition),
+            str(report.offset),
+            report.error_type or "-",
+            "-" if report.replay_count is None else str(report.replay_count),
+            report.target or "-",
+            printable(report.key, limit=32) or "-",
+        ]
+        table.add_row(*cells, *([report.outcome.value, report.detail or ""] if outcome else []))
+    return table
+
+
+def _summary_table(summary: ReplaySummary) -> Table:
+    table = Table(title="By error type" + (" (dry run: replayed = would replay)" if summary.dry_run else ""))
+    table.add_column("error type")
+    for _, label in _COLUMNS:
+        table.add_column(label, justify="right")
+    for error_type, counts in sorted(summary.by_error_type.items()):
+        table.add_row(error_type, *(str(counts[outcome]) for outcome, _ in _COLUMNS))
+    table.add_row("[bold]total[/]", *(f"[bold]{summary.counts[outcome]}[/]" for outcome, _ in _COLUMNS))
+    return table
