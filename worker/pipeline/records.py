@@ -1,0 +1,107 @@
+"""What the pipeline writes: one TriageResult per ticket (classified or fallback), and its Kafka key.
+
+Results are keyed by the input record's key (or, when it has none, the ticket id), so every record about one
+ticket — and, with a customer key, about one customer — lands in the same output partition, in order.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+import msgspec
+
+from worker.messages import (
+    SCHEMA_VERSION,
+    FallbackReason,
+    Priority,
+    SourcePosition,
+    TicketEvent,
+    TriageResult,
+)
+
+_ENCODER = msgspec.json.Encoder()
+
+
+class ClassificationLike(Protocol):
+    """The fields of the inference engine's answer that go into a TriageResult."""
+
+    @property
+    def intent(self) -> str: ...
+    @property
+    def priority(self) -> Priority: ...
+    @property
+    def confidence(self) -> float: ...
+    @property
+    def scores(self) -> dict[str, float]: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def latency_ms(self) -> float: ...
+    @property
+    def truncated(self) -> bool: ...
+    @property
+    def fallback(self) -> bool: ...
+    @property
+    def fallback_reason(self) -> FallbackReason | None: ...
+
+
+def utc_timestamp(moment: datetime.datetime | None = None) -> str:
+    """RFC 3339 UTC with milliseconds, e.g. ``2024-05-01T12:30:00.123Z``."""
+    when = moment or datetime.datetime.now(datetime.UTC)
+    return when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def triage_result(event: TicketEvent, answer: ClassificationLike, source: SourcePosition) -> TriageResult:
+    """The output record for a ticket the engine answered (its answer may itself be a fallback)."""
+    return TriageResult(
+        schema_version=SCHEMA_VERSION,
+        ticket_id=event.ticket_id,
+        intent=answer.intent,
+        priority=answer.priority,
+        confidence=answer.confidence,
+        fallback=answer.fallback,
+        fallback_reason=answer.fallback_reason,
+        scores=answer.scores,
+        model=answer.model,
+        latency_ms=max(0.0, answer.latency_ms),
+        classified_at=utc_timestamp(),
+        source=source,
+        truncated=answer.truncated,
+    )
+
+
+def fallback_result(
+    event: TicketEvent,
+    reason: FallbackReason,
+    intent: str,
+    priority: Priority,
+    model: str,
+    latency_ms: float,
+    source: SourcePosition,
+) -> TriageResult:
+    """A fallback record made without the model (e.g. `overloaded`: the deadline passed while queued)."""
+    return TriageResult(
+        schema_version=SCHEMA_VERSION,
+        ticket_id=event.ticket_id,
+        intent=intent,
+        priority=priority,
+        confidence=0.0,
+        fallback=True,
+        fallback_reason=reason,
+        scores={},
+        model=model,
+        latency_ms=max(0.0, latency_ms),
+        classified_at=utc_timestamp(),
+        source=source,
+        truncated=False,
+    )
+
+
+def encode_result(result: TriageResult) -> bytes:
+    return _ENCODER.encode(result)
+
+
+def result_key(input_key: bytes | None, event: TicketEvent) -> bytes:
+    """The input record's key, or the ticket id when the input had none."""
+    return input_key if input_key is not None else event.ticket_id.encode("utf-8")
