@@ -16,6 +16,7 @@ The options the pipeline's correctness depends on cannot be overridden: a confli
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -149,20 +150,30 @@ def create_consumer(
     settings: Settings,
     on_error: ErrorCallback | None = None,
     on_commit: CommitCallback | None = None,
+    logger: logging.Logger | None = None,
 ) -> confluent_kafka.Consumer:
     """A consumer in the pipeline's group; subscribe it with the rebalance callbacks of the caller.
 
-    `on_commit` receives the outcome of every commit (asynchronous ones included) with per-partition errors.
+    `on_commit` receives the outcome of every commit (asynchronous ones included) with per-partition errors;
+    `logger` receives librdkafka's own log lines (default: librdkafka prints them to stderr).
     """
     config: dict[str, Any] = consumer_config(settings)
     config["error_cb"] = on_error or ClientErrorLog("consumer")
+    if logger is not None:
+        config["logger"] = logger
     if on_commit is not None:
         config["on_commit"] = on_commit
     return confluent_kafka.Consumer(config)
 
 
-def create_producer(settings: Settings, on_error: ErrorCallback | None = None) -> confluent_kafka.Producer:
+def create_producer(
+    settings: Settings,
+    on_error: ErrorCallback | None = None,
+    logger: logging.Logger | None = None,
+) -> confluent_kafka.Producer:
     """An idempotent, acks=all producer for results and dead letters."""
     config: dict[str, Any] = producer_config(settings)
     config["error_cb"] = on_error or ClientErrorLog("producer")
+    if logger is not None:
+        config["logger"] = logger
     return confluent_kafka.Producer(config)

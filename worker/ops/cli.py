@@ -17,10 +17,13 @@ from worker.errors import UserError
 
 # Modules that add a sub-command, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
-    "worker.ops.config_command",
-    "worker.ops.broker_command",
-    "worker.ops.replay_command",
+    "worker.ops.run_command",
+    "worker.ops.samples_command",
+    "worker.ops.demo_command",
     "worker.ops.classify_command",
+    "worker.ops.replay_command",
+    "worker.ops.broker_command",
+    "worker.ops.config_command",
 )
 
 

@@ -1,0 +1,349 @@
+"""End-to-end harness: the worker as a real subprocess (`python -m worker run`), and an audit of the topics.
+
+The audit reads every input record, every output record and every dead letter and maps each input offset to
+what the worker wrote for it (by `source` in a result, by `triage.source.*` headers in a dead letter). That is
+the whole promise of the pipeline in one table: nothing lost, duplicates counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import msgspec
+
+from worker.config import Settings, load_settings
+from worker.kafka import dead_letters
+from worker.messages import TriageResult
+from worker.ops.samples import KIND_HEADER, SampleFactory, produce_samples
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "tests" / "models" / "tiny"
+# The broker's minimum; a killed worker's partitions move on after this long.
+FAST_GROUP_OPTIONS = {
+    "kafka.session.timeout.ms": "6000",
+    "kafka.heartbeat.interval.ms": "1000",
+    "kafka.max.poll.interval.ms": "10000",
+}
+
+Position = tuple[int, int]
+
+
+@dataclass
+class Topics:
+    input: str
+    output: str
+    dead_letter: str
+
+
+def make_topics(unique_topic: Callable[..., str], partitions: int = 3) -> Topics:
+    return Topics(
+        unique_topic("raw", partitions=partitions),
+        unique_topic("triaged", partitions=partitions),
+        unique_topic("dlq", partitions=1),
+    )
+
+
+def settings_for(bootstrap: str, topics: Topics, **overrides: object) -> Settings:
+    return load_settings(
+        env={},
+        overrides={
+            "kafka.bootstrap.servers": bootstrap,
+            "topics.input": topics.input,
+            "topics.output": topics.output,
+            "topics.dead_letter": topics.dead_letter,
+            **overrides,
+        },
+    )
+
+
+def publish(
+    bootstrap: str, topics: Topics, count: int, rate: float = 0.0, malformed_ratio: float = 0.1, seed: int = 1
+) -> None:
+    factory = SampleFactory(seed=seed, malformed_ratio=malformed_ratio, prefix=f"T{seed}")
+    stats = produce_samples(settings_for(bootstrap, topics), topics.input, count, rate, factory)
+    assert stats.sent == count and stats.failed == 0, stats
+
+
+class Publisher(threading.Thread):
+    """`publish` in the background, for streams that run while the test disturbs the worker or broker."""
+
+    def __init__(self, bootstrap: str, topics: Topics, count: int, rate: float, seed: int) -> None:
+        super().__init__(daemon=True)
+        self._args = (bootstrap, topics, count, rate, 0.1, seed)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            publish(*self._args)
+        except BaseException as error:
+            self.error = error
+
+    def finish(self, timeout: float) -> None:
+        self.join(timeout)
+        assert not self.is_alive(), "publisher did not finish"
+        if self.error is not None:
+            raise self.error
+
+
+class Worker:
+    """One `triage-worker run` subprocess with JSON logs in a file."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        group: str,
+        log_dir: Path,
+        name: str = "worker",
+        settings: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
+        command = [
+            sys.executable,
+            "-m",
+            "worker",
+            "run",
+            "--bootstrap-servers",
+            bootstrap,
+            "--input-topic",
+            topics.input,
+            "--output-topic",
+            topics.output,
+            "--dead-letter-topic",
+            topics.dead_letter,
+            "--group-id",
+            group,
+            "--model",
+            str(TINY_MODEL),
+            "--log-format",
+            "json",
+            "--metrics-interval",
+            "1",
+            *(f"--set={key}={value}" for key, value in sets.items()),
+            *args,
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        found = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if not line.startswith("{"):
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if name is None or event.get("event") == name:
+                found.append(event)
+        return found
+
+    def wait_for(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.events(event)
+            if found:
+                return found[-1]
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"worker exited ({self.process.returncode}) before {event}:\n{self.tail()}"
+                )
+            time.sleep(0.1)
+        raise AssertionError(f"no {event} within {timeout}s:\n{self.tail()}")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.events("metrics")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait: the graceful path."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        finally:
+            self.kill()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL: the crash path (no flush, no commit, no leaving the group)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+        # The pool's worker processes notice the closed pipe and exit by themselves.
+        self._log.close()
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _read_all(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
+    """Every record of `topic`, from the beginning to the end offsets as of now."""
+    consumer = confluent_kafka.Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}", "enable.auto.commit": False}
+    )
+    try:
+        metadata = consumer.list_topics(topic, timeout=10)
+        partitions = sorted(metadata.topics[topic].partitions)
+        ends = {
+            p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
+            for p in partitions
+        }
+        todo = {p for p, end in ends.items() if end > 0}
+        consumer.assign(
+            [confluent_kafka.TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in todo]
+        )
+        deadline = time.monotonic() + 60
+        while todo and time.monotonic() < deadline:
+            for message in consumer.consume(500, 1.0):
+                if message.error() is not None:
+                    continue
+                partition, offset = message.partition(), message.offset()
+                assert partition is not None and offset is not None
+                if offset >= ends[partition]:
+                    continue
+                yield message
+                if offset == ends[partition] - 1:
+                    todo.discard(partition)
+        assert not todo, f"could not read {topic} to its end"
+    finally:
+        consumer.close()
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = confluent_kafka.Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}"}
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return {
+            p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
+            for p in partitions
+        }
+    finally:
+        consumer.close()
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """The group's committed offsets (-1001 where none), retrying while the coordinator settles."""
+    consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        wanted = [confluent_kafka.TopicPartition(topic, p) for p in partitions]
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return {tp.partition: tp.offset for tp in consumer.committed(wanted, timeout=10)}
+            except confluent_kafka.KafkaException:
+                # NOT_COORDINATOR / COORDINATOR_LOAD_IN_PROGRESS on a young broker or after a restart.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    finally:
+        consumer.close()
+
+
+def wait_until_committed(
+    bootstrap: str, group: str, topic: str, timeout: float, worker: Worker | None = None
+) -> None:
+    """Until the group's committed offsets reach the input's end offsets (all work done)."""
+    ends = end_offsets(bootstrap, topic)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if committed_offsets(bootstrap, group, topic) == ends:
+            return
+        if worker is not None and worker.process.poll() is not None:
+            raise AssertionError(f"worker exited ({worker.process.returncode}):\n{worker.tail()}")
+        time.sleep(0.5)
+    raise AssertionError(
+        f"committed {committed_offsets(bootstrap, group, topic)} != end offsets {ends} after {timeout}s"
+    )
+
+
+@dataclass
+class Audit:
+    inputs: dict[Position, str] = field(default_factory=dict)  # position → sample kind
+    results: dict[Position, list[TriageResult]] = field(default_factory=lambda: collections.defaultdict(list))
+    dead: dict[Position, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
+    headers_kept: int = 0
+
+    @property
+    def lost(self) -> list[Position]:
+        return sorted(p for p in self.inputs if not self.results.get(p) and not self.dead.get(p))
+
+    @property
+    def duplicates(self) -> int:
+        return sum(
+            len(self.results.get(p, [])) + len(self.dead.get(p, [])) - 1
+            for p in self.inputs
+            if p not in self.lost
+        )
+
+    @property
+    def misrouted(self) -> list[Position]:
+        """Tickets dead-lettered or malformed records classified, or both for one offset."""
+        wrong = []
+        for position, kind in self.inputs.items():
+            results, dead = self.results.get(position, []), self.dead.get(position, [])
+            expected_dead = [kind.removeprefix("malformed:")] if kind != "ticket" else []
+            # A ticket must only have results; a malformed record only dead letters of its own error type.
+            if (kind == "ticket" and dead) or (
+                kind != "ticket" and (results or set(dead) - set(expected_dead))
+            ):
+                wrong.append(position)
+        return wrong
+
+    @property
+    def fallback_reasons(self) -> collections.Counter[str | None]:
+        return collections.Counter(
+            r.fallback_reason for records in self.results.values() for r in records if r.fallback
+        )
+
+    def summary(self) -> str:
+        return (
+            f"inputs={len(self.inputs)} results={sum(map(len, self.results.values()))} "
+            f"dead_letters={sum(map(len, self.dead.values()))} lost={len(self.lost)} "
+            f"duplicates={self.duplicates}"
+        )
+
+
+def _headers(message: confluent_kafka.Message) -> dict[str, str]:
+    raw = message.headers() or []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    return {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in pairs}
+
+
+def audit(bootstrap: str, topics: Topics) -> Audit:
+    report = Audit()
+    for message in _read_all(bootstrap, topics.input):
+        kind = _headers(message).get(KIND_HEADER, "?")
+        report.inputs[(message.partition() or 0, message.offset() or 0)] = kind
+    decoder = msgspec.json.Decoder(TriageResult)
+    for message in _read_all(bootstrap, topics.output):
+        value = message.value()
+        assert isinstance(value, bytes)
+        result = decoder.decode(value)
+        assert result.source.topic == topics.input
+        report.results[(result.source.partition, result.source.offset)].append(result)
+        if KIND_HEADER in _headers(message):
+            report.headers_kept += 1
+    for message in _read_all(bootstrap, topics.dead_letter):
+        headers = _headers(message)
+        position = (int(headers[dead_letters.SOURCE_PARTITION]), int(headers[dead_letters.SOURCE_OFFSET]))
+        report.dead[position].append(headers[dead_letters.ERROR_TYPE])
+    return report

@@ -1,0 +1,256 @@
+"""The pipeline's promises, proven end to end: a real broker, the real (tiny) model, the worker as a process.
+
+Every test ends with an audit of the topics: each input offset must have a triage record or a dead letter
+(never neither: 0 lost); duplicates are counted and reported, and bounded where the design bounds them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pipeline_harness import (
+    Publisher,
+    Worker,
+    audit,
+    committed_offsets,
+    end_offsets,
+    make_topics,
+    publish,
+    wait_until_committed,
+)
+
+from worker.kafka.local_broker import LocalBroker
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def _group() -> str:
+    return f"triage-test-{uuid.uuid4().hex[:8]}"
+
+
+def _report(name: str, text: str) -> None:
+    print(f"\n[{name}] {text}")
+
+
+def test_every_ticket_gets_one_record_or_one_dead_letter(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = make_topics(unique_topic)
+    count = 2000
+    publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=11)
+    group = _group()
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path)
+    try:
+        started = time.monotonic()
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=240, worker=worker)
+        took = time.monotonic() - started
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+
+    report = audit(kafka_bootstrap, topics)
+    _report("accounting", f"{report.summary()} in {took:.1f}s")
+    assert len(report.inputs) == count
+    assert report.lost == []
+    assert report.misrouted == []
+    assert report.duplicates == 0  # no crash, no rebalance: nothing may be redone
+    malformed = sum(1 for kind in report.inputs.values() if kind != "ticket")
+    assert sum(map(len, report.dead.values())) == malformed > 0.05 * count
+    assert len({kind for kind in report.inputs.values() if kind != "ticket"}) >= 6
+    # Input headers (trace ids) travel to the output record.
+    assert report.headers_kept == count - malformed
+    assert committed_offsets(kafka_bootstrap, group, topics.input) == end_offsets(
+        kafka_bootstrap, topics.input
+    )
+    final = worker.events("metrics")[-1]
+    assert final["kind"] == "final"
+    assert final["consumed"] == count
+    assert final["dead_lettered"] == malformed
+
+
+def test_kill_9_at_random_points_loses_nothing(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = make_topics(unique_topic)
+    count, max_in_flight, crashes = 1500, 32, 5
+    publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=12)
+    group = _group()
+    rng = random.Random(12)
+    settings = {"pipeline.max_in_flight": str(max_in_flight)}
+    for _ in range(crashes):
+        worker = Worker(kafka_bootstrap, topics, group, tmp_path, "crashing", settings)
+        try:
+            worker.wait_for("partitions_assigned", timeout=90)
+            time.sleep(rng.uniform(0.5, 2.5))
+            assert worker.process.poll() is None, worker.tail()
+        finally:
+            worker.kill()
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, "final", settings)
+    try:
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=240, worker=worker)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+
+    report = audit(kafka_bootstrap, topics)
+    _report("crash", f"{report.summary()} after {crashes} kill -9")
+    assert len(report.inputs) == count
+    assert report.lost == []
+    assert report.misrouted == []
+    assert report.duplicates <= crashes * max_in_flight
+
+
+def test_worker_rides_out_a_broker_restart(
+    local_kafka_broker: LocalBroker, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    bootstrap = local_kafka_broker.bootstrap
+    topics = make_topics(unique_topic)
+    count = 900
+    group = _group()
+    worker = Worker(bootstrap, topics, group, tmp_path)
+    producer = Publisher(bootstrap, topics, count, 60.0, seed=13)
+    try:
+        worker.wait_for("partitions_assigned", timeout=90)
+        producer.start()
+        time.sleep(4)
+        local_kafka_broker.stop()
+        time.sleep(3)
+        assert worker.process.poll() is None, worker.tail()
+        local_kafka_broker.start(fresh=False, echo=lambda _line: None)
+        producer.finish(180)
+        wait_until_committed(bootstrap, group, topics.input, timeout=180, worker=worker)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+        producer.join(5)
+
+    report = audit(bootstrap, topics)
+    _report("broker restart", report.summary())
+    assert len(report.inputs) == count
+    assert report.lost == []
+    assert report.misrouted == []
+
+
+def test_a_second_worker_joins_and_leaves_mid_stream(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = make_topics(unique_topic, partitions=4)
+    count = 1500
+    group = _group()
+    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first")
+    second: Worker | None = None
+    producer = Publisher(kafka_bootstrap, topics, count, 100.0, seed=14)
+    try:
+        first.wait_for("partitions_assigned", timeout=90)
+        producer.start()
+        time.sleep(3)
+        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second")
+        second.wait_for("partitions_assigned", timeout=90)
+        time.sleep(4)
+        assert second.stop() == 0
+        producer.finish(120)
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=180, worker=first)
+        assert first.stop() == 0
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        producer.join(5)
+
+    report = audit(kafka_bootstrap, topics)
+    revoked = sum(e["partitions_revoked"] for e in (first.metrics()[-1], second.metrics()[-1]))
+    _report("rebalance", f"{report.summary()}; partitions revoked {revoked}")
+    assert revoked > 0  # the partitions really moved
+    assert len(report.inputs) == count
+    assert report.lost == []
+    assert report.misrouted == []
+    # Revoked partitions are drained and committed before they move: no redone work.
+    assert report.duplicates == 0
+
+
+def test_slow_model_pauses_but_keeps_polling_within_the_bound(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = make_topics(unique_topic)
+    group = _group()
+    max_in_flight = 16
+    # 2 contexts x 1 s per ticket = 2 tickets/s; input comes at 20/s. A consumer that blocked on the model
+    # for a batch of 16 (8 s) would pass max.poll.interval.ms (6 s here) and be evicted.
+    worker = Worker(
+        kafka_bootstrap,
+        topics,
+        group,
+        tmp_path,
+        "slow",
+        {
+            "pipeline.max_in_flight": str(max_in_flight),
+            "pipeline.deadline_ms": "60000",
+            "inference.extra_latency_ms": "1000",
+            "inference.pool_size": "2",
+            "kafka.max.poll.interval.ms": "6000",
+        },
+    )
+    try:
+        worker.wait_for("partitions_assigned", timeout=90)
+        publish(kafka_bootstrap, topics, 400, rate=20.0, malformed_ratio=0.0, seed=15)
+        assert worker.process.poll() is None, worker.tail()
+        assert worker.stop(timeout=90) == 0
+    finally:
+        worker.kill()
+
+    metrics = worker.metrics()
+    final = metrics[-1]
+    _report(
+        "back-pressure",
+        f"consumed {final['consumed']} of 400, in_flight_max {final['in_flight_max']}, "
+        f"rss {metrics[len(metrics) // 3]['rss_bytes']} -> {final['rss_bytes']}",
+    )
+    assert final["in_flight_max"] == max_in_flight  # it did reach the bound ...
+    assert all(m["in_flight"] <= max_in_flight for m in metrics)  # ... and never passed it
+    assert any(m["paused"] for m in metrics)
+    assert final["max_poll_exceeded"] == 0 and final["partitions_lost"] == 0
+    assert final["consumed"] < 200  # most input stayed in Kafka, not in memory
+    rss = [m["rss_bytes"] for m in metrics[len(metrics) // 3 :]]
+    assert max(rss) - min(rss) < 20 * 1024 * 1024
+    # Whatever was committed was really answered, and nothing is fallback: the deadline was generous.
+    report = audit(kafka_bootstrap, topics)
+    committed = committed_offsets(kafka_bootstrap, group, topics.input)
+    done = [p for p in report.inputs if p[1] < committed.get(p[0], 0)]
+    assert done and all(report.results.get(p) for p in done)
+    assert not report.fallback_reasons
+
+
+def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = make_topics(unique_topic)
+    group = _group()
+    count = 300
+    publish(kafka_bootstrap, topics, count, malformed_ratio=0.0, seed=16)
+    worker = Worker(
+        kafka_bootstrap,
+        topics,
+        group,
+        tmp_path,
+        "deadline",
+        {"pipeline.deadline_ms": "100", "inference.extra_latency_ms": "400"},
+    )
+    try:
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=180, worker=worker)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+
+    report = audit(kafka_bootstrap, topics)
+    reasons = report.fallback_reasons
+    _report("deadline", f"{report.summary()}; fallbacks {dict(reasons)}")
+    assert report.lost == []
+    assert report.duplicates == 0
+    assert sum(reasons.values()) == count
+    assert set(reasons) <= {"deadline_exceeded", "overloaded"}
+    assert all(r.confidence == 0.0 for records in report.results.values() for r in records)

@@ -1,0 +1,156 @@
+"""Pure parts of the pipeline: the in-flight gate, deadlines, result records and client options."""
+
+from __future__ import annotations
+
+import datetime
+
+import msgspec
+import pytest
+
+from worker.config import load_settings
+from worker.errors import UserError
+from worker.kafka.clients import consumer_config, producer_config
+from worker.messages import SourcePosition, TicketEvent, TriageResult
+from worker.pipeline.deadlines import DEADLINE_METADATA_KEY, ticket_deadline
+from worker.pipeline.inflight import Flow, InFlightGate
+from worker.pipeline.records import encode_result, fallback_result, result_key, triage_result
+
+# -- in-flight gate -------------------------------------------------------------------------------------
+
+
+def test_gate_pauses_at_the_bound_and_resumes_at_the_low_water_mark() -> None:
+    gate = InFlightGate(max_in_flight=8, resume_below=4)
+    assert gate.capacity() == 8
+    assert gate.update(5) is Flow.KEEP
+    assert gate.capacity() == 3
+    assert gate.update(8) is Flow.PAUSE
+    assert gate.capacity() == 0
+    # Between the two levels it stays paused: no flapping at the bound.
+    assert gate.update(7) is Flow.KEEP
+    assert gate.update(5) is Flow.KEEP
+    assert gate.capacity() == 0
+    assert gate.update(4) is Flow.RESUME
+    assert gate.capacity() == 4
+    assert gate.max_seen == 8
+
+
+def test_gate_capacity_never_lets_the_count_pass_the_bound() -> None:
+    gate = InFlightGate(max_in_flight=5, resume_below=2)
+    count = 0
+    for step in range(100):
+        taken = gate.capacity()
+        count += taken
+        gate.update(count)
+        count -= step % 3  # some work finishes
+        count = max(count, 0)
+        gate.update(count)
+    assert gate.max_seen <= 5
+
+
+def test_gate_rejects_nonsense_levels() -> None:
+    with pytest.raises(ValueError):
+        InFlightGate(max_in_flight=4, resume_below=4)
+    with pytest.raises(ValueError):
+        InFlightGate(max_in_flight=0, resume_below=0)
+
+
+# -- deadlines ------------------------------------------------------------------------------------------
+
+
+def _iso(seconds_from_now: float, now_wall: float) -> str:
+    moment = datetime.datetime.fromtimestamp(now_wall + seconds_from_now, datetime.UTC)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def test_deadline_is_poll_time_plus_budget() -> None:
+    assert ticket_deadline(100.0, 5000.0, 2000, None) == pytest.approx(102.0)
+
+
+def test_an_earlier_requested_deadline_wins_a_later_one_is_ignored() -> None:
+    wall = 1_700_000_000.0
+    sooner = {DEADLINE_METADATA_KEY: _iso(0.5, wall)}
+    later = {DEADLINE_METADATA_KEY: _iso(60.0, wall)}
+    assert ticket_deadline(100.0, wall, 2000, sooner) == pytest.approx(100.5)
+    assert ticket_deadline(100.0, wall, 2000, later) == pytest.approx(102.0)
+
+
+@pytest.mark.parametrize("text", ["soon", "2024-05-01T12:30:00", ""])
+def test_unusable_requested_deadlines_are_ignored(text: str) -> None:
+    assert ticket_deadline(100.0, 0.0, 2000, {DEADLINE_METADATA_KEY: text}) == pytest.approx(102.0)
+
+
+# -- records --------------------------------------------------------------------------------------------
+
+
+class _Answer(msgspec.Struct, frozen=True):
+    intent: str = "card_arrival"
+    priority: str = "Low"
+    confidence: float = 0.75
+    scores: dict[str, float] = msgspec.field(default_factory=lambda: {"card_arrival": 0.75})
+    model: str = "tiny@1"
+    latency_ms: float = 12.5
+    truncated: bool = True
+    fallback: bool = False
+    fallback_reason: None = None
+
+
+EVENT = TicketEvent(ticket_id="T-1", body="Where is my card?")
+SOURCE = SourcePosition(topic="tickets.raw", partition=2, offset=41)
+
+
+def test_result_record_round_trips_as_a_valid_triage_result() -> None:
+    result = triage_result(EVENT, _Answer(), SOURCE)  # type: ignore[arg-type]
+    decoded = msgspec.json.decode(encode_result(result), type=TriageResult)
+    assert decoded.ticket_id == "T-1"
+    assert decoded.intent == "card_arrival"
+    assert decoded.source == SOURCE
+    assert decoded.truncated is True
+    assert decoded.classified_at.endswith("Z")
+
+
+def test_overloaded_fallback_does_not_claim_confidence() -> None:
+    result = fallback_result(EVENT, "overloaded", "unclassified", "Medium", "tiny@1", 2500.0, SOURCE)
+    decoded = msgspec.json.decode(encode_result(result), type=TriageResult)
+    assert decoded.fallback is True
+    assert decoded.fallback_reason == "overloaded"
+    assert decoded.confidence == 0.0
+    assert decoded.scores == {}
+
+
+def test_result_key_is_the_input_key_else_the_ticket_id() -> None:
+    assert result_key(b"customer-9", EVENT) == b"customer-9"
+    assert result_key(None, EVENT) == b"T-1"
+
+
+# -- client options -------------------------------------------------------------------------------------
+
+
+def test_consumer_never_auto_commits_and_defaults_to_cooperative_sticky() -> None:
+    settings = load_settings(env={"KAFKA_SESSION_TIMEOUT_MS": "6000", "KAFKA_LINGER_MS": "50"})
+    config = consumer_config(settings)
+    assert config["enable.auto.commit"] == "false"
+    assert config["enable.auto.offset.store"] == "false"
+    assert config["partition.assignment.strategy"] == "cooperative-sticky"
+    assert config["group.id"] == "triage-worker"
+    assert config["session.timeout.ms"] == "6000"
+    assert "linger.ms" not in config  # a producer option stays with the producer
+
+
+def test_producer_is_idempotent_with_acks_all() -> None:
+    settings = load_settings(env={"KAFKA_SESSION_TIMEOUT_MS": "6000", "KAFKA_LINGER_MS": "50"})
+    config = producer_config(settings)
+    assert config["enable.idempotence"] == "true"
+    assert config["acks"] == "all"
+    assert config["linger.ms"] == "50"
+    assert "session.timeout.ms" not in config
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("KAFKA_ENABLE_AUTO_COMMIT", "true"), ("KAFKA_ACKS", "1"), ("KAFKA_ENABLE_IDEMPOTENCE", "false")],
+)
+def test_options_the_pipeline_relies_on_cannot_be_weakened(variable: str, value: str) -> None:
+    settings = load_settings(env={variable: value})
+    with pytest.raises(UserError, match="must be"):
+        consumer_config(settings)
+        producer_config(settings)

@@ -1,0 +1,282 @@
+"""`triage-worker demo` (what `make run` calls): the whole flow on one machine, results shown live.
+
+1. Kafka: `KAFKA_BOOTSTRAP_SERVERS` (or --bootstrap-servers / the config) when given; otherwise the local
+   development broker is started (and stopped again at the end if this command started it).
+2. The input, output and dead-letter topics are created if missing.
+3. The worker runs as a child process (`triage-worker run`, default: the embedded model), its JSON log in a
+   file; it is started in its own session so that Ctrl-C reaches only this command, which then stops the
+   worker with one SIGTERM (the graceful path).
+4. Sample tickets are published at --rate; every triage record and dead letter is printed as it arrives,
+   with a running summary, until Ctrl-C (or --count records, then --linger seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import msgspec
+
+from worker.config import Settings, add_config_argument, settings_from_args
+from worker.errors import UserError
+from worker.kafka import dead_letters, local_broker
+from worker.kafka.admin import create_topics, worker_topics
+from worker.messages import TriageResult
+from worker.ops.samples import Sample, SampleFactory, produce_samples
+
+_SUMMARY_EVERY_S = 5.0
+_WORKER_STOP_TIMEOUT_S = 60.0
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run broker (if needed) + worker + sample producer and show triage results live (make run)",
+        description=(
+            "Start everything on this machine and show results as they arrive: the local Kafka broker "
+            "unless KAFKA_BOOTSTRAP_SERVERS is set, the topics, the worker (embedded model by default) and a "
+            "stream of sample tickets. Ctrl-C stops it all cleanly."
+        ),
+    )
+    add_config_argument(parser)
+    parser.add_argument(
+        "--bootstrap-servers", metavar="SERVERS", help="use this Kafka instead of a local one"
+    )
+    parser.add_argument("--model", help="model folder for the worker (default: the embedded model)")
+    parser.add_argument("--rate", type=float, default=5.0, help="sample tickets per second (default 5)")
+    parser.add_argument(
+        "--count", type=int, default=0, help="stop after this many tickets (default: no limit)"
+    )
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="with --count: how long to wait for the last results before stopping (default 10)",
+    )
+    parser.add_argument("--malformed-ratio", type=float, default=0.1, metavar="RATIO", help="default 0.1")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=local_broker.default_state_dir(),
+        help="local broker's state directory (default %(default)s)",
+    )
+    parser.set_defaults(handler=demo)
+
+
+class _Summary:
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.results = 0
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.dead = 0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=1000)
+        self.priorities: collections.Counter[str] = collections.Counter()
+
+    def line(self, published: int) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        p50 = statistics.median(self.latencies) if self.latencies else 0.0
+        fallback = sum(self.fallbacks.values())
+        by_priority = " ".join(f"{p}:{self.priorities[p]}" for p in ("Critical", "High", "Medium", "Low"))
+        reasons = ", ".join(f"{r} {n}" for r, n in self.fallbacks.most_common()) or "none"
+        return (
+            f"── published {published} · results {self.results} ({self.results / elapsed:.1f}/s, "
+            f"p50 latency {p50:.0f} ms; {by_priority}) · fallbacks {fallback} ({reasons}) · "
+            f"dead letters {self.dead}"
+        )
+
+
+def demo(args: argparse.Namespace) -> int:
+    given = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    broker: local_broker.LocalBroker | None = None
+    if given is None:
+        broker = local_broker.LocalBroker(args.state_dir)
+        if broker.status().running:
+            print(f"using the local broker already running at {broker.bootstrap}", flush=True)
+            broker = None  # not ours to stop
+        else:
+            print(f"starting the local Kafka broker ({args.state_dir}) ...", flush=True)
+            broker.start(fresh=False)
+        given = local_broker.LocalBroker(args.state_dir).bootstrap
+    settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
+    try:
+        return _run(args, settings)
+    finally:
+        if broker is not None:
+            print("stopping the local Kafka broker ...", flush=True)
+            broker.stop()
+
+
+def _run(args: argparse.Namespace, settings: Settings) -> int:
+    topics = settings.topics
+    bootstrap = settings.kafka["bootstrap.servers"]
+    for name, outcome in create_topics(settings.kafka, worker_topics(topics)).items():
+        print(f"topic {name}: {outcome}", flush=True)
+    viewer = _viewer(settings)
+    log_path = Path(args.state_dir) / f"demo-worker-{uuid.uuid4().hex[:6]}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    worker = _start_worker(args, bootstrap, log_path)
+    print(f"worker pid {worker.pid}, log {log_path}; press Ctrl-C to stop", flush=True)
+
+    texts: dict[str, str] = {}
+    published = [0]
+    stop = threading.Event()
+    factory = SampleFactory(malformed_ratio=args.malformed_ratio)
+
+    def remember(sample: Sample, sent: int) -> None:
+        # Results carry only the ticket id; keep the text to show next to them.
+        published[0] = sent
+        if sample.malformed is None and sample.value is not None:
+            ticket = msgspec.json.decode(sample.value)
+            if len(texts) > 10_000:
+                texts.clear()
+            texts[ticket["ticket_id"]] = ticket["body"]
+
+    def produce() -> None:
+        produce_samples(settings, topics.input, args.count, args.rate, factory, stop, remember)
+
+    producer = threading.Thread(target=produce, name="samples", daemon=True)
+    producer.start()
+    summary = _Summary()
+    last_summary = time.monotonic()
+    finished_at: float | None = None
+    try:
+        while True:
+            if worker.poll() is not None:
+                print(f"the worker exited with code {worker.returncode}; its log {log_path}:", flush=True)
+                print(_tail(log_path), flush=True)
+                return 1
+            for message in viewer.consume(100, 0.5):
+                if message.error() is None:
+                    _show(message, topics.dead_letter, texts, summary)
+            if time.monotonic() - last_summary >= _SUMMARY_EVERY_S:
+                print(summary.line(published[0]), flush=True)
+                last_summary = time.monotonic()
+            if args.count and not producer.is_alive():
+                finished_at = finished_at or time.monotonic()
+                done = summary.results + summary.dead >= args.count
+                if done or time.monotonic() - finished_at > args.linger:
+                    break
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+    finally:
+        stop.set()
+        code = _stop_worker(worker)
+        producer.join(10)
+        for message in viewer.consume(500, 1.0):
+            if message.error() is None:
+                _show(message, topics.dead_letter, texts, summary)
+        viewer.close()
+        print(summary.line(published[0]), flush=True)
+        print(f"worker stopped (exit code {code}); its log: {log_path}", flush=True)
+    return 0 if code == 0 else 1
+
+
+def _viewer(settings: Settings) -> confluent_kafka.Consumer:
+    """A consumer of the output and dead-letter topics from their current end: only this run's records."""
+    consumer = confluent_kafka.Consumer(
+        {
+            "bootstrap.servers": settings.kafka["bootstrap.servers"],
+            "group.id": f"triage-demo-viewer-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+        }
+    )
+    partitions = []
+    for topic in (settings.topics.output, settings.topics.dead_letter):
+        metadata = consumer.list_topics(topic, timeout=15).topics[topic]
+        for partition in metadata.partitions:
+            _, high = consumer.get_watermark_offsets(
+                confluent_kafka.TopicPartition(topic, partition), timeout=15
+            )
+            partitions.append(confluent_kafka.TopicPartition(topic, partition, high))
+    consumer.assign(partitions)
+    return consumer
+
+
+def _start_worker(args: argparse.Namespace, bootstrap: str, log_path: Path) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        "run",
+        "--bootstrap-servers",
+        bootstrap,
+        "--log-format",
+        "json",
+    ]
+    if args.config is not None:
+        command += ["--config", str(args.config)]
+    command += [f"--set={pair}" for pair in args.config_overrides]
+    if args.model:
+        command += ["--model", args.model]
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches this command only; the worker gets one SIGTERM
+        )
+
+
+def _stop_worker(worker: subprocess.Popen[bytes]) -> int:
+    if worker.poll() is None:
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(_WORKER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    return worker.returncode
+
+
+def _show(
+    message: confluent_kafka.Message, dead_letter_topic: str, texts: dict[str, str], summary: _Summary
+) -> None:
+    if message.topic() == dead_letter_topic:
+        raw = message.headers() or []
+        pairs = raw.items() if isinstance(raw, dict) else raw
+        headers = {k: v.decode(errors="replace") for k, v in pairs if isinstance(v, bytes)}
+        summary.dead += 1
+        topic, partition = headers.get(dead_letters.SOURCE_TOPIC), headers.get(dead_letters.SOURCE_PARTITION)
+        where = f"{topic}[{partition}]@{headers.get(dead_letters.SOURCE_OFFSET)}"
+        reason = f"{headers.get(dead_letters.ERROR_TYPE)}: {headers.get(dead_letters.ERROR_MESSAGE, '')[:70]}"
+        print(f"  DEAD LETTER      {where}  {reason}", flush=True)
+        return
+    value = message.value()
+    if value is None:
+        return
+    try:
+        result = msgspec.json.decode(value, type=TriageResult)
+    except msgspec.DecodeError:
+        return
+    summary.results += 1
+    summary.latencies.append(result.latency_ms)
+    summary.priorities[result.priority] += 1
+    if result.fallback:
+        summary.fallbacks[result.fallback_reason or "?"] += 1
+    label = f"FALLBACK:{result.fallback_reason}" if result.fallback else f"{result.confidence:.2f}"
+    text = texts.pop(result.ticket_id, "")
+    print(
+        f"  {result.ticket_id:<16} {result.intent:<28.28} {result.priority:<8} {label:<10} "
+        f"{result.latency_ms:6.0f} ms  {text[:48]!r}",
+        flush=True,
+    )
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error}") from None

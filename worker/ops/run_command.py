@@ -1,0 +1,174 @@
+"""`triage-worker run`: the worker itself — consume tickets, classify them, produce one record each.
+
+Every pipeline, topic, inference and log setting has a flag here; flags beat `--set`, which beats the
+environment and the `--config` file (see worker/config.py). The process runs until SIGTERM/SIGINT, then
+shuts down gracefully (exit 0); a second signal exits at once (exit 128+signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import types
+from typing import Any
+
+import confluent_kafka
+import structlog
+from confluent_kafka.admin import AdminClient
+
+from worker.config import (
+    Settings,
+    add_config_argument,
+    masked_kafka_config,
+    settings_from_args,
+)
+from worker.errors import UserError
+from worker.inference.loading import resolve_taxonomy
+from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
+from worker.kafka.clients import producer_config
+from worker.ops.logs import configure_logging, librdkafka_logger
+from worker.pipeline.runner import Fallback, Pipeline
+
+_log = structlog.get_logger("worker.run")
+
+# (flag, dotted settings key, type, help). Types are parsed by the settings loader, so flags take text.
+_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("--bootstrap-servers", "kafka.bootstrap.servers", "Kafka bootstrap servers, host:port[,host:port]"),
+    ("--group-id", "pipeline.group_id", "consumer group id (default triage-worker)"),
+    ("--input-topic", "topics.input", "topic of raw tickets (default tickets.raw)"),
+    ("--output-topic", "topics.output", "topic of triage records (default tickets.triaged)"),
+    ("--dead-letter-topic", "topics.dead_letter", "topic of undecodable records (default tickets.dlq)"),
+    (
+        "--max-in-flight",
+        "pipeline.max_in_flight",
+        "most tickets between poll and commit; also the most a crash can duplicate (default 64)",
+    ),
+    (
+        "--resume-below",
+        "pipeline.resume_below",
+        "paused partitions resume once in-flight drops to this (default max-in-flight/2)",
+    ),
+    ("--deadline-ms", "pipeline.deadline_ms", "per-ticket budget from poll to answer (default 2000)"),
+    ("--poll-batch-size", "pipeline.poll_batch_size", "most records taken per poll (default 100)"),
+    ("--poll-timeout-ms", "pipeline.poll_timeout_ms", "longest wait of an idle poll (default 100)"),
+    ("--commit-interval-ms", "pipeline.commit_interval_ms", "commit cadence (default 1000)"),
+    (
+        "--revoke-timeout-ms",
+        "pipeline.revoke_timeout_ms",
+        "how long a rebalance waits for in-flight tickets of revoked partitions (default 10000)",
+    ),
+    (
+        "--shutdown-timeout-ms",
+        "pipeline.shutdown_timeout_ms",
+        "how long shutdown waits for in-flight tickets (default 15000)",
+    ),
+    ("--max-value-bytes", "pipeline.max_value_bytes", "larger records are dead-lettered (default 1048576)"),
+    ("--model", "inference.model", "ORT GenAI model folder (default models/triage-mini)"),
+    ("--taxonomy", "inference.taxonomy", "taxonomy TOML (default: the model's taxonomy.toml)"),
+    ("--mode", "inference.mode", "score | generate (default score)"),
+    ("--provider", "inference.provider", "cpu | cuda | dml (default cpu)"),
+    ("--pool", "inference.pool", "process | thread | batch (default: per provider)"),
+    ("--pool-size", "inference.pool_size", "contexts/worker processes (default: per CPU count)"),
+    ("--intra-op-threads", "inference.intra_op_num_threads", "ONNX Runtime threads per context (default 1)"),
+    ("--log-level", "log.level", "debug | info | warning | error (default info)"),
+    ("--log-format", "log.format", "console | json (default console)"),
+)
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="run the worker: consume tickets, classify, produce triage records (until Ctrl-C/SIGTERM)",
+        description=(
+            "Consume tickets from the input topic, classify each with the local model within its deadline, "
+            "produce one triage record per ticket (dead letters for undecodable records) and commit only "
+            "finished offsets. At-least-once: a crash re-delivers at most --max-in-flight tickets."
+        ),
+    )
+    add_config_argument(parser)
+    for flag, key, help_text in _FLAGS:
+        parser.add_argument(flag, dest=_dest(key), metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
+    parser.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often the metrics event is logged (default 10; also logged at shutdown)",
+    )
+    parser.set_defaults(handler=run)
+
+
+def _dest(key: str) -> str:
+    return "flag_" + key.replace(".", "_")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {key: getattr(args, _dest(key)) for _, key, _ in _FLAGS}
+
+
+def dispatch_window(settings: Settings) -> int:
+    """How many tickets the pool holds at once: enough to keep every context busy, no more.
+
+    Tickets beyond it wait in the pipeline, where an expired deadline turns them into `overloaded` records
+    without a round trip to the model.
+    """
+    inference = settings.inference
+    kind = default_pool_kind(inference)
+    if kind == "batch":
+        return 2 * inference.batch_size
+    return 2 * default_pool_size(inference, kind)
+
+
+def _check_topics(settings: Settings) -> None:
+    """Fail at start, in one line, when the broker is unreachable or a topic is missing."""
+    bootstrap = settings.kafka.get("bootstrap.servers", "")
+    admin_config: dict[str, str | int | float | bool] = dict(producer_config(settings))
+    try:
+        metadata = AdminClient(admin_config).list_topics(timeout=15)
+    except confluent_kafka.KafkaException as error:
+        raise UserError(f"cannot reach Kafka at {bootstrap}: {error.args[0].str()}") from None
+    topics = settings.topics
+    missing = [t for t in (topics.input, topics.output, topics.dead_letter) if t not in metadata.topics]
+    if missing:
+        raise UserError(
+            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with "
+            "`triage-worker topics create` (same settings)"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, _overrides(args))
+    configure_logging(settings.log)
+    _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
+    _check_topics(settings)
+    taxonomy, _ = resolve_taxonomy(settings.inference)
+    pool = open_pool(settings.inference, settings.log)
+    try:
+        pipeline = Pipeline(
+            settings,
+            pool,
+            Fallback(taxonomy.fallback_intent, taxonomy.fallback_priority),
+            dispatch_window=dispatch_window(settings),
+            metrics_interval_s=args.metrics_interval,
+            client_logger=librdkafka_logger(),
+        )
+        _install_signal_handlers(pipeline)
+        return pipeline.run()
+    finally:
+        pool.close()
+
+
+def _install_signal_handlers(pipeline: Pipeline) -> None:
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: types.FrameType | None) -> None:
+        if received:
+            # Second signal: leave now. Nothing uncommitted is lost; the next owner re-reads it.
+            os._exit(128 + signum)
+        received.append(signum)
+        _log.info("stop_requested", signal=signal.Signals(signum).name, again="exits at once")
+        pipeline.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)

@@ -1,0 +1,43 @@
+"""Per-ticket deadlines: when the worker must give up on the model and publish a fallback instead.
+
+A ticket's deadline is the moment it was polled plus `pipeline.deadline_ms`. A producer may ask for an earlier
+one with the metadata key ``deadline_at`` (an RFC 3339 timestamp, e.g. a chat session's SLA); a later one is
+ignored, so a producer cannot make the worker hold a slot longer than configured, and an unparsable one is
+ignored too (the ticket is still valid). Deadlines are kept on the monotonic clock so that a wall-clock jump
+cannot expire or prolong every ticket at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+
+DEADLINE_METADATA_KEY = "deadline_at"
+
+
+def ticket_deadline(
+    polled_monotonic: float,
+    polled_wall: float,
+    deadline_ms: int,
+    metadata: Mapping[str, str] | None,
+) -> float:
+    """Absolute deadline on `time.monotonic()`'s clock for a ticket polled at the given instants."""
+    deadline = polled_monotonic + deadline_ms / 1000.0
+    requested = _requested_wall_deadline(metadata)
+    if requested is not None:
+        deadline = min(deadline, polled_monotonic + (requested - polled_wall))
+    return deadline
+
+
+def _requested_wall_deadline(metadata: Mapping[str, str] | None) -> float | None:
+    text = metadata.get(DEADLINE_METADATA_KEY) if metadata else None
+    if not text:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        # RFC 3339 requires an offset; a naive time could mean any zone, so it is not trusted.
+        return None
+    return moment.timestamp()
