@@ -327,6 +327,10 @@ class ProcessPool(ClassifierPool):
                 reply = _REPLY_DECODER.decode(worker.conn.recv_bytes())
                 if isinstance(reply, _Done) and worker.in_flight.pop(reply.request_id, None) is not None:
                     results.append((reply.request_id, reply.result))
+                elif isinstance(reply, _Ready):  # a replacement finished loading
+                    log.info("classifier worker ready", pid=worker.process.pid, model=reply.model_id)
+                elif isinstance(reply, _Failed):  # it exits next; its sentinel brings the next restart
+                    log.error("classifier worker restart failed", error=reply.message)
         except (EOFError, OSError):
             if worker in self._workers:
                 results.extend(self._replace(worker))
@@ -353,19 +357,10 @@ class ProcessPool(ClassifierPool):
         worker.outbox.put(None)
         worker.conn.close()
         index = self._workers.index(worker)
-        replacement = self._spawn()
-        self._workers[index] = replacement
-        threading.Thread(target=self._adopt, args=(replacement,), daemon=True).start()
+        # Its ready message is read by poll() like any reply; requests sent meanwhile wait in its pipe
+        # until its model is loaded. (Reading it from another thread would race poll() on the same pipe.)
+        self._workers[index] = self._spawn()
         return results
-
-    def _adopt(self, worker: _Worker) -> None:
-        """Consume the replacement's ready message off the poll loop (it takes a model load)."""
-        try:
-            self._await_ready(worker)
-        except (UserError, RuntimeError, OSError) as error:
-            log.error("classifier worker restart failed", error=str(error))
-            with _suppress():
-                worker.process.kill()
 
 
 def _model_error(taxonomy: Taxonomy, model_id: str, submitted: float) -> Classification:
