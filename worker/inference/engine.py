@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -115,14 +116,14 @@ class Engine:
         self.prefix_ids = self.encode(self.builder.prefix)
         self.labels = self.taxonomy.labels
         probe = self.builder.suffix("probe") + INTENT_OPENING
-        self.label_ids = [self._continuation(probe, label + '"') for label in self.labels]
+        self.label_ids = self._label_continuations(probe, self.labels)
         self.priority_ids: list[list[int]] = []
         self.priority_opening_ids: list[int] = []
         if self.taxonomy.prompt.score_priority:
             with_label = probe + self.labels[0] + '"'
             self.priority_opening_ids = self._continuation(with_label, PRIORITY_OPENING[1:])
             opened = with_label + PRIORITY_OPENING[1:]
-            self.priority_ids = [self._continuation(opened, p + '"') for p in self.taxonomy.priorities]
+            self.priority_ids = self._label_continuations(opened, self.taxonomy.priorities)
         self.schema = json.dumps(self.taxonomy.json_schema())
         longest = max(len(label) for label in self.labels) + max(len(p) for p in self.taxonomy.priorities)
         # Every token is at least one byte and the answer is ASCII-only JSON of known length: a bound on
@@ -217,6 +218,22 @@ class Engine:
                 "with this model's tokenizer; rename it"
             )
         return joined[len(base) :]
+
+    def _label_continuations(self, before: str, labels: Sequence[str]) -> list[list[int]]:
+        """The token sequences scored for each label after `before`.
+
+        When the labels' own tokens form a prefix-free set (no label's tokens start another's, as with one
+        token per intent), each sequence is a distinct event and needs no closing quote: single-token labels
+        are then scored in one step. Otherwise the closing quote ends each label, so that `card` is not
+        credited with the probability of `card_arrival`.
+        """
+        quoted = [self._continuation(before, label + '"') for label in labels]
+        bare = [self._continuation(before, label) for label in labels]
+        clean_cut = all(q[: len(b)] == b and len(q) > len(b) for q, b in zip(quoted, bare, strict=True))
+        prefix_free = not any(
+            i != j and a == b[: len(a)] for i, a in enumerate(bare) for j, b in enumerate(bare)
+        )
+        return bare if clean_cut and prefix_free else quoted
 
     def _check_split(self) -> None:
         for ticket in ("Where is my card?", "x", " leading space", "ünïcödé 日本 🙂"):
