@@ -97,6 +97,17 @@ class _Summary:
         )
 
 
+_TOPIC_READY_TIMEOUT_S = 30.0
+# Errors of a topic created a moment ago, before its partitions have a leader.
+_LEADER_PENDING = frozenset(
+    {
+        confluent_kafka.KafkaError.NOT_LEADER_FOR_PARTITION,
+        confluent_kafka.KafkaError.LEADER_NOT_AVAILABLE,
+        confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART,
+    }
+)
+
+
 def demo(args: argparse.Namespace) -> int:
     given = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     broker: local_broker.LocalBroker | None = None
@@ -196,12 +207,28 @@ def _viewer(settings: Settings) -> confluent_kafka.Consumer:
     for topic in (settings.topics.output, settings.topics.dead_letter):
         metadata = consumer.list_topics(topic, timeout=15).topics[topic]
         for partition in metadata.partitions:
-            _, high = consumer.get_watermark_offsets(
-                confluent_kafka.TopicPartition(topic, partition), timeout=15
-            )
+            high = _end_offset(consumer, confluent_kafka.TopicPartition(topic, partition))
             partitions.append(confluent_kafka.TopicPartition(topic, partition, high))
     consumer.assign(partitions)
     return consumer
+
+
+def _end_offset(consumer: confluent_kafka.Consumer, partition: confluent_kafka.TopicPartition) -> int:
+    """The partition's end offset, retried while a just-created topic has no leader yet."""
+    give_up = time.monotonic() + _TOPIC_READY_TIMEOUT_S
+    while True:
+        try:
+            _, high = consumer.get_watermark_offsets(partition, timeout=5)
+            return int(high)
+        except confluent_kafka.KafkaException as error:
+            if not error.args[0].retriable() and error.args[0].code() not in _LEADER_PENDING:
+                raise
+            if time.monotonic() > give_up:
+                raise UserError(
+                    f"topic {partition.topic} has no leader after {_TOPIC_READY_TIMEOUT_S:.0f} s: "
+                    f"{error.args[0].str()}"
+                ) from None
+            time.sleep(0.2)
 
 
 def _start_worker(args: argparse.Namespace, bootstrap: str, log_path: Path) -> subprocess.Popen[bytes]:
