@@ -1,6 +1,8 @@
 # Two commands for a new machine: `make setup` (once) and `make test`. Everything else builds on them.
 # Needs Python 3.11+, and for the local Kafka broker Java 17+ and Maven (jars come from Maven Central).
 
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -10,8 +12,9 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	&& { echo $$p; break; }; done)
 PORT ?= 9092
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
-.PHONY: setup kafka-jars broker-start broker-stop broker-status test lint
+.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench eval model
 
 setup: $(STAMP)
 
@@ -35,6 +38,11 @@ broker-stop: setup
 broker-status: setup
 	$(BIN)/triage-worker broker status
 
+# The main demo: local broker (unless KAFKA_BOOTSTRAP_SERVERS is set), topics, the worker with the embedded
+# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything.
+run: setup kafka-jars
+	$(BIN)/triage-worker demo $(RUN_ARGS)
+
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one.
 test: setup kafka-jars
 	$(BIN)/pytest $(PYTEST_ARGS)
@@ -43,3 +51,21 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict worker
+
+# Optional extras, each installed once into the same venv (torch only for `model`, scikit-learn for `eval`).
+$(VENV)/.extra-%: $(STAMP)
+	$(BIN)/pip install --disable-pip-version-check -e '.[$*]'
+	touch $@
+
+# Inference design figures (ratios against a baseline of the same run), written to results/.
+bench: setup
+	mkdir -p results
+	$(BIN)/python tools/bench_inference.py --json results/bench-inference.json | tee results/bench-inference.txt
+
+# The embedded model against TF-IDF baselines on BANKING77 test.csv, written to results/eval.md and .json.
+eval: $(VENV)/.extra-eval
+	$(BIN)/triage-worker model eval --out results
+
+# Rebuilds models/triage-mini from data/banking77 (about 30 minutes on 2 cores; needs torch).
+model: $(VENV)/.extra-export
+	$(BIN)/triage-worker model train
