@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.replay_command",
     "worker.ops.broker_command",
     "worker.ops.config_command",
+    "worker.ops.model_command",
 )
 
 

@@ -1,0 +1,191 @@
+"""`triage-worker model ...`: build ORT GenAI model folders.
+
+`model train` rebuilds the embedded model `models/triage-mini` from BANKING77 (tools/train_triage_mini.py,
+also the `export` extra) and `model eval` measures a model on BANKING77's test split next to classical
+baselines (worker/ops/evaluation.py; scikit-learn from the `eval` extra).
+
+`model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
+template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline. It needs torch,
+transformers and onnx, which are never runtime dependencies: they come with the optional `export` extra and
+are imported only by the builder, in a child process, so the worker itself never loads them.
+
+Each `model` sub-command registers itself in `register` below; more are added there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from rich.console import Console
+
+from worker.config import add_config_argument, settings_from_args
+from worker.errors import UserError
+
+Precision = Literal["int4", "int8", "fp16", "fp32"]
+_EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
+# Files the builder does not know about but the worker reads from a model folder.
+_CARRIED_FILES = ("taxonomy.toml",)
+_REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = _REPO / "tools" / "train_triage_mini.py"
+BANKING77 = _REPO / "data" / "banking77"
+
+
+def export_model(
+    hf_dir: Path, out_dir: Path, precision: Precision = "int4", provider: str = "cpu", quiet: bool = False
+) -> None:
+    """Run the ORT GenAI builder on `hf_dir`, writing the model folder to `out_dir`.
+
+    The builder runs as `python -m onnxruntime_genai.models.builder` (its documented interface) with this
+    interpreter; its cache goes to a temporary folder so nothing is left behind in the working directory.
+    """
+    missing = [name for name in _EXPORT_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"model export needs {', '.join(missing)}: pip install 'triage-worker[export]'")
+    if not (hf_dir / "config.json").is_file():
+        raise UserError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="triage-export-") as cache:
+        command = [
+            sys.executable, "-m", "onnxruntime_genai.models.builder",
+            "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", provider, "-c", cache,
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=quiet, text=True, check=False)
+    if result.returncode != 0:
+        detail = (result.stderr or "").strip().splitlines()[-1:] if quiet else []
+        raise UserError(f"model builder failed (exit {result.returncode}) {' '.join(detail)}".strip())
+    for name in _CARRIED_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out_dir / name)
+
+
+def _export(args: argparse.Namespace) -> int:
+    export_model(Path(args.hf_dir), Path(args.out), args.precision, args.provider)
+    print(f"exported {args.hf_dir} -> {args.out} ({args.precision}, {args.provider})")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    """Run the training script with this interpreter; it needs the repository checkout (data, tools)."""
+    if not TRAIN_SCRIPT.is_file():
+        raise UserError(f"model train needs the repository checkout: {TRAIN_SCRIPT} not found")
+    missing = [name for name in (*_EXPORT_MODULES, "tokenizers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[export]'")
+    forwarded = []
+    for option in ("data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed"):
+        value = getattr(args, option)
+        if value is not None:
+            forwarded += [f"--{option.replace('_', '-')}", str(value)]
+    return subprocess.run([sys.executable, str(TRAIN_SCRIPT), *forwarded], check=False).returncode
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Evaluate the model in each mode and the baselines; print the table and write the results files."""
+    from worker.ops import evaluation
+
+    overrides = {
+        "inference.model": args.model,
+        "inference.taxonomy": args.taxonomy,
+        "pipeline.deadline_ms": args.deadline_ms,
+    }
+    settings = settings_from_args(args, overrides)
+    modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in ("score", "generate")]
+    if unknown:
+        raise UserError(f"--modes: unknown mode {unknown[0]!r} (score, generate)")
+    console = Console(stderr=True, soft_wrap=True)
+    taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
+    data = Path(args.data)
+    test = evaluation.read_examples(data / "test.csv", taxonomy)
+    train = evaluation.read_examples(data / "train.csv", taxonomy)
+    if args.limit:
+        test = test[:: max(1, len(test) // args.limit)][: args.limit]
+    rows = []
+    model_id = ""
+    for mode in modes:
+        mode_settings = settings_from_args(args, {**overrides, "inference.mode": mode})
+        row, model_id = evaluation.evaluate_model(mode_settings, test, console)
+        rows.append(row)
+        console.print(f"{row.name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
+    if not args.no_baselines:
+        for name, make in evaluation.baselines().items():
+            row = evaluation.evaluate_baseline(name, make, train, test, taxonomy, console)
+            rows.append(row)
+            console.print(f"{name}: accuracy {row.accuracy:.2%}")
+    context = {
+        "command": shlex.join(["triage-worker", "model", "eval", *_eval_argv()]),
+        "model": model_id,
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs, "
+        f"Python {platform.python_version()}",
+        "date": datetime.date.today().isoformat(),
+        "test_tickets": len(test),
+        "train_tickets": len(train),
+        "deadline_ms": settings.pipeline.deadline_ms,
+    }
+    print(evaluation.render_markdown(rows, context))
+    if args.out:
+        markdown, data_file = evaluation.write_results(Path(args.out), rows, context)
+        console.print(f"wrote {markdown} and {data_file}")
+    return 0
+
+
+def _eval_argv() -> list[str]:
+    """The options this run was given, for the results file (empty when called from Python)."""
+    return sys.argv[3:] if sys.argv[1:3] == ["model", "eval"] else []
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    model = subparsers.add_parser("model", help="build ORT GenAI model folders")
+    commands = model.add_subparsers(title="model commands", metavar="COMMAND", required=True)
+
+    export = commands.add_parser(
+        "export",
+        help="convert a local Hugging Face folder to an ORT GenAI folder (needs the `export` extra)",
+    )
+    export.add_argument(
+        "--hf-dir", required=True, help="Hugging Face folder: config.json, weights, tokenizer"
+    )
+    export.add_argument("--out", required=True, help="output ORT GenAI model folder")
+    export.add_argument("--precision", choices=["int4", "int8", "fp16", "fp32"], default="int4")
+    export.add_argument("--provider", choices=["cpu", "cuda", "dml"], default="cpu", help="target provider")
+    export.set_defaults(handler=_export)
+
+    train = commands.add_parser(
+        "train",
+        help="rebuild the embedded model models/triage-mini from BANKING77 (needs the `export` extra)",
+        description="Runs tools/train_triage_mini.py (its --help lists every hyperparameter).",
+    )
+    train.add_argument("--data", metavar="DIR", help="BANKING77 folder (default: data/banking77)")
+    train.add_argument("--taxonomy", metavar="FILE", help="taxonomy (default: taxonomies/banking77.toml)")
+    train.add_argument("--out", metavar="DIR", help="model folder to write (default: models/triage-mini)")
+    train.add_argument("--work-dir", metavar="DIR", help="keep the HF folder and every export here")
+    train.add_argument("--max-minutes", type=float, help="training time budget (default 30)")
+    train.add_argument("--epochs", type=int, help="training epochs")
+    train.add_argument("--seed", type=int, help="random seed")
+    train.set_defaults(handler=_train)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="measure a model on BANKING77 test.csv next to TF-IDF baselines (needs the `eval` extra)",
+    )
+    evaluate.add_argument("--data", default=str(BANKING77), help="BANKING77 folder (train.csv, test.csv)")
+    evaluate.add_argument("--model", metavar="DIR", help="ORT GenAI model folder (inference.model)")
+    evaluate.add_argument("--taxonomy", metavar="FILE", help="taxonomy TOML (inference.taxonomy)")
+    evaluate.add_argument("--modes", default="score,generate", help="comma-separated: score, generate")
+    evaluate.add_argument("--deadline-ms", type=int, metavar="MS", help="per-ticket deadline")
+    evaluate.add_argument("--limit", type=int, metavar="N", help="an evenly spaced sample of N test tickets")
+    evaluate.add_argument("--no-baselines", action="store_true", help="skip the scikit-learn baselines")
+    evaluate.add_argument("--out", default="results", help="folder for eval.md and eval.json ('' = none)")
+    add_config_argument(evaluate)
+    evaluate.set_defaults(handler=_eval)
