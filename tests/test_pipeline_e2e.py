@@ -254,3 +254,46 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
     assert sum(reasons.values()) == count
     assert set(reasons) <= {"deadline_exceeded", "overloaded"}
     assert all(r.confidence == 0.0 for records in report.results.values() for r in records)
+
+
+def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committed_past(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
+
+    topics = make_topics(unique_topic)
+    # An output topic whose size limit no triage record fits: every produce fails for good (not retriable).
+    topics.output = f"triaged-tiny-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    small = NewTopic(
+        topics.output, num_partitions=3, replication_factor=1, config={"max.message.bytes": "64"}
+    )
+    admin.create_topics([small])[topics.output].result(30)
+    count = 60
+    publish(kafka_bootstrap, topics, count, malformed_ratio=0.0, seed=31)
+    group = _group()
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path)
+    try:
+        failure = worker.wait_for("delivery_failed", timeout=120)
+        time.sleep(3)  # several commit intervals: nothing may be committed past a failed offset
+        assert worker.process.poll() is None, "the worker must keep running"
+        committed = committed_offsets(kafka_bootstrap, group, topics.input)
+        assert all(offset <= 0 for offset in committed.values()), committed
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+    _report("delivery failure", f"{failure['code']}: committed {committed}")
+
+    # The cause fixed, a restarted worker delivers every ticket: nothing was lost.
+    raise_limit = ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource("topic", topics.output, incremental_configs=[raise_limit])
+    admin.incremental_alter_configs([resource])[resource].result(30)
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, name="fixed")
+    try:
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=120, worker=worker)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+    report = audit(kafka_bootstrap, topics)
+    assert len(report.inputs) == count
+    assert report.lost == []
