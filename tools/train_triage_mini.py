@@ -76,9 +76,6 @@ class Hyper:
     label_smoothing: float = 0.1
     aux_lm_weight: float = 0.3
     replace_prob: float = 0.12
-    dropout: float = 0.0
-    ema_decay: float = 0.0
-    teacher_weight: float = 0.0
 
 
 def canonical_label(category: str) -> str:
@@ -165,7 +162,6 @@ class Example:
     ticket: list[int]  # positions of ticket tokens (candidates for random replacement)
     intent_pos: int  # position of the intent token in ids
     label: int  # index of the intent in taxonomy.labels
-    teacher: list[float] | None = None  # a classical model's probabilities over the labels, if distilled
 
 
 def encode_examples(
@@ -205,31 +201,6 @@ def encode_examples(
     return examples
 
 
-def teacher_probabilities(
-    rows: list[tuple[str, str]], builder: PromptBuilder, seed: int
-) -> list[list[float]]:
-    """Out-of-fold label probabilities of a word + char TF-IDF logistic regression for each training
-    ticket (5 folds, so no ticket is scored by a model that saw it). Mixed into the intent target, they
-    teach which intents resemble each other, which a one-hot target cannot; measured on validation this
-    is worth more than uniform label smoothing. Needs scikit-learn."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import StratifiedKFold, cross_val_predict
-    from sklearn.pipeline import make_pipeline, make_union
-
-    features = make_union(
-        TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True),
-        TfidfVectorizer(analyzer="char_wb", ngram_range=(2, 5), sublinear_tf=True),
-    )
-    model = make_pipeline(features, LogisticRegression(C=30.0, max_iter=1000))
-    texts = [builder.prepare(text) for text, _ in rows]
-    labels = builder.taxonomy.labels
-    intents = [labels.index(intent) for _, intent in rows]
-    folds = StratifiedKFold(5, shuffle=True, random_state=seed)
-    probabilities = cross_val_predict(model, texts, intents, cv=folds, method="predict_proba")
-    return [[float(p) for p in row] for row in probabilities]
-
-
 def batches(examples: list[Example], size: int, rng: random.Random) -> list[list[Example]]:
     """Shuffled batches of similar length (less padding), in shuffled order."""
     order = examples[:]
@@ -241,25 +212,6 @@ def batches(examples: list[Example], size: int, rng: random.Random) -> list[list
         grouped.extend(part[i : i + size] for i in range(0, len(part), size))
     rng.shuffle(grouped)
     return grouped
-
-
-def add_residual_dropout(model: Any, rate: float) -> None:
-    """Dropout on each attention and MLP output before it joins the residual stream, active only in
-    training mode. Llama has none of its own, and a model this size overfits 9,000 short tickets without
-    it. Hooks leave the saved weights and the exported graph untouched."""
-    import torch
-
-    functional = torch.nn.functional
-
-    def attention(module: Any, _inputs: Any, output: Any) -> Any:
-        return (functional.dropout(output[0], rate, module.training), *output[1:])
-
-    def mlp(module: Any, _inputs: Any, output: Any) -> Any:
-        return functional.dropout(output, rate, module.training)
-
-    for layer in model.model.layers:
-        layer.self_attn.register_forward_hook(attention)
-        layer.mlp.register_forward_hook(mlp)
 
 
 class Trainer:
@@ -287,8 +239,6 @@ class Trainer:
             torch_dtype="float32",
         )
         self.model = LlamaForCausalLM(self.config)
-        if hyper.dropout > 0:
-            add_residual_dropout(self.model, hyper.dropout)
         self.prefix = torch.tensor([prefix_ids])
         self.pad = special_ids["<|pad|>"]
         self.label_ids = torch.tensor(label_ids)
@@ -325,14 +275,7 @@ class Trainer:
                         noisy[pos] = rng.randrange(*self.normal_ids)
             inputs[row, : len(ids)] = torch.tensor(noisy)
         intent_pos = torch.tensor([e.intent_pos for e in batch])
-        labels = torch.nn.functional.one_hot(
-            torch.tensor([e.label for e in batch]), len(self.label_ids)
-        ).float()
-        smoothing = self.hyper.label_smoothing
-        labels = labels * (1 - smoothing) + smoothing / len(self.label_ids)
-        if self.hyper.teacher_weight > 0 and all(e.teacher is not None for e in batch):
-            teacher = torch.tensor([e.teacher for e in batch])
-            labels = (1 - self.hyper.teacher_weight) * labels + self.hyper.teacher_weight * teacher
+        labels = torch.tensor([e.label for e in batch])
         return inputs, targets, weights, intent_pos, labels
 
     def loss(self, batch: list[Example], rng: random.Random) -> Any:
@@ -353,7 +296,9 @@ class Trainer:
         lm = token_loss[answer].mean() + self.hyper.aux_lm_weight * token_loss[~answer].mean()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             intent_logits = self.model.lm_head(hidden[rows, intent_pos - 1]).float()
-        intent = functional.cross_entropy(intent_logits[:, self.label_ids], labels)
+        intent = functional.cross_entropy(
+            intent_logits[:, self.label_ids], labels, label_smoothing=self.hyper.label_smoothing
+        )
         return lm + intent
 
     def predict(self, examples: list[Example]) -> list[int]:
@@ -400,10 +345,6 @@ class Trainer:
             return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-        # An exponential moving average of the weights (when ema_decay > 0) is what gets validated and
-        # kept: averaging over the last few hundred steps smooths out the noise of small batches.
-        params = list(self.model.parameters())
-        averaged = [p.detach().clone() for p in params] if hyper.ema_decay > 0 else None
         started = time.monotonic()
         best: dict[str, Any] = {"val_accuracy": -1.0}
         history = []
@@ -418,12 +359,6 @@ class Trainer:
                 optimizer.step()
                 scheduler.step()
                 step += 1
-                if averaged is not None:
-                    # Early on the average follows the weights closely (the decay ramps up to its value).
-                    decay = min(hyper.ema_decay, (1 + step) / (10 + step))
-                    with torch.no_grad():
-                        for average, param in zip(averaged, params, strict=True):
-                            average.lerp_(param, 1 - decay)
                 running += loss.item()
                 if number % 20 == 0 or number == steps_per_epoch:
                     elapsed = (time.monotonic() - started) / 60
@@ -432,11 +367,6 @@ class Trainer:
                         f"loss {running / number:.3f} {elapsed:.1f} min",
                         end="", flush=True,
                     )  # fmt: skip
-            if averaged is not None:
-                training_weights = [p.detach().clone() for p in params]
-                with torch.no_grad():
-                    for param, average in zip(params, averaged, strict=True):
-                        param.copy_(average)
             predictions = self.predict(val)
             accuracy = sum(p == e.label for p, e in zip(predictions, val, strict=True)) / len(val)
             minutes = (time.monotonic() - started) / 60
@@ -445,10 +375,6 @@ class Trainer:
             if accuracy > best["val_accuracy"]:
                 best = {"epoch": epoch, "val_accuracy": accuracy}
                 state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            if averaged is not None:
-                with torch.no_grad():
-                    for param, weights in zip(params, training_weights, strict=True):
-                        param.copy_(weights)
             if minutes * (epoch + 1) / epoch > max_minutes:
                 print(f"time budget of {max_minutes:.0f} min reached after epoch {epoch}", flush=True)
                 break
@@ -548,13 +474,6 @@ def main(argv: list[str] | None = None) -> int:
     prefix_ids = tokenizer.encode(builder.prefix, add_special_tokens=False).ids
     train = encode_examples(train_rows, builder, tokenizer, label_ids, hyper)
     val = encode_examples(val_rows, builder, tokenizer, label_ids, hyper)
-    if hyper.teacher_weight > 0:
-        started = time.monotonic()
-        for example, probabilities in zip(
-            train, teacher_probabilities(train_rows, builder, hyper.seed), strict=True
-        ):
-            example.teacher = probabilities
-        print(f"teacher probabilities in {(time.monotonic() - started) / 60:.1f} min")
     mean_len = sum(len(e.ids) for e in train) / len(train)
     print(
         f"vocabulary {tokenizer.get_vocab_size()}, prefix {len(prefix_ids)} tokens, "
