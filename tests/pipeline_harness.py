@@ -112,6 +112,7 @@ class Worker:
         args: tuple[str, ...] = (),
     ) -> None:
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
         sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
         command = [
             sys.executable,
@@ -179,6 +180,15 @@ class Worker:
         finally:
             self.kill()
         return code
+
+    def run_to_completion(self, timeout: float) -> None:
+        """Until the group has committed the whole input topic, then a graceful stop that must exit 0;
+        the process is killed whatever happens."""
+        try:
+            wait_until_committed(self._bootstrap, self._group, self._input_topic, timeout, worker=self)
+            assert self.stop() == 0
+        finally:
+            self.kill()
 
     def kill(self) -> None:
         """SIGKILL: the crash path (no flush, no commit, no leaving the group)."""

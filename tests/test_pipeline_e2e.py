@@ -91,11 +91,7 @@ def test_kill_9_at_random_points_loses_nothing(
         finally:
             worker.kill()
     worker = Worker(kafka_bootstrap, topics, group, tmp_path, "final", settings)
-    try:
-        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=240, worker=worker)
-        assert worker.stop() == 0
-    finally:
-        worker.kill()
+    worker.run_to_completion(timeout=240)
 
     report = audit(kafka_bootstrap, topics)
     _report("crash", f"{report.summary()} after {crashes} kill -9")
@@ -240,11 +236,7 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
         "deadline",
         {"pipeline.deadline_ms": "100", "inference.extra_latency_ms": "400"},
     )
-    try:
-        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=180, worker=worker)
-        assert worker.stop() == 0
-    finally:
-        worker.kill()
+    worker.run_to_completion(timeout=180)
 
     report = audit(kafka_bootstrap, topics)
     reasons = report.fallback_reasons
@@ -289,11 +281,7 @@ def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committ
     resource = ConfigResource("topic", topics.output, incremental_configs=[raise_limit])
     admin.incremental_alter_configs([resource])[resource].result(30)
     worker = Worker(kafka_bootstrap, topics, group, tmp_path, name="fixed")
-    try:
-        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=120, worker=worker)
-        assert worker.stop() == 0
-    finally:
-        worker.kill()
+    worker.run_to_completion(timeout=120)
     report = audit(kafka_bootstrap, topics)
     assert len(report.inputs) == count
     assert report.lost == []
