@@ -47,6 +47,20 @@ def test_gate_capacity_never_lets_the_count_pass_the_bound() -> None:
     assert gate.max_seen <= 5
 
 
+def test_gate_pauses_only_when_the_bound_holds_for_pause_after_s() -> None:
+    gate = InFlightGate(max_in_flight=8, resume_below=4, pause_after_s=0.5)
+    assert gate.update(8, now=10.0) is Flow.KEEP  # full: no records taken, but not paused yet ...
+    assert gate.capacity() == 0
+    assert not gate.may_poll()  # ... so the loop must not poll (a poll could hand over records)
+    assert gate.update(7, now=10.2) is Flow.KEEP  # a slot came back: the clock starts again
+    assert gate.may_poll() and gate.capacity() == 1
+    assert gate.update(8, now=10.3) is Flow.KEEP
+    assert gate.update(8, now=10.7) is Flow.KEEP
+    assert gate.update(8, now=10.8) is Flow.PAUSE  # full for 0.5 s: a slow model, pause and keep polling
+    assert gate.may_poll() and gate.capacity() == 0
+    assert gate.update(4, now=11.0) is Flow.RESUME
+
+
 def test_gate_rejects_nonsense_levels() -> None:
     with pytest.raises(ValueError):
         InFlightGate(max_in_flight=4, resume_below=4)

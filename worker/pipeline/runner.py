@@ -9,9 +9,10 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 4. hands waiting tickets to the pool, at most `dispatch_window` at a time (the rest wait here, where their
    deadline is watched);
 5. commits the highest contiguous done offset + 1 of each partition (periodically, or early when done work
-   piles up), asynchronously;
-6. pauses every assigned partition at `max_in_flight` and resumes below the low-water mark, but *always*
-   polls, so the group never evicts the worker however slow the model is;
+   fills half of the bound) on the committer's thread, and applies the outcomes of earlier commits;
+6. at `max_in_flight` stops polling while a commit frees slots; when the bound holds for longer (a slow
+   model) pauses every assigned partition and polls again, so the group never evicts the worker however
+   slow the model is; resumes below the low-water mark;
 7. polls a batch no larger than the free capacity, decodes it, dead-letters what is not a ticket and queues
    the rest with its deadline.
 
@@ -53,6 +54,7 @@ from worker.inference.prompt import ticket_text
 from worker.kafka.clients import ClientErrorLog, consumer_config, create_consumer, create_producer
 from worker.kafka.dead_letters import dead_letter_headers
 from worker.messages import FallbackReason, Priority, SourcePosition, TicketEvent
+from worker.pipeline.committer import Committer
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
 from worker.pipeline.metrics import PipelineMetrics
@@ -70,8 +72,11 @@ _log = structlog.get_logger("worker.pipeline")
 # While work is in flight the loop waits at most this long on any one queue, so that delivery reports,
 # commit confirmations and model answers are all picked up promptly.
 _BUSY_WAIT_S = 0.01
-# An asynchronous commit whose confirmation has not come back after this long no longer holds back the next.
-_COMMIT_STALE_S = 10.0
+# How long the bound may hold before the partitions are paused. Shorter pauses cost more than they save:
+# librdkafka refetches a resumed partition only about a second later. Longer delays rebalance callbacks.
+_FULL_BEFORE_PAUSE_S = 0.5
+# The longest a background commit holds back polling (see `_may_poll`).
+_COMMIT_BEFORE_POLL_S = 1.0
 
 Headers = list[tuple[str, bytes | None]]
 
@@ -131,9 +136,8 @@ class Pipeline:
         self._pipeline = settings.pipeline
         self._topics = settings.topics
         self._error_log = ClientErrorLog("worker")
-        self._consumer = create_consumer(
-            settings, on_error=self.on_client_error, on_commit=self.on_commit, logger=client_logger
-        )
+        self._consumer = create_consumer(settings, on_error=self.on_client_error, logger=client_logger)
+        self._committer = Committer(self._consumer)
         self._producer = create_producer(settings, on_error=self.on_client_error, logger=client_logger)
         self._classifier = classifier
         self._fallback = fallback
@@ -142,7 +146,9 @@ class Pipeline:
         self._clock = clock
         self._cooperative = "cooperative" in consumer_config(settings)["partition.assignment.strategy"]
         self._tracker = OffsetTracker()
-        self._gate = InFlightGate(self._pipeline.max_in_flight, self._pipeline.resume_threshold)
+        self._gate = InFlightGate(
+            self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
+        )
         self.metrics = PipelineMetrics()
         self._queue: collections.deque[_Work] = collections.deque()
         self._at_model: dict[int, _Work] = {}
@@ -158,7 +164,6 @@ class Pipeline:
         self._fatal: str | None = None
         now = clock()
         self._last_commit = now
-        self._commit_sent_at: float | None = None
         self._last_metrics = now
 
     # -- public ---------------------------------------------------------------------------------------------
@@ -202,23 +207,40 @@ class Pipeline:
 
     def _turn(self) -> None:
         self._service(wait_s=0.0)
-        capacity = self._gate.capacity()
         busy = bool(self._at_model)
-        idle = not busy and len(self._tracker) == 0 and self._orphans == 0
-        wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
-        # Even with no capacity (partitions paused) the consumer is polled: that keeps the member alive.
-        messages = self._consumer.consume(
-            num_messages=max(1, min(self._pipeline.poll_batch_size, capacity)),
-            timeout=0.0 if busy else wait_s,
-        )
-        self._take(messages)
+        if self._may_poll():
+            idle = not busy and len(self._tracker) == 0 and self._orphans == 0
+            wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
+            # With partitions paused (no capacity) the poll only serves callbacks and keeps the member alive.
+            messages = self._consumer.consume(
+                num_messages=max(1, min(self._pipeline.poll_batch_size, self._gate.capacity())),
+                timeout=0.0 if busy else wait_s,
+            )
+            self._take(messages)
+        elif not busy:
+            # Nothing at the model: slots come back with the commit on its way or with delivery reports.
+            if self._committer.busy:
+                self._committer.wait_idle(_BUSY_WAIT_S)
+            else:
+                self._producer.poll(_BUSY_WAIT_S)
         if busy:
-            self._collect(wait_s)
+            self._collect(_BUSY_WAIT_S)
         self._maybe_log_metrics()
+
+    def _may_poll(self) -> bool:
+        """Poll when the gate allows it (room for records, or partitions paused) and no background commit is
+        on its way. Rebalance callbacks run inside a poll, and a commit from another thread waits until they
+        return, so it could land after the revoke's own commit and move the position back. A commit that
+        has been on its way for long (a broker outage) stops holding polls back, to keep the member alive.
+        """
+        if self._committer.busy_for() < _COMMIT_BEFORE_POLL_S:
+            return False
+        return self._gate.may_poll()
 
     def _service(self, wait_s: float) -> None:
         """Everything but polling the consumer: reports, answers, expiry, dispatch, commit, flow control."""
         self._producer.poll(0)
+        self._apply_commit_outcomes()
         self._collect(wait_s)
         self._expire_queued()
         self._dispatch()
@@ -409,9 +431,9 @@ class Pipeline:
     # -- commits --------------------------------------------------------------------------------------------
 
     def _maybe_commit(self) -> None:
+        if self._committer.busy:
+            return  # one commit at a time: that also caps the rate at one per broker round trip
         now = self._clock()
-        if self._commit_sent_at is not None and now - self._commit_sent_at < _COMMIT_STALE_S:
-            return
         due = now - self._last_commit >= self._pipeline.commit_interval_ms / 1000.0
         # Done but uncommitted work holds in-flight slots: commit early when it fills half of them.
         crowded = self._tracker.uncommitted_done() * 2 >= self._pipeline.max_in_flight
@@ -425,27 +447,30 @@ class Pipeline:
             state = self._tracker.get(key)
             if state is not None:
                 state.commit_requested(position)
-        self._commit_sent_at = now
-        self._consumer.commit(offsets=_topic_partitions(positions), asynchronous=True)
+        self._committer.submit(positions)
 
-    def on_commit(self, error: confluent_kafka.KafkaError | None, partitions: list[Any]) -> None:
-        """commit_cb of the consumer: confirmed positions release their offsets (and in-flight slots)."""
-        self._commit_sent_at = None
-        for tp in partitions:
-            state = self._tracker.get((tp.topic, tp.partition))
-            if state is None or tp.offset < 0:
-                continue
-            if error is not None or tp.error is not None:
-                state.commit_failed(tp.offset)
-            else:
-                self.metrics.committed += state.committed(tp.offset)
-        if error is not None and error.code() != confluent_kafka.KafkaError._NO_OFFSET:
-            self.metrics.commit_failed += 1
-            _log.warning("commit_failed", code=error.name(), reason=error.str())
-        self._update_gauge()
+    def _apply_commit_outcomes(self) -> None:
+        """Confirmed positions release their offsets (and in-flight slots); failed ones may be sent again."""
+        outcomes = self._committer.results()
+        for outcome in outcomes:
+            for key, position in outcome.confirmed.items():
+                if (state := self._tracker.get(key)) is not None:
+                    self.metrics.committed += state.committed(position)
+            for key, position in outcome.failed.items():
+                if (state := self._tracker.get(key)) is not None:
+                    state.commit_failed(position)
+            if outcome.failed:
+                self.metrics.commit_failed += 1
+                _log.warning("commit_failed", reason=outcome.error, partitions=_names(set(outcome.failed)))
+        if outcomes:
+            self._update_gauge()
 
     def _commit_now(self, states: Sequence[PartitionOffsets]) -> None:
-        """Synchronous commit of the done prefix of `states` (on revoke and at shutdown)."""
+        """Synchronous commit of the done prefix of `states` on this thread (on revoke and at shutdown).
+
+        Not through the committer: inside a rebalance callback only this thread's commit goes through.
+        """
+        self._apply_commit_outcomes()
         positions = {state.key: pos for state in states if (pos := state.position) is not None}
         if not positions:
             return
@@ -465,7 +490,7 @@ class Pipeline:
     # -- flow control ---------------------------------------------------------------------------------------
 
     def _update_gauge(self) -> None:
-        flow = self._gate.update(len(self._tracker) + self._orphans)
+        flow = self._gate.update(len(self._tracker) + self._orphans, self._clock())
         self.metrics.in_flight = self._gate.in_flight
         self.metrics.in_flight_max = self._gate.max_seen
         self.metrics.paused = self._gate.paused
@@ -604,7 +629,10 @@ class Pipeline:
         unfinished = len(self._queue) + len(self._at_model)
         remaining = max(0.0, limit - self._clock())
         not_flushed = self._producer.flush(remaining) if self._fatal is None else len(self._producer)
+        # The last background commit must land before the final one, never after it.
+        self._committer.wait_idle(max(0.0, limit - self._clock()))
         self._commit_now(list(self._tracker))
+        self._committer.close()
         self._consumer.close()
         self._log_metrics("final")
         if self._fatal is not None:

@@ -1,0 +1,110 @@
+"""Offset commits on a thread of their own, so that their confirmations never depend on polling the consumer.
+
+A confirmed commit is what frees in-flight slots (see `offsets.py`). An asynchronous commit's confirmation
+is only delivered inside `consumer.consume()`, and a consume call hands over records too: at the in-flight
+bound the loop would have to pause its partitions to poll safely, and librdkafka restarts a resumed
+partition's fetcher only at its broker thread's next wake-up, about a second later (measured here: 950 ms).
+With a model faster than that, every pause/resume cycle left the model idle for most of a second. Here a
+blocking commit runs on this thread and the loop picks up its outcome with `results()`, so the loop can wait
+for free slots without polling, and pauses only when the bound holds for long (a slow model).
+
+Contract: at most one commit is outstanding (`busy`); `submit` while busy is a programming error. The loop
+owns the offset tracker, so outcomes are only *reported* here and applied by the loop. A commit from this
+thread waits while the loop is inside a rebalance callback (measured: it only completes once the callback
+returns), so the loop does not poll while a commit is on its way, and commits on revoke from its own thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import confluent_kafka
+
+from worker.pipeline.offsets import TopicPartitionKey
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """What the broker said about one commit: the positions it confirmed, and those it did not."""
+
+    confirmed: dict[TopicPartitionKey, int]
+    failed: dict[TopicPartitionKey, int]
+    error: str | None = None
+
+
+class Committer:
+    """Runs `consumer.commit(..., asynchronous=False)` on a daemon thread, one commit at a time."""
+
+    def __init__(self, consumer: confluent_kafka.Consumer) -> None:
+        self._consumer = consumer
+        self._requests: queue.SimpleQueue[dict[TopicPartitionKey, int] | None] = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue[CommitOutcome] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._submitted_at = 0.0
+        self._thread = threading.Thread(target=self._serve, name="offset-committer", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """A commit was submitted and its outcome has not been produced yet."""
+        return not self._idle.is_set()
+
+    def busy_for(self) -> float:
+        """Seconds since the outstanding commit was submitted; infinity when none is outstanding."""
+        return time.monotonic() - self._submitted_at if self.busy else float("inf")
+
+    def submit(self, positions: dict[TopicPartitionKey, int]) -> None:
+        """Commit `positions` (next offset to read, per partition) in the background."""
+        if self.busy:
+            raise RuntimeError("a commit is already outstanding")
+        self._submitted_at = time.monotonic()
+        self._idle.clear()
+        self._requests.put(positions)
+
+    def results(self) -> list[CommitOutcome]:
+        """Outcomes that arrived since the last call (never blocks)."""
+        outcomes = []
+        while True:
+            try:
+                outcomes.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return outcomes
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until the outstanding commit (if any) has its outcome; False when it is still running."""
+        return self._idle.wait(max(0.0, timeout))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the outstanding commit; call before closing the consumer."""
+        self._requests.put(None)
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while (positions := self._requests.get()) is not None:
+            try:
+                self._outcomes.put(self._commit(positions))
+            finally:
+                self._idle.set()
+
+    def _commit(self, positions: dict[TopicPartitionKey, int]) -> CommitOutcome:
+        offsets = [confluent_kafka.TopicPartition(t, p, position) for (t, p), position in positions.items()]
+        try:
+            answered = self._consumer.commit(offsets=offsets, asynchronous=False) or []
+        except confluent_kafka.KafkaException as problem:
+            return CommitOutcome(confirmed={}, failed=dict(positions), error=_describe(problem))
+        confirmed = {
+            (tp.topic, tp.partition): tp.offset for tp in answered if tp.error is None and tp.offset >= 0
+        }
+        failed = {key: position for key, position in positions.items() if key not in confirmed}
+        return CommitOutcome(confirmed=confirmed, failed=failed)
+
+
+def _describe(problem: confluent_kafka.KafkaException) -> str:
+    error = problem.args[0] if problem.args else None
+    if isinstance(error, confluent_kafka.KafkaError):
+        return f"{error.name()}: {error.str()}"
+    return str(problem)
