@@ -15,8 +15,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from worker.classification import ClassifyRequest
 from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
-from worker.inference.engine import ClassifyRequest, Engine
+from worker.inference.engine import Engine
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import TriageResult
 from worker.ops.cli import main

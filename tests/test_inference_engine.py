@@ -12,9 +12,10 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 
+from worker.classification import ClassifyRequest
 from worker.config import InferenceSettings
 from worker.errors import UserError
-from worker.inference.engine import ClassifyRequest, Context, Engine, log_softmax
+from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.records import encode_result, triage_result

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from worker.classification import Classification, ClassifyRequest
 from worker.config import InferenceSettings
-from worker.inference.engine import Classification, ClassifyRequest
 from worker.inference.pool import ClassifierPool, ProcessPool, open_pool
 
 TINY = Path(__file__).parent / "models" / "tiny"

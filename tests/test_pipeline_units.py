@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 
 import msgspec
 import pytest
 
+from worker.classification import Classification, FallbackLabel, fallback_answer
 from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
 from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.deadlines import DEADLINE_METADATA_KEY, ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
-from worker.pipeline.records import encode_result, fallback_result, result_key, triage_result
+from worker.pipeline.records import encode_result, result_key, triage_result
 
 # -- in-flight gate -------------------------------------------------------------------------------------
 
@@ -96,24 +99,21 @@ def test_unusable_requested_deadlines_are_ignored(text: str) -> None:
 # -- records --------------------------------------------------------------------------------------------
 
 
-class _Answer(msgspec.Struct, frozen=True):
-    intent: str = "card_arrival"
-    priority: str = "Low"
-    confidence: float = 0.75
-    scores: dict[str, float] = msgspec.field(default_factory=lambda: {"card_arrival": 0.75})
-    model: str = "tiny@1"
-    latency_ms: float = 12.5
-    truncated: bool = True
-    fallback: bool = False
-    fallback_reason: None = None
-
-
 EVENT = TicketEvent(ticket_id="T-1", body="Where is my card?")
 SOURCE = SourcePosition(topic="tickets.raw", partition=2, offset=41)
 
 
 def test_result_record_round_trips_as_a_valid_triage_result() -> None:
-    result = triage_result(EVENT, _Answer(), SOURCE)  # type: ignore[arg-type]
+    answer = Classification(
+        intent="card_arrival",
+        priority="Low",
+        confidence=0.75,
+        scores={"card_arrival": 0.75},
+        model="tiny@1",
+        latency_ms=12.5,
+        truncated=True,
+    )
+    result = triage_result(EVENT, answer, SOURCE)
     decoded = msgspec.json.decode(encode_result(result), type=TriageResult)
     assert decoded.ticket_id == "T-1"
     assert decoded.intent == "card_arrival"
@@ -123,7 +123,8 @@ def test_result_record_round_trips_as_a_valid_triage_result() -> None:
 
 
 def test_overloaded_fallback_does_not_claim_confidence() -> None:
-    result = fallback_result(EVENT, "overloaded", "unclassified", "Medium", "tiny@1", 2500.0, SOURCE)
+    answer = fallback_answer("overloaded", FallbackLabel("unclassified", "Medium"), "tiny@1", 2500.0)
+    result = triage_result(EVENT, answer, SOURCE)
     decoded = msgspec.json.decode(encode_result(result), type=TriageResult)
     assert decoded.fallback is True
     assert decoded.fallback_reason == "overloaded"
@@ -168,3 +169,16 @@ def test_options_the_pipeline_relies_on_cannot_be_weakened(variable: str, value:
     with pytest.raises(UserError, match="must be"):
         consumer_config(settings)
         producer_config(settings)
+
+
+# -- rooms ----------------------------------------------------------------------------------------------
+
+
+def test_the_pipeline_imports_without_onnxruntime_genai() -> None:
+    """The pipeline talks to the inference room through `worker.classification` only."""
+    code = (
+        "import sys; sys.modules['onnxruntime_genai'] = None\n"  # any import of it now fails
+        "import worker.pipeline.runner, worker.pipeline.committer, worker.kafka.clients\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert completed.returncode == 0, completed.stderr

@@ -25,9 +25,10 @@ sys.path.insert(0, str(REPO))
 
 import onnxruntime_genai as og  # noqa: E402
 
+from worker.classification import ClassifyRequest  # noqa: E402
 from worker.config import InferenceSettings  # noqa: E402
 from worker.inference.batch import BatchRunner  # noqa: E402
-from worker.inference.engine import ClassifyRequest, Engine  # noqa: E402
+from worker.inference.engine import Engine  # noqa: E402
 from worker.inference.pool import open_pool  # noqa: E402
 
 TICKETS = [

@@ -17,13 +17,8 @@ import numpy as np
 import onnxruntime_genai as og
 import structlog
 
-from worker.inference.engine import (
-    Classification,
-    ClassifyRequest,
-    Engine,
-    InvalidOutput,
-    log_softmax,
-)
+from worker.classification import Classification, ClassifyRequest
+from worker.inference.engine import Engine, InvalidOutput, log_softmax
 from worker.messages import FallbackReason
 
 log = structlog.get_logger(__name__)

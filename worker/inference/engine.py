@@ -30,6 +30,7 @@ import numpy.typing as npt
 import onnxruntime_genai as og
 import structlog
 
+from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.loading import load_model, model_dir, model_id, resolve_taxonomy
@@ -48,29 +49,6 @@ _SLEEP_SLICE_S = 0.005
 
 Mode = Literal["score", "generate"]
 FloatArray = npt.NDArray[np.float64]
-
-
-class ClassifyRequest(msgspec.Struct, frozen=True, array_like=True):
-    """One ticket to classify; `deadline` is an absolute `time.monotonic()` value (system-wide on Linux,
-    so it means the same instant in a worker process)."""
-
-    request_id: int
-    text: str
-    deadline: float
-
-
-class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """The engine's answer for one ticket: a classification, or a fallback with its reason."""
-
-    intent: str
-    priority: Priority
-    confidence: float
-    scores: dict[str, float]
-    model: str
-    latency_ms: float
-    truncated: bool
-    fallback: bool = False
-    fallback_reason: FallbackReason | None = None
 
 
 class _Answer(msgspec.Struct, forbid_unknown_fields=True):
@@ -166,17 +144,8 @@ class Engine:
         return params
 
     def fallback(self, reason: FallbackReason, started: float, truncated: bool = False) -> Classification:
-        return Classification(
-            intent=self.taxonomy.fallback_intent,
-            priority=self.taxonomy.fallback_priority,
-            confidence=0.0,
-            scores={},
-            model=self.model_id,
-            latency_ms=max(0.0, (time.monotonic() - started) * 1000.0),
-            truncated=truncated,
-            fallback=True,
-            fallback_reason=reason,
-        )
+        latency_ms = (time.monotonic() - started) * 1000.0
+        return fallback_answer(reason, self.taxonomy.fallback_label, self.model_id, latency_ms, truncated)
 
     def decode(self, tokens: list[int]) -> str:
         text: str = self.tokenizer.decode(tokens)

@@ -36,12 +36,12 @@ from types import TracebackType
 import msgspec
 import structlog
 
+from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.config import InferenceSettings, LogSettings, PoolKind
 from worker.errors import UserError
-from worker.inference.engine import Classification, ClassifyRequest, Context, Engine
+from worker.inference.engine import Context, Engine
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import max_ticket_chars
-from worker.inference.taxonomy import Taxonomy
 
 log = structlog.get_logger(__name__)
 
@@ -352,7 +352,9 @@ class ProcessPool(ClassifierPool):
             lost_requests=len(worker.in_flight),
         )
         for request_id, (_, submitted) in worker.in_flight.items():
-            results.append((request_id, _model_error(self._taxonomy, self.model_id, submitted)))
+            latency_ms = (time.monotonic() - submitted) * 1000.0
+            answer = fallback_answer("model_error", self._taxonomy.fallback_label, self.model_id, latency_ms)
+            results.append((request_id, answer))
         worker.in_flight.clear()
         worker.outbox.put(None)
         worker.conn.close()
@@ -361,20 +363,6 @@ class ProcessPool(ClassifierPool):
         # until its model is loaded. (Reading it from another thread would race poll() on the same pipe.)
         self._workers[index] = self._spawn()
         return results
-
-
-def _model_error(taxonomy: Taxonomy, model_id: str, submitted: float) -> Classification:
-    return Classification(
-        intent=taxonomy.fallback_intent,
-        priority=taxonomy.fallback_priority,
-        confidence=0.0,
-        scores={},
-        model=model_id,
-        latency_ms=max(0.0, (time.monotonic() - submitted) * 1000.0),
-        truncated=False,
-        fallback=True,
-        fallback_reason="model_error",
-    )
 
 
 class _suppress:

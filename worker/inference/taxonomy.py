@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from worker.classification import FallbackLabel
 from worker.errors import UserError
 from worker.messages import PRIORITIES, Priority
 
@@ -56,6 +57,10 @@ class Taxonomy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def labels(self) -> tuple[str, ...]:
         """Intent names in file order: the closed label set of `score` mode and the schema's enum."""
         return tuple(intent.name for intent in self.intents)
+
+    @property
+    def fallback_label(self) -> FallbackLabel:
+        return FallbackLabel(self.fallback_intent, self.fallback_priority)
 
     def policy_priority(self, intent: str) -> Priority:
         """The priority the taxonomy assigns to an intent (fallback priority for unknown names)."""

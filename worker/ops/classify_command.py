@@ -19,9 +19,10 @@ import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from worker.classification import Classification, ClassifyRequest
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
-from worker.inference.engine import Classification, ClassifyRequest, Engine
+from worker.inference.engine import Engine
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.prompt import ticket_text
 from worker.messages import SourcePosition, TicketEvent, TriageResult

@@ -25,9 +25,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from worker.classification import ClassifyRequest
 from worker.config import Settings
 from worker.errors import UserError
-from worker.inference.engine import ClassifyRequest
 from worker.inference.loading import resolve_taxonomy as resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.taxonomy import Taxonomy

@@ -28,7 +28,7 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
 from worker.kafka.clients import producer_config
 from worker.ops.logs import configure_logging, librdkafka_logger
-from worker.pipeline.runner import Fallback, Pipeline
+from worker.pipeline.runner import Pipeline
 
 _log = structlog.get_logger("worker.run")
 
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         pipeline = Pipeline(
             settings,
             pool,
-            Fallback(taxonomy.fallback_intent, taxonomy.fallback_priority),
+            taxonomy.fallback_label,
             dispatch_window=dispatch_window(settings),
             metrics_interval_s=args.metrics_interval,
             client_logger=librdkafka_logger(),

@@ -7,43 +7,13 @@ ticket — and, with a customer key, about one customer — lands in the same ou
 from __future__ import annotations
 
 import datetime
-from typing import Protocol
 
 import msgspec
 
-from worker.messages import (
-    SCHEMA_VERSION,
-    FallbackReason,
-    Priority,
-    SourcePosition,
-    TicketEvent,
-    TriageResult,
-)
+from worker.classification import Classification
+from worker.messages import SCHEMA_VERSION, SourcePosition, TicketEvent, TriageResult
 
 _ENCODER = msgspec.json.Encoder()
-
-
-class ClassificationLike(Protocol):
-    """The fields of the inference engine's answer that go into a TriageResult."""
-
-    @property
-    def intent(self) -> str: ...
-    @property
-    def priority(self) -> Priority: ...
-    @property
-    def confidence(self) -> float: ...
-    @property
-    def scores(self) -> dict[str, float]: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def latency_ms(self) -> float: ...
-    @property
-    def truncated(self) -> bool: ...
-    @property
-    def fallback(self) -> bool: ...
-    @property
-    def fallback_reason(self) -> FallbackReason | None: ...
 
 
 def utc_timestamp(moment: datetime.datetime | None = None) -> str:
@@ -52,8 +22,8 @@ def utc_timestamp(moment: datetime.datetime | None = None) -> str:
     return when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def triage_result(event: TicketEvent, answer: ClassificationLike, source: SourcePosition) -> TriageResult:
-    """The output record for a ticket the engine answered (its answer may itself be a fallback)."""
+def triage_result(event: TicketEvent, answer: Classification, source: SourcePosition) -> TriageResult:
+    """The output record for one answered ticket (the answer may itself be a fallback)."""
     return TriageResult(
         schema_version=SCHEMA_VERSION,
         ticket_id=event.ticket_id,
@@ -68,33 +38,6 @@ def triage_result(event: TicketEvent, answer: ClassificationLike, source: Source
         classified_at=utc_timestamp(),
         source=source,
         truncated=answer.truncated,
-    )
-
-
-def fallback_result(
-    event: TicketEvent,
-    reason: FallbackReason,
-    intent: str,
-    priority: Priority,
-    model: str,
-    latency_ms: float,
-    source: SourcePosition,
-) -> TriageResult:
-    """A fallback record made without the model (e.g. `overloaded`: the deadline passed while queued)."""
-    return TriageResult(
-        schema_version=SCHEMA_VERSION,
-        ticket_id=event.ticket_id,
-        intent=intent,
-        priority=priority,
-        confidence=0.0,
-        fallback=True,
-        fallback_reason=reason,
-        scores={},
-        model=model,
-        latency_ms=max(0.0, latency_ms),
-        classified_at=utc_timestamp(),
-        source=source,
-        truncated=False,
     )
 
 

@@ -42,30 +42,24 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import confluent_kafka
 import structlog
 
+from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel, fallback_answer
 from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
-from worker.inference.engine import ClassifyRequest
 from worker.inference.prompt import ticket_text
 from worker.kafka.clients import ClientErrorLog, consumer_config, create_consumer, create_producer
 from worker.kafka.dead_letters import dead_letter_headers
-from worker.messages import FallbackReason, Priority, SourcePosition, TicketEvent
+from worker.messages import FallbackReason, SourcePosition, TicketEvent
 from worker.pipeline.committer import Committer
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
-from worker.pipeline.records import (
-    ClassificationLike,
-    encode_result,
-    fallback_result,
-    result_key,
-    triage_result,
-)
+from worker.pipeline.records import encode_result, result_key, triage_result
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -79,25 +73,6 @@ _FULL_BEFORE_PAUSE_S = 0.5
 _COMMIT_BEFORE_POLL_S = 1.0
 
 Headers = list[tuple[str, bytes | None]]
-
-
-class Classifier(Protocol):
-    """What the loop needs from the inference pool: non-blocking submit, polling for answers."""
-
-    @property
-    def model_id(self) -> str: ...
-
-    def submit(self, request: ClassifyRequest) -> None: ...
-
-    def poll(self, timeout: float) -> Sequence[tuple[int, ClassificationLike]]: ...
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """What an `overloaded` record says when the model is not asked (the taxonomy's fallback label)."""
-
-    intent: str
-    priority: Priority
 
 
 @dataclass(eq=False, slots=True)
@@ -126,7 +101,7 @@ class Pipeline:
         self,
         settings: Settings,
         classifier: Classifier,
-        fallback: Fallback,
+        fallback: FallbackLabel,
         dispatch_window: int,
         metrics_interval_s: float = 10.0,
         client_logger: logging.Logger | None = None,
@@ -345,22 +320,16 @@ class Pipeline:
                 work, self._topics.output, result_key(work.key, work.event), self._encode(work, answer)
             )
 
-    def _encode(self, work: _Work, answer: ClassificationLike) -> bytes:
+    def _encode(self, work: _Work, answer: Classification) -> bytes:
         assert work.event is not None
         return encode_result(triage_result(work.event, answer, work.source))
 
     def _produce_fallback(self, work: _Work, event: TicketEvent, reason: FallbackReason) -> None:
         self.metrics.fallback[reason] += 1
-        record = fallback_result(
-            event,
-            reason,
-            self._fallback.intent,
-            self._fallback.priority,
-            self._classifier.model_id,
-            (self._clock() - work.polled_at) * 1000.0,
-            work.source,
-        )
-        self._produce(work, self._topics.output, result_key(work.key, event), encode_result(record))
+        latency_ms = (self._clock() - work.polled_at) * 1000.0
+        answer = fallback_answer(reason, self._fallback, self._classifier.model_id, latency_ms)
+        record = encode_result(triage_result(event, answer, work.source))
+        self._produce(work, self._topics.output, result_key(work.key, event), record)
 
     def _dead_letter(self, work: _Work, value: bytes | None, error: DecodeError) -> None:
         self.metrics.dead_lettered += 1

@@ -1,0 +1,78 @@
+"""The contract between the pipeline and the inference room, without ONNX Runtime: the pipeline imports this.
+
+A `Classifier` takes `ClassifyRequest`s without blocking (`submit`) and hands back one `Classification` per
+request (`poll`), in any order; an answer is either a classification or a fallback tagged with its reason.
+Every fallback answer, whoever gives it (the engine, the process pool for a dead worker, the pipeline for a
+ticket whose deadline passed while it waited), is built by `fallback_answer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from worker.messages import FallbackReason, Priority
+
+
+class ClassifyRequest(msgspec.Struct, frozen=True, array_like=True):
+    """One ticket to classify; `deadline` is an absolute `time.monotonic()` value (system-wide on Linux,
+    so it means the same instant in a worker process)."""
+
+    request_id: int
+    text: str
+    deadline: float
+
+
+class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """The answer for one ticket: a classification, or a fallback with its reason."""
+
+    intent: str
+    priority: Priority
+    confidence: float
+    scores: dict[str, float]
+    model: str
+    latency_ms: float
+    truncated: bool
+    fallback: bool = False
+    fallback_reason: FallbackReason | None = None
+
+
+@dataclass(frozen=True)
+class FallbackLabel:
+    """The taxonomy's answer when the model gives none."""
+
+    intent: str
+    priority: Priority
+
+
+def fallback_answer(
+    reason: FallbackReason, label: FallbackLabel, model: str, latency_ms: float, truncated: bool = False
+) -> Classification:
+    """A fallback claims no confidence and no scores."""
+    return Classification(
+        intent=label.intent,
+        priority=label.priority,
+        confidence=0.0,
+        scores={},
+        model=model,
+        latency_ms=max(0.0, latency_ms),
+        truncated=truncated,
+        fallback=True,
+        fallback_reason=reason,
+    )
+
+
+class Classifier(Protocol):
+    """What the pipeline needs from an inference pool."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    def submit(self, request: ClassifyRequest) -> None:
+        """Queue one request; never blocks on the model."""
+
+    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
+        """Answers that are ready, as (request_id, answer); waits up to `timeout` for the first one."""
