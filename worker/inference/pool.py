@@ -384,7 +384,7 @@ def _worker_main(
 ) -> None:
     """Entry point of a worker process: load, warm, then answer requests until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    from worker.ops.logs import configure_logging
+    from worker.logs import configure_logging
 
     configure_logging(msgspec.msgpack.decode(logs, type=LogSettings))
     try:

@@ -1,4 +1,4 @@
-"""Prompt rendering shared by the engine and the model trainer (notes/PROMPT.md is the contract).
+"""Prompt rendering shared by the engine and the model trainer: this module is the prompt's contract.
 
 The trainer must build its training text with these functions, so that the model sees at inference exactly
 the text it was trained on. Nothing here imports onnxruntime-genai: the chat template and the tokenizer are
@@ -41,7 +41,7 @@ class TextTokenizer(Protocol):
 
 
 def chatml(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    """The ChatML template of the project's own models (see PROMPT.md), without needing a tokenizer."""
+    """The ChatML template of the project's own models, without needing a tokenizer."""
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return text + "<|im_start|>assistant\n" if add_generation_prompt else text
 

@@ -34,7 +34,7 @@ class Intent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PromptOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How the prompt is built from the taxonomy (see notes/PROMPT.md for the contract)."""
+    """How the prompt is built from the taxonomy (see `worker/inference/prompt.py`)."""
 
     instructions: str = "Classify the customer support ticket. Answer with JSON: the intent and the priority."
     list_intents: bool = True

@@ -25,8 +25,8 @@ from worker.errors import UserError
 from worker.inference.engine import Engine
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.prompt import ticket_text
+from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
-from worker.ops.logs import configure_logging
 from worker.pipeline.records import encode_result, triage_result
 
 SOURCE_TOPIC = "cli"

@@ -27,7 +27,7 @@ from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
 from worker.kafka.clients import producer_config
-from worker.ops.logs import configure_logging, librdkafka_logger
+from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.runner import Pipeline
 
 _log = structlog.get_logger("worker.run")
