@@ -31,6 +31,7 @@ from worker.ops.samples import KIND_HEADER, SampleFactory, produce_samples
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "tests" / "models" / "tiny"
+SLOW_MODEL_SCRIPT = REPO / "tests" / "slow_model.py"
 # The broker's minimum; a killed worker's partitions move on after this long.
 FAST_GROUP_OPTIONS = {
     "kafka.session.timeout.ms": "6000",
@@ -110,14 +111,16 @@ class Worker:
         name: str = "worker",
         settings: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
+        slow_model_s: float = 0.0,
     ) -> None:
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
         sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
+        # A slowed model runs the same CLI through tests/slow_model.py.
+        entry = ["-m", "worker"] if not slow_model_s else [str(SLOW_MODEL_SCRIPT), str(slow_model_s)]
         command = [
             sys.executable,
-            "-m",
-            "worker",
+            *entry,
             "run",
             "--bootstrap-servers",
             bootstrap,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slow_model import install as install_slow_model
 
 from worker.classification import Classification, ClassifyRequest
 from worker.config import InferenceSettings
@@ -89,17 +91,22 @@ def test_process_pool_does_not_starve_the_callers_threads(process_pool: Classifi
     assert process_gap < thread_gap / 2
 
 
-def test_extra_latency_setting_turns_into_deadline_exceeded() -> None:
-    with open_pool(_settings(pool="thread", pool_size=1, extra_latency_ms=200)) as pool:
-        started = time.monotonic()
-        pool.submit(ClassifyRequest(1, "where is my card", started + 0.05))
-        answer = _collect(pool, 1)[1]
+def test_a_model_slower_than_the_deadline_gives_deadline_exceeded() -> None:
+    undo = install_slow_model(0.2)
+    try:
+        with open_pool(_settings(pool="thread", pool_size=1)) as pool:
+            started = time.monotonic()
+            pool.submit(ClassifyRequest(1, "where is my card", started + 0.05))
+            answer = _collect(pool, 1)[1]
+    finally:
+        undo()
     assert answer.fallback_reason == "deadline_exceeded"
     assert answer.latency_ms < 120
 
 
 def test_a_dead_worker_is_replaced_and_its_requests_answered_model_error() -> None:
-    with ProcessPool(_settings(extra_latency_ms=300), size=1, batch=False) as pool:
+    slow = functools.partial(install_slow_model, 0.3)
+    with ProcessPool(_settings(), size=1, batch=False, initializer=slow) as pool:
         for request_id in range(3):
             pool.submit(ClassifyRequest(request_id, "where is my card", time.monotonic() + 30))
         time.sleep(0.1)

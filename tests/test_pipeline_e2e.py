@@ -228,10 +228,10 @@ def test_slow_model_pauses_but_keeps_polling_within_the_bound(
         {
             "pipeline.max_in_flight": str(max_in_flight),
             "pipeline.deadline_ms": "60000",
-            "inference.extra_latency_ms": "1000",
             "inference.pool_size": "2",
             "kafka.max.poll.interval.ms": "6000",
         },
+        slow_model_s=1.0,
     )
     try:
         worker.wait_for("partitions_assigned", timeout=90)
@@ -276,7 +276,8 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
         group,
         tmp_path,
         "deadline",
-        {"pipeline.deadline_ms": "100", "inference.extra_latency_ms": "400"},
+        {"pipeline.deadline_ms": "100"},
+        slow_model_s=0.4,
     )
     worker.run_to_completion(timeout=180)
 

@@ -89,8 +89,6 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     pool_size: PositiveInt | None = None
     batch_size: PositiveInt = 8
     max_ticket_tokens: PositiveInt = 256
-    # Test-only: adds this much latency to every classification, to exercise deadlines and back-pressure.
-    extra_latency_ms: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -44,8 +44,6 @@ TOP_K_SCORES = 5
 # A fixed seed: sampling is off (greedy), and the default seed (-1) was measured to cost ~15 ms per
 # Generator on these VMs (RDSEED retries).
 RANDOM_SEED = 42
-# While sleeping for the test-only extra latency, wake this often to honour the deadline.
-_SLEEP_SLICE_S = 0.005
 
 Mode = Literal["score", "generate"]
 FloatArray = npt.NDArray[np.float64]
@@ -239,7 +237,6 @@ class Context:
             return self.engine.fallback("overloaded", started)
         truncated = False
         try:
-            self._sleep_extra_latency(request.deadline)
             score_ids, generate_ids, truncated = self.engine.prepare(request.text)
             if self._generator is None:
                 self._build()
@@ -389,17 +386,3 @@ class Context:
             except Exception:
                 log.exception("context rebuild failed")
                 self._generator = None
-
-    def _sleep_extra_latency(self, deadline: float) -> None:
-        """Test-only slow-down (`inference.extra_latency_ms`), slept in slices so the deadline still
-        interrupts it like a model step would."""
-        delay = self.engine.settings.extra_latency_ms / 1000.0
-        if delay <= 0:
-            return
-        until = time.monotonic() + delay
-        while (now := time.monotonic()) < until:
-            if now >= deadline:
-                raise DeadlineExceeded
-            time.sleep(min(_SLEEP_SLICE_S, until - now, max(0.0, deadline - now)))
-        if time.monotonic() >= deadline:
-            raise DeadlineExceeded

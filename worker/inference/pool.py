@@ -211,9 +211,16 @@ class ProcessPool(ClassifierPool):
     """Worker processes, each with its own model and context (or a batching runner when `batch`)."""
 
     def __init__(
-        self, settings: InferenceSettings, size: int, batch: bool, log_settings: LogSettings | None = None
+        self,
+        settings: InferenceSettings,
+        size: int,
+        batch: bool,
+        log_settings: LogSettings | None = None,
+        initializer: Callable[[], None] | None = None,
     ) -> None:
+        """`initializer` (picklable) runs first in every worker process, e.g. to instrument the model."""
         self._settings = settings
+        self._initializer = initializer
         self.size = size
         self._batch = batch
         self._log_settings = log_settings or LogSettings()
@@ -293,6 +300,7 @@ class ProcessPool(ClassifierPool):
                 msgspec.msgpack.encode(self._settings),
                 msgspec.msgpack.encode(self._log_settings),
                 self._batch,
+                self._initializer,
             ),
             name="triage-classifier",
             daemon=True,
@@ -380,10 +388,16 @@ def _warm(context: Context) -> None:
 
 
 def _worker_main(
-    conn: multiprocessing.connection.Connection, settings: bytes, logs: bytes, batch: bool
+    conn: multiprocessing.connection.Connection,
+    settings: bytes,
+    logs: bytes,
+    batch: bool,
+    initializer: Callable[[], None] | None,
 ) -> None:
     """Entry point of a worker process: load, warm, then answer requests until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    if initializer is not None:
+        initializer()
     from worker.logs import configure_logging
 
     configure_logging(msgspec.msgpack.decode(logs, type=LogSettings))

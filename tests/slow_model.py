@@ -1,0 +1,50 @@
+"""A slow model for tests: every classification first waits a fixed delay, as a slow model's steps would.
+
+A deadline that passes during the wait gives `deadline_exceeded`, like a deadline checked between model
+steps. Three ways in:
+- in this process: `install(seconds)` (undo with the returned function);
+- in a process pool's workers: `ProcessPool(..., initializer=functools.partial(install, seconds))`;
+- a whole worker: `python tests/slow_model.py SECONDS run ...` runs `triage-worker run ...`; its pool's
+  processes (spawned) re-import this script as their main module, so they install the delay too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+from worker.classification import Classification, ClassifyRequest
+from worker.inference.engine import Context
+
+# Waits are cut into slices so that a deadline interrupts them promptly.
+_SLICE_S = 0.005
+
+
+def install(seconds: float) -> Callable[[], None]:
+    """Slow down every `Context.classify` of this process by `seconds`; returns the undo."""
+    original = Context.classify
+
+    def classify(context: Context, request: ClassifyRequest) -> Classification:
+        started = time.monotonic()
+        until = started + seconds
+        while (now := time.monotonic()) < until:
+            if now >= request.deadline:
+                return context.engine.fallback("deadline_exceeded", started)
+            time.sleep(min(_SLICE_S, until - now))
+        return original(context, request)
+
+    Context.classify = classify  # type: ignore[method-assign]
+
+    def undo() -> None:
+        Context.classify = original  # type: ignore[method-assign]
+
+    return undo
+
+
+if __name__ in ("__main__", "__mp_main__"):  # the worker and, re-imported, its pool's processes
+    install(float(sys.argv[1]))
+if __name__ == "__main__":
+    from worker.ops.cli import main
+
+    sys.exit(main(sys.argv[2:]))
