@@ -137,5 +137,4 @@ def test_tracker_revoke_forgets_and_reassign_starts_fresh() -> None:
     new.done(5)
     other.done(9)
     assert tracker.commit_positions() == {KEY: 6, ("tickets", 1): 10}
-    assert tracker.commit_positions([("tickets", 1)]) == {("tickets", 1): 10}
     assert tracker.uncommitted_done() == 2

@@ -133,14 +133,11 @@ class OffsetTracker:
         """Stop owning partitions; returns their states (for a last commit and for counting leftovers)."""
         return [state for key in keys if (state := self._partitions.pop(key, None)) is not None]
 
-    def commit_positions(
-        self, keys: Iterable[TopicPartitionKey] | None = None
-    ) -> dict[TopicPartitionKey, int]:
-        """Positions that can be committed now, for all owned partitions or only for `keys`."""
-        states = self._partitions.values() if keys is None else (self._partitions.get(k) for k in keys)
+    def commit_positions(self) -> dict[TopicPartitionKey, int]:
+        """Positions that can be committed now, over all owned partitions."""
         positions: dict[TopicPartitionKey, int] = {}
-        for state in states:
-            if state is not None and (position := state.commit_position()) is not None:
+        for state in self._partitions.values():
+            if (position := state.commit_position()) is not None:
                 positions[state.key] = position
         return positions
 

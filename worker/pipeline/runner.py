@@ -133,7 +133,6 @@ class Pipeline:
         # flight (it holds memory) until its answer or delivery report arrives.
         self._orphans = 0
         self._paused: set[TopicPartitionKey] = set()
-        self._blocked: set[TopicPartitionKey] = set()
         self._stopping = False
         self._stop_by: float | None = None
         self._fatal: str | None = None
@@ -393,9 +392,7 @@ class Pipeline:
             effect="partition stopped: never committed past this offset until a restart or rebalance",
         )
         if current:
-            key = (work.topic, work.partition)
-            self._blocked.add(key)
-            self._pause([key])
+            self._pause([(work.topic, work.partition)])
 
     # -- commits --------------------------------------------------------------------------------------------
 
@@ -472,17 +469,18 @@ class Pipeline:
         if self._gate.paused or self._stopping:
             self._pause([state.key for state in self._tracker])
         else:
-            self._resume([key for key in self._paused if key not in self._blocked])
+            blocked = self._blocked()
+            self._resume([key for key in self._paused if key not in blocked])
 
     def _pause(self, keys: Sequence[TopicPartitionKey]) -> None:
         fresh = [key for key in keys if key not in self._paused]
         if fresh:
-            self._consumer.pause(_topic_partitions(dict.fromkeys(fresh, -1001)))
+            self._consumer.pause(_topic_partitions(dict.fromkeys(fresh, confluent_kafka.OFFSET_INVALID)))
             self._paused.update(fresh)
 
     def _resume(self, keys: Sequence[TopicPartitionKey]) -> None:
         if keys:
-            self._consumer.resume(_topic_partitions(dict.fromkeys(keys, -1001)))
+            self._consumer.resume(_topic_partitions(dict.fromkeys(keys, confluent_kafka.OFFSET_INVALID)))
             self._paused.difference_update(keys)
 
     # -- rebalance ------------------------------------------------------------------------------------------
@@ -491,7 +489,6 @@ class Pipeline:
         keys = [(tp.topic, tp.partition) for tp in partitions]
         for key in keys:
             self._tracker.assign(key)
-            self._blocked.discard(key)
             self._paused.discard(key)
         _log.info("partitions_assigned", partitions=_names(keys))
         if not partitions:
@@ -552,7 +549,6 @@ class Pipeline:
         self._commit_now(states)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
-        self._blocked.difference_update(keys)
         self._update_gauge()
         _log.info(
             "partitions_revoked",
@@ -575,7 +571,6 @@ class Pipeline:
         )
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
-        self._blocked.difference_update(keys)
         self._update_gauge()
         _log.warning(
             "partitions_lost", partitions=_names(keys), effect="not committed; the new owner redoes them"
@@ -623,7 +618,12 @@ class Pipeline:
 
     def _log_metrics(self, kind: str) -> None:
         self._last_metrics = self._clock()
-        _log.info("metrics", kind=kind, blocked_partitions=_names(self._blocked), **self.metrics.snapshot())
+        blocked = {f"{t}[{p}]": offset for (t, p), offset in sorted(self._blocked().items())}
+        _log.info("metrics", kind=kind, blocked_partitions=blocked, **self.metrics.snapshot())
+
+    def _blocked(self) -> dict[TopicPartitionKey, int]:
+        """Owned partitions stopped by a delivery that failed for good, with the offset they stop at."""
+        return {state.key: at for state in self._tracker if (at := state.blocked_at) is not None}
 
 
 def _topic_partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
