@@ -188,6 +188,7 @@ class Worker:
         """Until the group has committed the whole input topic, then a graceful stop that must exit 0;
         the process is killed whatever happens."""
         try:
+            self.wait_for("pipeline_started", timeout=90)  # a stop before its signal handlers is a kill
             wait_until_committed(self._bootstrap, self._group, self._input_topic, timeout, worker=self)
             assert self.stop() == 0
         finally:

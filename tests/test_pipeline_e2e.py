@@ -120,18 +120,26 @@ def test_kill_9_at_random_points_loses_nothing(
 ) -> None:
     topics = make_topics(unique_topic)
     count, max_in_flight, crashes = 1500, 32, 5
-    publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=12)
     group = _group()
     rng = random.Random(12)
     settings = {"pipeline.max_in_flight": str(max_in_flight)}
-    for _ in range(crashes):
-        worker = Worker(kafka_bootstrap, topics, group, tmp_path, "crashing", settings)
-        try:
-            worker.wait_for("partitions_assigned", timeout=90)
-            time.sleep(rng.uniform(0.5, 2.5))
-            assert worker.process.poll() is None, worker.tail()
-        finally:
-            worker.kill()
+    # Input keeps arriving while the workers are killed, so every kill lands mid-stream (a worker now
+    # drains a backlog of 1,500 faster than the kills come).
+    producer = Publisher(kafka_bootstrap, topics, count, 40.0, seed=12)
+    producer.start()
+    try:
+        for _ in range(crashes):
+            worker = Worker(kafka_bootstrap, topics, group, tmp_path, "crashing", settings)
+            try:
+                worker.wait_for("partitions_assigned", timeout=90)
+                time.sleep(rng.uniform(0.5, 2.5))
+                assert worker.process.poll() is None, worker.tail()
+            finally:
+                worker.kill()
+        assert producer.is_alive()  # the stream was still flowing at the last kill
+        producer.finish(120)
+    finally:
+        producer.join(5)
     worker = Worker(kafka_bootstrap, topics, group, tmp_path, "final", settings)
     worker.run_to_completion(timeout=240)
 

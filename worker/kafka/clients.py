@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import confluent_kafka
 import structlog
@@ -85,7 +86,6 @@ _PRODUCER_ONLY_PREFIXES = (
 )
 
 ErrorCallback = Callable[[confluent_kafka.KafkaError], None]
-CommitCallback = Callable[[confluent_kafka.KafkaError | None, list[confluent_kafka.TopicPartition]], None]
 
 
 def _check_required(kafka: Mapping[str, str], required: Mapping[str, tuple[str, str]]) -> None:
@@ -149,20 +149,16 @@ class ClientErrorLog:
 def create_consumer(
     settings: Settings,
     on_error: ErrorCallback | None = None,
-    on_commit: CommitCallback | None = None,
     logger: logging.Logger | None = None,
 ) -> confluent_kafka.Consumer:
     """A consumer in the pipeline's group; subscribe it with the rebalance callbacks of the caller.
 
-    `on_commit` receives the outcome of every commit (asynchronous ones included) with per-partition errors;
     `logger` receives librdkafka's own log lines (default: librdkafka prints them to stderr).
     """
     config: dict[str, Any] = consumer_config(settings)
     config["error_cb"] = on_error or ClientErrorLog("consumer")
     if logger is not None:
         config["logger"] = logger
-    if on_commit is not None:
-        config["on_commit"] = on_commit
     return confluent_kafka.Consumer(config)
 
 
@@ -177,3 +173,25 @@ def create_producer(
     if logger is not None:
         config["logger"] = logger
     return confluent_kafka.Producer(config)
+
+
+class ClientFactory(Protocol):
+    """Builds the pipeline's consumer and producer, each reporting its errors to `on_error`."""
+
+    def consumer(self, on_error: ErrorCallback) -> confluent_kafka.Consumer: ...
+
+    def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer: ...
+
+
+@dataclass(frozen=True)
+class KafkaClients:
+    """The pipeline's clients from settings (`create_consumer`, `create_producer`)."""
+
+    settings: Settings
+    logger: logging.Logger | None = None
+
+    def consumer(self, on_error: ErrorCallback) -> confluent_kafka.Consumer:
+        return create_consumer(self.settings, on_error=on_error, logger=self.logger)
+
+    def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer:
+        return create_producer(self.settings, on_error=on_error, logger=self.logger)

@@ -26,7 +26,7 @@ from worker.config import (
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
-from worker.kafka.clients import producer_config
+from worker.kafka.clients import KafkaClients, producer_config
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.runner import Pipeline
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             taxonomy.fallback_label,
             dispatch_window=dispatch_window(settings),
             metrics_interval_s=args.metrics_interval,
-            client_logger=librdkafka_logger(),
+            clients=KafkaClients(settings, librdkafka_logger()),
         )
         _install_signal_handlers(pipeline)
         return pipeline.run()

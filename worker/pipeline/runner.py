@@ -35,13 +35,9 @@ the pool; exit code 0. A second signal exits at once; anything not committed is 
 
 from __future__ import annotations
 
-import collections
 import functools
-import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import confluent_kafka
@@ -51,12 +47,13 @@ from worker.classification import Classification, Classifier, ClassifyRequest, F
 from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.inference.prompt import ticket_text
-from worker.kafka.clients import ClientErrorLog, consumer_config, create_consumer, create_producer
+from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config
 from worker.kafka.dead_letters import dead_letter_headers
-from worker.messages import FallbackReason, SourcePosition, TicketEvent
+from worker.messages import FallbackReason, TicketEvent
 from worker.pipeline.committer import Committer
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
+from worker.pipeline.ledger import Headers, Ledger, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
 from worker.pipeline.records import encode_result, result_key, triage_result
@@ -72,30 +69,15 @@ _FULL_BEFORE_PAUSE_S = 0.5
 # The longest a background commit holds back polling (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
 
-Headers = list[tuple[str, bytes | None]]
-
-
-@dataclass(eq=False, slots=True)
-class _Work:
-    """One record taken from Kafka, from poll until its offset is committed."""
-
-    state: PartitionOffsets
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None
-    headers: Headers | None
-    polled_at: float
-    deadline: float
-    event: TicketEvent | None = None
-
-    @property
-    def source(self) -> SourcePosition:
-        return SourcePosition(topic=self.topic, partition=self.partition, offset=self.offset)
-
 
 class Pipeline:
-    """Runs the loop until `request_stop()`; `run()` returns the process exit code."""
+    """Runs the loop until `request_stop()`; `run()` returns the process exit code.
+
+    `settings` gives the topics and the pipeline's limits; `classifier` answers the tickets (any object with
+    the `Classifier` contract); `fallback` is the label of records the model did not answer; at most
+    `dispatch_window` tickets are at the classifier at once. `clients` builds the Kafka consumer and
+    producer (default: from `settings`).
+    """
 
     def __init__(
         self,
@@ -103,17 +85,18 @@ class Pipeline:
         classifier: Classifier,
         fallback: FallbackLabel,
         dispatch_window: int,
+        clients: ClientFactory | None = None,
         metrics_interval_s: float = 10.0,
-        client_logger: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
         self._pipeline = settings.pipeline
         self._topics = settings.topics
         self._error_log = ClientErrorLog("worker")
-        self._consumer = create_consumer(settings, on_error=self.on_client_error, logger=client_logger)
+        clients = clients or KafkaClients(settings)
+        self._consumer = clients.consumer(self.on_client_error)
         self._committer = Committer(self._consumer)
-        self._producer = create_producer(settings, on_error=self.on_client_error, logger=client_logger)
+        self._producer = clients.producer(self.on_client_error)
         self._classifier = classifier
         self._fallback = fallback
         self._window = max(1, dispatch_window)
@@ -125,13 +108,7 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics()
-        self._queue: collections.deque[_Work] = collections.deque()
-        self._at_model: dict[int, _Work] = {}
-        self._unacked: dict[int, _Work] = {}
-        self._ids = itertools.count()
-        # Work of revoked/lost partitions still at the model or awaiting acknowledgement: counted as in
-        # flight (it holds memory) until its answer or delivery report arrives.
-        self._orphans = 0
+        self._ledger = Ledger()
         self._paused: set[TopicPartitionKey] = set()
         self._stopping = False
         self._stop_by: float | None = None
@@ -181,9 +158,9 @@ class Pipeline:
 
     def _turn(self) -> None:
         self._service(wait_s=0.0)
-        busy = bool(self._at_model)
+        busy = self._ledger.at_model > 0
         if self._may_poll():
-            idle = not busy and len(self._tracker) == 0 and self._orphans == 0
+            idle = not busy and len(self._tracker) == 0 and self._ledger.orphans == 0
             wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
             # With partitions paused (no capacity) the poll only serves callbacks and keeps the member alive.
             messages = self._consumer.consume(
@@ -207,19 +184,28 @@ class Pipeline:
         return, so it could land after the revoke's own commit and move the position back. A commit that
         has been on its way for long (a broker outage) stops holding polls back, to keep the member alive.
         """
-        if self._committer.busy_for() < _COMMIT_BEFORE_POLL_S:
-            return False
-        return self._gate.may_poll()
+        return self._commit_settled() and self._gate.may_poll()
+
+    def _commit_settled(self) -> bool:
+        return self._committer.busy_for() >= _COMMIT_BEFORE_POLL_S
 
     def _service(self, wait_s: float) -> None:
-        """Everything but polling the consumer: reports, answers, expiry, dispatch, commit, flow control."""
-        self._producer.poll(0)
+        """Everything but polling the consumer: the records' progress, commits, flow control."""
+        self._serve_work(wait_s)
         self._apply_commit_outcomes()
-        self._collect(wait_s)
-        self._expire_queued()
-        self._dispatch()
         self._maybe_commit()
         self._apply_flow()
+
+    def _serve_work(self, wait_s: float) -> None:
+        """Move taken records forward: delivery reports, model answers, expiry, dispatch. Waits up to
+        `wait_s` for an answer, or for a report when nothing is at the model."""
+        if self._ledger.at_model:
+            self._producer.poll(0)
+            self._collect(wait_s)
+        else:
+            self._producer.poll(wait_s)
+        self._expire_waiting()
+        self._dispatch()
 
     def _take(self, messages: list[confluent_kafka.Message]) -> None:
         now = self._clock()
@@ -240,7 +226,7 @@ class Pipeline:
                 continue
             self.metrics.consumed += 1
             headers = _headers(message)
-            work = _Work(
+            work = Work(
                 state=state,
                 topic=topic,
                 partition=partition,
@@ -258,7 +244,7 @@ class Pipeline:
                 continue
             work.event = event
             work.deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
-            self._queue.append(work)
+            self._ledger.wait(work)
         self._update_gauge()
 
     def _consumer_error(self, error: confluent_kafka.KafkaError) -> None:
@@ -273,41 +259,29 @@ class Pipeline:
     # -- classification -------------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        while self._queue and len(self._at_model) < self._window:
-            work = self._queue.popleft()
+        while self._ledger.at_model < self._window and (work := self._ledger.next_waiting()) is not None:
             event = work.event
-            assert event is not None  # only tickets are queued
+            assert event is not None  # only tickets wait for the model
             if self._clock() >= work.deadline:
                 self._produce_fallback(work, event, "overloaded")
                 continue
-            request_id = next(self._ids)
-            self._at_model[request_id] = work
+            request_id = self._ledger.to_model(work)
             self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), work.deadline))
 
-    def _expire_queued(self) -> None:
+    def _expire_waiting(self) -> None:
         """Tickets whose deadline passed while they waited for the model get `overloaded`, without it."""
-        if not self._queue:
-            return
-        now = self._clock()
-        if all(work.deadline > now for work in self._queue):
-            return
-        waiting: collections.deque[_Work] = collections.deque()
-        for work in self._queue:
-            if work.deadline <= now and work.event is not None:
-                self._produce_fallback(work, work.event, "overloaded")
-            else:
-                waiting.append(work)
-        self._queue = waiting
+        for work in self._ledger.expired(self._clock()):
+            assert work.event is not None
+            self._produce_fallback(work, work.event, "overloaded")
 
     def _collect(self, wait_s: float) -> None:
-        if not self._at_model:
+        if not self._ledger.at_model:
             return
         for request_id, answer in self._classifier.poll(wait_s):
-            work = self._at_model.pop(request_id, None)
+            work = self._ledger.answered(request_id)
             if work is None:
                 continue
-            if not self._tracker.is_current(work.state):
-                self._orphans -= 1
+            if work.orphan:
                 self.metrics.discarded_after_revoke += 1
                 continue
             assert work.event is not None
@@ -319,18 +293,18 @@ class Pipeline:
                 work, self._topics.output, result_key(work.key, work.event), self._encode(work, answer)
             )
 
-    def _encode(self, work: _Work, answer: Classification) -> bytes:
+    def _encode(self, work: Work, answer: Classification) -> bytes:
         assert work.event is not None
         return encode_result(triage_result(work.event, answer, work.source))
 
-    def _produce_fallback(self, work: _Work, event: TicketEvent, reason: FallbackReason) -> None:
+    def _produce_fallback(self, work: Work, event: TicketEvent, reason: FallbackReason) -> None:
         self.metrics.fallback[reason] += 1
         latency_ms = (self._clock() - work.polled_at) * 1000.0
         answer = fallback_answer(reason, self._fallback, self._classifier.model_id, latency_ms)
         record = encode_result(triage_result(event, answer, work.source))
         self._produce(work, self._topics.output, result_key(work.key, event), record)
 
-    def _dead_letter(self, work: _Work, value: bytes | None, error: DecodeError) -> None:
+    def _dead_letter(self, work: Work, value: bytes | None, error: DecodeError) -> None:
         self.metrics.dead_lettered += 1
         headers = dead_letter_headers(
             work.headers, error.error_type, error.message, work.topic, work.partition, work.offset
@@ -348,14 +322,13 @@ class Pipeline:
 
     def _produce(
         self,
-        work: _Work,
+        work: Work,
         topic: str,
         key: bytes | None,
         value: bytes | None,
         headers: Headers | None = None,
     ) -> None:
-        delivery_id = next(self._ids)
-        self._unacked[delivery_id] = work
+        delivery_id = self._ledger.to_broker(work)
         on_delivery = functools.partial(self._on_delivery, delivery_id)
         # The client takes any str/bytes/None values; our lists only hold bytes/None (list is invariant).
         record_headers = cast("list[tuple[str, str | bytes | None]] | None", headers or work.headers)
@@ -370,12 +343,9 @@ class Pipeline:
                 self._producer.poll(_BUSY_WAIT_S)
 
     def _on_delivery(self, delivery_id: int, error: confluent_kafka.KafkaError | None, _msg: Any) -> None:
-        work = self._unacked.pop(delivery_id, None)
+        work = self._ledger.delivered(delivery_id)
         if work is None:
             return
-        current = self._tracker.is_current(work.state)
-        if not current:
-            self._orphans -= 1
         if error is None:
             self.metrics.produced += 1
             work.state.done(work.offset)
@@ -391,8 +361,8 @@ class Pipeline:
             reason=error.str(),
             effect="partition stopped: never committed past this offset until a restart or rebalance",
         )
-        if current:
-            self._pause([(work.topic, work.partition)])
+        if not work.orphan:
+            self._pause([work.partition_key])
 
     # -- commits --------------------------------------------------------------------------------------------
 
@@ -456,7 +426,7 @@ class Pipeline:
     # -- flow control ---------------------------------------------------------------------------------------
 
     def _update_gauge(self) -> None:
-        flow = self._gate.update(len(self._tracker) + self._orphans, self._clock())
+        flow = self._gate.update(len(self._tracker) + self._ledger.orphans, self._clock())
         self.metrics.in_flight = self._gate.in_flight
         self.metrics.in_flight_max = self._gate.max_seen
         self.metrics.paused = self._gate.paused
@@ -511,41 +481,19 @@ class Pipeline:
             return
         self.metrics.revoked += len(keys)
         started = self._clock()
-        # Their queued tickets go to the model first. They must finish, not be dropped: dead letters and
+        # Their waiting tickets go to the model first. They must finish, not be dropped: dead letters and
         # answers for later offsets may already be written, and the new owner would write them again.
-        leaving = [work for work in self._queue if (work.topic, work.partition) in keys]
-        if leaving:
-            staying = [work for work in self._queue if (work.topic, work.partition) not in keys]
-            self._queue = collections.deque(leaving + staying)
+        self._ledger.first_to_model(keys)
         states = [state for key in keys if (state := self._tracker.get(key)) is not None]
-        waiting = {id(state) for state in states}
-
-        def pending() -> int:
-            return sum(
-                1
-                for work in itertools.chain(self._queue, self._at_model.values(), self._unacked.values())
-                if id(work.state) in waiting
-            )
-
         limit = started + self._pipeline.revoke_timeout_ms / 1000.0
         if self._stop_by is not None:
             limit = min(limit, self._stop_by)
-        while pending() and self._clock() < limit:
-            self._producer.poll(_BUSY_WAIT_S if not self._at_model else 0)
-            self._collect(_BUSY_WAIT_S)
-            self._expire_queued()
-            self._dispatch()
-        left = pending()
+        while self._ledger.pending(keys) and self._clock() < limit:
+            self._serve_work(_BUSY_WAIT_S)
+        left = self._ledger.pending(keys)
         # Tickets that did not make it are left to the new owner; those at the model or the producer are
         # still counted (orphans) until their answer or report arrives.
-        self._queue = collections.deque(
-            work for work in self._queue if (work.topic, work.partition) not in keys
-        )
-        self._orphans += sum(
-            1
-            for work in itertools.chain(self._at_model.values(), self._unacked.values())
-            if id(work.state) in waiting
-        )
+        self._ledger.give_up(keys)
         self._commit_now(states)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
@@ -560,15 +508,7 @@ class Pipeline:
     def _on_lost(self, _consumer: confluent_kafka.Consumer, partitions: list[Any]) -> None:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.lost += len(keys)
-        self._queue = collections.deque(
-            work for work in self._queue if (work.topic, work.partition) not in keys
-        )
-        states = {id(state) for key in keys if (state := self._tracker.get(key)) is not None}
-        self._orphans += sum(
-            1
-            for work in itertools.chain(self._at_model.values(), self._unacked.values())
-            if id(work.state) in states
-        )
+        self._ledger.give_up(keys)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
         self._update_gauge()
@@ -585,12 +525,11 @@ class Pipeline:
         _log.info("pipeline_stopping", in_flight=self._gate.in_flight, reason=self._fatal or "signal")
         # Stop fetching, but keep polling: the member must stay in the group while in-flight work finishes.
         self._pause([state.key for state in self._tracker])
-        while (
-            (self._queue or self._at_model or self._unacked) and self._clock() < limit and self._fatal is None
-        ):
-            self._service(wait_s=_BUSY_WAIT_S if self._at_model else 0.0)
-            self._consumer.consume(num_messages=1, timeout=0.0 if self._at_model else _BUSY_WAIT_S)
-        unfinished = len(self._queue) + len(self._at_model)
+        while not self._ledger.is_empty() and self._clock() < limit and self._fatal is None:
+            self._service(wait_s=_BUSY_WAIT_S)
+            if self._commit_settled():  # see `_may_poll`
+                self._consumer.consume(num_messages=1, timeout=0.0)
+        unfinished = self._ledger.waiting + self._ledger.at_model
         remaining = max(0.0, limit - self._clock())
         not_flushed = self._producer.flush(remaining) if self._fatal is None else len(self._producer)
         # The last background commit must land before the final one, never after it.

@@ -1,0 +1,74 @@
+"""The ledger's bookkeeping: where each taken record is, and what happens to it when its partition leaves."""
+
+from __future__ import annotations
+
+from worker.messages import TicketEvent
+from worker.pipeline.ledger import Ledger, Work
+from worker.pipeline.offsets import PartitionOffsets
+
+A, B = ("tickets", 0), ("tickets", 1)
+
+
+def _work(key: tuple[str, int], offset: int, deadline: float = 100.0) -> Work:
+    return Work(
+        state=PartitionOffsets(key),
+        topic=key[0],
+        partition=key[1],
+        offset=offset,
+        key=None,
+        headers=None,
+        polled_at=0.0,
+        deadline=deadline,
+        event=TicketEvent(ticket_id=f"T-{offset}", body="where is my card?"),
+    )
+
+
+def test_a_record_goes_from_waiting_to_the_model_to_the_broker_and_out() -> None:
+    ledger = Ledger()
+    work = _work(A, 0)
+    ledger.wait(work)
+    assert ledger.pending({A}) == 1 and ledger.waiting == 1
+    assert ledger.next_waiting() is work
+    request_id = ledger.to_model(work)
+    assert ledger.at_model == 1
+    assert ledger.answered(request_id) is work
+    assert ledger.answered(request_id) is None  # an answer counts once
+    delivery_id = ledger.to_broker(work)
+    assert ledger.pending({A}) == 1 and not ledger.is_empty()
+    assert ledger.delivered(delivery_id) is work
+    assert ledger.is_empty() and ledger.pending({A}) == 0
+
+
+def test_expired_takes_out_late_records_in_order_and_keeps_the_rest() -> None:
+    ledger = Ledger()
+    late_1, on_time, late_2 = _work(A, 0, deadline=1.0), _work(A, 1, deadline=9.0), _work(B, 5, deadline=2.0)
+    for work in (late_1, on_time, late_2):
+        ledger.wait(work)
+    assert ledger.expired(now=0.5) == []
+    assert ledger.expired(now=5.0) == [late_1, late_2]
+    assert ledger.next_waiting() is on_time and ledger.next_waiting() is None
+
+
+def test_records_of_a_revoked_partition_go_to_the_model_first() -> None:
+    ledger = Ledger()
+    works = [_work(A, 0), _work(B, 0), _work(A, 1), _work(B, 1)]
+    for work in works:
+        ledger.wait(work)
+    ledger.first_to_model({B})
+    assert [ledger.next_waiting() for _ in works] == [works[1], works[3], works[0], works[2]]
+
+
+def test_giving_up_a_partition_drops_waiting_records_and_orphans_the_rest_until_they_come_back() -> None:
+    ledger = Ledger()
+    waiting, at_model, at_broker, other = _work(A, 2), _work(A, 0), _work(A, 1), _work(B, 0)
+    request_id = ledger.to_model(at_model)
+    delivery_id = ledger.to_broker(at_broker)
+    ledger.wait(waiting)
+    ledger.wait(other)
+    assert ledger.give_up({A}) == 1  # the waiting one: the next owner reads it again
+    assert ledger.orphans == 2 and at_model.orphan and at_broker.orphan and not other.orphan
+    assert ledger.pending({A}) == 0 and ledger.pending({B}) == 1
+    assert ledger.answered(request_id) is at_model and ledger.orphans == 1
+    assert ledger.delivered(delivery_id) is at_broker and ledger.orphans == 0
+    assert ledger.give_up({A}) == 0  # nothing left of A; B untouched
+    assert ledger.next_waiting() is other

@@ -1,0 +1,142 @@
+"""Where each record taken from Kafka is until the broker acknowledged what the pipeline wrote for it.
+
+A record (`Work`) is *waiting* for the model (in arrival order), *at the model* under a request id, or
+*produced* and awaiting its delivery report under a delivery id. Once acknowledged it leaves the ledger; the
+offset tracker holds its offset until a commit passes it.
+
+When this worker stops owning a partition (revoke or loss), its waiting records are dropped (the next owner
+reads them again) and its records at the model or at the producer become *orphans*: their answers and
+reports still arrive, hold memory until then and count as in flight, but their results are not written.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from worker.messages import SourcePosition, TicketEvent
+from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
+
+Headers = list[tuple[str, bytes | None]]
+
+
+@dataclass(eq=False, slots=True)
+class Work:
+    """One record taken from Kafka, from poll until its offset is committed."""
+
+    state: PartitionOffsets
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    headers: Headers | None
+    polled_at: float
+    deadline: float
+    event: TicketEvent | None = None
+    # Its partition was revoked or lost while it was at the model or at the producer.
+    orphan: bool = False
+
+    @property
+    def partition_key(self) -> TopicPartitionKey:
+        return (self.topic, self.partition)
+
+    @property
+    def source(self) -> SourcePosition:
+        return SourcePosition(topic=self.topic, partition=self.partition, offset=self.offset)
+
+
+class Ledger:
+    """The records between poll and acknowledgement, by where they are."""
+
+    def __init__(self) -> None:
+        self._waiting: collections.deque[Work] = collections.deque()
+        self._at_model: dict[int, Work] = {}
+        self._produced: dict[int, Work] = {}
+        self._ids = itertools.count()
+        self.orphans = 0
+
+    # -- waiting for the model ----------------------------------------------------------------------------
+
+    def wait(self, work: Work) -> None:
+        self._waiting.append(work)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def next_waiting(self) -> Work | None:
+        return self._waiting.popleft() if self._waiting else None
+
+    def expired(self, now: float) -> list[Work]:
+        """Take out the waiting records whose deadline has passed (their order is kept)."""
+        if all(work.deadline > now for work in self._waiting):
+            return []
+        late = [work for work in self._waiting if work.deadline <= now]
+        self._waiting = collections.deque(work for work in self._waiting if work.deadline > now)
+        return late
+
+    def first_to_model(self, keys: Collection[TopicPartitionKey]) -> None:
+        """Move the waiting records of `keys` to the front (on revoke they must finish first)."""
+        leaving = [work for work in self._waiting if work.partition_key in keys]
+        if leaving:
+            staying = [work for work in self._waiting if work.partition_key not in keys]
+            self._waiting = collections.deque(leaving + staying)
+
+    # -- at the model -------------------------------------------------------------------------------------
+
+    def to_model(self, work: Work) -> int:
+        """Record that `work` was submitted; returns its request id."""
+        request_id = next(self._ids)
+        self._at_model[request_id] = work
+        return request_id
+
+    @property
+    def at_model(self) -> int:
+        return len(self._at_model)
+
+    def answered(self, request_id: int) -> Work | None:
+        """The record a model answer belongs to (None for an unknown id); an orphan leaves the count."""
+        return self._release(self._at_model.pop(request_id, None))
+
+    # -- at the producer ----------------------------------------------------------------------------------
+
+    def to_broker(self, work: Work) -> int:
+        """Record that a result or dead letter for `work` was produced; returns its delivery id."""
+        delivery_id = next(self._ids)
+        self._produced[delivery_id] = work
+        return delivery_id
+
+    def delivered(self, delivery_id: int) -> Work | None:
+        """The record a delivery report belongs to (None for an unknown id); an orphan leaves the count."""
+        return self._release(self._produced.pop(delivery_id, None))
+
+    # -- ownership ----------------------------------------------------------------------------------------
+
+    def pending(self, keys: Collection[TopicPartitionKey]) -> int:
+        """Records of `keys` not yet acknowledged (orphans excluded)."""
+        return sum(1 for work in self._unacknowledged() if not work.orphan and work.partition_key in keys)
+
+    def give_up(self, keys: Collection[TopicPartitionKey]) -> int:
+        """This worker no longer owns `keys`: drop their waiting records, orphan the rest; returns how
+        many were dropped."""
+        before = len(self._waiting)
+        self._waiting = collections.deque(work for work in self._waiting if work.partition_key not in keys)
+        for work in itertools.chain(self._at_model.values(), self._produced.values()):
+            if not work.orphan and work.partition_key in keys:
+                work.orphan = True
+                self.orphans += 1
+        return before - len(self._waiting)
+
+    def is_empty(self) -> bool:
+        return not (self._waiting or self._at_model or self._produced)
+
+    def _unacknowledged(self) -> Iterator[Work]:
+        return itertools.chain(self._waiting, self._at_model.values(), self._produced.values())
+
+    def _release(self, work: Work | None) -> Work | None:
+        # An orphan's answer is discarded and its report ends it: either way it leaves the ledger here.
+        if work is not None and work.orphan:
+            self.orphans -= 1
+        return work
