@@ -4,9 +4,9 @@
 
 Each generated input is a Kafka record (value, key, headers) of one kind: a valid ticket, a mutation of
 one, random bytes, deep nesting, huge strings, huge numbers, unicode edge cases (lone surrogates, overlong
-UTF-8, bidi and zero-width characters), duplicate keys, wrong types, or a tombstone; headers are drawn from
-odd sets (null values, non-UTF-8, duplicate and forged `triage.*` headers, digit runs past int()'s limit)
-and keys may be null. Every input must end as exactly one outcome, as in the worker:
+UTF-8, bidi and zero-width characters), duplicate keys, wrong types, or a tombstone; headers are drawn
+from odd sets (null names and values, non-UTF-8, duplicate and forged `triage.*` headers, digit runs past
+int()'s limit) and keys may be null. Every input must end as exactly one outcome, as in the worker:
 
 * a `TicketEvent`, and every `--model-every`-th one goes on through the prompt, a real ORT GenAI context
   (the test model, `score` and `generate` in turn), `triage_result`/`encode_result`, and must validate
@@ -261,10 +261,19 @@ GENERATORS: dict[str, tuple[float, Callable[[random.Random], bytes | None]]] = {
 
 
 def gen_headers(rng: random.Random) -> list[Header]:
-    """An odd header set: none, null values, non-UTF-8, duplicates, forged or garbled `triage.*`."""
+    """An odd header set: none, null names and values, non-UTF-8, duplicates, forged or garbled `triage.*`."""
     if rng.random() < 0.5:
         return []
-    names = ["trace-id", "", "triage.error.type", ERROR_MESSAGE, REPLAY_COUNT, "triage.source.topic", "ü"]
+    names = [
+        "trace-id",
+        "",
+        "triage.error.type",
+        ERROR_MESSAGE,
+        REPLAY_COUNT,
+        "triage.source.topic",
+        "ü",
+        None,
+    ]
     values: list[bytes | None] = [
         None,
         b"",
