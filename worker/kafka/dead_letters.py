@@ -79,11 +79,6 @@ def truncate_message(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
     return encoded[:room].decode("utf-8", errors="ignore") + _ELLIPSIS
 
 
-def is_topic_name(text: str) -> bool:
-    """Whether Kafka accepts `text` as a topic name (1-249 of ``A-Za-z0-9._-``)."""
-    return _TOPIC_NAME.fullmatch(text) is not None
-
-
 def _utf8(text: str) -> bytes:
     return text.encode("utf-8", errors="backslashreplace")
 
@@ -152,7 +147,7 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         if number is None:
             raise DeadLetterHeaderError(f"header {name} must be a decimal number, got {text[name][:40]!r}")
         numbers[name] = number
-    if not is_topic_name(text[SOURCE_TOPIC]):
+    if not _TOPIC_NAME.fullmatch(text[SOURCE_TOPIC]):
         raise DeadLetterHeaderError(
             f"header {SOURCE_TOPIC} must be a Kafka topic name, got {text[SOURCE_TOPIC][:40]!r}"
         )
