@@ -14,7 +14,7 @@ PORT ?= 9092
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench eval model
+.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench eval model fuzz
 
 setup: $(STAMP)
 
@@ -61,6 +61,13 @@ $(VENV)/.extra-%: $(STAMP)
 bench: setup
 	mkdir -p results
 	$(BIN)/python tools/bench_inference.py --json results/bench-inference.json | tee results/bench-inference.txt
+
+# 1,000,000 generated records (mutations, random bytes, deep nesting, huge strings and numbers, unicode edge
+# cases, duplicate keys, odd headers, null keys) through decode + dead letter, every 100th ticket through the
+# test model; 0 crashes expected. Figures in results/fuzz.json and results/fuzz.md (a few minutes on 2 cores).
+FUZZ_ARGS ?=
+fuzz: setup
+	$(BIN)/python tools/fuzz.py --out results $(FUZZ_ARGS)
 
 # The embedded model against TF-IDF baselines on BANKING77 test.csv, written to results/eval.md and .json.
 eval: $(VENV)/.extra-eval

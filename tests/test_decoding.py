@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
+import msgspec
 import pytest
 
-from worker.decoding import DecodeError, decode_ticket
+from worker import decoding
+from worker.decoding import MAX_MESSAGE_CHARS, MAX_NESTING_DEPTH, DecodeError, decode_ticket
 from worker.messages import TicketEvent
 
 LIMIT = 1024
@@ -99,3 +103,104 @@ def test_size_limit_is_checked_before_parsing() -> None:
         decode_ticket(b"\xff" * 2048, LIMIT)
     assert caught.value.error_type == "too_large"
     assert caught.value.message == "value is 2048 bytes, over the 1024-byte limit (pipeline.max_value_bytes)"
+
+
+def test_the_100kb_nesting_record_is_a_dead_letter_not_a_crash() -> None:
+    """The record of issue 12: 100,000 `[` made msgspec raise RecursionError and killed the worker."""
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(b"[" * 100_000, 1_048_576)
+    assert caught.value.error_type == "too_deeply_nested"
+    assert caught.value.message == f"value nests arrays or objects more than {MAX_NESTING_DEPTH} levels deep"
+
+
+def _nested_in_unknown_field(depth: int) -> bytes:
+    return b'{"ticket_id": "T", "body": "b", "producer": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def test_the_depth_limit_counts_every_level_and_ignores_brackets_in_strings() -> None:
+    # The object itself is one level, so an unknown field can hold MAX_NESTING_DEPTH - 1 more.
+    assert decode_ticket(_nested_in_unknown_field(MAX_NESTING_DEPTH - 1), 1 << 20).ticket_id == "T"
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(_nested_in_unknown_field(MAX_NESTING_DEPTH), 1 << 20)
+    assert caught.value.error_type == "too_deeply_nested"
+    brackets = '[{\\"' * 10_000  # escaped quotes must not end the string early
+    value = f'{{"ticket_id": "T", "body": "{brackets}"}}'.encode()
+    assert decode_ticket(value, 1 << 20).body == brackets.replace('\\"', '"')
+
+
+def test_the_same_value_gets_the_same_answer_however_deep_the_callers_stack() -> None:
+    """msgspec's own limit shrinks with the caller's stack; the decoder's fixed limit does not."""
+    value = _nested_in_unknown_field(MAX_NESTING_DEPTH - 1)
+
+    def at_depth(frames: int) -> TicketEvent | DecodeError:
+        if frames:
+            return at_depth(frames - 1)
+        try:
+            return decode_ticket(value, 1 << 20)
+        except DecodeError as error:
+            return error
+
+    assert at_depth(0) == at_depth(200) == decode_ticket(value, 1 << 20)
+    # 20 frames short of Python's recursion limit even this value cannot be parsed: still a DecodeError.
+    answer = at_depth(sys.getrecursionlimit() - _stack_depth() - 20)
+    assert isinstance(answer, DecodeError)
+    assert answer.error_type == "undecodable" and "RecursionError" in answer.message
+
+
+def _stack_depth() -> int:
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    return depth
+
+
+class _BrokenDecoder:
+    def decode(self, value: bytes) -> TicketEvent:
+        raise _Unprintable("boom")
+
+
+class _Unprintable(RuntimeError):
+    def __str__(self) -> str:
+        raise ValueError("no text either")
+
+
+def test_any_other_library_failure_becomes_undecodable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decoding, "_DECODER", _BrokenDecoder())
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(b'{"ticket_id": "T", "body": "b"}', LIMIT)
+    assert caught.value.error_type == "undecodable"
+    assert caught.value.message == "the decoder failed on this value: _Unprintable: (no description)"
+
+
+def test_messages_never_quote_more_than_a_short_excerpt_of_the_input() -> None:
+    key = "k" * 100_000
+    value = msgspec.json.encode({"ticket_id": "T", "body": "b", "metadata": {key: 5}})
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(value, 1 << 20)
+    assert caught.value.error_type == "wrong_type"
+    assert caught.value.message.startswith("`metadata.kkk") and "…` must be a string" in caught.value.message
+    assert len(caught.value.message) <= MAX_MESSAGE_CHARS and len(str(caught.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("value", "error_type", "message"),
+    [
+        # Numbers msgspec cannot hold in a known field: out of range, not a crash in int().
+        (b'{"ticket_id": "T", "body": ' + b"9" * 5000 + b"}", "invalid_json", "integer value out of range"),
+        (b'{"ticket_id": "T", "body": 1e999999}', "invalid_json", "number out of range"),
+        (b'{"ticket_id": "T", "body": "\\ud800"}', "invalid_json", "not valid JSON"),  # lone surrogate
+        (b'{"ticket_id": "T", "body": "b", "x": "\\udc00x"}', "invalid_json", "invalid utf-16 surrogate"),
+        # Duplicate keys: the last one counts, and every one must be valid.
+        (b'{"ticket_id": "T", "ticket_id": "", "body": "b"}', "empty_field", "`ticket_id` must not be empty"),
+        (b'{"ticket_id": "", "ticket_id": "T", "body": "b"}', "wrong_type", "length >= 1 - at $.ticket_id"),
+    ],
+)
+def test_number_surrogate_and_duplicate_key_edge_cases(value: bytes, error_type: str, message: str) -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(value, 1 << 20)
+    assert (caught.value.error_type, message in caught.value.message) == (error_type, True), caught.value
+
+
+def test_a_huge_number_in_an_unknown_field_is_skipped_like_any_unknown_field() -> None:
+    value = b'{"ticket_id": "T", "body": "b", "amount": ' + b"9" * 100_000 + b"}"
+    assert decode_ticket(value, 1 << 20).ticket_id == "T"

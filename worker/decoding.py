@@ -3,6 +3,10 @@
 Valid tickets take one pass through a reused typed msgspec decoder. Only when that fails do we parse again
 without types to find the first problem and name its field: that message goes into the dead letter's
 ``triage.error.message`` header, where an operator has to understand it without the original producer at hand.
+
+`decode_ticket` raises nothing but `DecodeError`, whatever the bytes: a record that could make it raise
+anything else would stop the worker on every restart. Nesting deeper than `MAX_NESTING_DEPTH` is refused
+before any parser recurses into it, and anything a library raises unexpectedly becomes `undecodable`.
 """
 
 from __future__ import annotations
@@ -25,24 +29,51 @@ DecodeErrorType = Literal[
     "wrong_type",
     "invalid_timestamp",
     "null_value",
+    "too_deeply_nested",
+    "undecodable",
 ]
+
+# Tickets need two levels (the object and `metadata`). msgspec recurses once per level and raises
+# RecursionError near Python's recursion limit, minus whatever the caller's stack already uses: a fixed,
+# much lower bound makes the answer the same in every caller.
+MAX_NESTING_DEPTH = 64
+# Error messages go into a Kafka header and logs: they quote at most this much of any input.
+MAX_MESSAGE_CHARS = 300
+_EXCERPT_CHARS = 60
 
 _DECODER = msgspec.json.Decoder(TicketEvent)
 _OPTIONAL_STRINGS = ("subject", "customer_id", "channel")
 _RFC3339 = re.compile(RFC3339_PATTERN)
+# A JSON string, or an unterminated one running to the end: brackets inside strings do not nest.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.DOTALL)
+_NOT_BRACKET = bytes(byte for byte in range(256) if byte not in b"[]{}")
+_OPENERS = frozenset(b"[{")
 
 
 class DecodeError(Exception):
     """The value is not a ticket; `error_type` is a stable machine name, `message` names the field."""
 
     def __init__(self, error_type: DecodeErrorType, message: str) -> None:
+        message = _clip(message, MAX_MESSAGE_CHARS)
         super().__init__(f"{error_type}: {message}")
         self.error_type: DecodeErrorType = error_type
         self.message = message
 
 
 def decode_ticket(value: bytes | None, max_value_bytes: int) -> TicketEvent:
-    """Decode one record value; raises DecodeError for anything that is not a valid TicketEvent."""
+    """Decode one record value; raises DecodeError, and only DecodeError, for anything that is not a valid
+    TicketEvent."""
+    try:
+        return _decode(value, max_value_bytes)
+    except DecodeError:
+        raise
+    except Exception as error:  # a library failing in a way we did not foresee: one dead letter, not a crash
+        raise DecodeError(
+            "undecodable", f"the decoder failed on this value: {type(error).__name__}: {_describe(error)}"
+        ) from None
+
+
+def _decode(value: bytes | None, max_value_bytes: int) -> TicketEvent:
     if value is None:
         raise DecodeError("null_value", "value is null (a tombstone), expected a JSON ticket")
     if len(value) > max_value_bytes:
@@ -50,16 +81,40 @@ def decode_ticket(value: bytes | None, max_value_bytes: int) -> TicketEvent:
             "too_large",
             f"value is {len(value)} bytes, over the {max_value_bytes}-byte limit (pipeline.max_value_bytes)",
         )
-    try:
-        # msgspec checks the UTF-8 of the strings it keeps, not of unknown fields it skips.
-        if not value.isascii():
+    # msgspec checks the UTF-8 of the strings it keeps, not of unknown fields it skips.
+    if not value.isascii():
+        try:
             value.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise DecodeError(
+                "invalid_utf8", f"value is not valid UTF-8: {bad.reason} at byte {bad.start}"
+            ) from None
+    # Counting brackets is a fast C scan; only a value with many of them needs the exact depth.
+    if value.count(b"[") + value.count(b"{") > MAX_NESTING_DEPTH and _too_deep(value):
+        raise DecodeError(
+            "too_deeply_nested",
+            f"value nests arrays or objects more than {MAX_NESTING_DEPTH} levels deep",
+        )
+    try:
         event = _DECODER.decode(value)
-    except (UnicodeDecodeError, msgspec.DecodeError) as error:
+    except msgspec.DecodeError as error:
         raise _diagnose(value, error) from None
     if event.created_at is not None:
         _check_timestamp(event.created_at)
     return event
+
+
+def _too_deep(value: bytes) -> bool:
+    """Whether brackets outside strings nest deeper than MAX_NESTING_DEPTH (stops at the first level over)."""
+    depth = 0
+    for byte in _STRING.sub(b"", value).translate(None, _NOT_BRACKET):
+        if byte in _OPENERS:
+            depth += 1
+            if depth > MAX_NESTING_DEPTH:
+                return True
+        else:
+            depth -= 1
+    return False
 
 
 def _check_timestamp(text: str) -> None:
@@ -77,10 +132,6 @@ def _check_timestamp(text: str) -> None:
 
 def _diagnose(value: bytes, error: Exception) -> DecodeError:
     """Re-read a rejected value without types and explain the first thing wrong with it."""
-    try:
-        value.decode("utf-8")
-    except UnicodeDecodeError as bad:
-        return DecodeError("invalid_utf8", f"value is not valid UTF-8: {bad.reason} at byte {bad.start}")
     try:
         document = msgspec.json.decode(value)
     except msgspec.DecodeError as bad:
@@ -110,7 +161,7 @@ def _diagnose(value: bytes, error: Exception) -> DecodeError:
             return _wrong_type("metadata", "an object of strings or null", metadata)
         for key, item in metadata.items():
             if not isinstance(item, str):
-                return _wrong_type(f"metadata.{key}", "a string", item)
+                return _wrong_type(f"metadata.{_clip(key, _EXCERPT_CHARS)}", "a string", item)
     # Every rule above mirrors the Struct; reaching here means they drifted apart. Keep msgspec's words.
     return DecodeError("wrong_type", _lower_first(str(error)).replace("`", ""))
 
@@ -136,8 +187,22 @@ def _json_type(value: object) -> str:
 
 
 def _show(text: str) -> str:
-    shown = msgspec.json.encode(text[:60]).decode()
-    return shown if len(text) <= 60 else shown[:-1] + '..."'
+    shown = msgspec.json.encode(text[:_EXCERPT_CHARS]).decode()
+    return shown if len(text) <= _EXCERPT_CHARS else shown[:-1] + '..."'
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _describe(error: Exception) -> str:
+    """The exception's text, short and printable; an exception whose str() itself fails still gets a dead
+    letter."""
+    try:
+        text = str(error)
+    except Exception:
+        return "(no description)"
+    return _clip(text, _EXCERPT_CHARS * 2).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _lower_first(text: str) -> str:

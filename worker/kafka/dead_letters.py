@@ -8,6 +8,7 @@ so an operator can see why it failed and where it came from, fix the producer or
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Sequence
 
 import msgspec
@@ -41,6 +42,11 @@ DEAD_LETTER_HEADERS: frozenset[str] = frozenset(name for name, _ in HEADER_DOCS)
 MAX_MESSAGE_BYTES = 1024
 _ELLIPSIS = "…"
 
+# Kafka's own rule for topic names; a dead letter naming anything else was not written by this worker.
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+# Counts and offsets fit in 64 bits; longer digit runs are not ours (and int() refuses > 4300 digits).
+_MAX_DIGITS = 19
+
 # As confluent-kafka's Message.headers() gives them: a header may be present with no value (None).
 Headers = Sequence[tuple[str, bytes | None]]
 
@@ -62,12 +68,19 @@ class DeadLetterHeaderError(ValueError):
 
 
 def truncate_message(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
-    """`message` cut to at most `limit` UTF-8 bytes on a character boundary, ending in `…` when cut."""
-    encoded = message.encode("utf-8")
+    """`message` cut to at most `limit` UTF-8 bytes on a character boundary, ending in `…` when cut.
+
+    Lone surrogates (from an exception's text, say) cannot be UTF-8: they are written as `\\udcff` escapes.
+    """
+    encoded = _utf8(message)
     if len(encoded) <= limit:
-        return message
+        return encoded.decode("utf-8")
     room = limit - len(_ELLIPSIS.encode("utf-8"))
     return encoded[:room].decode("utf-8", errors="ignore") + _ELLIPSIS
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", errors="backslashreplace")
 
 
 def _text(value: bytes | None) -> str:
@@ -75,7 +88,7 @@ def _text(value: bytes | None) -> str:
 
 
 def _decimal(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= _MAX_DIGITS else None
 
 
 def _last(headers: Headers, name: str) -> bytes | None:
@@ -109,9 +122,9 @@ def dead_letter_headers(
     stamp = when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     return [
         *((name, value) for name, value in originals if name not in DEAD_LETTER_HEADERS),
-        (ERROR_TYPE, error_type.encode("utf-8")),
+        (ERROR_TYPE, _utf8(error_type)),
         (ERROR_MESSAGE, truncate_message(message).encode("utf-8")),
-        (SOURCE_TOPIC, topic.encode("utf-8")),
+        (SOURCE_TOPIC, _utf8(topic)),
         (SOURCE_PARTITION, str(partition).encode("ascii")),
         (SOURCE_OFFSET, str(offset).encode("ascii")),
         (FAILED_AT, stamp.encode("ascii")),
@@ -134,6 +147,10 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         if number is None:
             raise DeadLetterHeaderError(f"header {name} must be a decimal number, got {text[name][:40]!r}")
         numbers[name] = number
+    if not _TOPIC_NAME.fullmatch(text[SOURCE_TOPIC]):
+        raise DeadLetterHeaderError(
+            f"header {SOURCE_TOPIC} must be a Kafka topic name, got {text[SOURCE_TOPIC][:40]!r}"
+        )
     return DeadLetterInfo(
         error_type=text[ERROR_TYPE],
         error_message=text[ERROR_MESSAGE],

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from worker.classification import Classification, ClassifyRequest
 from worker.config import Settings, add_config_argument, settings_from_args
+from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.inference.engine import Engine
 from worker.inference.pool import ClassifierPool, open_pool
@@ -30,7 +30,6 @@ from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.records import encode_result, triage_result
 
 SOURCE_TOPIC = "cli"
-_EVENT_DECODER = msgspec.json.Decoder(TicketEvent)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,7 +84,7 @@ def _classify_text(settings: Settings, text: str, output: Path | None) -> int:
 
 def _classify_file(settings: Settings, path: Path, output: Path | None) -> int:
     console = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
-    events, bad = _read_events(path, console)
+    events, bad = _read_events(path, console, settings.pipeline.max_value_bytes)
     if not events:
         console.print(f"{path}: no tickets to classify")
     results: dict[int, TriageResult] = {}
@@ -134,9 +133,10 @@ def _run(
             yield line, answer
 
 
-def _read_events(path: Path, console: Console) -> tuple[dict[int, TicketEvent], int]:
+def _read_events(path: Path, console: Console, max_value_bytes: int) -> tuple[dict[int, TicketEvent], int]:
     """Line index → event for every valid line, and the number of bad lines (each reported with its line
-    number and skipped, so one bad line does not cost the whole file)."""
+    number and skipped, so one bad line does not cost the whole file). Lines are decoded exactly as the
+    worker decodes record values, so a line is skipped here for the reason it would be dead-lettered."""
     events: dict[int, TicketEvent] = {}
     bad = 0
     try:
@@ -148,10 +148,13 @@ def _read_events(path: Path, console: Console) -> tuple[dict[int, TicketEvent], 
             if not raw.strip():
                 continue
             try:
-                events[index] = _EVENT_DECODER.decode(raw)
-            except msgspec.DecodeError as error:
+                events[index] = decode_ticket(raw, max_value_bytes)
+            except DecodeError as error:
                 bad += 1
-                console.print(f"{path}:{index + 1}: skipped, not a TicketEvent: {error}")
+                # The message quotes the line's own text: print it as is, never as rich markup.
+                console.print(
+                    f"{path}:{index + 1}: skipped, not a TicketEvent: {error}", markup=False, highlight=False
+                )
     return events, bad
 
 

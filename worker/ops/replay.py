@@ -309,6 +309,17 @@ def classify(info: DeadLetterInfo, options: ReplayOptions) -> Outcome | None:
     return None
 
 
+def describe_failure(problem: BaseException, limit: int = 200) -> str:
+    """`Type: text` of an exception raised by the ops' code, short and printable whatever it holds (a
+    whole record value, lone surrogates, or a __str__ that itself raises)."""
+    try:
+        text = str(problem)
+    except Exception:
+        text = "(no description)"
+    detail = f"{type(problem).__name__}: {text}".encode("utf-8", "backslashreplace").decode("utf-8")
+    return detail if len(detail) <= limit else detail[: limit - 1] + "…"
+
+
 def apply_transform(transform: Transform, value: bytes) -> bytes | None:
     """Run the ops' fix; None means "skip this record". Raises with a readable message on bad results."""
     result = transform(value)
@@ -577,9 +588,10 @@ class _Replay:
         if self.options.transform is not None and value is not None:
             try:
                 value = apply_transform(self.options.transform, value)
-            except Exception as problem:  # The ops' code: any failure is reported for this record only.
+            # The ops' code: any failure, even sys.exit(), is reported for this record only.
+            except (Exception, SystemExit) as problem:
                 self._begin_and_settle(
-                    message, Outcome.TRANSFORM_FAILED, info, detail=f"{type(problem).__name__}: {problem}"
+                    message, Outcome.TRANSFORM_FAILED, info, detail=describe_failure(problem)
                 )
                 return
             if value is None:
@@ -619,6 +631,9 @@ class _Replay:
                 self._serve(0.1)
             except KafkaException as error:  # e.g. an invalid topic name given with --to
                 self._fail(report, str(error.args[0]) if error.args else str(error))
+                break
+            except (TypeError, ValueError) as error:  # what the client refuses before queueing (a NUL byte)
+                self._fail(report, describe_failure(error))
                 break
         self.producer.poll(0)
 

@@ -18,6 +18,7 @@ from types import FrameType, TracebackType
 
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptions) -> None:
-    title = f"{summary.dlq_topic} → {options.to_topic or 'source topics'} (group {summary.group})"
+    title = escape(f"{summary.dlq_topic} → {options.to_topic or 'source topics'} (group {summary.group})")
     if summary.dry_run:
         console.print(f"[bold]Dry run[/] of {title}: nothing was published, no progress was committed.")
         if summary.would_replay:
@@ -274,7 +275,10 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
 
 
 def _records_table(title: str, reports: list[RecordReport], outcome: bool = True) -> Table:
-    """One row per record; `outcome` False for the dry-run listing, where every row would be replayed."""
+    """One row per record; `outcome` False for the dry-run listing, where every row would be replayed.
+
+    Cells hold what the dead letters carry (keys, header text, exception text): escaped, so a `[/x]` in a
+    key is shown, not read as rich markup (which would end the report with a MarkupError)."""
     table = Table(title=title, title_justify="left")
     columns = ["partition", "offset", "error type", "replays", "target", "key"]
     for column in [*columns, "outcome", "detail"] if outcome else columns:
@@ -288,7 +292,8 @@ def _records_table(title: str, reports: list[RecordReport], outcome: bool = True
             report.target or "-",
             printable(report.key, limit=32) or "-",
         ]
-        table.add_row(*cells, *([report.outcome.value, report.detail or ""] if outcome else []))
+        extra = [report.outcome.value, report.detail or ""] if outcome else []
+        table.add_row(*(escape(cell) for cell in (*cells, *extra)))
     return table
 
 
@@ -298,6 +303,6 @@ def _summary_table(summary: ReplaySummary) -> Table:
     for _, label in _COLUMNS:
         table.add_column(label, justify="right")
     for error_type, counts in sorted(summary.by_error_type.items()):
-        table.add_row(error_type, *(str(counts[outcome]) for outcome, _ in _COLUMNS))
+        table.add_row(escape(error_type), *(str(counts[outcome]) for outcome, _ in _COLUMNS))
     table.add_row("[bold]total[/]", *(f"[bold]{summary.counts[outcome]}[/]" for outcome, _ in _COLUMNS))
     return table
