@@ -189,3 +189,88 @@ def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
     wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
     assert worker.stop() == 0
     assert metrics.in_flight_max == 8 and metrics.max_poll_exceeded == 0 and metrics.lost == 0
+
+
+class _InstantClassifier(_HoldingClassifier):
+    """Never holds (no ticket here says so)."""
+
+
+def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_nothing_stops(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], running: Callable[[Pipeline], _Running]
+) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topics = make_topics(unique_topic, partitions=1)
+    topics.dead_letter = f"dlq-small-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    small = NewTopic(topics.dead_letter, 1, 1, config={"max.message.bytes": "2000"})
+    admin.create_topics([small])[topics.dead_letter].result(30)
+    producer = confluent_kafka.Producer({"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 1048576})
+    records = [
+        (b"k-big-value", b"x" * 5000),  # invalid JSON: its dead letter is too large for the topic
+        (b"K" * 5000, b'{"ticket_id": "T-1", "body": "x"}'),  # key_too_large, and too large with its key
+        (b"k-huge", b"[" * 1_000_100),  # over the worker producer's message.max.bytes: refused at once
+        (b"k-ok", b'{"ticket_id": "T-2", "body": "where is my card?"}'),
+    ]
+    for key, value in records:
+        producer.produce(topics.input, key=key, value=value)
+    assert producer.flush(30) == 0
+    group = f"small-dlq-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group})
+    worker = running(Pipeline(settings, _InstantClassifier(), FALLBACK, dispatch_window=4))
+    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
+    assert worker.stop() == 0
+
+    report = audit(kafka_bootstrap, topics)
+    assert report.lost == [] and report.duplicates == 0
+    assert report.dead == {(0, 0): ["invalid_json"], (0, 1): ["key_too_large"], (0, 2): ["too_deeply_nested"]}
+    assert list(report.results) == [(0, 3)]
+    omitted = _omitted_headers(kafka_bootstrap, topics.dead_letter)
+    # Left out: the value and the key (no record here had headers of its own).
+    assert omitted == {offset: len(key) + len(value) for offset, (key, value) in enumerate(records[:3])}
+
+
+def _omitted_headers(bootstrap: str, topic: str) -> dict[int, int]:
+    """Source offset → `triage.omitted.bytes` of each dead letter in `topic`."""
+    consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4()}"})
+    consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + 30
+    while len(found) < 3 and time.monotonic() < deadline:
+        for message in consumer.consume(10, 1.0):
+            headers = dict(message.headers() or [])
+            found[int(headers["triage.source.offset"])] = int(headers["triage.omitted.bytes"])
+    consumer.close()
+    return found
+
+
+def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes_on(
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+    running: Callable[[Pipeline], _Running],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from worker.pipeline import runner
+
+    real_deadline = runner.ticket_deadline
+
+    def deadline_that_breaks(now: float, wall: float, budget_ms: int, metadata: object) -> float:
+        if metadata:  # stands for any library failing on one record's content
+            raise ZeroDivisionError("a bug reached by one record")
+        return real_deadline(now, wall, budget_ms, metadata)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "ticket_deadline", deadline_that_breaks)
+    topics = make_topics(unique_topic, partitions=1)
+    bodies = ['{"ticket_id": "A", "body": "x"}', '{"ticket_id": "B", "body": "y", "metadata": {"k": "v"}}']
+    producer = confluent_kafka.Producer({"bootstrap.servers": kafka_bootstrap})
+    for body in (*bodies, bodies[0]):
+        producer.produce(topics.input, value=body.encode())
+    assert producer.flush(30) == 0
+    group = f"internal-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group})
+    worker = running(Pipeline(settings, _InstantClassifier(), FALLBACK, dispatch_window=4))
+    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
+    assert worker.stop() == 0
+    report = audit(kafka_bootstrap, topics)
+    assert report.dead == {(0, 1): ["internal_error"]}
+    assert sorted(report.results) == [(0, 0), (0, 2)] and report.lost == []

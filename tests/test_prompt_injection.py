@@ -29,8 +29,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from worker.classification import Classification, ClassifyRequest
 from worker.config import InferenceSettings
-from worker.inference.engine import Classification, ClassifyRequest, Engine
+from worker.inference.engine import Engine
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.records import encode_result, triage_result
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from worker.messages import RFC3339_PATTERN, TicketEvent
+from worker.messages import MAX_TICKET_ID_CHARS, RFC3339_PATTERN, TicketEvent
 
 DecodeErrorType = Literal[
     "too_large",
@@ -26,6 +26,7 @@ DecodeErrorType = Literal[
     "not_an_object",
     "missing_field",
     "empty_field",
+    "too_long",
     "wrong_type",
     "invalid_timestamp",
     "null_value",
@@ -145,6 +146,11 @@ def _diagnose(value: bytes, error: Exception) -> DecodeError:
             return _wrong_type(name, "a string", document[name])
     if document["ticket_id"] == "":
         return DecodeError("empty_field", "`ticket_id` must not be empty")
+    if len(document["ticket_id"]) > MAX_TICKET_ID_CHARS:
+        return DecodeError(
+            "too_long",
+            f"`ticket_id` has {len(document['ticket_id'])} characters, over {MAX_TICKET_ID_CHARS}",
+        )
     for name in (*_OPTIONAL_STRINGS, "created_at"):
         field = document.get(name)
         if field is not None and not isinstance(field, str):

@@ -31,10 +31,21 @@ def _timestamp(description: str) -> msgspec.Meta:
     )
 
 
+# Ids are copied into every triage record: a bound keeps each record small enough for any sane topic limit.
+MAX_TICKET_ID_CHARS = 256
+
+
 class TicketEvent(msgspec.Struct, kw_only=True, frozen=True):
     """A raw support ticket as producers publish it (JSON object; unknown fields are tolerated)."""
 
-    ticket_id: Annotated[str, msgspec.Meta(min_length=1, description="Producer's id of the ticket.")]
+    ticket_id: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_TICKET_ID_CHARS,
+            description="Producer's id of the ticket (copied into its triage record, hence the limit).",
+        ),
+    ]
     body: Annotated[str, msgspec.Meta(description="Free text of the ticket (may be empty).")]
     subject: str | None = None
     customer_id: str | None = None

@@ -20,6 +20,8 @@ SOURCE_PARTITION = "triage.source.partition"
 SOURCE_OFFSET = "triage.source.offset"
 FAILED_AT = "triage.failed_at"
 REPLAY_COUNT = "triage.replay_count"
+# Only on a dead letter whose original record did not fit in the dead-letter topic.
+OMITTED_BYTES = "triage.omitted.bytes"
 
 HEADER_DOCS: tuple[tuple[str, str], ...] = (
     (ERROR_TYPE, "Stable machine name of the failure, e.g. `invalid_json`, `missing_field`, `too_large`."),
@@ -37,6 +39,19 @@ HEADER_DOCS: tuple[tuple[str, str], ...] = (
     ),
 )
 DEAD_LETTER_HEADERS: frozenset[str] = frozenset(name for name, _ in HEADER_DOCS)
+OPTIONAL_HEADER_DOCS: tuple[tuple[str, str], ...] = (
+    (
+        OMITTED_BYTES,
+        "Only when the record did not fit in the dead-letter topic: it was written with no key, no value "
+        "and only the `triage.*` headers, and this is the size in bytes of what was left out. The original "
+        "is still at `triage.source.*` within the source topic's retention.",
+    ),
+)
+# Error types the pipeline writes itself (the decoder's are `worker.decoding.DecodeErrorType`).
+PIPELINE_ERROR_DOCS: tuple[tuple[str, str], ...] = (
+    ("internal_error", "an unexpected exception while decoding the record; the message names it"),
+    ("key_too_large", "a record key over 4096 bytes (results are keyed by it)"),
+)
 
 # Kafka headers travel in every fetch of the record; cap the one free-text header.
 MAX_MESSAGE_BYTES = 1024

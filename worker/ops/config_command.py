@@ -17,7 +17,12 @@ import msgspec
 
 from worker.config import add_config_argument, settings_from_args, settings_to_toml
 from worker.decoding import DecodeErrorType
-from worker.kafka.dead_letters import HEADER_DOCS, MAX_MESSAGE_BYTES
+from worker.kafka.dead_letters import (
+    HEADER_DOCS,
+    MAX_MESSAGE_BYTES,
+    OPTIONAL_HEADER_DOCS,
+    PIPELINE_ERROR_DOCS,
+)
 from worker.messages import TicketEvent, TriageResult
 
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
@@ -30,8 +35,9 @@ def _json_schema(struct: type[msgspec.Struct]) -> str:
 
 
 def _dead_letter_doc() -> str:
-    rows = "\n".join(f"| `{name}` | {meaning} |" for name, meaning in HEADER_DOCS)
+    rows = "\n".join(f"| `{name}` | {meaning} |" for name, meaning in (*HEADER_DOCS, *OPTIONAL_HEADER_DOCS))
     error_types = ", ".join(f"`{name}`" for name in typing.get_args(DecodeErrorType))
+    pipeline_types = "; ".join(f"`{name}`: {meaning}" for name, meaning in PIPELINE_ERROR_DOCS)
     return f"""# Dead-letter records
 
 <!-- Generated from worker/kafka/dead_letters.py by `triage-worker schemas --write`; do not edit. -->
@@ -44,7 +50,8 @@ default `tickets.dlq`) with its original key, value bytes and headers untouched,
 |---|---|
 {rows}
 
-`triage.error.type` values written by the decoder: {error_types}.
+`triage.error.type` values written by the decoder: {error_types}. Written by the pipeline:
+{pipeline_types}.
 
 `triage.error.message` is cut to {MAX_MESSAGE_BYTES} bytes. When a replayed record fails again, the
 `triage.*` headers of the earlier failure are replaced, not repeated, and `triage.replay_count` carries on.

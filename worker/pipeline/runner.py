@@ -38,7 +38,8 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
 
 import confluent_kafka
 import structlog
@@ -48,7 +49,7 @@ from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.inference.prompt import ticket_text
 from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config
-from worker.kafka.dead_letters import dead_letter_headers
+from worker.kafka.dead_letters import OMITTED_BYTES, dead_letter_headers
 from worker.messages import FallbackReason, TicketEvent
 from worker.pipeline.committer import Committer
 from worker.pipeline.deadlines import ticket_deadline
@@ -66,6 +67,10 @@ _BUSY_WAIT_S = 0.01
 # How long the bound may hold before the partitions are paused. Shorter pauses cost more than they save:
 # librdkafka refetches a resumed partition only about a second later. Longer delays rebalance callbacks.
 _FULL_BEFORE_PAUSE_S = 0.5
+# Results are keyed by the input key: a bound keeps every result small (see `_write_smaller`).
+MAX_KEY_BYTES = 4096
+# How often a dead letter written smaller is sent before its partition stops (see `_write_smaller`).
+_SHRUNK_DEAD_LETTER_TRIES = 3
 # The longest a background commit holds back polling (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
 
@@ -237,13 +242,22 @@ class Pipeline:
                 deadline=now + self._pipeline.deadline_ms / 1000.0,
             )
             value = message.value()
+            if work.key is not None and len(work.key) > MAX_KEY_BYTES:
+                reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
+                self._dead_letter(work, value, "key_too_large", reason)
+                continue
             try:
                 event = decode_ticket(value, self._pipeline.max_value_bytes)
+                deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
             except DecodeError as problem:
-                self._dead_letter(work, value, problem)
+                self._dead_letter(work, value, problem.error_type, problem.message)
+                continue
+            except Exception as error:  # no record may stop the worker, whatever a library raises
+                _log.exception("record_failed", topic=topic, partition=partition, offset=offset)
+                self._dead_letter(work, value, "internal_error", f"{type(error).__name__}: {error}")
                 continue
             work.event = event
-            work.deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
+            work.deadline = deadline
             self._ledger.wait(work)
         self._update_gauge()
 
@@ -304,17 +318,17 @@ class Pipeline:
         record = encode_result(triage_result(event, answer, work.source))
         self._produce(work, self._topics.output, result_key(work.key, event), record)
 
-    def _dead_letter(self, work: Work, value: bytes | None, error: DecodeError) -> None:
+    def _dead_letter(self, work: Work, value: bytes | None, error_type: str, message: str) -> None:
         self.metrics.dead_lettered += 1
         headers = dead_letter_headers(
-            work.headers, error.error_type, error.message, work.topic, work.partition, work.offset
+            work.headers, error_type, message, work.topic, work.partition, work.offset
         )
         _log.debug(
             "dead_lettered",
             topic=work.topic,
             partition=work.partition,
             offset=work.offset,
-            error_type=error.error_type,
+            error_type=error_type,
         )
         self._produce(work, self._topics.dead_letter, work.key, value, headers)
 
@@ -327,11 +341,14 @@ class Pipeline:
         key: bytes | None,
         value: bytes | None,
         headers: Headers | None = None,
+        shrunk: _Shrunk | None = None,
     ) -> None:
         delivery_id = self._ledger.to_broker(work)
-        on_delivery = functools.partial(self._on_delivery, delivery_id)
+        omitted, tries = shrunk or (0, 0)
+        record = _Record(topic, key, value, headers or work.headers, omitted, tries)
+        on_delivery = functools.partial(self._on_delivery, delivery_id, record)
         # The client takes any str/bytes/None values; our lists only hold bytes/None (list is invariant).
-        record_headers = cast("list[tuple[str, str | bytes | None]] | None", headers or work.headers)
+        record_headers = cast("list[tuple[str, str | bytes | None]] | None", record.headers)
         while True:
             try:
                 self._producer.produce(
@@ -341,14 +358,23 @@ class Pipeline:
             except BufferError:
                 # The client's local queue is full (the broker is slow or away): let it drain, keep serving.
                 self._producer.poll(_BUSY_WAIT_S)
+            except confluent_kafka.KafkaException as refused:
+                # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery.
+                self._on_delivery(delivery_id, record, refused.args[0], None)
+                return
 
-    def _on_delivery(self, delivery_id: int, error: confluent_kafka.KafkaError | None, _msg: Any) -> None:
+    def _on_delivery(
+        self, delivery_id: int, record: _Record, error: confluent_kafka.KafkaError | None, _msg: Any
+    ) -> None:
         work = self._ledger.delivered(delivery_id)
         if work is None:
             return
         if error is None:
             self.metrics.produced += 1
             work.state.done(work.offset)
+            return
+        too_large = error.code() == confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
+        if too_large and self._write_smaller(work, record):
             return
         self.metrics.delivery_failed += 1
         work.state.fail(work.offset)
@@ -363,6 +389,27 @@ class Pipeline:
         )
         if not work.orphan:
             self._pause([work.partition_key])
+
+    def _write_smaller(self, work: Work, record: _Record) -> bool:
+        """A dead letter too large for its topic (it carries the original value, key and headers) must not
+        stop its partition: write it with its `triage.*` headers only; they point at the original in the
+        source topic. The broker refuses a whole batch for one large record, so the small one is sent again
+        a few times before giving up. False for results: decoding bounds their size, so a result refused as
+        too large means a misconfigured output topic."""
+        if record.topic != self._topics.dead_letter or record.shrunk >= _SHRUNK_DEAD_LETTER_TRIES:
+            return False
+        kept = [(n, v) for n, v in record.headers or () if n.startswith("triage.") and n != OMITTED_BYTES]
+        omitted = record.omitted or (
+            len(record.value or b"")
+            + len(record.key or b"")
+            + sum(len(n) + len(v or b"") for n, v in record.headers or () if not n.startswith("triage."))
+        )
+        kept.append((OMITTED_BYTES, str(omitted).encode("ascii")))
+        _log.warning(
+            "dead_letter_shrunk", partition=work.partition, offset=work.offset, omitted_bytes=omitted
+        )
+        self._produce(work, record.topic, None, None, kept, _Shrunk(omitted, record.shrunk + 1))
+        return True
 
     # -- commits --------------------------------------------------------------------------------------------
 
@@ -563,6 +610,24 @@ class Pipeline:
     def _blocked(self) -> dict[TopicPartitionKey, int]:
         """Owned partitions stopped by a delivery that failed for good, with the offset they stop at."""
         return {state.key: at for state in self._tracker if (at := state.blocked_at) is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """What was produced for a record, kept until its delivery report in case it must be written smaller."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: Headers | None
+    # For a dead letter written smaller: the bytes of the original left out, and how often it was sent so.
+    omitted: int
+    shrunk: int
+
+
+class _Shrunk(NamedTuple):
+    omitted: int
+    tries: int
 
 
 def _topic_partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
