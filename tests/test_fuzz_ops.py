@@ -17,8 +17,9 @@ from worker.config import Settings
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
 from worker.ops.cli import main
-from worker.ops.replay import OffsetTracker, Outcome, ReplayOptions, Transform, _Replay
+from worker.ops.replay import Outcome, ReplayOptions, Transform, _Replay
 from worker.ops.replay_command import _print_report
+from worker.pipeline.offsets import PartitionOffsets
 
 TINY = Path(__file__).parent / "models" / "tiny"
 
@@ -67,7 +68,7 @@ def _replay(transform: Transform | None, dry_run: bool = True, to_topic: str | N
         dlq_topic="tickets.dlq", group="g", transform=transform, dry_run=dry_run, to_topic=to_topic
     )
     replay = _Replay(Settings(kafka={"bootstrap.servers": "127.0.0.1:1"}), options, None, lambda: False)
-    replay.trackers[0], replay.starts[0], replay.ends[0] = OffsetTracker(0), 0, 1 << 62
+    replay.trackers[0], replay.starts[0], replay.ends[0] = PartitionOffsets(("tickets.dlq", 0)), 0, 1 << 62
     replay.active.add(0)
     return replay
 
@@ -203,7 +204,7 @@ def test_a_target_the_client_refuses_is_a_publish_failure_not_a_crash() -> None:
         replay.consumer.close()
     (report,) = replay.summary.attention
     assert report.outcome is Outcome.PUBLISH_FAILED and "embedded null" in (report.detail or "")
-    assert replay.trackers[0].position == 0  # not settled: a rerun retries it
+    assert replay.trackers[0].position is None  # not settled: nothing to commit, a rerun retries it
 
 
 def test_classify_input_reports_poison_lines_with_the_dead_letter_reason_and_goes_on(

@@ -9,23 +9,19 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from worker.errors import UserError
+from worker.kafka.clients import kafka_call
 from worker.kafka.dead_letters import DeadLetterInfo
 from worker.ops.replay import (
     OffsetRange,
-    OffsetTracker,
     Outcome,
     RecordReport,
     ReplayOptions,
     ReplaySummary,
     TokenBucket,
-    _kafka_call,
     apply_transform,
     classify,
-    load_transform,
-    parse_offset_ranges,
-    parse_rate,
-    parse_time,
 )
+from worker.ops.replay_command import load_transform, parse_offset_ranges, parse_rate, parse_time
 
 
 def test_offset_ranges_accept_closed_open_and_single_forms() -> None:
@@ -123,19 +119,6 @@ def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:
     assert 450 <= granted <= 550
 
 
-def test_progress_is_committed_only_up_to_the_first_unconfirmed_offset() -> None:
-    tracker = OffsetTracker(start=10)
-    for offset in (10, 11, 12, 13):
-        tracker.begin(offset)
-    tracker.settle(11)
-    tracker.settle(13)
-    assert tracker.position == 10  # 10 is still in flight
-    tracker.settle(10)
-    assert tracker.position == 12  # 12 still in flight (or failed): never committed past
-    tracker.settle(12)
-    assert tracker.position == 14
-
-
 def test_summary_counts_by_error_type_and_lists_what_needs_attention() -> None:
     summary = ReplaySummary("dlq", "g", dry_run=False)
 
@@ -160,6 +143,6 @@ def test_kafka_errors_never_echo_a_secret_config_value() -> None:
         raise KafkaException(KafkaError(KafkaError._INVALID_ARG, 'Invalid value "hunter2" for sasl.password'))
 
     with pytest.raises(UserError) as caught:
-        _kafka_call("create a consumer", fail, {"sasl.password": "hunter2", "bootstrap.servers": "b:9092"})
+        kafka_call("create a consumer", fail, {"sasl.password": "hunter2", "bootstrap.servers": "b:9092"})
     assert "hunter2" not in str(caught.value)
     assert "***" in str(caught.value)

@@ -6,6 +6,7 @@ when the files drift from them.
 
 from __future__ import annotations
 
+import datetime
 from typing import Annotated, Literal
 
 import msgspec
@@ -78,3 +79,9 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
     classified_at: Annotated[str, _timestamp("RFC 3339 UTC time the record was made.")]
     source: SourcePosition
     truncated: bool
+
+
+def utc_timestamp(moment: datetime.datetime | None = None) -> str:
+    """RFC 3339 UTC with milliseconds, e.g. ``2024-05-01T12:30:00.123Z``: every time the worker writes."""
+    when = moment or datetime.datetime.now(datetime.UTC)
+    return when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

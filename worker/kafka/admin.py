@@ -7,8 +7,9 @@ explicitly, with the partitions and replication factor from the settings.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,20 +65,7 @@ def create_topics(
     if not specs:
         return {}
     bootstrap = kafka_config.get("bootstrap.servers", "?")
-    last_error = _LastClientError()
-    client_log = logging.getLogger("worker.kafka.admin.librdkafka")
-    client_log.propagate = False
-    client_log.addHandler(last_error)
-    try:
-        options: dict[str, Any] = {"logger": client_log, **kafka_config}  # the stubs omit `logger`
-        admin = AdminClient(options)
-        # Fail fast, with librdkafka's reason, when the cluster cannot be reached at all.
-        try:
-            admin.list_topics(timeout=min(timeout_s, 10.0))
-        except KafkaException as exception:
-            admin.poll(0)  # serves the queued client logs to `last_error`
-            reason = last_error.message or str(exception)
-            raise UserError(f"cannot reach Kafka at {bootstrap}: {reason}") from None
+    with _reachable_admin(kafka_config, min(timeout_s, 10.0)) as (admin, _):
         futures = admin.create_topics(
             [
                 NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor)
@@ -103,5 +91,31 @@ def create_topics(
                     f"cannot create topic {spec.name!r}: {bootstrap} gave no answer in {waited}"
                 ) from None
         return outcomes
+
+
+def existing_topics(kafka_config: Mapping[str, str], timeout_s: float = 15.0) -> set[str]:
+    """The cluster's topic names; UserError with librdkafka's reason when the cluster cannot be reached."""
+    with _reachable_admin(kafka_config, timeout_s) as (_, metadata):
+        return set(metadata.topics)
+
+
+@contextlib.contextmanager
+def _reachable_admin(kafka_config: Mapping[str, str], timeout_s: float) -> Iterator[tuple[AdminClient, Any]]:
+    """An admin client that has reached the cluster (and its metadata), or UserError saying why not."""
+    bootstrap = kafka_config.get("bootstrap.servers", "?")
+    last_error = _LastClientError()
+    client_log = logging.getLogger("worker.kafka.admin.librdkafka")
+    client_log.propagate = False
+    client_log.addHandler(last_error)
+    try:
+        options: dict[str, Any] = {"logger": client_log, **kafka_config}  # the stubs omit `logger`
+        admin = AdminClient(options)
+        try:
+            metadata = admin.list_topics(timeout=timeout_s)
+        except KafkaException as exception:
+            admin.poll(0)  # serves the queued client logs to `last_error`
+            reason = last_error.message or str(exception)
+            raise UserError(f"cannot reach Kafka at {bootstrap}: {reason}") from None
+        yield admin, metadata
     finally:
         client_log.removeHandler(last_error)

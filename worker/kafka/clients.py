@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import confluent_kafka
 import structlog
 
-from worker.config import Settings, masked_kafka_config
+from worker.config import MASK, Settings, is_secret_key, masked_kafka_config
 from worker.errors import UserError
 
 _log = structlog.get_logger("worker.kafka")
+# How long `kafka_call` retries passing errors.
+RETRY_FOR_S = 10.0
 
 # Options whose value the pipeline relies on, with the reason shown when a user sets them otherwise.
 _CONSUMER_REQUIRED = {
@@ -150,12 +152,18 @@ def create_consumer(
     settings: Settings,
     on_error: ErrorCallback | None = None,
     logger: logging.Logger | None = None,
+    overrides: Mapping[str, str] | None = None,
 ) -> confluent_kafka.Consumer:
     """A consumer in the pipeline's group; subscribe it with the rebalance callbacks of the caller.
 
-    `logger` receives librdkafka's own log lines (default: librdkafka prints them to stderr).
+    `logger` receives librdkafka's own log lines (default: librdkafka prints them to stderr). `overrides`
+    adapts it to another use (a replay's own group, a viewer) without touching the options every client
+    shares (SASL, TLS, timeouts) or the ones the pipeline relies on.
     """
-    config: dict[str, Any] = consumer_config(settings)
+    forbidden = sorted(set(overrides or ()) & set(_CONSUMER_REQUIRED))
+    if forbidden:
+        raise ValueError(f"create_consumer cannot override {', '.join(forbidden)}")
+    config: dict[str, Any] = {**consumer_config(settings), **(overrides or {})}
     config["error_cb"] = on_error or ClientErrorLog("consumer")
     if logger is not None:
         config["logger"] = logger
@@ -173,6 +181,70 @@ def create_producer(
     if logger is not None:
         config["logger"] = logger
     return confluent_kafka.Producer(config)
+
+
+DeliveryCallback = Callable[[confluent_kafka.KafkaError | None, confluent_kafka.Message], None]
+
+
+def produce(
+    producer: confluent_kafka.Producer,
+    topic: str,
+    value: bytes | None,
+    key: bytes | None = None,
+    headers: Sequence[tuple[str, bytes | None]] | None = None,
+    on_delivery: DeliveryCallback | None = None,
+    give_up_at: float | None = None,
+    wait_s: float = 0.01,
+) -> None:
+    """`producer.produce`, waiting while the client's local queue is full (BufferError: the broker is slow or
+    away) and serving delivery reports meanwhile. Raises BufferError when the queue is still full at
+    `give_up_at` (a `time.monotonic()` instant; None waits as long as it takes), and KafkaException for a
+    record the client refuses outright (e.g. over `message.max.bytes`)."""
+    # The client takes str/bytes/None header values; ours are bytes/None (and list is invariant).
+    record_headers = cast(
+        "list[tuple[str, str | bytes | None]] | None", None if headers is None else list(headers)
+    )
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, headers=record_headers, on_delivery=on_delivery)
+            return
+        except BufferError:
+            if give_up_at is not None and time.monotonic() >= give_up_at:
+                raise
+            producer.poll(wait_s)
+
+
+# Group coordinator errors are passing (a new group's coordinator loading, one moving between brokers).
+_COORDINATOR_ERRORS = frozenset(
+    {
+        confluent_kafka.KafkaError.NOT_COORDINATOR,
+        confluent_kafka.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        confluent_kafka.KafkaError.COORDINATOR_NOT_AVAILABLE,
+    }
+)
+
+
+def kafka_call(what: str, call: Callable[[], Any], kafka_config: Mapping[str, str] | None = None) -> Any:
+    """Run a client call, retrying passing errors for a while; a Kafka error becomes one line, with any
+    secret config value blanked out of it."""
+    deadline = time.monotonic() + RETRY_FOR_S
+    while True:
+        try:
+            return call()
+        except confluent_kafka.KafkaException as error:
+            first = error.args[0] if error.args else None
+            kafka_error = first if isinstance(first, confluent_kafka.KafkaError) else None
+            passing = kafka_error is not None and (
+                kafka_error.retriable() or kafka_error.code() in _COORDINATOR_ERRORS
+            )
+            if passing and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            text = kafka_error.str() if kafka_error is not None else str(error)
+            for key, value in (kafka_config or {}).items():
+                if value and is_secret_key(key):
+                    text = text.replace(value, MASK)
+            raise UserError(f"Kafka: cannot {what}: {text}") from None
 
 
 class ClientFactory(Protocol):

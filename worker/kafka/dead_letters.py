@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from worker.messages import utc_timestamp
+
 ERROR_TYPE = "triage.error.type"
 ERROR_MESSAGE = "triage.error.message"
 SOURCE_TOPIC = "triage.source.topic"
@@ -133,8 +135,7 @@ def dead_letter_headers(
     originals = list(original_headers or ())
     carried = _decimal(_text(_last(originals, REPLAY_COUNT)))
     count = replay_count if carried is None else max(replay_count, carried)
-    when = failed_at or datetime.datetime.now(datetime.UTC)
-    stamp = when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    stamp = utc_timestamp(failed_at)
     return [
         *((name, value) for name, value in originals if name not in DEAD_LETTER_HEADERS),
         (ERROR_TYPE, _utf8(error_type)),

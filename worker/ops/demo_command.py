@@ -32,6 +32,7 @@ from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka import dead_letters, local_broker
 from worker.kafka.admin import create_topics, worker_topics
+from worker.kafka.clients import create_consumer
 from worker.messages import TriageResult
 from worker.ops.samples import Sample, SampleFactory, produce_samples
 
@@ -196,13 +197,8 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
 def _viewer(settings: Settings) -> confluent_kafka.Consumer:
     """A consumer of the output and dead-letter topics from their current end: only this run's records."""
-    consumer = confluent_kafka.Consumer(
-        {
-            "bootstrap.servers": settings.kafka["bootstrap.servers"],
-            "group.id": f"triage-demo-viewer-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-        }
-    )
+    # Through the worker's client options, so SASL/TLS settings apply here too.
+    consumer = create_consumer(settings, overrides={"group.id": f"triage-demo-viewer-{uuid.uuid4().hex[:8]}"})
     partitions = []
     for topic in (settings.topics.output, settings.topics.dead_letter):
         metadata = consumer.list_topics(topic, timeout=15).topics[topic]

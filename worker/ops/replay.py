@@ -23,26 +23,22 @@ at its first later record, which is then left for a later run rather than commit
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import re
-import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from enum import StrEnum
 from functools import partial
-from pathlib import Path
 from typing import Any, Protocol
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from worker.config import MASK, Settings, is_secret_key
+from worker.config import Settings
 from worker.errors import UserError
-from worker.kafka.clients import consumer_config, producer_config
+from worker.kafka.clients import create_consumer, create_producer, kafka_call
 from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
+from worker.pipeline.offsets import PartitionOffsets
 
 Transform = Callable[[bytes], bytes | None]
 Header = tuple[str, bytes | None]
@@ -199,95 +195,6 @@ class ReplayObserver(Protocol):
     def settled(self, report: RecordReport) -> None: ...
 
 
-# --- parsing what ops type -------------------------------------------------------------------------------
-
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$")
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_time(text: str, now: datetime | None = None) -> datetime:
-    """An RFC 3339 time or date (naive = UTC), or a duration ago: ``30m``, ``2h``, ``1d``, ``1w``."""
-    value = text.strip()
-    match = _DURATION.match(value.lower())
-    if match:
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise UserError(
-            f"invalid time {text!r}: expected RFC 3339 (2024-05-01T10:00:00Z), a date, or a duration ago (2h)"
-        ) from None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-
-
-_RANGE = re.compile(r"^(\d+):(\d+)(?:-(\d*))?$")
-
-
-def parse_offset_ranges(text: str) -> tuple[OffsetRange, ...]:
-    """``P:START-END`` (END inclusive), ``P:START-`` (to the end) or ``P:OFFSET``, comma-separated."""
-    ranges: dict[int, OffsetRange] = {}
-    for item in (part.strip() for part in text.split(",")):
-        match = _RANGE.match(item)
-        if not match:
-            raise UserError(f"invalid --offsets item {item!r}: expected P:START-END, P:START- or P:OFFSET")
-        partition, start = int(match.group(1)), int(match.group(2))
-        last = match.group(3)
-        if last is None:
-            end: int | None = start + 1
-        elif last == "":
-            end = None
-        else:
-            end = int(last) + 1
-            if end <= start:
-                raise UserError(f"invalid --offsets item {item!r}: END is before START")
-        if partition in ranges:
-            raise UserError(f"invalid --offsets: partition {partition} is given twice")
-        ranges[partition] = OffsetRange(partition, start, end)
-    return tuple(ranges[p] for p in sorted(ranges))
-
-
-def parse_rate(text: str) -> float:
-    """``50``, ``50/s``, ``3000/m`` → records per second (> 0)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|min|h))?\s*", text)
-    rate = float(match.group(1)) if match else 0.0
-    if not match or rate <= 0:
-        raise UserError(
-            f"invalid --rate {text!r}: expected a positive number of records per second, e.g. 50/s"
-        )
-    per = {"s": 1, None: 1, "m": 60, "min": 60, "h": 3600}[match.group(2)]
-    return rate / per
-
-
-def load_transform(spec: str) -> Transform:
-    """``module:function`` (importable, or in the current directory) or ``path/to/file.py:function``."""
-    module_name, sep, function_name = spec.rpartition(":")
-    if not sep or not module_name or not function_name:
-        raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or module_spec.loader is None or not path.is_file():
-                raise UserError(f"--transform: no such file {module_name}")
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
-            if "" not in sys.path and "." not in sys.path:
-                sys.path.append(".")
-            module = importlib.import_module(module_name)
-    except UserError:
-        raise
-    except Exception as error:
-        raise UserError(f"--transform: cannot load {module_name}: {type(error).__name__}: {error}") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise UserError(f"--transform: {module_name} has no function {function_name!r}")
-    transform: Transform = function
-    return transform
-
-
 def default_group(dlq_topic: str) -> str:
     """The replay's own consumer group: never the worker's, so their committed positions never mix."""
     return f"triage-replay.{dlq_topic}"
@@ -351,30 +258,6 @@ class TokenBucket:
         return (1.0 - self._tokens) / self._rate
 
 
-class OffsetTracker:
-    """Which offsets of one partition are settled, so progress is committed only up to the first that isn't.
-
-    Records are begun in offset order; a republished record settles when the broker confirms it, every other
-    outcome settles at once. A record whose publish failed never settles: the partition's committed position
-    stays before it, so the next run retries it.
-    """
-
-    def __init__(self, start: int) -> None:
-        self.position = start
-        self._open: deque[int] = deque()
-        self._settled: set[int] = set()
-
-    def begin(self, offset: int) -> None:
-        self._open.append(offset)
-
-    def settle(self, offset: int) -> None:
-        self._settled.add(offset)
-        while self._open and self._open[0] in self._settled:
-            done = self._open.popleft()
-            self._settled.discard(done)
-            self.position = done + 1
-
-
 def printable(raw: bytes | None, limit: int = 60) -> str | None:
     if raw is None:
         return None
@@ -385,42 +268,10 @@ def printable(raw: bytes | None, limit: int = 60) -> str | None:
 # --- the replay against Kafka -------------------------------------------------------------------------------
 
 
-# Group coordinator errors are passing (a new group's coordinator loading, one moving between brokers).
-_COORDINATOR_ERRORS = frozenset(
-    {
-        KafkaError.NOT_COORDINATOR,
-        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-        KafkaError.COORDINATOR_NOT_AVAILABLE,
-    }
-)
-
-
-def _kafka_call(what: str, call: Callable[[], Any], kafka_config: Mapping[str, str] | None = None) -> Any:
-    """Run a client call, retrying passing errors for a while; a Kafka error becomes one line, with any
-    secret config value blanked out of it."""
-    deadline = time.monotonic() + METADATA_TIMEOUT_S
-    while True:
-        try:
-            return call()
-        except KafkaException as error:
-            kafka_error = error.args[0] if error.args and isinstance(error.args[0], KafkaError) else None
-            passing = kafka_error is not None and (
-                kafka_error.retriable() or kafka_error.code() in _COORDINATOR_ERRORS
-            )
-            if passing and time.monotonic() < deadline:
-                time.sleep(0.2)
-                continue
-            text = kafka_error.str() if kafka_error is not None else str(error)
-            for key, value in (kafka_config or {}).items():
-                if value and is_secret_key(key):
-                    text = text.replace(value, MASK)
-            raise UserError(f"Kafka: cannot {what}: {text}") from None
-
-
 def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan]:
     """Start and end offset per partition: selection start, raised to the group's committed position."""
     topic = options.dlq_topic
-    metadata = _kafka_call(
+    metadata = kafka_call(
         "read topic metadata", lambda: consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
     )
     topic_metadata = metadata.topics.get(topic)
@@ -437,7 +288,7 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
         partitions = sorted(wanted)
     committed = {
         tp.partition: tp.offset if tp.offset >= 0 else None
-        for tp in _kafka_call(
+        for tp in kafka_call(
             f"read the committed offsets of group {options.group}",
             lambda: consumer.committed(
                 [TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT_S
@@ -447,7 +298,7 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
     since_offsets: dict[int, int] = {}
     if options.since is not None:
         millis = int(options.since.timestamp() * 1000)
-        for tp in _kafka_call(
+        for tp in kafka_call(
             "look up offsets by time",
             lambda: consumer.offsets_for_times(
                 [TopicPartition(topic, p, millis) for p in partitions], timeout=METADATA_TIMEOUT_S
@@ -456,7 +307,7 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
             since_offsets[tp.partition] = tp.offset
     plans = []
     for partition in partitions:
-        low, high = _kafka_call(
+        low, high = kafka_call(
             f"read the offsets of {topic} [{partition}]",
             partial(
                 consumer.get_watermark_offsets, TopicPartition(topic, partition), timeout=METADATA_TIMEOUT_S
@@ -493,19 +344,17 @@ class _Replay:
         # The pipeline's client options (user's librdkafka options; no auto-commit; idempotent, acks=all
         # producer), in the replay's own group, with end-of-partition events to know when a range is read.
         consumer_options = {
-            **consumer_config(settings),
             "group.id": options.group,
             "enable.partition.eof": "true",
             "isolation.level": "read_committed",
         }
-        self.consumer = _kafka_call("create a consumer", lambda: Consumer(consumer_options), settings.kafka)
+        self.consumer = kafka_call(
+            "create a consumer", lambda: create_consumer(settings, overrides=consumer_options), settings.kafka
+        )
         self.producer: Any = None
         if not options.dry_run:
-            producer_options = producer_config(settings)
-            self.producer = _kafka_call(
-                "create a producer", lambda: Producer(producer_options), settings.kafka
-            )
-        self.trackers: dict[int, OffsetTracker] = {}
+            self.producer = kafka_call("create a producer", lambda: create_producer(settings), settings.kafka)
+        self.trackers: dict[int, PartitionOffsets] = {}
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
         self.active: set[int] = set()
@@ -528,7 +377,7 @@ class _Replay:
         if self.observer is not None:
             self.observer.planned(plan)
         for item in plan:
-            self.trackers[item.partition] = OffsetTracker(item.start)
+            self.trackers[item.partition] = PartitionOffsets((self.options.dlq_topic, item.partition))
             self.starts[item.partition] = item.start
             self.ends[item.partition] = item.end
             if item.start < item.end:
@@ -536,9 +385,7 @@ class _Replay:
         if not self.active:
             return
         topic = self.options.dlq_topic
-        self.consumer.assign(
-            [TopicPartition(topic, p, self.trackers[p].position) for p in sorted(self.active)]
-        )
+        self.consumer.assign([TopicPartition(topic, p, self.starts[p]) for p in sorted(self.active)])
         bucket = TokenBucket(self.options.rate, time.monotonic()) if self.options.rate else None
         until_ms = int(self.options.until.timestamp() * 1000) if self.options.until else None
         try:
@@ -602,7 +449,7 @@ class _Replay:
             partition, offset, Outcome.REPLAYED, info.error_type, info.replay_count, target, message.key()
         )
         if self.options.dry_run:
-            self.trackers[partition].begin(offset)
+            self.trackers[partition].track(offset)
             self._settle(report)
             return
         if bucket is not None:
@@ -610,7 +457,7 @@ class _Replay:
                 if self.should_stop():
                     return  # Not begun: the committed position stays before this record.
                 self._serve(min(wait, 0.05))
-        self.trackers[partition].begin(offset)
+        self.trackers[partition].track(offset)
         headers = replay_headers(message.headers())
         self._produce(target, message.key(), value, headers, report)
 
@@ -656,7 +503,7 @@ class _Replay:
     def _begin_and_settle(
         self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
     ) -> None:
-        self.trackers[message.partition()].begin(message.offset())
+        self.trackers[message.partition()].track(message.offset())
         self._settle(
             RecordReport(
                 message.partition(),
@@ -671,7 +518,7 @@ class _Replay:
         )
 
     def _settle(self, report: RecordReport) -> None:
-        self.trackers[report.partition].settle(report.offset)
+        self.trackers[report.partition].done(report.offset)
         self._record(report)
 
     def _record(self, report: RecordReport) -> None:
@@ -701,17 +548,18 @@ class _Replay:
             return
         self.last_commit = now
         changed = [
-            TopicPartition(self.options.dlq_topic, partition, tracker.position)
-            for partition, tracker in self.trackers.items()
-            if tracker.position != self.committed.get(partition, self.starts[partition])
+            TopicPartition(self.options.dlq_topic, partition, position)
+            for partition, state in self.trackers.items()
+            if (position := state.position) is not None
         ]
         if not changed:
             return
-        _kafka_call(
+        kafka_call(
             f"commit progress for group {self.options.group}",
             lambda: self.consumer.commit(offsets=changed, asynchronous=False),
         )
         for tp in changed:
+            self.trackers[tp.partition].committed(tp.offset)
             self.committed[tp.partition] = tp.offset
 
 

@@ -9,11 +9,16 @@ stdout) and a script (``--json``: one JSON object on stdout). Exit codes: 0 done
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import re
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from types import FrameType, TracebackType
 
 import msgspec
@@ -26,16 +31,14 @@ from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.ops.replay import (
     DEFAULT_MAX_REPLAYS,
+    OffsetRange,
     Outcome,
     PartitionPlan,
     RecordReport,
     ReplayOptions,
     ReplaySummary,
+    Transform,
     default_group,
-    load_transform,
-    parse_offset_ranges,
-    parse_rate,
-    parse_time,
     printable,
     run_replay,
 )
@@ -59,6 +62,93 @@ _COLUMNS: tuple[tuple[Outcome, str], ...] = (
     (Outcome.PUBLISH_FAILED, "publish failed"),
     (Outcome.UNREADABLE, "unreadable"),
 )
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d|w)$")
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_time(text: str, now: datetime | None = None) -> datetime:
+    """An RFC 3339 time or date (naive = UTC), or a duration ago: ``30m``, ``2h``, ``1d``, ``1w``."""
+    value = text.strip()
+    match = _DURATION.match(value.lower())
+    if match:
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise UserError(
+            f"invalid time {text!r}: expected RFC 3339 (2024-05-01T10:00:00Z), a date, or a duration ago (2h)"
+        ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+_RANGE = re.compile(r"^(\d+):(\d+)(?:-(\d*))?$")
+
+
+def parse_offset_ranges(text: str) -> tuple[OffsetRange, ...]:
+    """``P:START-END`` (END inclusive), ``P:START-`` (to the end) or ``P:OFFSET``, comma-separated."""
+    ranges: dict[int, OffsetRange] = {}
+    for item in (part.strip() for part in text.split(",")):
+        match = _RANGE.match(item)
+        if not match:
+            raise UserError(f"invalid --offsets item {item!r}: expected P:START-END, P:START- or P:OFFSET")
+        partition, start = int(match.group(1)), int(match.group(2))
+        last = match.group(3)
+        if last is None:
+            end: int | None = start + 1
+        elif last == "":
+            end = None
+        else:
+            end = int(last) + 1
+            if end <= start:
+                raise UserError(f"invalid --offsets item {item!r}: END is before START")
+        if partition in ranges:
+            raise UserError(f"invalid --offsets: partition {partition} is given twice")
+        ranges[partition] = OffsetRange(partition, start, end)
+    return tuple(ranges[p] for p in sorted(ranges))
+
+
+def parse_rate(text: str) -> float:
+    """``50``, ``50/s``, ``3000/m`` → records per second (> 0)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:/\s*(s|m|min|h))?\s*", text)
+    rate = float(match.group(1)) if match else 0.0
+    if not match or rate <= 0:
+        raise UserError(
+            f"invalid --rate {text!r}: expected a positive number of records per second, e.g. 50/s"
+        )
+    per = {"s": 1, None: 1, "m": 60, "min": 60, "h": 3600}[match.group(2)]
+    return rate / per
+
+
+def load_transform(spec: str) -> Transform:
+    """``module:function`` (importable, or in the current directory) or ``path/to/file.py:function``."""
+    module_name, sep, function_name = spec.rpartition(":")
+    if not sep or not module_name or not function_name:
+        raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            if module_spec is None or module_spec.loader is None or not path.is_file():
+                raise UserError(f"--transform: no such file {module_name}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
+            if "" not in sys.path and "." not in sys.path:
+                sys.path.append(".")
+            module = importlib.import_module(module_name)
+    except UserError:
+        raise
+    except Exception as error:
+        raise UserError(f"--transform: cannot load {module_name}: {type(error).__name__}: {error}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise UserError(f"--transform: {module_name} has no function {function_name!r}")
+    transform: Transform = function
+    return transform
 
 
 def _positive_int(text: str) -> int:

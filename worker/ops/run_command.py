@@ -13,9 +13,7 @@ import signal
 import types
 from typing import Any
 
-import confluent_kafka
 import structlog
-from confluent_kafka.admin import AdminClient
 
 from worker.config import (
     Settings,
@@ -26,6 +24,7 @@ from worker.config import (
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
+from worker.kafka.admin import existing_topics
 from worker.kafka.clients import KafkaClients, producer_config
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.runner import Pipeline
@@ -123,13 +122,9 @@ def dispatch_window(settings: Settings) -> int:
 def _check_topics(settings: Settings) -> None:
     """Fail at start, in one line, when the broker is unreachable or a topic is missing."""
     bootstrap = settings.kafka.get("bootstrap.servers", "")
-    admin_config: dict[str, str | int | float | bool] = dict(producer_config(settings))
-    try:
-        metadata = AdminClient(admin_config).list_topics(timeout=15)
-    except confluent_kafka.KafkaException as error:
-        raise UserError(f"cannot reach Kafka at {bootstrap}: {error.args[0].str()}") from None
+    existing = existing_topics(producer_config(settings))
     topics = settings.topics
-    missing = [t for t in (topics.input, topics.output, topics.dead_letter) if t not in metadata.topics]
+    missing = [t for t in (topics.input, topics.output, topics.dead_letter) if t not in existing]
     if missing:
         raise UserError(
             f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with "

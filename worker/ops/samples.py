@@ -9,7 +9,6 @@ that the worker passes through to its output, so a test can check where every re
 from __future__ import annotations
 
 import csv
-import datetime
 import random
 import threading
 import time
@@ -22,7 +21,8 @@ import confluent_kafka
 import msgspec
 
 from worker.config import Settings
-from worker.kafka.clients import create_producer
+from worker.kafka.clients import DeliveryCallback, create_producer, produce
+from worker.messages import utc_timestamp
 
 SAMPLES_FILE = Path(__file__).with_name("sample_tickets.csv")
 KIND_HEADER = "sample.kind"
@@ -42,10 +42,6 @@ class Sample:
     headers: list[tuple[str, bytes]]
     # The decode error type the worker should report, or None for a valid ticket.
     malformed: str | None
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class SampleFactory:
@@ -80,7 +76,7 @@ class SampleFactory:
             "body": rng.choice(self._texts),
             "customer_id": customer,
             "channel": rng.choice(_CHANNELS),
-            "created_at": _now(),
+            "created_at": utc_timestamp(),
             "metadata": {"source": "produce-samples"},
         }
         malformed = rng.choice(self.MALFORMED_KINDS) if rng.random() < self._ratio else None
@@ -168,15 +164,7 @@ def _produce(
     producer: confluent_kafka.Producer,
     topic: str,
     sample: Sample,
-    delivered: Callable[[object, object], None],
+    delivered: DeliveryCallback,
 ) -> None:
-    headers: list[tuple[str, str | bytes | None]] = list(sample.headers)
-    while True:
-        try:
-            producer.produce(
-                topic, value=sample.value, key=sample.key, headers=headers, on_delivery=delivered
-            )
-            producer.poll(0)
-            return
-        except BufferError:
-            producer.poll(0.05)
+    produce(producer, topic, sample.value, sample.key, sample.headers, delivered, wait_s=0.05)
+    producer.poll(0)

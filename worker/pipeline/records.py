@@ -6,20 +6,12 @@ ticket — and, with a customer key, about one customer — lands in the same ou
 
 from __future__ import annotations
 
-import datetime
-
 import msgspec
 
 from worker.classification import Classification
-from worker.messages import SCHEMA_VERSION, SourcePosition, TicketEvent, TriageResult
+from worker.messages import SCHEMA_VERSION, SourcePosition, TicketEvent, TriageResult, utc_timestamp
 
 _ENCODER = msgspec.json.Encoder()
-
-
-def utc_timestamp(moment: datetime.datetime | None = None) -> str:
-    """RFC 3339 UTC with milliseconds, e.g. ``2024-05-01T12:30:00.123Z``."""
-    when = moment or datetime.datetime.now(datetime.UTC)
-    return when.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def triage_result(event: TicketEvent, answer: Classification, source: SourcePosition) -> TriageResult:

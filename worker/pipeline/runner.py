@@ -39,7 +39,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import confluent_kafka
 import structlog
@@ -48,7 +48,7 @@ from worker.classification import Classification, Classifier, ClassifyRequest, F
 from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.inference.prompt import ticket_text
-from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config
+from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config, produce
 from worker.kafka.dead_letters import OMITTED_BYTES, dead_letter_headers
 from worker.messages import FallbackReason, TicketEvent
 from worker.pipeline.committer import Committer
@@ -64,6 +64,7 @@ _log = structlog.get_logger("worker.pipeline")
 # While work is in flight the loop waits at most this long on any one queue, so that delivery reports,
 # commit confirmations and model answers are all picked up promptly.
 _BUSY_WAIT_S = 0.01
+_QUEUE_FULL = confluent_kafka.KafkaError._QUEUE_FULL
 # How long the bound may hold before the partitions are paused. Shorter pauses cost more than they save:
 # librdkafka refetches a resumed partition only about a second later. Longer delays rebalance callbacks.
 _FULL_BEFORE_PAUSE_S = 0.5
@@ -117,6 +118,8 @@ class Pipeline:
         self._paused: set[TopicPartitionKey] = set()
         self._stopping = False
         self._stop_by: float | None = None
+        # While revoking or stopping: the instant a produce stops waiting for room in the client's queue.
+        self._give_up_at: float | None = None
         self._fatal: str | None = None
         now = clock()
         self._last_commit = now
@@ -347,21 +350,14 @@ class Pipeline:
         omitted, tries = shrunk or (0, 0)
         record = _Record(topic, key, value, headers or work.headers, omitted, tries)
         on_delivery = functools.partial(self._on_delivery, delivery_id, record)
-        # The client takes any str/bytes/None values; our lists only hold bytes/None (list is invariant).
-        record_headers = cast("list[tuple[str, str | bytes | None]] | None", record.headers)
-        while True:
-            try:
-                self._producer.produce(
-                    topic, value=value, key=key, headers=record_headers, on_delivery=on_delivery
-                )
-                return
-            except BufferError:
-                # The client's local queue is full (the broker is slow or away): let it drain, keep serving.
-                self._producer.poll(_BUSY_WAIT_S)
-            except confluent_kafka.KafkaException as refused:
-                # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery.
-                self._on_delivery(delivery_id, record, refused.args[0], None)
-                return
+        try:
+            # A full local queue (the broker is slow or away) is waited out, bounded on revoke and shutdown.
+            produce(self._producer, topic, value, key, record.headers, on_delivery, self._give_up_at)
+        except BufferError:
+            self._on_delivery(delivery_id, record, confluent_kafka.KafkaError(_QUEUE_FULL), None)
+        except confluent_kafka.KafkaException as refused:
+            # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery.
+            self._on_delivery(delivery_id, record, refused.args[0], None)
 
     def _on_delivery(
         self, delivery_id: int, record: _Record, error: confluent_kafka.KafkaError | None, _msg: Any
@@ -535,8 +531,10 @@ class Pipeline:
         limit = started + self._pipeline.revoke_timeout_ms / 1000.0
         if self._stop_by is not None:
             limit = min(limit, self._stop_by)
+        self._give_up_at = limit
         while self._ledger.pending(keys) and self._clock() < limit:
             self._serve_work(_BUSY_WAIT_S)
+        self._give_up_at = self._stop_by
         left = self._ledger.pending(keys)
         # Tickets that did not make it are left to the new owner; those at the model or the producer are
         # still counted (orphans) until their answer or report arrives.
@@ -568,7 +566,7 @@ class Pipeline:
     def _shutdown(self) -> int:
         started = self._clock()
         limit = started + self._pipeline.shutdown_timeout_ms / 1000.0
-        self._stop_by = limit
+        self._stop_by = self._give_up_at = limit
         _log.info("pipeline_stopping", in_flight=self._gate.in_flight, reason=self._fatal or "signal")
         # Stop fetching, but keep polling: the member must stay in the group while in-flight work finishes.
         self._pause([state.key for state in self._tracker])
