@@ -284,6 +284,7 @@ class Pipeline:
             if self._clock() >= work.deadline:
                 self._produce_fallback(work, event, "overloaded")
                 continue
+            self.metrics.queue_wait.observe(self._clock() - work.polled_at)
             request_id = next(self._ids)
             self._at_model[request_id] = work
             self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), work.deadline))
@@ -310,6 +311,7 @@ class Pipeline:
             work = self._at_model.pop(request_id, None)
             if work is None:
                 continue
+            self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
             if not self._tracker.is_current(work.state):
                 self._orphans -= 1
                 self.metrics.discarded_after_revoke += 1
@@ -341,7 +343,7 @@ class Pipeline:
         self._produce(work, self._topics.output, result_key(work.key, event), encode_result(record))
 
     def _dead_letter(self, work: _Work, value: bytes | None, error: DecodeError) -> None:
-        self.metrics.dead_lettered += 1
+        self.metrics.dead_letter(error.error_type)
         headers = dead_letter_headers(
             work.headers, error.error_type, error.message, work.topic, work.partition, work.offset
         )
@@ -388,6 +390,7 @@ class Pipeline:
             self._orphans -= 1
         if error is None:
             self.metrics.produced += 1
+            self.metrics.end_to_end.observe(self._clock() - work.polled_at)
             work.state.done(work.offset)
             return
         self.metrics.delivery_failed += 1
@@ -621,7 +624,9 @@ class Pipeline:
     # -- metrics --------------------------------------------------------------------------------------------
 
     def _maybe_log_metrics(self) -> None:
-        if self._clock() - self._last_metrics >= self._metrics_interval_s:
+        now = self._clock()
+        self.metrics.turned(now, self._consumer, self._tracker, self._paused, self._blocked)
+        if now - self._last_metrics >= self._metrics_interval_s:
             self._log_metrics("interval")
 
     def _log_metrics(self, kind: str) -> None:
