@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from worker.config import PipelineSettings, load_settings
+from worker.config import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -121,10 +121,6 @@ def test_the_files_agree_with_each_other() -> None:
     assert pod["spec"]["terminationGracePeriodSeconds"] * 1000 > settings.pipeline.shutdown_timeout_ms + 5000
     # A rebalance holds the loop for up to revoke_timeout_ms: liveness must not call that a stall.
     assert settings.metrics.stall_timeout_ms > settings.pipeline.revoke_timeout_ms
-    liveness = container["livenessProbe"]
-    assert (
-        liveness["periodSeconds"] * liveness["failureThreshold"] * 1000 >= settings.pipeline.revoke_timeout_ms
-    )
     assert "replicas" not in deployment["spec"]  # KEDA owns the replica count
     labels = pod["metadata"]["labels"]
     for selector in (
@@ -145,7 +141,6 @@ def test_the_files_agree_with_each_other() -> None:
     assert trigger["metadata"]["consumerGroup"] == settings.pipeline.group_id
     assert trigger["metadata"]["topic"] == settings.topics.input
     assert trigger["metadata"]["bootstrapServers"] == settings.kafka["bootstrap.servers"]
-    assert PipelineSettings().shutdown_timeout_ms == settings.pipeline.shutdown_timeout_ms
 
 
 def test_the_sasl_example_feeds_both_the_worker_and_keda() -> None:
