@@ -37,7 +37,7 @@ def exported_names() -> set[str]:
     metrics.dead_letter("invalid_json")
     metrics.partitions = PartitionGauges(assigned=(("t", 0),), lag=((("t", 0), 1),), member=True)
     probes = WorkerProbes(60.0, _Broker(), lambda: 1.0)  # type: ignore[arg-type]
-    probes.metrics, probes.pool_contexts = metrics, 1
+    probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 1, 1
     registry = new_registry()
     registry.register(PipelineCollector(probes, {"version": "0", "model": "m"}))
     return {sample.name for family in registry.collect() for sample in family.samples} | {"up"}

@@ -60,7 +60,7 @@ def test_metrics_page_parses_and_carries_the_pipeline_numbers() -> None:
         metrics.end_to_end.observe(seconds)
     metrics.partitions = PartitionGauges(assigned=(("in", 0), ("in", 1)), lag=((("in", 1), 42),), member=True)
     metrics.loop_turned_at = 99.5
-    probes.metrics, probes.pool_contexts = metrics, 2
+    probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 2, 2
     with _serve(probes) as server:
         status, text = _get(server, "/metrics")
     assert status == 200
@@ -96,7 +96,7 @@ def test_healthz_fails_once_the_loop_stalls_and_readyz_names_what_is_missing() -
         assert not checks["pool"]["ok"] and not checks["group"]["ok"] and checks["broker"]["ok"]
         metrics = PipelineMetrics(loop_turned_at=clock.now)
         metrics.partitions = PartitionGauges(member=True)
-        probes.metrics, probes.pool_contexts = metrics, 2
+        probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 2, 2
         assert _get(server, "/readyz")[0] == 200
         clock.now += 61.0
         status, body = _get(server, "/healthz")

@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector
 from worker import __version__
 from worker.config import MetricsSettings, Settings
 from worker.errors import UserError
-from worker.inference.pool import default_pool_kind
+from worker.inference.pool import default_pool_kind, default_pool_size
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics
 
@@ -184,7 +184,9 @@ class WorkerProbes(Probes):
         self._broker = broker
         self._clock = clock
         self.metrics: PipelineMetrics | None = None
+        # Contexts the pool is configured with, and how many are warm (0 until the pool has started).
         self.pool_contexts: int | None = None
+        self.warm_contexts = 0
 
     def loop_age(self) -> float | None:
         """Seconds since the consumer loop last turned; None before its first turn."""
@@ -203,19 +205,18 @@ class WorkerProbes(Probes):
         return _report({"loop": self._loop()})
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        contexts = self.pool_contexts
+        warm = self.warm_contexts
         gauges = self.metrics.partitions if self.metrics is not None else None
-        loop = self._loop()
         return _report(
             {
-                "pool": Check(True, f"{contexts} contexts warm") if contexts else Check(False, "warming up"),
+                "pool": Check(True, f"{warm} contexts warm") if warm else Check(False, "warming up"),
                 "broker": self._broker.state,
                 "group": (
                     Check(True, f"joined, {len(gauges.assigned)} partition(s) assigned")
                     if gauges is not None and gauges.member
                     else Check(False, "not joined yet")
                 ),
-                "loop": loop if loop.detail != "starting" else Check(False, "not started"),
+                "loop": self._loop() if self.loop_age() is not None else Check(False, "not started"),
             }
         )
 
@@ -251,12 +252,15 @@ class PipelineCollector(Collector):
         info = InfoMetricFamily("triage_worker", "Build and model of this worker.")
         info.add_metric([], self._info)
         yield info
-        contexts = self._probes.pool_contexts
-        yield _gauge("triage_pool_contexts", "Inference contexts (worker processes or batchers).", contexts)
+        yield _gauge(
+            "triage_pool_contexts",
+            "Inference contexts configured (worker processes or batchers).",
+            self._probes.pool_contexts,
+        )
         yield _gauge(
             "triage_pool_ready_contexts",
             "Contexts loaded and warmed (0 while the pool starts).",
-            contexts if contexts is not None else 0,
+            self._probes.warm_contexts,
         )
         metrics = self._probes.metrics
         if metrics is None:
@@ -353,6 +357,7 @@ class WorkerTelemetry:
         broker = BrokerProbe(settings, logger)
         probes = WorkerProbes(settings.metrics.stall_timeout_ms / 1000.0, broker, time.monotonic)
         inference = settings.inference
+        probes.pool_contexts = default_pool_size(inference, default_pool_kind(inference))
         info = {
             "version": __version__,
             "model": "",
@@ -375,7 +380,7 @@ class WorkerTelemetry:
         if self.probes is None:
             return
         self.info["model"] = model_id
-        self.probes.pool_contexts = pool_contexts
+        self.probes.pool_contexts = self.probes.warm_contexts = pool_contexts
         self.probes.metrics = metrics
 
     def close(self) -> None:
