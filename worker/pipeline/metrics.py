@@ -129,13 +129,17 @@ class PipelineMetrics:
         self._gauges_at = now
         keys = sorted(state.key for state in assigned)
         lag: list[tuple[TopicPartitionKey, int]] = []
-        if keys:
-            positions = consumer.position([confluent_kafka.TopicPartition(t, p) for t, p in keys])
+        try:
+            positions = (
+                consumer.position([confluent_kafka.TopicPartition(t, p) for t, p in keys]) if keys else []
+            )
             for tp in positions:
                 _, high = consumer.get_watermark_offsets(tp, cached=True)
                 # Before the first fetch either is negative (unknown): left out rather than shown as 0.
                 if high >= 0 and tp.offset >= 0:
                     lag.append(((tp.topic, tp.partition), max(0, high - tp.offset)))
+        except confluent_kafka.KafkaException:
+            pass  # a partition the client does not know (yet): lag is left out; a gauge never stops the loop
         self.partitions = PartitionGauges(
             assigned=tuple(keys),
             paused=tuple(sorted(paused)),
