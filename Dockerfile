@@ -16,7 +16,8 @@ ENV VIRTUAL_ENV=/opt/venv \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY worker/ worker/
-RUN python -m venv "$VIRTUAL_ENV" && "$VIRTUAL_ENV/bin/pip" install --no-compile .
+# Bytecode is compiled here (pip's default): the root filesystem is read-only at run time on Kubernetes.
+RUN python -m venv "$VIRTUAL_ENV" && "$VIRTUAL_ENV/bin/pip" install .
 
 # -- runtime: the venv, the model, an unprivileged user ------------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
