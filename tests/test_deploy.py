@@ -113,6 +113,7 @@ def test_the_files_agree_with_each_other() -> None:
     container = pod["spec"]["containers"][0]
     port = next(p for p in container["ports"] if p["name"] == "metrics")
     assert port["containerPort"] == settings.metrics.port
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(settings.metrics.port)
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert container["args"] == ["run"]
