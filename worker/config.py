@@ -96,6 +96,18 @@ class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     format: LogFormat = "console"
 
 
+class MetricsSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Prometheus `/metrics` and the `/healthz` and `/readyz` probes, served on one HTTP port."""
+
+    # None: no HTTP endpoint. Off by default so that several workers (and `demo`, and tests) on one host never
+    # fight over a fixed port; the container image turns it on. 0 picks a free port and logs it.
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    host: Annotated[str, msgspec.Meta(min_length=1)] = "0.0.0.0"
+    # /healthz fails once the consumer loop has not turned for this long. A rebalance holds the loop for up to
+    # pipeline.revoke_timeout_ms, so keep this well above it.
+    stall_timeout_ms: PositiveMs = 60000
+
+
 def _default_kafka() -> dict[str, str]:
     return {"bootstrap.servers": "127.0.0.1:9092"}
 
@@ -108,6 +120,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     pipeline: PipelineSettings = msgspec.field(default_factory=PipelineSettings)
     inference: InferenceSettings = msgspec.field(default_factory=InferenceSettings)
     log: LogSettings = msgspec.field(default_factory=LogSettings)
+    metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -115,6 +128,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "pipeline": PipelineSettings,
     "inference": InferenceSettings,
     "log": LogSettings,
+    "metrics": MetricsSettings,
 }
 # Fields that are string→string tables: set one entry at a time, like the kafka section.
 _MAP_FIELDS = frozenset({("inference", "provider_options")})
@@ -397,6 +411,7 @@ _UNSET_HINTS = {
     "inference.taxonomy": "the model's own taxonomy.toml",
     "inference.pool": "the provider's default pool",
     "inference.pool_size": "chosen from the CPU count",
+    "metrics.port": "no HTTP endpoint",
 }
 
 

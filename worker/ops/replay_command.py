@@ -42,6 +42,7 @@ from worker.ops.replay import (
     printable,
     run_replay,
 )
+from worker.ops.telemetry import replay_metrics
 
 EXAMPLES = """\
 examples:
@@ -227,6 +228,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     safety.add_argument("--group", help="consumer group holding the progress (default: triage-replay.<dlq>)")
     safety.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    safety.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the progress as Prometheus metrics on PORT while the replay runs (host: metrics.host)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -315,8 +322,12 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, {"topics.dead_letter": args.dlq})
     options = options_from_args(args, settings.topics.dead_letter)
     err = Console(stderr=True)
-    with _stop_on_signals() as stop, _ProgressBar(err, options.dry_run) as bar:
-        summary = run_replay(settings, options, bar, should_stop=stop.is_set)
+    with (
+        _stop_on_signals() as stop,
+        _ProgressBar(err, options.dry_run) as bar,
+        replay_metrics(args.metrics_port, settings.metrics, bar) as observer,
+    ):
+        summary = run_replay(settings, options, observer, should_stop=stop.is_set)
     if args.json:
         sys.stdout.write(msgspec.json.encode(summary.to_json()).decode() + "\n")
     else:

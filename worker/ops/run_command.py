@@ -27,6 +27,7 @@ from worker.inference.pool import default_pool_kind, default_pool_size, open_poo
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import KafkaClients, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.ops.telemetry import WorkerTelemetry
 from worker.pipeline.runner import Pipeline
 
 _log = structlog.get_logger("worker.run")
@@ -72,6 +73,9 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--intra-op-threads", "inference.intra_op_num_threads", "ONNX Runtime threads per context (default 1)"),
     ("--log-level", "log.level", "debug | info | warning | error (default info)"),
     ("--log-format", "log.format", "console | json (default console)"),
+    ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here (default off; 0 = any free)"),
+    ("--metrics-host", "metrics.host", "address the metrics port binds (default 0.0.0.0)"),
+    ("--stall-timeout-ms", "metrics.stall_timeout_ms", "/healthz fails after a loop stall this long (60000)"),
 )
 
 
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     _check_topics(settings)
     taxonomy, _ = resolve_taxonomy(settings.inference)
+    telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
     pool = open_pool(settings.inference, settings.log)
     try:
         pipeline = Pipeline(
@@ -148,10 +153,12 @@ def run(args: argparse.Namespace) -> int:
             metrics_interval_s=args.metrics_interval,
             clients=KafkaClients(settings, librdkafka_logger()),
         )
+        telemetry.attach(pipeline.metrics, pool.model_id, pool.size)
         _install_signal_handlers(pipeline)
         return pipeline.run()
     finally:
         pool.close()
+        telemetry.close()
 
 
 def _install_signal_handlers(pipeline: Pipeline) -> None:

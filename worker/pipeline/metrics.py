@@ -1,15 +1,33 @@
-"""Counters and gauges of the pipeline, logged as one `metrics` event at an interval and at shutdown.
+"""Counters, gauges and latency histograms of the pipeline.
 
-They are plain integers updated by the single consumer thread; a log line is the export format (JSON logs
-feed any collector, and the end-to-end tests read them, e.g. `in_flight_max` and `rss_bytes`).
+They are plain numbers updated by the single consumer thread, so the hot path costs an integer add (a
+histogram adds a bisect). Two readers take them from there: the `metrics` log event at an interval and at
+shutdown (JSON logs feed any collector, and the end-to-end tests read them, e.g. `in_flight_max` and
+`rss_bytes`), and the Prometheus exporter (`worker/ops/telemetry.py`), which reads them at scrape time from
+its HTTP thread. Values that need the consumer (partition state, lag, group membership) are copied into an
+immutable `PartitionGauges` on the consumer thread about once a second, so a scrape never touches the
+consumer and the consumer never waits for a scrape.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import confluent_kafka
+
+from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
+
+# Seconds: from a 1 ms model step to a deadline overrun (the default deadline is 2 s).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# How often the loop copies partition state and lag for the exporter.
+GAUGE_INTERVAL_S = 1.0
 
 
 def current_rss_bytes() -> int | None:
@@ -22,6 +40,41 @@ def current_rss_bytes() -> int | None:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
+class LatencyHistogram:
+    """Fixed-bucket histogram written by one thread and read by another (a scrape copies the counts)."""
+
+    __slots__ = ("_counts", "_sum", "bounds")
+
+    def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = tuple(bounds)
+        # One count per bucket (not cumulative); the last one holds observations above every bound.
+        self._counts = [0] * (len(self.bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        # bisect_left puts a value equal to a bound into that bound's bucket, as Prometheus' `le` says.
+        self._counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self._sum += seconds
+
+    def snapshot(self) -> tuple[list[int], float]:
+        """Per-bucket counts (the last is +Inf only) and the sum of observations."""
+        return list(self._counts), self._sum
+
+
+@dataclass(frozen=True)
+class PartitionGauges:
+    """Partition state as the consumer thread last saw it; replaced whole, never mutated."""
+
+    assigned: tuple[TopicPartitionKey, ...] = ()
+    paused: tuple[TopicPartitionKey, ...] = ()
+    blocked: tuple[TopicPartitionKey, ...] = ()
+    # Log end offset (as of the last fetch) minus the next offset this worker will read; partitions whose
+    # end offset is not known yet are left out.
+    lag: tuple[tuple[TopicPartitionKey, int], ...] = ()
+    # Joined the consumer group (has a member id).
+    member: bool = False
+
+
 @dataclass
 class PipelineMetrics:
     consumed: int = 0
@@ -30,6 +83,8 @@ class PipelineMetrics:
     classified: int = 0
     fallback: collections.Counter[str] = field(default_factory=collections.Counter)
     dead_lettered: int = 0
+    dead_lettered_by_type: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Records (results and dead letters) the broker acknowledged.
     produced: int = 0
     delivery_failed: int = 0
     # Offsets released by a commit the broker confirmed.
@@ -43,6 +98,55 @@ class PipelineMetrics:
     in_flight: int = 0
     in_flight_max: int = 0
     paused: bool = False
+    # Poll → broker acknowledgement of the ticket's record; the model's own time; waiting for a context.
+    end_to_end: LatencyHistogram = field(default_factory=LatencyHistogram)
+    model_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    queue_wait: LatencyHistogram = field(default_factory=LatencyHistogram)
+    # time.monotonic() of the loop's last turn (None before the first): what /healthz watches.
+    loop_turned_at: float | None = None
+    partitions: PartitionGauges = field(default_factory=PartitionGauges)
+    _gauges_at: float = float("-inf")
+
+    def dead_letter(self, error_type: str) -> None:
+        self.dead_lettered += 1
+        self.dead_lettered_by_type[error_type] += 1
+
+    def turned(
+        self,
+        now: float,
+        consumer: confluent_kafka.Consumer,
+        assigned: Iterable[PartitionOffsets],
+        paused: Collection[TopicPartitionKey],
+    ) -> None:
+        """Called by the loop each turn: marks it alive, and about once a second copies partition state.
+
+        Only local consumer calls (cached watermarks, positions, member id): no broker round trip.
+        """
+        self.loop_turned_at = now
+        if now - self._gauges_at < GAUGE_INTERVAL_S:
+            return
+        self._gauges_at = now
+        states = list(assigned)
+        keys = sorted(state.key for state in states)
+        lag: list[tuple[TopicPartitionKey, int]] = []
+        try:
+            positions = (
+                consumer.position([confluent_kafka.TopicPartition(t, p) for t, p in keys]) if keys else []
+            )
+            for tp in positions:
+                _, high = consumer.get_watermark_offsets(tp, cached=True)
+                # Before the first fetch either is negative (unknown): left out rather than shown as 0.
+                if high >= 0 and tp.offset >= 0:
+                    lag.append(((tp.topic, tp.partition), max(0, high - tp.offset)))
+        except confluent_kafka.KafkaException:
+            pass  # a partition the client does not know (yet): lag is left out; a gauge never stops the loop
+        self.partitions = PartitionGauges(
+            assigned=tuple(keys),
+            paused=tuple(sorted(paused)),
+            blocked=tuple(sorted(state.key for state in states if state.blocked_at is not None)),
+            lag=tuple(lag),
+            member=bool(consumer.memberid()),
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return {

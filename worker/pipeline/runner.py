@@ -282,6 +282,7 @@ class Pipeline:
             if self._clock() >= work.deadline:
                 self._produce_fallback(work, event, "overloaded")
                 continue
+            self.metrics.queue_wait.observe(self._clock() - work.polled_at)
             request_id = self._ledger.to_model(work)
             self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), work.deadline))
 
@@ -298,6 +299,7 @@ class Pipeline:
             work = self._ledger.answered(request_id)
             if work is None:
                 continue
+            self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
             if work.orphan:
                 self.metrics.discarded_after_revoke += 1
                 continue
@@ -322,7 +324,7 @@ class Pipeline:
         self._produce(work, self._topics.output, result_key(work.key, event), record)
 
     def _dead_letter(self, work: Work, value: bytes | None, error_type: str, message: str) -> None:
-        self.metrics.dead_lettered += 1
+        self.metrics.dead_letter(error_type)
         headers = dead_letter_headers(
             work.headers, error_type, message, work.topic, work.partition, work.offset
         )
@@ -367,6 +369,7 @@ class Pipeline:
             return
         if error is None:
             self.metrics.produced += 1
+            self.metrics.end_to_end.observe(self._clock() - work.polled_at)
             work.state.done(work.offset)
             return
         too_large = error.code() == confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
@@ -597,7 +600,9 @@ class Pipeline:
     # -- metrics --------------------------------------------------------------------------------------------
 
     def _maybe_log_metrics(self) -> None:
-        if self._clock() - self._last_metrics >= self._metrics_interval_s:
+        now = self._clock()
+        self.metrics.turned(now, self._consumer, self._tracker, self._paused)
+        if now - self._last_metrics >= self._metrics_interval_s:
             self._log_metrics("interval")
 
     def _log_metrics(self, kind: str) -> None:

@@ -1,0 +1,44 @@
+# syntax=docker/dockerfile:1
+# triage-worker with the embedded model (models/triage-mini), CPU inference. Configure through environment:
+# TRIAGE_<SECTION>__<KEY> and KAFKA_<OPTION> (see the README's configuration table).
+#   docker build -t triage-worker .
+#   docker run --rm -e KAFKA_BOOTSTRAP_SERVERS=broker:9092 -p 9400:9400 triage-worker
+# deploy/build_check.py runs this file's build steps in a plain venv (no Docker engine needed) and starts the
+# result; `make test` runs it.
+
+ARG PYTHON_VERSION=3.12
+
+# -- build: the package and its dependencies into a self-contained venv ---------------------------------------
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+ENV VIRTUAL_ENV=/opt/venv \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY worker/ worker/
+# Bytecode is compiled here (pip's default): the root filesystem is read-only at run time on Kubernetes.
+RUN python -m venv "$VIRTUAL_ENV" && "$VIRTUAL_ENV/bin/pip" install .
+
+# -- runtime: the venv, the model, an unprivileged user ------------------------------------------------------
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+RUN groupadd --system --gid 10001 triage \
+    && useradd --system --uid 10001 --gid triage --no-create-home --shell /usr/sbin/nologin triage
+COPY --from=build /opt/venv /opt/venv
+COPY models/triage-mini/ /app/models/triage-mini/
+COPY taxonomies/ /app/taxonomies/
+WORKDIR /app
+# The installed package has no repository around it: point it at the model explicitly. Metrics and probes are
+# on (port 9400) in the image, JSON logs for log shippers.
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    TRIAGE_INFERENCE__MODEL=/app/models/triage-mini \
+    TRIAGE_METRICS__PORT=9400 \
+    TRIAGE_LOG__FORMAT=json
+USER 10001:10001
+EXPOSE 9400
+# Docker and compose use this; Kubernetes uses the Deployment's probes (same endpoint) instead.
+HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ['TRIAGE_METRICS__PORT'], timeout=2)"]
+ENTRYPOINT ["triage-worker"]
+CMD ["run"]

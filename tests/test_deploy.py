@@ -1,0 +1,167 @@
+"""Deployment files, validated offline: Kubernetes manifests against the API schemas (and KEDA's CRD), the
+values they carry against the worker's own settings loader, and the promises between files (ports, probes,
+grace period, replicas vs partitions)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from worker.config import load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "k8s"
+KEDA_CRDS = K8S / "keda-crds"
+# The oldest Kubernetes minor still supported upstream when this was written; the manifests use nothing newer.
+KUBERNETES_VERSION = "1.33.0"
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _manifests() -> list[tuple[str, dict[str, Any]]]:
+    return [(path.name, doc) for path in sorted(K8S.glob("*.yaml")) for doc in _documents(path)]
+
+
+def _by_kind(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [doc for _, doc in _manifests() if doc["kind"] == kind]
+    if name is not None:
+        found = [doc for doc in found if doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD's schema with unknown fields forbidden: the API server would silently prune a misspelt field,
+    so a typo in a manifest would otherwise pass here and be ignored in the cluster."""
+    if isinstance(schema, dict):
+        schema = {key: _strict(value) for key, value in schema.items()}
+        if (
+            schema.get("type") == "object"
+            and "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+def _crd_validator(kind: str) -> jsonschema.protocols.Validator:
+    for path in KEDA_CRDS.glob("*.yaml"):
+        crd = _documents(path)[0]
+        if crd["spec"]["names"]["kind"] == kind:
+            version = next(v for v in crd["spec"]["versions"] if v["served"] and v["storage"])
+            schema = _strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
+            return jsonschema.Draft7Validator(schema)
+    raise AssertionError(f"no CRD for {kind} in {KEDA_CRDS}")
+
+
+KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
+
+
+@pytest.mark.parametrize(
+    ("file", "doc"),
+    [pytest.param(file, doc, id=f"{file}:{doc['kind']}") for file, doc in _manifests()],
+)
+def test_every_manifest_is_valid_for_its_api(file: str, doc: dict[str, Any]) -> None:
+    if doc["kind"] == "Kustomization":
+        missing = [name for name in doc["resources"] if not (K8S / name).is_file()]
+        assert missing == []
+        return
+    if doc["kind"] in KEDA_KINDS:
+        errors = sorted(_crd_validator(doc["kind"]).iter_errors(doc), key=str)
+        assert errors == [], [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+        return
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validator_catches_a_misspelt_field() -> None:
+    """Guards the two checks above: a typo must fail, not be pruned."""
+    scaled = copy.deepcopy(_by_kind("ScaledObject"))
+    scaled["spec"]["maxReplicas"] = scaled["spec"].pop("maxReplicaCount")
+    assert any("maxReplicas" in e.message for e in _crd_validator("ScaledObject").iter_errors(scaled))
+    deployment = copy.deepcopy(_by_kind("Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_configmap_is_settings_the_worker_accepts() -> None:
+    data = _by_kind("ConfigMap")["data"]
+    assert all(key.startswith(("TRIAGE_", "KAFKA_")) for key in data)
+    settings = load_settings(env=data)  # raises with the key's name on any bad value
+    assert settings.metrics.port is not None
+    assert settings.kafka["bootstrap.servers"] == data["KAFKA_BOOTSTRAP_SERVERS"]
+
+
+def test_the_files_agree_with_each_other() -> None:
+    settings = load_settings(env=_by_kind("ConfigMap")["data"])
+    deployment = _by_kind("Deployment")
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    port = next(p for p in container["ports"] if p["name"] == "metrics")
+    assert port["containerPort"] == settings.metrics.port
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(settings.metrics.port)
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["args"] == ["run"]
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+    # SIGTERM → finish in-flight work for shutdown_timeout_ms, then flush and commit: the kubelet must wait.
+    assert pod["spec"]["terminationGracePeriodSeconds"] * 1000 > settings.pipeline.shutdown_timeout_ms + 5000
+    # A rebalance holds the loop for up to revoke_timeout_ms: liveness must not call that a stall.
+    assert settings.metrics.stall_timeout_ms > settings.pipeline.revoke_timeout_ms
+    assert "replicas" not in deployment["spec"]  # KEDA owns the replica count
+    labels = pod["metadata"]["labels"]
+    for selector in (
+        deployment["spec"]["selector"]["matchLabels"],
+        _by_kind("PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+        _by_kind("Service")["spec"]["selector"],
+    ):
+        assert selector.items() <= labels.items()
+    service_port = _by_kind("Service")["spec"]["ports"][0]
+    assert service_port["targetPort"] == "metrics" and service_port["port"] == settings.metrics.port
+
+    scaled = _by_kind("ScaledObject")["spec"]
+    assert scaled["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # More consumers than partitions would sit idle.
+    assert scaled["maxReplicaCount"] == settings.topics.partitions
+    trigger = scaled["triggers"][0]
+    assert trigger["type"] == "kafka"
+    assert trigger["metadata"]["consumerGroup"] == settings.pipeline.group_id
+    assert trigger["metadata"]["topic"] == settings.topics.input
+    assert trigger["metadata"]["bootstrapServers"] == settings.kafka["bootstrap.servers"]
+
+
+def test_the_sasl_example_feeds_both_the_worker_and_keda() -> None:
+    secret = _by_kind("Secret")
+    auth = _by_kind("TriggerAuthentication")
+    keys = {ref["key"] for ref in auth["spec"]["secretTargetRef"]}
+    assert keys <= secret["stringData"].keys()
+    assert all(ref["name"] == secret["metadata"]["name"] for ref in auth["spec"]["secretTargetRef"])
+    worker_env = {k: v for k, v in secret["stringData"].items() if k.startswith("KAFKA_")}
+    settings = load_settings(env={**_by_kind("ConfigMap")["data"], **worker_env})
+    assert settings.kafka["sasl.password"] == "change-me"
+    assert settings.kafka["security.protocol"] == "SASL_SSL"
+    # The Deployment takes it as optional, so clusters without SASL need no Secret.
+    env_from = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["envFrom"]
+    assert {"secretRef": {"name": secret["metadata"]["name"], "optional": True}} in env_from
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (kustomize build)")
+def test_kustomize_builds_the_manifests() -> None:
+    built = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=False)
+    assert built.returncode == 0, built.stderr
+    kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(built.stdout) if doc)
+    assert kinds == ["ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "ScaledObject", "Service"]

@@ -1,0 +1,119 @@
+"""The exporter and probes without a broker: exposition format, histogram buckets, stall detection, config."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from worker.config import MetricsSettings, load_settings
+from worker.errors import UserError
+from worker.ops.telemetry import Check, PipelineCollector, TelemetryServer, WorkerProbes, new_registry
+from worker.pipeline.metrics import LatencyHistogram, PartitionGauges, PipelineMetrics
+
+
+class _Broker:
+    state = Check(True, "metadata answered")
+
+
+class _Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _serve(probes: WorkerProbes) -> TelemetryServer:
+    registry = new_registry()
+    registry.register(PipelineCollector(probes, {"version": "0.1.0", "model": "m", "mode": "score"}))
+    return TelemetryServer(MetricsSettings(port=0, host="127.0.0.1"), registry, probes)
+
+
+def _get(server: TelemetryServer, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_a_value_on_a_bucket_bound_counts_in_that_bucket() -> None:
+    histogram = LatencyHistogram((0.01, 0.1))
+    for seconds in (0.01, 0.05, 0.1, 3.0):
+        histogram.observe(seconds)
+    counts, total = histogram.snapshot()
+    assert counts == [1, 2, 1]  # le=0.01, le=0.1, above every bound
+    assert total == pytest.approx(3.16)
+
+
+def test_metrics_page_parses_and_carries_the_pipeline_numbers() -> None:
+    clock = _Clock()
+    probes = WorkerProbes(60.0, _Broker(), clock)  # type: ignore[arg-type]
+    metrics = PipelineMetrics(consumed=10, classified=6, produced=10, committed=10)
+    metrics.fallback["deadline_exceeded"] += 2
+    metrics.dead_letter("invalid_json")
+    metrics.dead_letter("invalid_json")
+    for seconds in (0.004, 0.02, 0.02, 7.0):
+        metrics.end_to_end.observe(seconds)
+    metrics.partitions = PartitionGauges(assigned=(("in", 0), ("in", 1)), lag=((("in", 1), 42),), member=True)
+    metrics.loop_turned_at = 99.5
+    probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 2, 2
+    with _serve(probes) as server:
+        status, text = _get(server, "/metrics")
+    assert status == 200
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("triage_consumed_total", ())] == 10
+    assert samples[("triage_fallbacks_total", (("reason", "deadline_exceeded"),))] == 2
+    assert samples[("triage_dead_letters_total", (("error_type", "invalid_json"),))] == 2
+    assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "0.005"),))] == 1
+    assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "0.025"),))] == 3
+    assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "+Inf"),))] == 4
+    assert samples[("triage_end_to_end_latency_seconds_count", ())] == 4
+    assert samples[("triage_consumer_lag", (("partition", "1"), ("topic", "in")))] == 42
+    assert samples[("triage_assigned_partitions", ())] == 2
+    assert samples[("triage_pool_ready_contexts", ())] == 2
+    assert samples[("triage_loop_last_turn_age_seconds", ())] == pytest.approx(0.5)
+    assert ("triage_worker_info", (("mode", "score"), ("model", "m"), ("version", "0.1.0"))) in samples
+    assert any(name.startswith("process_") for name, _ in samples)
+
+
+def test_healthz_fails_once_the_loop_stalls_and_readyz_names_what_is_missing() -> None:
+    clock = _Clock()
+    probes = WorkerProbes(60.0, _Broker(), clock)  # type: ignore[arg-type]
+    with _serve(probes) as server:
+        # Loading the model: alive, not ready, and the body says why.
+        assert _get(server, "/healthz")[0] == 200
+        status, body = _get(server, "/readyz")
+        checks = json.loads(body)["checks"]
+        assert status == 503
+        assert not checks["pool"]["ok"] and not checks["group"]["ok"] and checks["broker"]["ok"]
+        metrics = PipelineMetrics(loop_turned_at=clock.now)
+        metrics.partitions = PartitionGauges(member=True)
+        probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 2, 2
+        assert _get(server, "/readyz")[0] == 200
+        clock.now += 61.0
+        status, body = _get(server, "/healthz")
+        assert status == 503
+        assert "stalled" in json.loads(body)["checks"]["loop"]["detail"]
+        assert _get(server, "/readyz")[0] == 503
+        assert _get(server, "/nope")[0] == 404
+
+
+def test_metrics_settings_come_from_env_and_a_taken_port_is_one_line() -> None:
+    settings = load_settings(
+        env={"TRIAGE_METRICS__PORT": "9400", "TRIAGE_METRICS__STALL_TIMEOUT_MS": "30000"}
+    )
+    assert settings.metrics == MetricsSettings(port=9400, stall_timeout_ms=30000)
+    assert load_settings(env={}).metrics.port is None  # off unless asked
+    with pytest.raises(UserError, match=r"metrics\.port: expected int <= 65535"):
+        load_settings(env={"TRIAGE_METRICS__PORT": "70000"})
+    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    with _serve(probes) as first, pytest.raises(UserError, match=r"cannot serve metrics on 127\.0\.0\.1:"):
+        TelemetryServer(MetricsSettings(port=first.port, host="127.0.0.1"), new_registry(), probes)
