@@ -14,11 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from worker.classification import ClassifyRequest
+from worker.classification import ClassifyRequest, ticket_text
 from worker.config import InferenceSettings
 from worker.decoding import DecodeError, decode_ticket
 from worker.inference.engine import Context, Engine
-from worker.inference.prompt import ticket_text
 from worker.kafka.dead_letters import Headers, dead_letter_headers, read_dead_letter
 from worker.messages import SourcePosition
 from worker.pipeline.records import encode_result, triage_result

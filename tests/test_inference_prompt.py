@@ -8,8 +8,9 @@ from pathlib import Path
 import onnxruntime_genai as og
 import pytest
 
+from worker.classification import ticket_text
 from worker.errors import UserError
-from worker.inference.prompt import PromptBuilder, answer_json, chatml, ticket_text, truncate_ticket
+from worker.inference.prompt import PromptBuilder, answer_json, chatml, truncate_ticket
 from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
 from worker.messages import TicketEvent
 

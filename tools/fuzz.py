@@ -325,10 +325,9 @@ class ModelPath:
     """decode → prompt → classify (real ORT GenAI, test model) → encode → JSON Schema, both modes in turn."""
 
     def __init__(self, model: Path) -> None:
-        from worker.classification import ClassifyRequest
+        from worker.classification import ClassifyRequest, ticket_text
         from worker.config import InferenceSettings
         from worker.inference.engine import Engine
-        from worker.inference.prompt import ticket_text
         from worker.messages import SourcePosition
         from worker.pipeline.records import encode_result, triage_result
 

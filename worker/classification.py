@@ -14,7 +14,12 @@ from typing import Protocol
 
 import msgspec
 
-from worker.messages import FallbackReason, Priority
+from worker.messages import FallbackReason, Priority, TicketEvent
+
+
+def ticket_text(event: TicketEvent) -> str:
+    """The text a classifier gets: the subject on its own line (when there is one), then the body."""
+    return f"{event.subject}\n{event.body}" if event.subject else event.body
 
 
 class ClassifyRequest(msgspec.Struct, frozen=True, array_like=True):

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from worker.inference.taxonomy import Normalization, Taxonomy
-from worker.messages import TicketEvent
 
 # (messages, add_generation_prompt) -> rendered text.
 ChatRenderer = Callable[[list[dict[str, str]], bool], str]
@@ -44,11 +43,6 @@ def chatml(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
     """The ChatML template of the project's own models, without needing a tokenizer."""
     text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
     return text + "<|im_start|>assistant\n" if add_generation_prompt else text
-
-
-def ticket_text(event: TicketEvent) -> str:
-    """The text the model classifies: the subject on its own line (when there is one), then the body."""
-    return f"{event.subject}\n{event.body}" if event.subject else event.body
 
 
 def normalize(text: str, normalization: Normalization) -> str:

@@ -18,13 +18,12 @@ from typing import IO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from worker.classification import Classification, ClassifyRequest
+from worker.classification import Classification, ClassifyRequest, ticket_text
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.inference.engine import Engine
 from worker.inference.pool import ClassifierPool, open_pool
-from worker.inference.prompt import ticket_text
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.records import encode_result, triage_result

@@ -44,10 +44,16 @@ from typing import Any, NamedTuple
 import confluent_kafka
 import structlog
 
-from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel, fallback_answer
+from worker.classification import (
+    Classification,
+    Classifier,
+    ClassifyRequest,
+    FallbackLabel,
+    fallback_answer,
+    ticket_text,
+)
 from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
-from worker.inference.prompt import ticket_text
 from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config, produce
 from worker.kafka.dead_letters import OMITTED_BYTES, dead_letter_headers
 from worker.messages import FallbackReason, TicketEvent
