@@ -23,7 +23,7 @@ from pipeline_harness import (
     wait_until_committed,
 )
 
-from worker.classification import Classification, ClassifyRequest, FallbackLabel
+from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import open_pool
 from worker.pipeline.runner import Pipeline
@@ -36,8 +36,9 @@ FALLBACK = FallbackLabel("unclassified", "Medium")
 class _Running:
     """`pipeline.run()` on a thread; `stop()` asks for the graceful shutdown and returns its exit code."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, group: str) -> None:
         self.pipeline = pipeline
+        self.group = group
         self.code: int | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -51,30 +52,34 @@ class _Running:
         return self.code
 
 
+Start = Callable[..., _Running]
+
+
 @pytest.fixture
-def running() -> Iterator[Callable[[Pipeline], _Running]]:
+def start(kafka_bootstrap: str) -> Iterator[Start]:
+    """`start(topics, classifier, dispatch_window=64, **settings)`: a pipeline in its own group, running."""
     started: list[_Running] = []
 
-    def start(pipeline: Pipeline) -> _Running:
-        started.append(_Running(pipeline))
+    def run(topics: Topics, classifier: Classifier, dispatch_window: int = 64, **settings: str) -> _Running:
+        group = f"inprocess-{uuid.uuid4().hex[:8]}"
+        config = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group, **settings})
+        started.append(_Running(Pipeline(config, classifier, FALLBACK, dispatch_window), group))
         return started[-1]
 
-    yield start
+    yield run
     for each in started:
         each.stop()
 
 
 def test_the_loop_in_process_gives_every_record_one_result_or_dead_letter(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], running: Callable[[Pipeline], _Running]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
 ) -> None:
     topics = make_topics(unique_topic)
     count = 300
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=21)
-    group = f"inprocess-{uuid.uuid4().hex[:8]}"
-    settings = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group})
     with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
-        worker = running(Pipeline(settings, pool, FALLBACK, dispatch_window=2))
-        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=120)
+        worker = start(topics, pool, dispatch_window=2)
+        wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=120)
         assert worker.stop() == 0
 
     report = audit(kafka_bootstrap, topics)
@@ -132,18 +137,14 @@ def _publish_tickets(bootstrap: str, topics: Topics, bodies: list[str]) -> None:
 
 
 def test_the_committed_offset_never_passes_an_unanswered_ticket(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], running: Callable[[Pipeline], _Running]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
 ) -> None:
     topics = make_topics(unique_topic, partitions=1)
     bodies = ["where is my card?"] * 40
     bodies[10] = "hold this one"
     _publish_tickets(kafka_bootstrap, topics, bodies)
-    group = f"holding-{uuid.uuid4().hex[:8]}"
-    settings = settings_for(
-        kafka_bootstrap, topics, **{"pipeline.group_id": group, "pipeline.commit_interval_ms": "100"}
-    )
     classifier = _HoldingClassifier()
-    worker = running(Pipeline(settings, classifier, FALLBACK, dispatch_window=64))
+    worker = start(topics, classifier, **{"pipeline.commit_interval_ms": "100"})
 
     # Everything after the held ticket is answered and acknowledged, but the position stays at it.
     deadline = time.monotonic() + 60
@@ -151,12 +152,12 @@ def test_the_committed_offset_never_passes_an_unanswered_ticket(
         time.sleep(0.05)
     assert worker.pipeline.metrics.produced == 39
     time.sleep(0.5)  # several commit intervals
-    assert committed_offsets(kafka_bootstrap, group, topics.input) == {0: 10}
+    assert committed_offsets(kafka_bootstrap, worker.group, topics.input) == {0: 10}
 
     classifier.release()
-    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
-    assert committed_offsets(kafka_bootstrap, group, topics.input) == end_offsets(
+    assert committed_offsets(kafka_bootstrap, worker.group, topics.input) == end_offsets(
         kafka_bootstrap, topics.input
     )
     report = audit(kafka_bootstrap, topics)
@@ -164,18 +165,14 @@ def test_the_committed_offset_never_passes_an_unanswered_ticket(
 
 
 def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], running: Callable[[Pipeline], _Running]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
 ) -> None:
     """Held tickets fill the bound: the loop stops taking records (and pauses after a while) but keeps
     the member in the group; released, everything finishes."""
     topics = make_topics(unique_topic, partitions=1)
     _publish_tickets(kafka_bootstrap, topics, ["hold: my card is late"] * 30)
-    group = f"bound-{uuid.uuid4().hex[:8]}"
-    settings = settings_for(
-        kafka_bootstrap, topics, **{"pipeline.group_id": group, "pipeline.max_in_flight": "8"}
-    )
     classifier = _HoldingClassifier()
-    worker = running(Pipeline(settings, classifier, FALLBACK, dispatch_window=64))
+    worker = start(topics, classifier, **{"pipeline.max_in_flight": "8"})
 
     deadline = time.monotonic() + 30
     while not worker.pipeline.metrics.paused and time.monotonic() < deadline:
@@ -186,7 +183,7 @@ def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
     while metrics.consumed < 30 and time.monotonic() < deadline:
         time.sleep(0.02)
         classifier.release()
-    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
     assert metrics.in_flight_max == 8 and metrics.max_poll_exceeded == 0 and metrics.lost == 0
 
@@ -196,7 +193,7 @@ class _InstantClassifier(_HoldingClassifier):
 
 
 def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_nothing_stops(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], running: Callable[[Pipeline], _Running]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
 ) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -215,10 +212,8 @@ def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_not
     for key, value in records:
         producer.produce(topics.input, key=key, value=value)
     assert producer.flush(30) == 0
-    group = f"small-dlq-{uuid.uuid4().hex[:8]}"
-    settings = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group})
-    worker = running(Pipeline(settings, _InstantClassifier(), FALLBACK, dispatch_window=4))
-    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
+    worker = start(topics, _InstantClassifier(), dispatch_window=4)
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
 
     report = audit(kafka_bootstrap, topics)
@@ -247,7 +242,7 @@ def _omitted_headers(bootstrap: str, topic: str) -> dict[int, int]:
 def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes_on(
     kafka_bootstrap: str,
     unique_topic: Callable[..., str],
-    running: Callable[[Pipeline], _Running],
+    start: Start,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from worker.pipeline import runner
@@ -266,10 +261,8 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
     for body in (*bodies, bodies[0]):
         producer.produce(topics.input, value=body.encode())
     assert producer.flush(30) == 0
-    group = f"internal-{uuid.uuid4().hex[:8]}"
-    settings = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group})
-    worker = running(Pipeline(settings, _InstantClassifier(), FALLBACK, dispatch_window=4))
-    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=60)
+    worker = start(topics, _InstantClassifier(), dispatch_window=4)
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
     report = audit(kafka_bootstrap, topics)
     assert report.dead == {(0, 1): ["internal_error"]}
