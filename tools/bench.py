@@ -338,9 +338,11 @@ def p2_worker(bootstrap: str, tickets: Tickets, count: int, budget: float, logs:
     (topics,) = new_topics(bootstrap, "p2")
     group = _group("p2")
     progress("P2 starting `triage-worker run` (default settings)")
-    worker = Worker(bootstrap, topics, group, logs / "p2-worker.log")
-    offsets = Offsets(bootstrap, group, topics.input)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        worker = Worker(bootstrap, topics, group, logs / "p2-worker.log")
+        cleanup.callback(worker.stop)
+        offsets = Offsets(bootstrap, group, topics.input)
+        cleanup.callback(offsets.close)
         worker.wait_assigned(timeout=180)
         progress(f"P2 worker assigned; producing {count} tickets as fast as possible")
         cpu_before = cpu_seconds(worker.pid)
@@ -349,9 +351,6 @@ def p2_worker(bootstrap: str, tickets: Tickets, count: int, budget: float, logs:
         cpu = cpu_seconds(worker.pid) - cpu_before
         time.sleep(1.2)  # one more metrics event, with the final counts
         metrics = _last_metrics(worker)
-    finally:
-        offsets.close()
-        worker.stop()
     return {
         **_rate(done, started),
         "cpu_ms_per_ticket": round(cpu * 1000 / max(1, done.records), 3),
@@ -387,13 +386,16 @@ def p3_seed_design(tickets: Tickets, count: int) -> dict[str, Any]:
         return True
 
     classify(tickets.text(0))  # compiles the grammar once, as a long-running seed process would have
+    cpu_before = cpu_seconds(os.getpid())
     started = time.monotonic()
     invalid = sum(not classify(tickets.text(index)) for index in range(count))
     seconds = time.monotonic() - started
+    cpu = cpu_seconds(os.getpid()) - cpu_before
     return {
         "tickets": count,
         "seconds": round(seconds, 3),
         "rate": round(count / seconds, 1),
+        "cpu_ms_per_ticket": round(cpu * 1000 / count, 3),
         "invalid": invalid,
     }
 
@@ -407,15 +409,15 @@ class Sampler(threading.Thread):
     def __init__(self, pid: int) -> None:
         super().__init__(name="rss-sampler", daemon=True)
         self._pid = pid
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.samples: list[tuple[float, int]] = []
 
     def run(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._halt.wait(0.5):
             self.samples.append((time.time(), rss_bytes(self._pid)))
 
     def finish(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(5)
 
 
@@ -432,13 +434,16 @@ def p4_latency(
     (topics,) = new_topics(bootstrap, "p4")
     group = _group("p4")
     progress(f"P4 starting the worker; capacity from P2 = {capacity:.1f} tickets/s")
-    worker = Worker(bootstrap, topics, group, logs / "p4-worker.log")
-    offsets = Offsets(bootstrap, group, topics.input)
-    sampler = Sampler(worker.pid)
     levels: list[dict[str, Any]] = []
-    try:
-        worker.wait_assigned(timeout=180)
+    with contextlib.ExitStack() as cleanup:
+        worker = Worker(bootstrap, topics, group, logs / "p4-worker.log")
+        cleanup.callback(worker.stop)
+        offsets = Offsets(bootstrap, group, topics.input)
+        cleanup.callback(offsets.close)
+        sampler = Sampler(worker.pid)
         sampler.start()
+        cleanup.callback(sampler.finish)
+        worker.wait_assigned(timeout=180)
         sent = 0
         before = offsets.ends()
         for pct in LOADS_PCT:
@@ -464,12 +469,9 @@ def p4_latency(
                 }
             )
             before = ends
-        time.sleep(1.2)
-    finally:
-        sampler.finish()
+        time.sleep(1.2)  # one more metrics event
         code = worker.stop()
         committed = offsets.committed()
-        offsets.close()
     progress("P4 auditing the topics")
     report = audit(bootstrap, topics, committed)
     metrics = [
@@ -551,14 +553,14 @@ def main() -> int:
     )
     args = parser.parse_args()
     sizes = (
-        {"p1": 100_000, "p1_budget_s": 20, "p2": 3_000, "p2_budget_s": 60, "p3": 100, "p4_level_s": 8}
+        {"p1": 100_000, "p1_budget_s": 20, "p2": 3_000, "p2_budget_s": 60, "p3": 300, "p4_level_s": 8}
         if args.quick
         else {
-            "p1": 300_000,
+            "p1": 500_000,
             "p1_budget_s": 120,
             "p2": 20_000,
             "p2_budget_s": 600,
-            "p3": 500,
+            "p3": 1000,
             "p4_level_s": 60,
         }
     )
