@@ -239,7 +239,7 @@ def _rate(done: Progress, started: float) -> dict[str, Any]:
         "records": done.records,
         "seconds": round(seconds, 3),
         "rate": round(done.records / seconds, 1),
-        # Not everything committed within the time budget: the rate is over what was.
+        # False when the budget ran out first; the rate is then over what was committed by then.
         "complete": done.complete,
     }
 
