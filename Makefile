@@ -13,8 +13,9 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 PORT ?= 9092
 PYTEST_ARGS ?=
 RUN_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench eval model fuzz
+.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench bench-inference eval model fuzz
 
 setup: $(STAMP)
 
@@ -57,8 +58,14 @@ $(VENV)/.extra-%: $(STAMP)
 	$(BIN)/pip install --disable-pip-version-check -e '.[$*]'
 	touch $@
 
+# End-to-end figures P1-P4 (each a ratio against a baseline of the same run) against a real broker (its own on
+# a free port, or KAFKA_BOOTSTRAP_SERVERS): results/bench.md, bench.json and PNG plots. `BENCH_ARGS=--quick`
+# for a run under 5 minutes on 2 cores.
+bench: $(VENV)/.extra-bench kafka-jars
+	$(BIN)/python tools/bench.py --out results $(BENCH_ARGS)
+
 # Inference design figures (ratios against a baseline of the same run), written to results/.
-bench: setup
+bench-inference: setup
 	mkdir -p results
 	$(BIN)/python tools/bench_inference.py --json results/bench-inference.json | tee results/bench-inference.txt
 

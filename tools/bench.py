@@ -1,0 +1,634 @@
+"""End-to-end benchmark of the worker (`make bench`): every figure a ratio against a baseline of the same run.
+
+    .venv/bin/python tools/bench.py [--quick] [--out results]
+
+Against a real broker (a fresh local one on a free port, or KAFKA_BOOTSTRAP_SERVERS), with the same BANKING77
+tickets `{"ticket_id", "body"}` everywhere and an input topic of 3 partitions:
+
+- P1 Kafka overhead: the real `Pipeline`, built here with a classifier that answers at once, vs a bare
+  confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records;
+- P2 inference overhead: `triage-worker run` with default settings vs the raw classifier pool;
+- P3 beyond the seed design: the worker vs one ticket at a time, a new Generator with the whole prompt per
+  ticket, schema-guided generation, batch 1, same model;
+- P4 latency under load: 25..200 % of P2's capacity, each for a fixed time, against one worker;
+- CPU cost: CPU-ms per ticket of the worker's process tree vs the pool's.
+
+Writes bench.json, bench.md, bench-latency.png and bench-timeline.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import types
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import bench_report
+import confluent_kafka
+import msgspec
+import onnxruntime_genai as og
+from bench_kafka import (
+    Offsets,
+    Progress,
+    Tickets,
+    Worker,
+    audit,
+    cpu_seconds,
+    kafka,
+    new_topics,
+    produce_paced,
+    produce_tickets,
+    rss_bytes,
+)
+
+from worker.classification import Classification, ClassifyRequest
+from worker.config import InferenceSettings, LogSettings, Settings, load_settings
+from worker.inference.engine import Engine, InvalidOutput
+from worker.inference.loading import resolve_taxonomy
+from worker.inference.pool import open_pool
+from worker.kafka.clients import KafkaClients, consumer_config, producer_config
+from worker.logs import configure_logging, librdkafka_logger
+from worker.ops.run_command import dispatch_window
+from worker.pipeline.runner import Pipeline
+
+LOADS_PCT = (25, 50, 70, 100, 150, 200)
+POOL_QUEUE_PER_CONTEXT = 32
+_STARTED = time.monotonic()
+
+
+def progress(line: str) -> None:
+    print(f"[{time.monotonic() - _STARTED:6.1f}s] {line}", file=sys.stderr, flush=True)
+
+
+def _group(phase: str) -> str:
+    return f"bench.{phase}.{uuid.uuid4().hex[:8]}"
+
+
+def _settings(bootstrap: str, input_topic: str, output: str, dead_letter: str, group: str) -> Settings:
+    return load_settings(
+        env={},
+        overrides={
+            "kafka.bootstrap.servers": bootstrap,
+            "topics.input": input_topic,
+            "topics.output": output,
+            "topics.dead_letter": dead_letter,
+            "pipeline.group_id": group,
+        },
+    )
+
+
+# -- P1 ---------------------------------------------------------------------------------------------------
+
+
+class InstantClassifier:
+    """Answers every request at once with the taxonomy's first label: the pipeline without a model."""
+
+    model_id = "bench-instant"
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        taxonomy, _ = resolve_taxonomy(settings)
+        intent = taxonomy.labels[0]
+        self._answer = Classification(
+            intent=intent,
+            priority=taxonomy.policy_priority(intent),
+            confidence=1.0,
+            scores={intent: 1.0},
+            model=self.model_id,
+            latency_ms=0.0,
+            truncated=False,
+        )
+        self._ready: list[tuple[int, Classification]] = []
+        self.first_submit: float | None = None
+
+    def submit(self, request: ClassifyRequest) -> None:
+        if self.first_submit is None:
+            self.first_submit = time.monotonic()
+        self._ready.append((request.request_id, self._answer))
+
+    def poll(self, timeout: float) -> list[tuple[int, Classification]]:
+        ready, self._ready = self._ready, []
+        return ready
+
+
+def bare_loop(settings: Settings, stop: threading.Event, first: list[float]) -> None:
+    """The floor for P1: the pipeline's own client options, no bookkeeping. Commits the consumed positions
+    asynchronously every second, and once more as soon as a poll comes back empty, so the figure is not
+    rounded up to the commit timer (the pipeline also commits early when done work piles up)."""
+    consumer = confluent_kafka.Consumer(dict(consumer_config(settings)))
+    producer = confluent_kafka.Producer(dict(producer_config(settings)))
+    decode, encode = msgspec.json.decode, msgspec.json.Encoder().encode
+    topic_in, topic_out = settings.topics.input, settings.topics.output
+    consumer.subscribe([topic_in])
+    positions: dict[int, int] = {}
+    last_commit = time.monotonic()
+    try:
+        while not stop.is_set():
+            messages = consumer.consume(500, 0.1)
+            if messages and not first:
+                first.append(time.monotonic())
+            for message in messages:
+                partition, offset, value = message.partition(), message.offset(), message.value()
+                if message.error() is not None or partition is None or offset is None or value is None:
+                    continue
+                ticket = decode(value)
+                record = encode(
+                    {  # the shape and size of a TriageResult
+                        "schema_version": 1,
+                        "ticket_id": ticket["ticket_id"],
+                        "intent": "card_arrival",
+                        "priority": "Medium",
+                        "confidence": 0.9731,
+                        "fallback": False,
+                        "fallback_reason": None,
+                        "scores": {
+                            "card_arrival": 0.9731,
+                            "card_linking": 0.012,
+                            "lost_or_stolen_card": 0.008,
+                        },
+                        "model": "triage-mini@0123456789ab",
+                        "latency_ms": 3.21,
+                        "classified_at": "2026-01-01T00:00:00.000Z",
+                        "source": {"topic": topic_in, "partition": partition, "offset": offset},
+                        "truncated": False,
+                    }
+                )
+                while True:
+                    try:
+                        producer.produce(topic_out, value=record, key=message.key())
+                        break
+                    except BufferError:
+                        producer.poll(0.01)
+                positions[partition] = offset + 1
+            producer.poll(0)
+            now = time.monotonic()
+            if positions and (not messages or now - last_commit >= 1.0):
+                offsets = [confluent_kafka.TopicPartition(topic_in, p, o) for p, o in positions.items()]
+                consumer.commit(offsets=offsets, asynchronous=True)
+                positions.clear()
+                last_commit = now
+    finally:
+        producer.flush(10)
+        consumer.close()
+
+
+def _timed_run(
+    name: str,
+    bootstrap: str,
+    settings: Settings,
+    ends: dict[int, int],
+    body: Callable[[], object],
+    stop: Callable[[], None],
+    start: Callable[[], float | None],
+    budget: float,
+) -> dict[str, Any]:
+    """Run `body` in a thread until the group has committed `ends` (or `budget` seconds), then `stop` it;
+    rate = records committed / (the time `start` reports → that commit was seen)."""
+    offsets = Offsets(bootstrap, settings.pipeline.group_id, settings.topics.input)
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            body()
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=guarded, name=name, daemon=True)
+
+    def alive() -> None:
+        if errors:
+            raise RuntimeError(f"{name} failed") from errors[0]
+        if not thread.is_alive():
+            raise RuntimeError(f"{name} stopped before committing the input")
+
+    thread.start()
+    try:
+        done = offsets.follow(ends, budget, alive)
+    finally:
+        offsets.close()
+        stop()
+        thread.join(30)
+    first = start()
+    if first is None:
+        raise RuntimeError(f"{name} took no record in {budget:.0f} s")
+    return _rate(done, first)
+
+
+def bracket(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A baseline measured before and after the figure it is compared with, so that drift on a shared
+    machine (other jobs starting or stopping) moves both halves; the ratio uses the mean."""
+    figures = {key: value for key, value in before.items() if key != "seconds"}
+    for key in ("rate", "cpu_ms_per_ticket"):
+        if key in before:
+            figures[key] = round((before[key] + after[key]) / 2, 3)
+    figures["complete"] = before.get("complete", True) and after.get("complete", True)
+    return {**figures, "before": before, "after": after}
+
+
+def _rate(done: Progress, started: float) -> dict[str, Any]:
+    seconds = done.at - started
+    return {
+        "records": done.records,
+        "seconds": round(seconds, 3),
+        "rate": round(done.records / seconds, 1),
+        # False when the budget ran out first; the rate is then over what was committed by then.
+        "complete": done.complete,
+    }
+
+
+def p1_kafka_overhead(bootstrap: str, tickets: Tickets, count: int, budget: float) -> dict[str, Any]:
+    bare_topics, pipe_topics = new_topics(bootstrap, "p1", outputs=2)
+    progress(f"P1 producing {count} tickets to {bare_topics.input}")
+    produce_tickets(bootstrap, bare_topics.input, tickets, 0, count)
+    ends = Offsets(bootstrap, "unused", bare_topics.input)
+    try:
+        end_offsets = ends.ends()
+    finally:
+        ends.close()
+
+    def run_bare(when: str) -> dict[str, Any]:
+        progress(f"P1 bare confluent-kafka loop ({when})")
+        settings = _settings(
+            bootstrap, bare_topics.input, bare_topics.output, bare_topics.dead_letter, _group("p1-bare")
+        )
+        stop, first = threading.Event(), []
+        return _timed_run(
+            "bare loop",
+            bootstrap,
+            settings,
+            end_offsets,
+            lambda: bare_loop(settings, stop, first),
+            stop.set,
+            lambda: first[0] if first else None,
+            budget,
+        )
+
+    bare_before = run_bare("before")
+
+    progress("P1 Pipeline with an instant classifier")
+    pipe_settings = _settings(
+        bootstrap, pipe_topics.input, pipe_topics.output, pipe_topics.dead_letter, _group("p1-pipeline")
+    )
+    classifier = InstantClassifier(pipe_settings.inference)
+    taxonomy, _ = resolve_taxonomy(pipe_settings.inference)
+    pipeline = Pipeline(
+        pipe_settings,
+        classifier,
+        taxonomy.fallback_label,
+        dispatch_window=dispatch_window(pipe_settings),
+        clients=KafkaClients(pipe_settings, librdkafka_logger()),
+    )
+    piped = _timed_run(
+        "pipeline",
+        bootstrap,
+        pipe_settings,
+        end_offsets,
+        pipeline.run,
+        pipeline.request_stop,
+        lambda: classifier.first_submit,
+        budget,
+    )
+    bare = bracket(bare_before, run_bare("after"))
+    return {
+        "records": count,
+        "bare": bare,
+        "pipeline": piped,
+        "ratio": round(piped["rate"] / bare["rate"], 3),
+        "dispatch_window": dispatch_window(pipe_settings),
+        "start": "first record taken (bare: first non-empty poll; pipeline: first ticket to the classifier)",
+        "end": "group's committed offsets == end offsets (checked every 20 ms)",
+    }
+
+
+# -- P2 and CPU -------------------------------------------------------------------------------------------
+
+
+def pool_baseline(tickets: Tickets, count: int) -> dict[str, Any]:
+    """The raw pool with default inference settings: every text submitted with a generous deadline,
+    drained with poll.
+
+    At most POOL_QUEUE_PER_CONTEXT requests per context are outstanding: that already keeps every context
+    busy, and a flood of thousands fills the pipes both ways, on which `pool.close()` blocks forever when a
+    Ctrl-C stops the draining (the contexts wait to write answers, the parent to write the stop message).
+    """
+    progress("P2 baseline: opening the classifier pool (default inference settings)")
+    fallbacks: dict[str, int] = {}
+    with open_pool(InferenceSettings()) as pool:
+        progress(f"P2 baseline: {count} texts through the pool ({pool.size} contexts)")
+        window = POOL_QUEUE_PER_CONTEXT * pool.size
+        cpu_before = cpu_seconds(os.getpid())
+        started = time.monotonic()
+        deadline = started + 3600
+        submitted = answered = 0
+        while answered < count:
+            while submitted < min(count, answered + window):
+                pool.submit(ClassifyRequest(submitted, tickets.text(submitted), deadline))
+                submitted += 1
+            for _, answer in pool.poll(0.05):
+                answered += 1
+                if answer.fallback:
+                    reason = answer.fallback_reason or "unknown"
+                    fallbacks[reason] = fallbacks.get(reason, 0) + 1
+            if time.monotonic() - started > max(300.0, count / 5):
+                raise TimeoutError(f"the pool answered {answered} of {count}")
+        seconds = time.monotonic() - started
+        cpu = cpu_seconds(os.getpid()) - cpu_before
+        size = pool.size
+    return {
+        "tickets": count,
+        "contexts": size,
+        "seconds": round(seconds, 3),
+        "rate": round(count / seconds, 1),
+        "cpu_ms_per_ticket": round(cpu * 1000 / count, 3),
+        "fallbacks": fallbacks,
+    }
+
+
+def _last_metrics(worker: Worker) -> dict[str, Any]:
+    events = worker.events("metrics")
+    return events[-1] if events else {}
+
+
+def p2_worker(bootstrap: str, tickets: Tickets, count: int, budget: float, logs: Path) -> dict[str, Any]:
+    (topics,) = new_topics(bootstrap, "p2")
+    group = _group("p2")
+    progress("P2 starting `triage-worker run` (default settings)")
+    with contextlib.ExitStack() as cleanup:
+        worker = Worker(bootstrap, topics, group, logs / "p2-worker.log")
+        cleanup.callback(worker.stop)
+        offsets = Offsets(bootstrap, group, topics.input)
+        cleanup.callback(offsets.close)
+        worker.wait_assigned(timeout=180)
+        progress(f"P2 worker assigned; producing {count} tickets as fast as possible")
+        cpu_before = cpu_seconds(worker.pid)
+        started = produce_tickets(bootstrap, topics.input, tickets, 0, count)
+        done = offsets.follow(offsets.ends(), budget, worker.alive, every=0.05)
+        cpu = cpu_seconds(worker.pid) - cpu_before
+        time.sleep(1.2)  # one more metrics event, with the final counts
+        metrics = _last_metrics(worker)
+    return {
+        **_rate(done, started),
+        "cpu_ms_per_ticket": round(cpu * 1000 / max(1, done.records), 3),
+        "fallbacks": metrics.get("fallback", {}),
+        "classified": metrics.get("classified"),
+        "start": "first produce call, after the worker was assigned its partitions",
+        "end": "group's committed offsets == end offsets (checked every 50 ms)",
+    }
+
+
+# -- P3 ---------------------------------------------------------------------------------------------------
+
+
+def p3_seed_design(tickets: Tickets, count: int) -> dict[str, Any]:
+    """One ticket at a time: a new Generator, the whole prompt, schema-guided generation, batch 1."""
+    progress(f"P3 seed design: {count} tickets, a new Generator each, guided generation")
+    engine = Engine(InferenceSettings(mode="generate"))
+
+    def classify(text: str) -> bool:
+        _, ids, _ = engine.prepare(text)
+        prompt = engine.prefix_ids + ids
+        generator = og.Generator(engine.model, engine.params(guided=True))
+        generator.append_tokens(prompt)
+        for _ in range(engine.max_answer_tokens + 1):
+            if generator.is_done():
+                break
+            generator.generate_next_token()
+        answer = [int(t) for t in generator.get_sequence(0)[len(prompt) :] if int(t) not in engine.eos_ids]
+        try:
+            engine.parse_answer(engine.decode(answer))
+        except InvalidOutput:
+            return False
+        return True
+
+    classify(tickets.text(0))  # compiles the grammar once, as a long-running seed process would have
+    cpu_before = cpu_seconds(os.getpid())
+    started = time.monotonic()
+    invalid = sum(not classify(tickets.text(index)) for index in range(count))
+    seconds = time.monotonic() - started
+    cpu = cpu_seconds(os.getpid()) - cpu_before
+    return {
+        "tickets": count,
+        "seconds": round(seconds, 3),
+        "rate": round(count / seconds, 1),
+        "cpu_ms_per_ticket": round(cpu * 1000 / count, 3),
+        "invalid": invalid,
+    }
+
+
+# -- P4 ---------------------------------------------------------------------------------------------------
+
+
+class Sampler(threading.Thread):
+    """The worker tree's RSS every 0.5 s (wall-clock time, bytes)."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name="rss-sampler", daemon=True)
+        self._pid = pid
+        self._halt = threading.Event()
+        self.samples: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        while not self._halt.wait(0.5):
+            self.samples.append((time.time(), rss_bytes(self._pid)))
+
+    def finish(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+
+def _percentile(values: Sequence[float], pct: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]  # nearest rank
+
+
+def p4_latency(
+    bootstrap: str, tickets: Tickets, capacity: float, seconds: float, logs: Path
+) -> dict[str, Any]:
+    (topics,) = new_topics(bootstrap, "p4")
+    group = _group("p4")
+    progress(f"P4 starting the worker; capacity from P2 = {capacity:.1f} tickets/s")
+    levels: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as cleanup:
+        worker = Worker(bootstrap, topics, group, logs / "p4-worker.log")
+        cleanup.callback(worker.stop)
+        offsets = Offsets(bootstrap, group, topics.input)
+        cleanup.callback(offsets.close)
+        sampler = Sampler(worker.pid)
+        sampler.start()
+        cleanup.callback(sampler.finish)
+        worker.wait_assigned(timeout=180)
+        sent = 0
+        before = offsets.ends()
+        for pct in LOADS_PCT:
+            rate = capacity * pct / 100
+            progress(f"P4 {pct:3d} %: {rate:.1f} tickets/s for {seconds:.0f} s")
+            began = time.time()
+            count = produce_paced(bootstrap, topics.input, tickets, sent, rate, seconds)
+            produced_until = time.time()
+            sent += count
+            ends = offsets.ends()
+            # Drain before the next level so that its latencies are its own (a backlog drains at capacity).
+            drained = offsets.follow(ends, 30 + 3 * count / max(capacity, 1.0), worker.alive, every=0.1)
+            levels.append(
+                {
+                    "load_pct": pct,
+                    "offered_rate": round(rate, 1),
+                    "produced": count,
+                    "began": began,
+                    "produced_until": produced_until,
+                    "drained": time.time(),
+                    "drained_completely": drained.complete,
+                    "offsets": {str(p): [before[p], ends[p]] for p in ends},
+                }
+            )
+            before = ends
+        time.sleep(1.2)  # one more metrics event
+        code = worker.stop()
+        committed = offsets.committed()
+    progress("P4 auditing the topics")
+    report = audit(bootstrap, topics, committed)
+    metrics = [
+        {
+            "t": bench_report.epoch(event["timestamp"]),
+            "in_flight": event.get("in_flight", 0),
+            "in_flight_max": event.get("in_flight_max", 0),
+            "rss_bytes": event.get("rss_bytes") or 0,
+        }
+        for event in worker.events("metrics")
+        if event.get("timestamp")
+    ]
+    for level in levels:
+        latencies: list[float] = []
+        reasons: dict[str, int] = {}
+        for partition, (low, high) in level["offsets"].items():
+            for offset in range(low, high):
+                position = (int(partition), offset)
+                results = report.results.get(position, [])
+                if results:
+                    latencies.append(results[0][0] - report.inputs[position])
+                    if results[0][1] is not None:
+                        reasons[results[0][1]] = reasons.get(results[0][1], 0) + 1
+        window = [m for m in metrics if level["began"] <= m["t"] <= level["drained"]]
+        rss_window = [r for t, r in sampler.samples if level["began"] <= t <= level["drained"]]
+        level.update(
+            {
+                "results": len(latencies),
+                "p50_ms": _percentile(latencies, 50),
+                "p95_ms": _percentile(latencies, 95),
+                "p99_ms": _percentile(latencies, 99),
+                "fallbacks": reasons,
+                "fallback_rate": round(sum(reasons.values()) / max(1, len(latencies)), 4),
+                "in_flight_peak": max((m["in_flight"] for m in window), default=None),
+                "rss_start_bytes": rss_window[0] if rss_window else None,
+                "rss_max_bytes": max(rss_window, default=None),
+            }
+        )
+    return {
+        "seconds_per_level": seconds,
+        "capacity": capacity,
+        "levels": levels,
+        "inputs": len(report.inputs),
+        "lost": report.lost,
+        "unprocessed": report.unprocessed,
+        "duplicates": report.duplicates,
+        "worker_exit_code": code,
+        "in_flight_max": max((m["in_flight_max"] for m in metrics), default=None),
+        "metrics": metrics,
+        "rss_samples": sampler.samples,
+        "latency": "output record CreateTime - input record CreateTime (producer clocks, same host)",
+    }
+
+
+# -- main -------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` (broker, worker, pool) still runs."""
+
+    def interrupt(_signum: int, _frame: types.FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small counts and 8 s load levels (< 5 min)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("results"), help="folder for bench.* (default results)"
+    )
+    args = parser.parse_args()
+    sizes = (
+        {"p1": 100_000, "p1_budget_s": 20, "p2": 3_000, "p2_budget_s": 60, "p3": 300, "p4_level_s": 8}
+        if args.quick
+        else {
+            "p1": 500_000,
+            "p1_budget_s": 120,
+            "p2": 20_000,
+            "p2_budget_s": 600,
+            "p3": 1000,
+            "p4_level_s": 60,
+        }
+    )
+    # The bench's own process logs warnings only (the in-process Pipeline and pool); the workers log JSON.
+    configure_logging(LogSettings(level="warning"))
+    figures: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "command": " ".join(["python", *sys.argv]),
+        "machine": bench_report.machine(),
+        "sizes": sizes,
+        "broker": os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or "local broker started by the bench",
+    }
+    tickets = Tickets()
+    with (
+        _sigterm_as_interrupt(),
+        tempfile.TemporaryDirectory(prefix="triage-bench-logs-") as tmp,
+        kafka(progress) as bootstrap,
+    ):
+        logs = Path(tmp)
+        try:
+            figures["p1"] = p1_kafka_overhead(bootstrap, tickets, sizes["p1"], sizes["p1_budget_s"])
+            progress(f"P1 ratio {figures['p1']['ratio']}")
+            pool_before = pool_baseline(tickets, sizes["p2"])
+            worker = p2_worker(bootstrap, tickets, sizes["p2"], sizes["p2_budget_s"], logs)
+            p2 = figures["p2"] = {"pool": bracket(pool_before, pool_baseline(tickets, sizes["p2"]))}
+            p2["worker"] = worker
+            p2["ratio"] = round(p2["worker"]["rate"] / p2["pool"]["rate"], 3)
+            progress(f"P2 ratio {p2['ratio']}")
+            figures["p3"] = {"seed": p3_seed_design(tickets, sizes["p3"])}
+            figures["p3"]["ratio"] = round(p2["worker"]["rate"] / figures["p3"]["seed"]["rate"], 2)
+            progress(f"P3 ratio {figures['p3']['ratio']}")
+            figures["p4"] = p4_latency(bootstrap, tickets, p2["worker"]["rate"], sizes["p4_level_s"], logs)
+        except BaseException:
+            for log in sorted(logs.glob("*.log")):
+                print(
+                    f"--- tail of {log.name}\n" + "\n".join(log.read_text().splitlines()[-15:]),
+                    file=sys.stderr,
+                )
+            raise
+    bench_report.write(figures, args.out)
+    progress(f"wrote {args.out}/bench.md, bench.json, bench-latency.png, bench-timeline.png")
+    print((args.out / "bench.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

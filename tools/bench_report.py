@@ -1,0 +1,244 @@
+"""tools/bench.py's output: bench.json (everything measured), bench.md (the table of figures against their
+goals, the machine and the command) and two PNG plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+DEADLINE_MS = 2000  # pipeline.deadline_ms's default, which the worker ran with
+MB = 1024 * 1024
+# "Flat" at 200 %: the worker tree's RSS stays within +10 % of its value when the level began.
+RSS_TOLERANCE = 0.10
+HOW = """How: P1 and P2 time from the first record taken (P1) or the first produce (P2, the worker already
+assigned) until the group's committed offsets equal the input's end offsets, or until the time budget runs
+out (then the rate is over what was committed). P1 runs the real `Pipeline` in-process with a classifier
+that answers at once; its baseline is a bare consume/decode/produce/commit loop with the same client
+options. P2's baseline is `open_pool` with default inference settings, every text submitted at once and
+drained with poll. P3's baseline is one process, a new Generator with the whole prompt per ticket,
+schema-guided generation, batch 1. CPU is user+system time of the process tree (/proc) over the same
+window. P4 offers each load for a fixed time against one worker with default settings and lets the backlog
+drain before the next level; "deadline fallbacks" are `deadline_exceeded` + `overloaded`."""
+
+
+def epoch(timestamp: str) -> float:
+    """A structlog ISO timestamp (`...Z`) as seconds since the epoch."""
+    return datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu": model,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "**NO — missed**"
+
+
+def _level(figures: dict[str, Any], pct: int) -> dict[str, Any]:
+    levels: list[dict[str, Any]] = figures["p4"]["levels"]
+    return next(level for level in levels if level["load_pct"] == pct)
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f} ms"
+
+
+def _partial(run: dict[str, Any], total: int) -> str:
+    """A run cut by its time budget is rated over what it committed; the table says so."""
+    return "" if run["complete"] else f" (budget ran out: {run['records']:,} of {total:,} committed)"
+
+
+def _spread(baseline: dict[str, Any]) -> str:
+    return f" (mean of {baseline['before']['rate']:,.0f} before, {baseline['after']['rate']:,.0f} after)"
+
+
+def _reasons(fallbacks: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(fallbacks.items())) or "none"
+
+
+def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """(figure, baseline, measured, ratio, goal, met?) for the table."""
+    p1, p2, p3, p4 = figures["p1"], figures["p2"], figures["p3"], figures["p4"]
+    at70, at200 = _level(figures, 70), _level(figures, 200)
+    deadline_fallbacks = sum(at70["fallbacks"].get(r, 0) for r in ("deadline_exceeded", "overloaded"))
+    p99 = at70["p99_ms"]
+    rss_start, rss_max = at200["rss_start_bytes"], at200["rss_max_bytes"]
+    rss_ratio = rss_max / rss_start if rss_start and rss_max else None
+    cpu_ratio = p2["worker"]["cpu_ms_per_ticket"] / p2["pool"]["cpu_ms_per_ticket"]
+    return [
+        (
+            "P1 Kafka overhead: `Pipeline` + instant classifier vs bare loop",
+            f"{p1['bare']['rate']:,.0f} rec/s{_spread(p1['bare'])}{_partial(p1['bare'], p1['records'])}",
+            f"{p1['pipeline']['rate']:,.0f} rec/s{_partial(p1['pipeline'], p1['records'])}",
+            f"{p1['ratio']:.2f}x",
+            "≥ 0.8x",
+            _met(p1["ratio"] >= 0.8),
+        ),
+        (
+            "P2 inference overhead: `triage-worker run` (defaults) vs raw pool",
+            f"{p2['pool']['rate']:,.1f} tickets/s{_spread(p2['pool'])}",
+            f"{p2['worker']['rate']:,.1f} tickets/s{_partial(p2['worker'], p2['pool']['tickets'])}",
+            f"{p2['ratio']:.2f}x",
+            "≥ 0.9x",
+            _met(p2["ratio"] >= 0.9),
+        ),
+        (
+            "P3 beyond the seed design: worker vs new Generator + guided generation per ticket",
+            f"{p3['seed']['rate']:,.1f} tickets/s",
+            f"{p2['worker']['rate']:,.1f} tickets/s",
+            f"{p3['ratio']:.1f}x",
+            "≥ 10x",
+            _met(p3["ratio"] >= 10),
+        ),
+        (
+            "P3 in CPU time: seed design's CPU-ms per ticket vs the worker tree's",
+            f"{p3['seed']['cpu_ms_per_ticket']:.2f} ms",
+            f"{p2['worker']['cpu_ms_per_ticket']:.2f} ms",
+            f"{p3['seed']['cpu_ms_per_ticket'] / p2['worker']['cpu_ms_per_ticket']:.1f}x",
+            "reported",
+            "-",
+        ),
+        (
+            "CPU cost per ticket: worker tree vs raw pool (bench process + pool)",
+            f"{p2['pool']['cpu_ms_per_ticket']:.2f} ms",
+            f"{p2['worker']['cpu_ms_per_ticket']:.2f} ms",
+            f"{cpu_ratio:.2f}x",
+            "reported",
+            "-",
+        ),
+        (
+            "P4 at 70 %: p99 latency vs the deadline; deadline fallbacks",
+            f"{DEADLINE_MS:,} ms",
+            f"p99 {_ms(p99)}; {deadline_fallbacks} deadline fallbacks",
+            "n/a" if p99 is None else f"{p99 / DEADLINE_MS:.2f}x",
+            "≤ 1x and 0",
+            _met(p99 is not None and p99 <= DEADLINE_MS and deadline_fallbacks == 0),
+        ),
+        (
+            "P4 at 200 %: worker tree RSS, max vs start of the level",
+            "n/a" if rss_start is None else f"{rss_start / MB:,.0f} MB",
+            "n/a" if rss_max is None else f"{rss_max / MB:,.0f} MB",
+            "n/a" if rss_ratio is None else f"{rss_ratio:.2f}x",
+            f"≤ {1 + RSS_TOLERANCE:.2f}x (flat)",
+            _met(rss_ratio is not None and rss_ratio <= 1 + RSS_TOLERANCE),
+        ),
+        (
+            "P4 at 200 %: fallback rate",
+            f"{at200['results']:,} results",
+            f"{at200['fallback_rate']:.1%} ({_reasons(at200['fallbacks'])})",
+            "-",
+            "reported",
+            "-",
+        ),
+        (
+            "P4 all levels: inputs without a result or dead letter; duplicates",
+            f"{p4['inputs']:,} inputs",
+            f"{p4['lost']} lost, {p4['duplicates']} duplicates, {p4['unprocessed']} unprocessed at the end",
+            f"{p4['lost'] / max(1, p4['inputs']):.2%} lost",
+            "0 lost",
+            _met(p4["lost"] == 0),
+        ),
+    ]
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    box = figures["machine"]
+    lines = [
+        f"# `make bench` ({figures['mode']} mode)",
+        "",
+        f"Command: `{figures['command']}`  ",
+        f"Machine: {box['cores']} cores, {box['cpu']}, Python {box['python']}, "
+        f"load average at start {box['load_average_at_start']}, {box['date']}  ",
+        f"Broker: {figures['broker']}; sizes: {figures['sizes']}",
+        "",
+        "| figure | baseline | measured | ratio | goal | met? |",
+        "|---|---|---|---|---|---|",
+        *("| " + " | ".join(row) + " |" for row in rows(figures)),
+        "",
+        HOW,
+        "",
+        "P4 per load level (latency = output record timestamp - input record timestamp):",
+        "",
+        "| load | offered | results | p50 | p95 | p99 | fallbacks | in-flight peak | tree RSS max |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for level in figures["p4"]["levels"]:
+        rss = level["rss_max_bytes"]
+        lines.append(
+            f"| {level['load_pct']} % | {level['offered_rate']:,.1f}/s | {level['results']:,} "
+            f"| {_ms(level['p50_ms'])} | {_ms(level['p95_ms'])} | {_ms(level['p99_ms'])} "
+            f"| {_reasons(level['fallbacks'])} | {level['in_flight_peak']} "
+            f"| {'n/a' if rss is None else f'{rss / MB:,.0f} MB'} |"
+        )
+    lines += ["", "![latency vs load](bench-latency.png)", "", "![RSS and in-flight](bench-timeline.png)", ""]
+    return "\n".join(lines)
+
+
+def plots(figures: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p4 = figures["p4"]
+    levels = p4["levels"]
+    loads = [level["load_pct"] for level in levels]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for key, label in (("p50_ms", "p50"), ("p95_ms", "p95"), ("p99_ms", "p99")):
+        axis.plot(loads, [level[key] for level in levels], marker="o", label=label)
+    axis.axhline(DEADLINE_MS, color="red", linestyle="--", label="deadline")
+    axis.set_xlabel(f"offered load, % of capacity ({p4['capacity']:.0f} tickets/s)")
+    axis.set_ylabel("latency, ms")
+    axis.set_yscale("log")
+    axis.set_title("Latency under load (input → result record timestamps)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out / "bench-latency.png", dpi=100)
+    plt.close(figure)
+
+    origin = levels[0]["began"]
+    figure, (rss_axis, flight_axis) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    samples = p4["rss_samples"]
+    rss_axis.plot([t - origin for t, _ in samples], [r / MB for _, r in samples], label="worker tree")
+    metrics = p4["metrics"]
+    rss_axis.plot(
+        [m["t"] - origin for m in metrics], [m["rss_bytes"] / MB for m in metrics], label="main process"
+    )
+    rss_axis.set_ylabel("RSS, MB")
+    rss_axis.legend()
+    flight_axis.plot([m["t"] - origin for m in metrics], [m["in_flight"] for m in metrics], label="in flight")
+    flight_axis.set_ylabel("tickets in flight")
+    flight_axis.set_xlabel("seconds")
+    for level in levels:
+        for axis in (rss_axis, flight_axis):
+            axis.axvspan(level["began"] - origin, level["produced_until"] - origin, alpha=0.08, color="C2")
+        flight_axis.text(level["began"] - origin, 0, f"{level['load_pct']}%", fontsize=8, va="bottom")
+    rss_axis.set_title("Worker memory and in-flight tickets (shaded: load level producing)")
+    figure.tight_layout()
+    figure.savefig(out / "bench-timeline.png", dpi=100)
+    plt.close(figure)
+
+
+def write(figures: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(figures, indent=1) + "\n")
+    (out / "bench.md").write_text(markdown(figures))
+    plots(figures, out)
