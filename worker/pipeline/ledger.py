@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ class Ledger:
 
     def __init__(self) -> None:
         self._waiting: collections.deque[Work] = collections.deque()
+        # No waiting record's deadline is earlier than this (it may be stale-early after a removal): lets
+        # `expired` answer in O(1) on almost every turn instead of scanning the queue.
+        self._earliest = math.inf
         self._at_model: dict[int, Work] = {}
         self._produced: dict[int, Work] = {}
         self._ids = itertools.count()
@@ -61,6 +65,7 @@ class Ledger:
 
     def wait(self, work: Work) -> None:
         self._waiting.append(work)
+        self._earliest = min(self._earliest, work.deadline)
 
     @property
     def waiting(self) -> int:
@@ -71,10 +76,10 @@ class Ledger:
 
     def expired(self, now: float) -> list[Work]:
         """Take out the waiting records whose deadline has passed (their order is kept)."""
-        if all(work.deadline > now for work in self._waiting):
+        if now < self._earliest:
             return []
         late = [work for work in self._waiting if work.deadline <= now]
-        self._waiting = collections.deque(work for work in self._waiting if work.deadline > now)
+        self._set_waiting([work for work in self._waiting if work.deadline > now])
         return late
 
     def first_to_model(self, keys: Collection[TopicPartitionKey]) -> None:
@@ -82,7 +87,7 @@ class Ledger:
         leaving = [work for work in self._waiting if work.partition_key in keys]
         if leaving:
             staying = [work for work in self._waiting if work.partition_key not in keys]
-            self._waiting = collections.deque(leaving + staying)
+            self._set_waiting(leaving + staying)
 
     # -- at the model -------------------------------------------------------------------------------------
 
@@ -122,12 +127,16 @@ class Ledger:
         """This worker no longer owns `keys`: drop their waiting records, orphan the rest; returns how
         many were dropped."""
         before = len(self._waiting)
-        self._waiting = collections.deque(work for work in self._waiting if work.partition_key not in keys)
+        self._set_waiting([work for work in self._waiting if work.partition_key not in keys])
         for work in itertools.chain(self._at_model.values(), self._produced.values()):
             if not work.orphan and work.partition_key in keys:
                 work.orphan = True
                 self.orphans += 1
         return before - len(self._waiting)
+
+    def _set_waiting(self, works: list[Work]) -> None:
+        self._waiting = collections.deque(works)
+        self._earliest = min((work.deadline for work in works), default=math.inf)
 
     def is_empty(self) -> bool:
         return not (self._waiting or self._at_model or self._produced)

@@ -14,8 +14,11 @@ from worker.messages import SCHEMA_VERSION, SourcePosition, TicketEvent, TriageR
 _ENCODER = msgspec.json.Encoder()
 
 
-def triage_result(event: TicketEvent, answer: Classification, source: SourcePosition) -> TriageResult:
-    """The output record for one answered ticket (the answer may itself be a fallback)."""
+def triage_result(
+    event: TicketEvent, answer: Classification, source: SourcePosition, classified_at: str | None = None
+) -> TriageResult:
+    """The output record for one answered ticket (the answer may itself be a fallback); `classified_at`
+    defaults to now."""
     return TriageResult(
         schema_version=SCHEMA_VERSION,
         ticket_id=event.ticket_id,
@@ -27,7 +30,7 @@ def triage_result(event: TicketEvent, answer: Classification, source: SourcePosi
         scores=answer.scores,
         model=answer.model,
         latency_ms=max(0.0, answer.latency_ms),
-        classified_at=utc_timestamp(),
+        classified_at=classified_at or utc_timestamp(),
         source=source,
         truncated=answer.truncated,
     )

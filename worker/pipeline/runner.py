@@ -45,7 +45,6 @@ import confluent_kafka
 import structlog
 
 from worker.classification import (
-    Classification,
     Classifier,
     ClassifyRequest,
     FallbackLabel,
@@ -56,7 +55,7 @@ from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config, produce
 from worker.kafka.dead_letters import OMITTED_BYTES, dead_letter_headers
-from worker.messages import FallbackReason, TicketEvent
+from worker.messages import FallbackReason, TicketEvent, utc_timestamp
 from worker.pipeline.committer import Committer
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
@@ -301,7 +300,9 @@ class Pipeline:
     def _collect(self, wait_s: float) -> None:
         if not self._ledger.at_model:
             return
-        for request_id, answer in self._classifier.poll(wait_s):
+        answers = self._classifier.poll(wait_s)
+        made_at = utc_timestamp() if answers else ""  # one clock read per batch, not per record
+        for request_id, answer in answers:
             work = self._ledger.answered(request_id)
             if work is None:
                 continue
@@ -314,13 +315,8 @@ class Pipeline:
                 self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
             else:
                 self.metrics.classified += 1
-            self._produce(
-                work, self._topics.output, result_key(work.key, work.event), self._encode(work, answer)
-            )
-
-    def _encode(self, work: Work, answer: Classification) -> bytes:
-        assert work.event is not None
-        return encode_result(triage_result(work.event, answer, work.source))
+            record = encode_result(triage_result(work.event, answer, work.source, made_at))
+            self._produce(work, self._topics.output, result_key(work.key, work.event), record)
 
     def _produce_fallback(self, work: Work, event: TicketEvent, reason: FallbackReason) -> None:
         self.metrics.fallback[reason] += 1
@@ -490,7 +486,7 @@ class Pipeline:
         self._update_gauge()
         if self._gate.paused or self._stopping:
             self._pause([state.key for state in self._tracker])
-        else:
+        elif self._paused:
             blocked = self._blocked()
             self._resume([key for key in self._paused if key not in blocked])
 
