@@ -8,6 +8,11 @@ JVM. Its state lives in one directory: `server.properties`, `data/` (the log dir
 
 A stopped broker can be started again on the same data (`start(fresh=False)`), which tests use to prove the
 worker survives a broker restart.
+
+With `sasl_ssl` it also serves a SASL_SSL listener, so authentication and encryption are tested against the
+real broker: SCRAM-SHA-512 users are written into the metadata when the log dir is formatted, and a local CA
+(`tls/ca.pem`, what clients trust) signs the broker's certificate for 127.0.0.1, both made with `openssl`.
+The PLAINTEXT listener stays for the controller, inter-broker traffic and tools that need no credentials.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ import contextlib
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.errors import UserError
@@ -38,6 +44,10 @@ HEAP_OPTS = ("-Xms128m", "-Xmx512m")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 POM_FILE = _REPO_ROOT / "deploy" / "kafka" / "pom.xml"
 LOG4J_CONFIG = _REPO_ROOT / "deploy" / "kafka" / "log4j2.properties"
+
+SCRAM_MECHANISM = "SCRAM-SHA-512"
+SCRAM_ITERATIONS = 8192
+TLS_DAYS = 30
 
 Echo = Callable[[str], None]
 
@@ -201,6 +211,78 @@ def _cluster_id() -> str:
 
 
 @dataclass(frozen=True)
+class SaslSsl:
+    """A SASL_SSL listener on `port`: SCRAM-SHA-512 `users` (name → password) over TLS."""
+
+    port: int
+    # Kept out of repr: a SaslSsl in a traceback or log line must not show a password.
+    users: Mapping[str, str] = field(repr=False)
+
+
+def _scram_credential(name: str, password: str) -> str:
+    """`--add-scram` argument holding the salted password (RFC 5802 Hi()), never the password itself: the
+    format command line is visible to every process on the machine while it runs."""
+    salt = secrets.token_bytes(32)
+    salted = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, SCRAM_ITERATIONS)
+    salt_b64, salted_b64 = base64.b64encode(salt).decode(), base64.b64encode(salted).decode()
+    return (
+        f'{SCRAM_MECHANISM}=[name="{name}",salt="{salt_b64}",saltedpassword="{salted_b64}",'
+        f"iterations={SCRAM_ITERATIONS}]"
+    )
+
+
+def _openssl(*args: str) -> None:
+    openssl = require_tool("openssl", "install OpenSSL, e.g. `apt-get install openssl`")
+    result = subprocess.run([openssl, *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise UserError(f"openssl {args[0]} failed: {result.stderr.strip()}")
+
+
+def generate_tls(directory: Path) -> None:
+    """A throwaway CA (`ca.pem`) and a broker key + certificate chain for 127.0.0.1/localhost signed by it
+    (`broker.pem`, the PEM keystore Kafka reads). EC P-256 keys: instant to make on a slow machine."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = directory / "ca.key", directory / "ca.pem"
+    key, csr, cert = directory / "broker.key", directory / "broker.csr", directory / "broker.crt"
+    extensions = directory / "broker.ext"
+    extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
+    days = ("-days", str(TLS_DAYS))
+    _openssl(
+        "req",
+        "-x509",
+        *curve,
+        *days,
+        "-keyout",
+        str(ca_key),
+        "-out",
+        str(ca_cert),
+        "-subj",
+        "/CN=triage-worker local broker CA",
+    )
+    _openssl("req", *curve, "-keyout", str(key), "-out", str(csr), "-subj", "/CN=127.0.0.1")
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(ca_cert),
+        "-CAkey",
+        str(ca_key),
+        "-CAcreateserial",
+        *days,
+        "-extfile",
+        str(extensions),
+        "-out",
+        str(cert),
+    )
+    (directory / "broker.pem").write_text(key.read_text() + cert.read_text() + ca_cert.read_text())
+    for path in (ca_key, key, directory / "broker.pem"):
+        path.chmod(0o600)
+
+
+@dataclass(frozen=True)
 class BrokerStatus:
     running: bool
     pid: int | None
@@ -216,14 +298,36 @@ class BrokerStatus:
 class LocalBroker:
     """One single-node KRaft broker whose whole state lives in `state_dir`."""
 
-    def __init__(self, state_dir: Path | None = None, port: int = DEFAULT_PORT, home: Path | None = None):
+    def __init__(
+        self,
+        state_dir: Path | None = None,
+        port: int = DEFAULT_PORT,
+        home: Path | None = None,
+        sasl_ssl: SaslSsl | None = None,
+    ):
         self.state_dir = state_dir or default_state_dir()
         self.port = port
         self.home = home or kafka_home()
+        self.sasl_ssl = sasl_ssl
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str:
+        if self.sasl_ssl is None:
+            raise ValueError("this broker has no SASL_SSL listener")
+        return f"127.0.0.1:{self.sasl_ssl.port}"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.state_dir / "tls"
+
+    @property
+    def ca_file(self) -> Path:
+        """The CA that signed the broker's certificate: what a SASL_SSL client's `ssl.ca.location` names."""
+        return self.tls_dir / "ca.pem"
 
     @property
     def data_dir(self) -> Path:
@@ -296,6 +400,21 @@ class LocalBroker:
 
     def _write_properties(self, controller_port: int) -> None:
         listeners = f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller_port}"
+        protocols = "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
+        secure: dict[str, str] = {}
+        if self.sasl_ssl is not None:
+            listeners += f",SASL_SSL://127.0.0.1:{self.sasl_ssl.port}"
+            protocols += ",SASL_SSL:SASL_SSL"
+            prefix = "listener.name.sasl_ssl."
+            secure = {
+                "sasl.enabled.mechanisms": SCRAM_MECHANISM,
+                # Passwords are checked against the SCRAM credentials in the metadata; this enables SCRAM.
+                f"{prefix}{SCRAM_MECHANISM.lower()}.sasl.jaas.config": (
+                    "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+                ),
+                f"{prefix}ssl.keystore.type": "PEM",
+                f"{prefix}ssl.keystore.location": str(self.tls_dir / "broker.pem"),
+            }
         properties = {
             "process.roles": "broker,controller",
             "node.id": "1",
@@ -305,7 +424,7 @@ class LocalBroker:
             "advertised.listeners": listeners,
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            "listener.security.protocol.map": protocols,
             "log.dirs": str(self.data_dir),
             "offsets.topic.replication.factor": "1",
             "transaction.state.log.replication.factor": "1",
@@ -314,6 +433,7 @@ class LocalBroker:
             "share.coordinator.state.topic.min.isr": "1",
             # The default 3 s delay before the first group rebalance makes every consumer test slower.
             "group.initial.rebalance.delay.ms": "0",
+            **secure,
         }
         text = "# Written by triage-worker (worker/kafka/local_broker.py); rewritten on every start.\n"
         text += "".join(f"{key}={value}\n" for key, value in properties.items())
@@ -329,6 +449,11 @@ class LocalBroker:
             _cluster_id(),
             "-c",
             str(self.properties_file),
+            *(
+                arg
+                for name, password in (self.sasl_ssl.users.items() if self.sasl_ssl else ())
+                for arg in ("--add-scram", _scram_credential(name, password))
+            ),
         )
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
@@ -351,13 +476,24 @@ class LocalBroker:
             return current
         if port_open(self.port):
             raise UserError(f"port {self.port} on 127.0.0.1 is already in use; pick another with --port")
+        if self.sasl_ssl is not None and port_open(self.sasl_ssl.port):
+            raise UserError(f"port {self.sasl_ssl.port} on 127.0.0.1 is already in use; pick another")
         fetch_jars(self.home, echo)
         java = require_java()
         if fresh:
             shutil.rmtree(self.state_dir, ignore_errors=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        formatted = (self.data_dir / "meta.properties").is_file()
+        if self.sasl_ssl is not None:
+            if formatted and not self.ca_file.is_file():
+                raise UserError(
+                    f"the log dir {self.data_dir} was formatted without SASL_SSL users; "
+                    "start it with --fresh to add them"
+                )
+            if not self.ca_file.is_file():
+                generate_tls(self.tls_dir)
         self._write_properties(self._controller_port())
-        if not (self.data_dir / "meta.properties").is_file():
+        if not formatted:
             self._format(java)
 
         started = time.monotonic()
