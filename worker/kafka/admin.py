@@ -1,4 +1,4 @@
-"""Topic administration: create the worker's topics, idempotently.
+"""Topic administration: check the connection at start, create the worker's topics idempotently.
 
 Brokers in production usually disable topic auto-creation, and an auto-created topic gets the broker's
 default partition count, which caps how many workers can share the load. So the topics are created
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,14 +19,15 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
-from worker.config import TopicSettings
+from worker.config import MASK, TopicSettings, is_secret_key
 from worker.errors import UserError
 
 TopicOutcome = Literal["created", "exists"]
 
 
 class _LastClientError(logging.Handler):
-    """Keeps librdkafka's last complaint (e.g. "Connection refused") for the error message.
+    """Keeps librdkafka's last complaint, for the error message when no error callback explained more (SASL
+    options without a SASL security.protocol only ever show up here).
 
     Without a logger librdkafka prints every reconnect attempt to stderr; the one line that matters is
     reported in the UserError instead.
@@ -35,7 +38,37 @@ class _LastClientError(logging.Handler):
         self.message: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.message = record.getMessage()
+        # "CONFWARN [rdkafka#producer-1] [thrd:app]: Configuration ..." → "Configuration ..."
+        self.message = _strip(re.sub(r"^\w+ \[[^]]*\] \[[^]]*\]: ", "", record.getMessage()))
+
+
+def _strip(text: str) -> str:
+    """librdkafka's text without the broker prefix and timing suffix it adds ("sasl_ssl://h:p/bootstrap: ...
+    (after 301ms in state AUTH_REQ)"): the line names the address itself."""
+    text = re.sub(r"^\S+://\S+: |^\S+/bootstrap: ", "", text)
+    return re.sub(r" \(after \d+ms in state \w+\)$", "", text)
+
+
+def _refusal(kafka_config: Mapping[str, str], error: KafkaError) -> str | None:
+    """The line for an error no retry can cure (wrong credentials, an untrusted certificate), else None."""
+    bootstrap = kafka_config.get("bootstrap.servers", "?")
+    reason = _strip(error.str())
+    if error.code() == KafkaError._AUTHENTICATION:
+        user = kafka_config.get("sasl.username", "?")
+        mechanism = kafka_config.get("sasl.mechanisms", kafka_config.get("sasl.mechanism", "GSSAPI"))
+        return f"authentication failed for user {user!r} (SASL/{mechanism}) at {bootstrap}: {reason}"
+    if error.code() == KafkaError._SSL or "certificate verify failed" in error.str():
+        trusted = kafka_config.get("ssl.ca.location", "the system's CA certificates")
+        return f"TLS handshake with {bootstrap} failed (trusting {trusted}): {reason}"
+    return None
+
+
+def _masked(text: str, kafka_config: Mapping[str, str]) -> str:
+    """Belt and braces: no secret option's value survives into a message, whatever the client said."""
+    for key, value in kafka_config.items():
+        if value and is_secret_key(key):
+            text = text.replace(value, MASK)
+    return text
 
 
 @dataclass(frozen=True)
@@ -99,23 +132,49 @@ def existing_topics(kafka_config: Mapping[str, str], timeout_s: float = 15.0) ->
         return set(metadata.topics)
 
 
+def check_cluster(kafka_config: Mapping[str, str], timeout_s: float = 15.0) -> None:
+    """A command's start-up check: returns once `kafka_config` reaches the cluster, else one-line UserError
+    (unreachable, login refused, certificate not trusted), at once when no retry can help."""
+    with _reachable_admin(kafka_config, timeout_s):
+        pass
+
+
 @contextlib.contextmanager
 def _reachable_admin(kafka_config: Mapping[str, str], timeout_s: float) -> Iterator[tuple[AdminClient, Any]]:
-    """An admin client that has reached the cluster (and its metadata), or UserError saying why not."""
+    """An admin client that has reached the cluster (and its metadata), or UserError saying why not.
+
+    librdkafka retries a refused login or an untrusted certificate forever, reporting it only to the error
+    callback, so the metadata is requested in short slices and the callback's errors are checked between.
+    """
     bootstrap = kafka_config.get("bootstrap.servers", "?")
+    errors: list[KafkaError] = []
     last_error = _LastClientError()
     client_log = logging.getLogger("worker.kafka.admin.librdkafka")
     client_log.propagate = False
     client_log.addHandler(last_error)
     try:
-        options: dict[str, Any] = {"logger": client_log, **kafka_config}  # the stubs omit `logger`
-        admin = AdminClient(options)
+        # The stubs omit `logger`.
+        options: dict[str, Any] = {"logger": client_log, **kafka_config, "error_cb": errors.append}
         try:
-            metadata = admin.list_topics(timeout=timeout_s)
-        except KafkaException as exception:
-            admin.poll(0)  # serves the queued client logs to `last_error`
-            reason = last_error.message or str(exception)
-            raise UserError(f"cannot reach Kafka at {bootstrap}: {reason}") from None
+            admin = AdminClient(options)
+        except KafkaException as exception:  # an option librdkafka rejects (unknown name, bad value)
+            problem = f"Kafka client configuration: {exception.args[0].str()}"
+            raise UserError(_masked(problem, kafka_config)) from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                metadata = admin.list_topics(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+                break
+            except KafkaException:
+                admin.poll(0)  # serves the error callback and the queued client logs
+            for error in errors:
+                refusal = _refusal(kafka_config, error)
+                if refusal is not None:
+                    raise UserError(_masked(refusal, kafka_config))
+            if time.monotonic() >= deadline:
+                reasons = [_strip(e.str()) for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+                reason = (reasons or [last_error.message or f"no answer in {timeout_s:.0f}s"])[-1]
+                raise UserError(_masked(f"cannot reach Kafka at {bootstrap}: {reason}", kafka_config))
         yield admin, metadata
     finally:
         client_log.removeHandler(last_error)

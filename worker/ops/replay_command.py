@@ -29,6 +29,8 @@ from rich.table import Table
 
 from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
+from worker.kafka.admin import check_cluster
+from worker.kafka.clients import producer_config
 from worker.ops.replay import (
     DEFAULT_MAX_REPLAYS,
     OffsetRange,
@@ -321,6 +323,9 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, {"topics.dead_letter": args.dlq})
     options = options_from_args(args, settings.topics.dead_letter)
+    # One clear line at start for a refused login or an untrusted certificate, which the replay's own
+    # clients would only report as metadata timeouts.
+    check_cluster(producer_config(settings))
     err = Console(stderr=True)
     with (
         _stop_on_signals() as stop,

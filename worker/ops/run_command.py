@@ -124,7 +124,8 @@ def dispatch_window(settings: Settings) -> int:
 
 
 def _check_topics(settings: Settings) -> None:
-    """Fail at start, in one line, when the broker is unreachable or a topic is missing."""
+    """Fail at start, in one line, when the broker is unreachable, refuses the credentials or certificate,
+    or a topic is missing."""
     bootstrap = settings.kafka.get("bootstrap.servers", "")
     existing = existing_topics(producer_config(settings))
     topics = settings.topics

@@ -10,6 +10,8 @@ from typing import Any
 
 from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
+from worker.kafka.admin import check_cluster
+from worker.kafka.clients import producer_config
 from worker.ops.samples import SampleFactory, produce_samples
 
 
@@ -50,6 +52,9 @@ def _produce(args: argparse.Namespace) -> int:
         raise UserError(f"--malformed-ratio must be between 0 and 1, got {args.malformed_ratio}")
     settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
     topic = args.topic or settings.topics.input
+    # Without it a refused login or an untrusted certificate would only show as every record failing after
+    # the flush timeout (two minutes).
+    check_cluster(producer_config(settings))
     factory = SampleFactory(seed=args.seed, malformed_ratio=args.malformed_ratio)
     stop = threading.Event()
     # Ctrl-C ends the stream cleanly: what was published is flushed and counted.
