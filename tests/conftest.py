@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import time
+import tomllib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -108,6 +110,52 @@ def local_kafka_broker(kafka_bootstrap: str) -> local_broker.LocalBroker:
     if _SOURCE.local is None:
         pytest.skip("needs the project's local broker (the session uses an external or Docker broker)")
     return _SOURCE.local
+
+
+@dataclass(frozen=True)
+class SecureBroker:
+    """A second local broker with a SASL_SSL listener, from `triage-worker broker start --sasl-ssl-port`.
+
+    `client_file` is the TOML `[kafka]` table that command wrote (SCRAM-SHA-512 user, password, CA file);
+    `plain_bootstrap` is its PLAINTEXT listener, for test checks that need no credentials.
+    """
+
+    plain_bootstrap: str
+    client_file: Path
+    client_config: dict[str, str]
+
+    @property
+    def bootstrap(self) -> str:
+        return self.client_config["bootstrap.servers"]
+
+    @property
+    def password(self) -> str:
+        return self.client_config["sasl.password"]
+
+
+@pytest.fixture(scope="session")
+def secure_broker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
+    """SASL_SSL on the project's local broker (certificates made at start, gone with the temp dir).
+
+    Skips where the session's broker is given or runs in Docker: starting a second, local one needs the
+    Java runtime and Maven-resolved jars those machines may not have.
+    """
+    if _SOURCE.local is None:
+        pytest.skip("SASL/TLS tests start a second local broker; this session uses an external or Docker one")
+    from worker.ops import broker_command
+    from worker.ops.cli import main
+
+    state_dir = tmp_path_factory.mktemp("kafka-secure")
+    port, secure_port = local_broker.free_port(), local_broker.free_port()
+    start = ["broker", "start", "--fresh", "--state-dir", str(state_dir), "--port", str(port)]
+    assert main([*start, "--sasl-ssl-port", str(secure_port)]) == 0
+    try:
+        client_file = state_dir / broker_command.SASL_CLIENT_FILE
+        with client_file.open("rb") as handle:
+            client_config = tomllib.load(handle)["kafka"]
+        yield SecureBroker(f"127.0.0.1:{port}", client_file, client_config)
+    finally:
+        main(["broker", "stop", "--state-dir", str(state_dir)])
 
 
 @pytest.fixture

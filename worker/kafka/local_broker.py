@@ -241,7 +241,7 @@ def _openssl(*args: str) -> None:
 def generate_tls(directory: Path) -> None:
     """A throwaway CA (`ca.pem`) and a broker key + certificate chain for 127.0.0.1/localhost signed by it
     (`broker.pem`, the PEM keystore Kafka reads). EC P-256 keys: instant to make on a slow machine."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     ca_key, ca_cert = directory / "ca.key", directory / "ca.pem"
     key, csr, cert = directory / "broker.key", directory / "broker.csr", directory / "broker.crt"
     extensions = directory / "broker.ext"
@@ -277,9 +277,13 @@ def generate_tls(directory: Path) -> None:
         "-out",
         str(cert),
     )
-    (directory / "broker.pem").write_text(key.read_text() + cert.read_text() + ca_cert.read_text())
-    for path in (ca_key, key, directory / "broker.pem"):
-        path.chmod(0o600)
+    keystore = directory / "broker.pem"
+    keystore.touch(mode=0o600)
+    keystore.write_text(key.read_text() + cert.read_text() + ca_cert.read_text())
+    # Only the CA certificate (for clients) and the keystore (for the broker) are needed from here on; the
+    # CA key would let anyone who reads the folder mint certificates clients trust.
+    for path in (ca_key, key, csr, cert, extensions, directory / "ca.srl"):
+        path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,19 @@ class LocalBroker:
         if self.sasl_ssl is None:
             raise ValueError("this broker has no SASL_SSL listener")
         return f"127.0.0.1:{self.sasl_ssl.port}"
+
+    def sasl_ssl_client_config(self, user: str) -> dict[str, str]:
+        """librdkafka options with which `user` reaches the SASL_SSL listener."""
+        if self.sasl_ssl is None or user not in self.sasl_ssl.users:
+            raise ValueError(f"this broker has no SASL_SSL user {user!r}")
+        return {
+            "bootstrap.servers": self.sasl_ssl_bootstrap,
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanisms": SCRAM_MECHANISM,
+            "sasl.username": user,
+            "sasl.password": self.sasl_ssl.users[user],
+            "ssl.ca.location": str(self.ca_file),
+        }
 
     @property
     def tls_dir(self) -> Path:

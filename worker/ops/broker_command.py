@@ -7,12 +7,18 @@ The broker commands drive the local development broker (real Apache Kafka from M
 from __future__ import annotations
 
 import argparse
+import json
+import secrets
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from worker.config import add_config_argument, settings_from_args
 from worker.kafka import local_broker
 from worker.kafka.admin import create_topics, worker_topics
+
+SASL_USER = "triage"
+SASL_CLIENT_FILE = "sasl-ssl-client.toml"
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -29,6 +35,15 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     start = actions.add_parser("start", help="start the broker in the background and wait until it is ready")
     start.add_argument(
         "--port", type=int, default=local_broker.DEFAULT_PORT, help="client port (default 9092)"
+    )
+    start.add_argument(
+        "--sasl-ssl-port",
+        type=int,
+        metavar="PORT",
+        help=(
+            f"also serve SASL_SSL (SCRAM-SHA-512 user {SASL_USER!r}, a local CA) on PORT; client settings "
+            f"go to <state-dir>/{SASL_CLIENT_FILE} (pass it with --config)"
+        ),
     )
     start.add_argument("--fresh", action="store_true", help="wipe topics and messages of earlier runs first")
     _add_state_dir(start)
@@ -67,13 +82,40 @@ def _add_state_dir(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _saved_password(client_file: Path) -> str | None:
+    """The password a restart on the same data must keep: its SCRAM credential is in the metadata."""
+    try:
+        with client_file.open("rb") as handle:
+            password = tomllib.load(handle).get("kafka", {}).get("sasl.password")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return password if isinstance(password, str) else None
+
+
+def _write_client_file(path: Path, options: dict[str, str]) -> None:
+    # JSON string escapes are valid TOML; the file holds a password, so only its owner may read it.
+    lines = ["[kafka]", *(f"{json.dumps(key)} = {json.dumps(value)}" for key, value in options.items())]
+    path.touch(mode=0o600)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def _start(args: argparse.Namespace) -> int:
-    broker = local_broker.LocalBroker(args.state_dir, args.port)
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    client_file = state_dir / SASL_CLIENT_FILE
+    sasl_ssl = None
+    if args.sasl_ssl_port is not None:
+        password = (None if args.fresh else _saved_password(client_file)) or secrets.token_urlsafe(18)
+        sasl_ssl = local_broker.SaslSsl(args.sasl_ssl_port, {SASL_USER: password})
+    broker = local_broker.LocalBroker(state_dir, args.port, sasl_ssl=sasl_ssl)
     before = broker.status()
     status = broker.start(fresh=args.fresh)
     if before.running:
         print(f"already running (pid {status.pid})")
     print(f"bootstrap: {status.bootstrap}")
+    if sasl_ssl is not None and not before.running:
+        _write_client_file(client_file, broker.sasl_ssl_client_config(SASL_USER))
+        where = f"user {SASL_USER}; client settings: --config {client_file}"
+        print(f"SASL_SSL:  {broker.sasl_ssl_bootstrap} ({where})")
     print(f"log file:  {status.log_file}")
     return 0
 
