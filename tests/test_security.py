@@ -120,6 +120,11 @@ def test_topics_samples_worker_and_replay_work_through_sasl_ssl(
     assert json.loads(replayed.stdout)["counts"]["replayed"] == 1
     assert sum(end_offsets(plain, topics.input).values()) == before + 1
 
+    # The broker got a salted credential at format time, and SCRAM never sends the password itself.
+    state_dir = secure_broker.client_file.parent
+    for path in [state_dir / "server.properties", *(state_dir / "logs").iterdir()]:
+        assert password not in path.read_text(errors="replace"), path
+
 
 @pytest.fixture(scope="module")
 def foreign_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
