@@ -322,6 +322,9 @@ def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committ
         assert worker.process.poll() is None, "the worker must keep running"
         committed = committed_offsets(kafka_bootstrap, group, topics.input)
         assert all(offset <= 0 for offset in committed.values()), committed
+        # Stopped, not retried in a loop, and visible: each blocked partition with the offset it stopped at.
+        blocked = next(m["blocked_partitions"] for m in reversed(worker.metrics()) if m["kind"] == "interval")
+        assert blocked and all(f"{topics.input}[" in name for name in blocked), blocked
         assert worker.stop() == 0
     finally:
         worker.kill()
