@@ -28,7 +28,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-DATA = Path("/work/shared/data/banking77/train.csv")
+DATA = REPO / "data" / "banking77" / "train.csv"
+# Layer shapes (hidden, intermediate, layers, attention heads, key/value heads): the committed test model, and
+# Phi-4-mini's for GPU speed figures (tools/bench_gpu.sh; speed does not depend on the weights' values).
+SHAPES = {"tiny": (128, 384, 2, 4, 2), "phi4-mini": (3072, 8192, 32, 24, 8)}
 TAXONOMY = REPO / "tests" / "data" / "test_taxonomy.toml"
 
 
@@ -39,7 +42,7 @@ def corpus(limit: int) -> list[str]:
     return [*texts, '{"intent": "card_arrival", "priority": "Low"}', "Low Medium High Critical"]
 
 
-def build_hf_folder(hf_dir: Path, vocab_size: int) -> None:
+def build_hf_folder(hf_dir: Path, vocab_size: int, shape: str = "tiny") -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -64,13 +67,14 @@ def build_hf_folder(hf_dir: Path, vocab_size: int) -> None:
     fast.save_pretrained(hf_dir)
 
     ids = {token: tokenizer.token_to_id(token) for token in SPECIALS}
+    hidden, intermediate, layers, heads, kv_heads = SHAPES[shape]
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         bos_token_id=ids["<|im_start|>"],
         eos_token_id=ids["<|im_end|>"],
@@ -91,14 +95,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "models" / "tiny")
     parser.add_argument("--precision", choices=["int4", "fp32"], default="int4")
     parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--provider", choices=["cpu", "cuda"], default="cpu", help="the builder's -e")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tiny-hf-") as tmp:
         hf_dir = Path(tmp)
-        build_hf_folder(hf_dir, args.vocab_size)
+        build_hf_folder(hf_dir, args.vocab_size, args.shape)
         shutil.copyfile(TAXONOMY, hf_dir / "taxonomy.toml")
         if args.out.exists():
             shutil.rmtree(args.out)
-        export_model(hf_dir, args.out, args.precision, quiet=True)
+        export_model(hf_dir, args.out, args.precision, args.provider, quiet=True)
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"wrote {args.out} ({size / 1e6:.1f} MB)")
 
