@@ -38,6 +38,7 @@ import confluent_kafka
 import msgspec
 import onnxruntime_genai as og
 from bench_kafka import (
+    BROKER_PID,
     Offsets,
     Progress,
     Tickets,
@@ -385,15 +386,22 @@ def p2_worker(bootstrap: str, tickets: Tickets, count: int, budget: float, logs:
         cleanup.callback(offsets.close)
         worker.wait_assigned(timeout=180)
         progress(f"P2 worker assigned; producing {count} tickets as fast as possible")
+        broker = BROKER_PID.get(bootstrap)
         cpu_before = cpu_seconds(worker.pid)
+        broker_before = cpu_seconds(broker) if broker else 0.0
         started = produce_tickets(bootstrap, topics.input, tickets, 0, count)
         done = offsets.follow(offsets.ends(), budget, worker.alive, every=0.05)
         cpu = cpu_seconds(worker.pid) - cpu_before
+        broker_cpu = cpu_seconds(broker) - broker_before if broker else None
         time.sleep(1.2)  # one more metrics event, with the final counts
         metrics = _last_metrics(worker)
     return {
         **_rate(done, started),
         "cpu_ms_per_ticket": round(cpu * 1000 / max(1, done.records), 3),
+        # The broker shares the cores with the worker here (its produce, fetch and commit handling).
+        "broker_cpu_ms_per_ticket": None
+        if broker_cpu is None
+        else round(broker_cpu * 1000 / max(1, done.records), 3),
         "fallbacks": metrics.get("fallback", {}),
         "classified": metrics.get("classified"),
         "start": "first produce call, after the worker was assigned its partitions",

@@ -44,6 +44,10 @@ Echo = Callable[[str], None]
 # -- broker and topics ------------------------------------------------------------------------------------
 
 
+# bootstrap → pid of a broker this process started: its CPU is part of what a worker costs on this machine.
+BROKER_PID: dict[str, int | None] = {}
+
+
 @contextlib.contextmanager
 def kafka(echo: Echo) -> Iterator[str]:
     """The broker named by KAFKA_BOOTSTRAP_SERVERS, else a fresh local one on a free port in a temp dir."""
@@ -57,6 +61,7 @@ def kafka(echo: Echo) -> Iterator[str]:
         try:
             status = broker.start(fresh=True, echo=echo)
             assert status.bootstrap is not None
+            BROKER_PID[status.bootstrap] = status.pid
             yield status.bootstrap
         finally:
             broker.stop()

@@ -132,6 +132,20 @@ def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             "reported",
             "-",
         ),
+        *(
+            [
+                (
+                    "CPU per ticket of the broker during P2 (same 2 cores as the worker)",
+                    "-",
+                    f"{broker_ms:.2f} ms",
+                    f"{broker_ms / p2['worker']['cpu_ms_per_ticket']:.2f}x of the worker tree's",
+                    "reported",
+                    "-",
+                )
+            ]
+            if (broker_ms := p2["worker"].get("broker_cpu_ms_per_ticket")) is not None
+            else []
+        ),
         (
             "P4 at 70 %: p99 latency vs the deadline; deadline fallbacks",
             f"{DEADLINE_MS:,} ms",
