@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 import sys
@@ -17,6 +18,7 @@ from worker.ops import evaluation
 REPO = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def _trainer() -> ModuleType:
     """tools/train_triage_mini.py as a module (it imports torch only inside its functions)."""
     spec = importlib.util.spec_from_file_location(
@@ -24,7 +26,7 @@ def _trainer() -> ModuleType:
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -79,3 +81,11 @@ def test_a_teacher_that_could_not_run_is_a_row_that_says_so() -> None:
     table = evaluation.render_markdown([row], context)
     assert f"| {evaluation.TEACHER_NAME} | not measured: `mvn` was not found on PATH |" in table
     assert "| TF-IDF | 90.00% |" in table
+
+
+def test_fit_temperature_undoes_a_known_overconfidence() -> None:
+    rng = np.random.default_rng(0)
+    calibrated = rng.normal(size=(4000, 5)) * 2
+    probabilities = np.exp(calibrated) / np.exp(calibrated).sum(axis=1, keepdims=True)
+    labels = np.array([rng.choice(5, p=row) for row in probabilities])
+    assert abs(_trainer().fit_temperature(calibrated * 2.0, labels) - 2.0) < 0.15
