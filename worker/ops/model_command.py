@@ -183,7 +183,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--taxonomy", metavar="FILE", help="taxonomy (default: taxonomies/banking77.toml)")
     train.add_argument("--out", metavar="DIR", help="model folder to write (default: models/triage-mini)")
     train.add_argument("--work-dir", metavar="DIR", help="keep the HF folder and every export here")
-    train.add_argument("--max-minutes", type=float, help="training time budget (default 30)")
+    train.add_argument("--max-minutes", type=float, help="training time budget (default 150)")
     train.add_argument("--epochs", type=int, help="training epochs")
     train.add_argument("--seed", type=int, help="random seed")
     train.set_defaults(handler=_train)
