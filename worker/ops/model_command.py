@@ -1,8 +1,8 @@
 """`triage-worker model ...`: build ORT GenAI model folders.
 
-`model train` rebuilds the embedded model `models/triage-mini` from BANKING77 (tools/train_triage_mini.py,
-also the `export` extra) and `model eval` measures a model on BANKING77's test split next to classical
-baselines (worker/ops/evaluation.py; scikit-learn from the `eval` extra).
+`model train` rebuilds the embedded model `models/triage-mini` from BANKING77 (tools/train_triage_mini.py;
+the `export` and `eval` extras, and Maven for its teacher) and `model eval` measures a model on BANKING77's
+test split next to classical baselines and the teacher (worker/ops/evaluation.py; the `eval` extra).
 
 `model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
 template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline. It needs torch,
@@ -79,9 +79,10 @@ def _train(args: argparse.Namespace) -> int:
     """Run the training script with this interpreter; it needs the repository checkout (data, tools)."""
     if not TRAIN_SCRIPT.is_file():
         raise UserError(f"model train needs the repository checkout: {TRAIN_SCRIPT} not found")
-    missing = [name for name in (*_EXPORT_MODULES, "tokenizers") if importlib.util.find_spec(name) is None]
+    needed = (*_EXPORT_MODULES, "tokenizers", "sklearn")
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[export]'")
+        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[export,eval]'")
     forwarded = []
     for option in ("data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed"):
         value = getattr(args, option)
@@ -123,6 +124,17 @@ def _eval(args: argparse.Namespace) -> int:
             row = evaluation.evaluate_baseline(name, make, train, test, taxonomy, console)
             rows.append(row)
             console.print(f"{name}: accuracy {row.accuracy:.2%}")
+    unavailable = {}
+    if not args.no_teacher:
+        try:
+            row = evaluation.evaluate_teacher(train, test, taxonomy, console)
+        except UserError as error:
+            # A missing teacher (no Maven, offline, no cache) must not cost the other rows: the table says so.
+            unavailable[evaluation.TEACHER_NAME] = str(error).splitlines()[0]
+            console.print(f"[yellow]teacher not measured: {error}[/yellow]")
+        else:
+            rows.append(row)
+            console.print(f"{row.name}: accuracy {row.accuracy:.2%}")
     context = {
         "command": shlex.join(["triage-worker", "model", "eval", *_eval_argv()]),
         "model": model_id,
@@ -132,6 +144,7 @@ def _eval(args: argparse.Namespace) -> int:
         "test_tickets": len(test),
         "train_tickets": len(train),
         "deadline_ms": settings.pipeline.deadline_ms,
+        "unavailable": unavailable,
     }
     print(evaluation.render_markdown(rows, context))
     if args.out:
@@ -170,7 +183,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--taxonomy", metavar="FILE", help="taxonomy (default: taxonomies/banking77.toml)")
     train.add_argument("--out", metavar="DIR", help="model folder to write (default: models/triage-mini)")
     train.add_argument("--work-dir", metavar="DIR", help="keep the HF folder and every export here")
-    train.add_argument("--max-minutes", type=float, help="training time budget (default 30)")
+    train.add_argument("--max-minutes", type=float, help="training time budget (default 150)")
     train.add_argument("--epochs", type=int, help="training epochs")
     train.add_argument("--seed", type=int, help="random seed")
     train.set_defaults(handler=_train)
@@ -186,6 +199,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     evaluate.add_argument("--deadline-ms", type=int, metavar="MS", help="per-ticket deadline")
     evaluate.add_argument("--limit", type=int, metavar="N", help="an evenly spaced sample of N test tickets")
     evaluate.add_argument("--no-baselines", action="store_true", help="skip the scikit-learn baselines")
+    evaluate.add_argument(
+        "--no-teacher", action="store_true", help="skip the all-MiniLM-L6-v2 teacher (resolved with Maven)"
+    )
     evaluate.add_argument("--out", default="results", help="folder for eval.md and eval.json ('' = none)")
     add_config_argument(evaluate)
     evaluate.set_defaults(handler=_eval)
