@@ -151,13 +151,17 @@ class Engine:
 
     def parse_answer(self, text: str) -> tuple[str, Priority]:
         """Validate generated text as an answer of this taxonomy (the grammar should guarantee it; a model
-        or runtime bug must still not reach the output topic)."""
+        or runtime bug must still not reach the output topic). Unless the taxonomy lets the model decide
+        the priority (`score_priority`), it is the intent's policy priority, as in `score` mode: words in a
+        ticket then raise its priority only by changing its intent."""
         try:
             answer = msgspec.json.decode(text, type=_Answer)
         except msgspec.DecodeError as error:
             raise InvalidOutput(f"{text!r}: {error}") from None
         if answer.intent not in self.labels or answer.priority not in self.taxonomy.priorities:
             raise InvalidOutput(f"{text!r}: not in the taxonomy")
+        if not self.taxonomy.prompt.score_priority:
+            return answer.intent, self.taxonomy.policy_priority(answer.intent)
         return answer.intent, next(p for p in self.taxonomy.priorities if p == answer.priority)
 
     def label_confidence(self, tokens: list[int], token_probs: list[float], intent: str) -> float:

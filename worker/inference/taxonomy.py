@@ -40,6 +40,8 @@ class PromptOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     list_intents: bool = True
     ticket_normalization: Normalization = "none"
     max_ticket_tokens: int | None = None
+    # Whether the model decides the priority (`score` scores the levels, `generate` keeps the generated one);
+    # otherwise it is the chosen intent's policy priority, in both modes.
     score_priority: bool = False
 
 
