@@ -355,6 +355,20 @@ class Chaos:
     def events(self, name: str) -> list[dict[str, Any]]:
         return [{**event, "worker": w.log_path.name} for w in self.all for event in w.events(name)]
 
+    def lead_up(self, name: str, lines: int = 6) -> list[list[str]]:
+        """For each `name` event, the worker's log lines up to it (metrics left out): the evidence."""
+        found = []
+        for worker in self.all:
+            log = [
+                line[:300]
+                for line in worker.log_path.read_text(errors="replace").splitlines()
+                if '"event": "metrics"' not in line and '"event": "committed"' not in line
+            ]
+            found += [
+                log[max(0, i - lines) : i + 1] for i, line in enumerate(log) if f'"event": "{name}"' in line
+            ]
+        return found
+
 
 def chaos(args: argparse.Namespace) -> bool:
     figures = header("chaos", args)
@@ -445,6 +459,7 @@ def chaos(args: argparse.Namespace) -> bool:
         overruns = group.events("max_poll_interval_exceeded")
         evictions = len(overruns)
         workers_started = len(group.all)
+        overrun_lead_up = group.lead_up("max_poll_interval_exceeded")
 
     bound = MAX_IN_FLIGHT * (done["kill"] + len(lost_events)) + unfinished
     lost = len(report.lost)
@@ -475,6 +490,7 @@ def chaos(args: argparse.Namespace) -> bool:
             {k: e.get(k) for k in ("timestamp", "worker", "event", "partitions", "reason")}
             for e in lost_events + overruns
         ],
+        max_poll_overrun_lead_up=overrun_lead_up,
         lost=lost,
         lost_positions=report.lost[:20],
         duplicates=report.duplicates,
