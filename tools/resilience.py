@@ -293,6 +293,7 @@ class Chaos:
         self.live: list[ph.Worker] = []
         self.all: list[ph.Worker] = []
         self.died: list[str] = []  # workers that exited without being killed or stopped: a finding
+        self.refused_at_start: list[str] = []
         self.bad_exits: list[str] = []
         self.serial = 0
 
@@ -313,9 +314,11 @@ class Chaos:
     def check(self) -> None:
         for worker in list(self.live):
             if worker.process.poll() is not None:
-                self.died.append(
-                    f"{worker.log_path.name} exited {worker.process.returncode}:\n{worker.tail(8)}"
-                )
+                what = f"{worker.log_path.name} exited {worker.process.returncode}:\n{worker.tail(8)}"
+                # The start-up connection check ends a worker started while the broker is down, by design
+                # (a supervisor restarts it, as here); any other exit is a finding.
+                refused = not worker.events("pipeline_started") and "cannot reach Kafka" in worker.tail(2)
+                (self.refused_at_start if refused else self.died).append(what)
                 self.live.remove(worker)
                 worker.kill()
                 self.start("replaces-dead")
@@ -499,6 +502,7 @@ def chaos(args: argparse.Namespace) -> bool:
         committed=committed,
         end_offsets=ends,
         workers_died_unasked=group.died,
+        workers_refused_at_start_broker_down=group.refused_at_start,
         bad_exits=group.bad_exits,
     )
     figures["promises"] = {
