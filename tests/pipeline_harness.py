@@ -302,11 +302,8 @@ class Audit:
 
     @property
     def duplicates(self) -> int:
-        return sum(
-            len(self.results.get(p, [])) + len(self.dead.get(p, [])) - 1
-            for p in self.inputs
-            if p not in self.lost
-        )
+        # One pass: asking `p not in self.lost` per input was quadratic (hours for chaos's 100,000 inputs).
+        return sum(max(0, len(self.results.get(p, [])) + len(self.dead.get(p, [])) - 1) for p in self.inputs)
 
     @property
     def misrouted(self) -> list[Position]:
