@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
 import confluent_kafka
@@ -44,7 +43,6 @@ class Committer:
         self._outcomes: queue.SimpleQueue[CommitOutcome] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
-        self._submitted_at = 0.0
         self._thread = threading.Thread(target=self._serve, name="offset-committer", daemon=True)
         self._thread.start()
 
@@ -53,15 +51,10 @@ class Committer:
         """A commit was submitted and its outcome has not been produced yet."""
         return not self._idle.is_set()
 
-    def busy_for(self) -> float:
-        """Seconds since the outstanding commit was submitted; infinity when none is outstanding."""
-        return time.monotonic() - self._submitted_at if self.busy else float("inf")
-
     def submit(self, positions: dict[TopicPartitionKey, int]) -> None:
         """Commit `positions` (next offset to read, per partition) in the background."""
         if self.busy:
             raise RuntimeError("a commit is already outstanding")
-        self._submitted_at = time.monotonic()
         self._idle.clear()
         self._requests.put(positions)
 

@@ -77,7 +77,7 @@ _FULL_BEFORE_PAUSE_S = 0.5
 MAX_KEY_BYTES = 4096
 # How often a dead letter written smaller is sent before its partition stops (see `_write_smaller`).
 _SHRUNK_DEAD_LETTER_TRIES = 3
-# The longest a background commit holds back polling (see `_may_poll`).
+# The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
 
 
@@ -128,6 +128,9 @@ class Pipeline:
         self._fatal: str | None = None
         now = clock()
         self._last_commit = now
+        self._last_poll = now
+        # A failed commit is retried after a commit interval, not at once (a broker outage fails them all).
+        self._retry_commit_at = now
         self._last_metrics = now
 
     # -- public ---------------------------------------------------------------------------------------------
@@ -176,6 +179,7 @@ class Pipeline:
             idle = not busy and len(self._tracker) == 0 and self._ledger.orphans == 0
             wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
             # With partitions paused (no capacity) the poll only serves callbacks and keeps the member alive.
+            self._last_poll = self._clock()
             messages = self._consumer.consume(
                 num_messages=max(1, min(self._pipeline.poll_batch_size, self._gate.capacity())),
                 timeout=0.0 if busy else wait_s,
@@ -194,13 +198,14 @@ class Pipeline:
     def _may_poll(self) -> bool:
         """Poll when the gate allows it (room for records, or partitions paused) and no background commit is
         on its way. Rebalance callbacks run inside a poll, and a commit from another thread waits until they
-        return, so it could land after the revoke's own commit and move the position back. A commit that
-        has been on its way for long (a broker outage) stops holding polls back, to keep the member alive.
+        return, so it could land after the revoke's own commit and move the position back. Commits never
+        hold polls back for longer than `_COMMIT_BEFORE_POLL_S` in a row (slow or failing commits during a
+        broker outage), to keep the member alive.
         """
         return self._commit_settled() and self._gate.may_poll()
 
     def _commit_settled(self) -> bool:
-        return self._committer.busy_for() >= _COMMIT_BEFORE_POLL_S
+        return not self._committer.busy or self._clock() - self._last_poll >= _COMMIT_BEFORE_POLL_S
 
     def _service(self, wait_s: float) -> None:
         """Everything but polling the consumer: the records' progress, commits, flow control."""
@@ -415,9 +420,9 @@ class Pipeline:
     # -- commits --------------------------------------------------------------------------------------------
 
     def _maybe_commit(self) -> None:
-        if self._committer.busy:
-            return  # one commit at a time: that also caps the rate at one per broker round trip
         now = self._clock()
+        if self._committer.busy or now < self._retry_commit_at:
+            return  # one commit at a time: that also caps the rate at one per broker round trip
         due = now - self._last_commit >= self._pipeline.commit_interval_ms / 1000.0
         # Done but uncommitted work holds in-flight slots: commit early when it fills half of them.
         crowded = self._tracker.uncommitted_done() * 2 >= self._pipeline.max_in_flight
@@ -444,6 +449,7 @@ class Pipeline:
                 if (state := self._tracker.get(key)) is not None:
                     state.commit_failed(position)
             if outcome.failed:
+                self._retry_commit_at = self._clock() + self._pipeline.commit_interval_ms / 1000.0
                 self.metrics.commit_failed += 1
                 _log.warning("commit_failed", reason=outcome.error, partitions=_names(set(outcome.failed)))
         if outcomes:
@@ -578,6 +584,7 @@ class Pipeline:
         while not self._ledger.is_empty() and self._clock() < limit and self._fatal is None:
             self._service(wait_s=_BUSY_WAIT_S)
             if self._commit_settled():  # see `_may_poll`
+                self._last_poll = self._clock()
                 self._consumer.consume(num_messages=1, timeout=0.0)
         unfinished = self._ledger.waiting + self._ledger.at_model
         remaining = max(0.0, limit - self._clock())
