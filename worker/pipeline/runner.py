@@ -77,6 +77,8 @@ _FULL_BEFORE_PAUSE_S = 0.5
 MAX_KEY_BYTES = 4096
 # How often a dead letter written smaller is sent before its partition stops (see `_write_smaller`).
 _SHRUNK_DEAD_LETTER_TRIES = 3
+# librdkafka's default max.poll.interval.ms.
+_LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
 
@@ -113,7 +115,11 @@ class Pipeline:
         self._window = max(1, dispatch_window)
         self._metrics_interval_s = metrics_interval_s
         self._clock = clock
-        self._cooperative = "cooperative" in consumer_config(settings)["partition.assignment.strategy"]
+        consumer_options = consumer_config(settings)
+        self._cooperative = "cooperative" in consumer_options["partition.assignment.strategy"]
+        # The revoke callback runs inside a poll: draining must end well before the group's poll deadline.
+        max_poll_s = int(consumer_options.get("max.poll.interval.ms", _LIBRDKAFKA_MAX_POLL_MS)) / 1000.0
+        self._revoke_drain_s = min(self._pipeline.revoke_timeout_ms / 1000.0, max_poll_s / 2)
         self._tracker = OffsetTracker()
         self._gate = InFlightGate(
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
@@ -539,7 +545,7 @@ class Pipeline:
         # answers for later offsets may already be written, and the new owner would write them again.
         self._ledger.first_to_model(keys)
         states = [state for key in keys if (state := self._tracker.get(key)) is not None]
-        limit = started + self._pipeline.revoke_timeout_ms / 1000.0
+        limit = started + self._revoke_drain_s
         if self._stop_by is not None:
             limit = min(limit, self._stop_by)
         self._give_up_at = limit
