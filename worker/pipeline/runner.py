@@ -39,7 +39,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import confluent_kafka
 import structlog
@@ -359,11 +359,11 @@ class Pipeline:
         key: bytes | None,
         value: bytes | None,
         headers: Headers | None = None,
-        shrunk: _Shrunk | None = None,
+        omitted: int = 0,
+        shrunk: int = 0,
     ) -> None:
         delivery_id = self._ledger.to_broker(work)
-        omitted, tries = shrunk or (0, 0)
-        record = _Record(topic, key, value, headers or work.headers, omitted, tries)
+        record = _Record(topic, key, value, headers or work.headers, omitted, shrunk)
         on_delivery = functools.partial(self._on_delivery, delivery_id, record)
         try:
             # A full local queue (the broker is slow or away) is waited out, bounded on revoke and shutdown.
@@ -420,7 +420,7 @@ class Pipeline:
         _log.warning(
             "dead_letter_shrunk", partition=work.partition, offset=work.offset, omitted_bytes=omitted
         )
-        self._produce(work, record.topic, None, None, kept, _Shrunk(omitted, record.shrunk + 1))
+        self._produce(work, record.topic, None, None, kept, omitted, record.shrunk + 1)
         return True
 
     # -- commits --------------------------------------------------------------------------------------------
@@ -641,11 +641,6 @@ class _Record:
     # For a dead letter written smaller: the bytes of the original left out, and how often it was sent so.
     omitted: int
     shrunk: int
-
-
-class _Shrunk(NamedTuple):
-    omitted: int
-    tries: int
 
 
 def _topic_partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
