@@ -29,6 +29,7 @@ InferenceMode = Literal["score", "generate"]
 PoolKind = Literal["process", "thread", "batch"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["console", "json"]
+Guarantee = Literal["at_least_once", "exactly_once"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
@@ -63,12 +64,23 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     revoke_timeout_ms: PositiveMs = 10000
     shutdown_timeout_ms: PositiveMs = 15000
     max_value_bytes: PositiveInt = 1048576
+    # exactly_once: results, dead letters and input offsets are written in Kafka transactions (see
+    # worker/pipeline/transactions.py); downstream consumers then need isolation.level=read_committed.
+    guarantee: Guarantee = "at_least_once"
+    # The transactional producer's id in exactly_once mode; None means "<group_id>-<host name>". It must be
+    # unique among live workers (two with one id fence each other) and should survive a restart of the same
+    # instance, so that the restart aborts the crashed instance's open transaction at once.
+    transactional_id: Annotated[str, msgspec.Meta(min_length=1, max_length=249)] | None = None
 
     def __post_init__(self) -> None:
         if self.resume_below is not None and self.resume_below >= self.max_in_flight:
             raise ValueError(
                 f"resume_below: expected int < max_in_flight ({self.max_in_flight}), got {self.resume_below}"
             )
+
+    def transactional_id_or_default(self, host: str) -> str:
+        """`transactional_id` with its default applied (see the field)."""
+        return self.transactional_id or f"{self.group_id}-{host}"
 
     @property
     def resume_threshold(self) -> int:

@@ -9,7 +9,10 @@
 - a new group starts at the earliest offset unless configured otherwise: tickets published before the first
   worker started are still tickets;
 - the producer is idempotent with `acks=all`: the client's own retries never duplicate or reorder a record,
-  and an acknowledged record survives a broker failure.
+  and an acknowledged record survives a broker failure;
+- with `pipeline.guarantee = "exactly_once"` the producer is transactional (`transactional.id` from
+  `pipeline.transactional_id`, `transaction.timeout.ms` 10 s unless configured) and the consumer reads only
+  committed records (`isolation.level=read_committed`).
 
 The options the pipeline's correctness depends on cannot be overridden: a conflicting value is a UserError.
 """
@@ -17,6 +20,7 @@ The options the pipeline's correctness depends on cannot be overridden: a confli
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +45,8 @@ _PRODUCER_REQUIRED = {
     "enable.idempotence": ("true", "retries must not duplicate or reorder results"),
     "acks": ("all", "a result counts as delivered only once every in-sync replica has it"),
 }
+# Set through pipeline.transactional_id, which also decides whether the producer is transactional at all.
+_MANAGED = {"transactional.id": 'pipeline.transactional_id (with pipeline.guarantee = "exactly_once")'}
 _CONSUMER_DEFAULTS = {
     "partition.assignment.strategy": "cooperative-sticky",
     "auto.offset.reset": "earliest",
@@ -48,6 +54,12 @@ _CONSUMER_DEFAULTS = {
 _PRODUCER_DEFAULTS = {
     # A few ms of batching costs little latency next to a model call and cuts requests under load.
     "linger.ms": "5",
+}
+_TRANSACTIONAL_DEFAULTS = {
+    # After a crash under a new transactional id (a new pod name), the dead instance's open transaction holds
+    # back read_committed readers and the group's offsets until the broker aborts it at this timeout; the
+    # worker's own transactions last about a commit interval. Kafka Streams uses the same 10 s.
+    "transaction.timeout.ms": "10000",
 }
 # librdkafka warns when a client gets the other client's options; the shared [kafka] table holds both.
 _CONSUMER_ONLY_PREFIXES = (
@@ -102,21 +114,50 @@ def _without(kafka: Mapping[str, str], prefixes: tuple[str, ...]) -> dict[str, s
     return {key: value for key, value in kafka.items() if not key.startswith(prefixes)}
 
 
+def _check_managed(kafka: Mapping[str, str]) -> None:
+    for option, instead in _MANAGED.items():
+        if option in kafka:
+            raise UserError(f"config error: kafka.{option} is not set directly; use {instead}")
+
+
+def exactly_once(settings: Settings) -> bool:
+    return settings.pipeline.guarantee == "exactly_once"
+
+
 def consumer_config(settings: Settings) -> dict[str, str]:
     """librdkafka options for the pipeline's consumer (strings only, as the user would write them)."""
     _check_required(settings.kafka, _CONSUMER_REQUIRED)
+    if exactly_once(settings):
+        # Input written in transactions that were later aborted is not input.
+        _check_required(
+            settings.kafka, {"isolation.level": ("read_committed", "exactly_once reads committed input only")}
+        )
     config = {**_CONSUMER_DEFAULTS, **_without(settings.kafka, _PRODUCER_ONLY_PREFIXES)}
     config.update({option: value for option, (value, _) in _CONSUMER_REQUIRED.items()})
+    if exactly_once(settings):
+        config["isolation.level"] = "read_committed"
     config["group.id"] = settings.pipeline.group_id
     return config
 
 
 def producer_config(settings: Settings) -> dict[str, str]:
-    """librdkafka options for the pipeline's producer (results and dead letters)."""
+    """librdkafka options for the pipeline's producer (results and dead letters); never transactional."""
     _check_required(settings.kafka, _PRODUCER_REQUIRED)
+    _check_managed(settings.kafka)
     config = {**_PRODUCER_DEFAULTS, **_without(settings.kafka, _CONSUMER_ONLY_PREFIXES)}
     config.update({option: value for option, (value, _) in _PRODUCER_REQUIRED.items()})
     return config
+
+
+def transactional_id(settings: Settings) -> str:
+    """The worker's transactional id: `pipeline.transactional_id`, by default "<group>-<host name>" (a pod's
+    name on Kubernetes)."""
+    return settings.pipeline.transactional_id_or_default(socket.gethostname())
+
+
+def transactional_producer_config(settings: Settings, transactional: str) -> dict[str, str]:
+    """`producer_config` plus a `transactional.id`: every produce must then be inside a transaction."""
+    return {**_TRANSACTIONAL_DEFAULTS, **producer_config(settings), "transactional.id": transactional}
 
 
 class ClientErrorLog:
@@ -174,9 +215,15 @@ def create_producer(
     settings: Settings,
     on_error: ErrorCallback | None = None,
     logger: logging.Logger | None = None,
+    transactional: str | None = None,
 ) -> confluent_kafka.Producer:
-    """An idempotent, acks=all producer for results and dead letters."""
-    config: dict[str, Any] = producer_config(settings)
+    """An idempotent, acks=all producer for results and dead letters; transactional under the id
+    `transactional` when given (the caller runs `init_transactions`)."""
+    config: dict[str, Any] = (
+        producer_config(settings)
+        if transactional is None
+        else transactional_producer_config(settings, transactional)
+    )
     config["error_cb"] = on_error or ClientErrorLog("producer")
     if logger is not None:
         config["logger"] = logger
@@ -266,4 +313,8 @@ class KafkaClients:
         return create_consumer(self.settings, on_error=on_error, logger=self.logger)
 
     def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer:
-        return create_producer(self.settings, on_error=on_error, logger=self.logger)
+        """Transactional in exactly_once mode (see `transactional_id`)."""
+        transactional = transactional_id(self.settings) if exactly_once(self.settings) else None
+        return create_producer(
+            self.settings, on_error=on_error, logger=self.logger, transactional=transactional
+        )

@@ -64,6 +64,16 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
         "how long shutdown waits for in-flight tickets (default 15000)",
     ),
     ("--max-value-bytes", "pipeline.max_value_bytes", "larger records are dead-lettered (default 1048576)"),
+    (
+        "--guarantee",
+        "pipeline.guarantee",
+        "at_least_once | exactly_once (transactions; readers need read_committed) (default at_least_once)",
+    ),
+    (
+        "--transactional-id",
+        "pipeline.transactional_id",
+        "exactly_once: this worker's transactional.id, unique among live workers (default <group>-<host>)",
+    ),
     ("--model", "inference.model", "ORT GenAI model folder (default models/triage-mini)"),
     ("--taxonomy", "inference.taxonomy", "taxonomy TOML (default: the model's taxonomy.toml)"),
     ("--mode", "inference.mode", "score | generate (default score)"),
