@@ -207,9 +207,17 @@ class Worker:
 
 
 def _read_all(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
-    """Every record of `topic`, from the beginning to the end offsets as of now."""
+    """Every committed record of `topic` (read_committed, as downstream readers of exactly-once output
+    must), from the beginning to the end offsets as of now."""
     consumer = confluent_kafka.Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}", "enable.auto.commit": False}
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"audit-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            # A transaction's last offset is its commit marker, never handed out: the end shows as an event.
+            "enable.partition.eof": True,
+        }
     )
     try:
         metadata = consumer.list_topics(topic, timeout=10)
@@ -225,7 +233,11 @@ def _read_all(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
         deadline = time.monotonic() + 60
         while todo and time.monotonic() < deadline:
             for message in consumer.consume(500, 1.0):
-                if message.error() is not None:
+                error = message.error()
+                if error is not None:
+                    at_end = error.code() == confluent_kafka.KafkaError._PARTITION_EOF
+                    if at_end and (message.offset() or 0) >= ends.get(message.partition() or 0, 0):
+                        todo.discard(message.partition() or 0)
                     continue
                 partition, offset = message.partition(), message.offset()
                 assert partition is not None and offset is not None

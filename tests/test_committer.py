@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import confluent_kafka
 import pytest
 
-from worker.pipeline.committer import Committer
+from worker.pipeline.committer import Committer, consumer_commit
 
 pytestmark = pytest.mark.kafka
 
@@ -26,14 +26,14 @@ def test_a_confirmed_commit_is_reported_and_stored_by_the_group(
     consumer: confluent_kafka.Consumer, unique_topic: Callable[..., str]
 ) -> None:
     topic = unique_topic("committed", partitions=2)
-    committer = Committer(consumer)
+    committer = Committer(consumer_commit(consumer))
     try:
         committer.submit({(topic, 0): 5, (topic, 1): 7})
         assert committer.wait_idle(30)
         [outcome] = committer.results()
     finally:
         committer.close()
-    assert outcome.confirmed == {(topic, 0): 5, (topic, 1): 7}
+    assert outcome.confirmed == {(topic, 0): 5, (topic, 1): 7}, outcome
     assert outcome.failed == {}
     stored = consumer.committed([confluent_kafka.TopicPartition(topic, p) for p in (0, 1)], timeout=10)
     assert [tp.offset for tp in stored] == [5, 7]
@@ -41,7 +41,7 @@ def test_a_confirmed_commit_is_reported_and_stored_by_the_group(
 
 
 def test_a_refused_commit_is_reported_as_failed_with_the_reason(consumer: confluent_kafka.Consumer) -> None:
-    committer = Committer(consumer)
+    committer = Committer(consumer_commit(consumer))
     missing = f"no-such-topic-{uuid.uuid4().hex[:8]}"
     try:
         committer.submit({(missing, 0): 3})
@@ -57,7 +57,7 @@ def test_only_one_commit_is_outstanding(
     consumer: confluent_kafka.Consumer, unique_topic: Callable[..., str]
 ) -> None:
     topic = unique_topic("single", partitions=1)
-    committer = Committer(consumer)
+    committer = Committer(consumer_commit(consumer))
     try:
         committer.submit({(topic, 0): 1})
         if committer.busy:  # the broker may already have answered

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 import confluent_kafka
+import msgspec
 import pytest
 from pipeline_harness import (
     TINY_MODEL,
@@ -26,11 +27,13 @@ from pipeline_harness import (
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import open_pool
+from worker.messages import TriageResult
 from worker.pipeline.runner import Pipeline
 
 pytestmark = pytest.mark.kafka
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
+BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 
 
 class _Running:
@@ -71,14 +74,15 @@ def start(kafka_bootstrap: str) -> Iterator[Start]:
         each.stop()
 
 
+@BOTH_GUARANTEES
 def test_the_loop_in_process_gives_every_record_one_result_or_dead_letter(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start, guarantee: str
 ) -> None:
     topics = make_topics(unique_topic)
     count = 300
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=21)
     with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
-        worker = start(topics, pool, dispatch_window=2)
+        worker = start(topics, pool, dispatch_window=2, **{"pipeline.guarantee": guarantee})
         wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=120)
         assert worker.stop() == 0
 
@@ -164,6 +168,58 @@ def test_the_committed_offset_never_passes_an_unanswered_ticket(
     assert report.lost == [] and report.duplicates == 0
 
 
+def test_exactly_once_writes_a_partition_s_results_in_input_order_and_only_with_their_offsets(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
+) -> None:
+    """A transaction holds only outputs whose offsets it commits: everything answered after a held ticket
+    waits for it, so a read_committed reader never sees a result whose offset a crash would redo."""
+    topics = make_topics(unique_topic, partitions=1)
+    bodies = ["where is my card?"] * 40
+    bodies[10] = "hold this one"
+    _publish_tickets(kafka_bootstrap, topics, bodies)
+    classifier = _HoldingClassifier()
+    worker = start(
+        topics, classifier, **{"pipeline.commit_interval_ms": "100", "pipeline.guarantee": "exactly_once"}
+    )
+    deadline = time.monotonic() + 60
+    while worker.pipeline.metrics.committed < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # several commit intervals
+    assert committed_offsets(kafka_bootstrap, worker.group, topics.input) == {0: 10}
+    assert sorted(audit(kafka_bootstrap, topics).results) == [(0, offset) for offset in range(10)]
+
+    classifier.release()
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
+    assert worker.stop() == 0
+    report = audit(kafka_bootstrap, topics)
+    assert report.lost == [] and report.duplicates == 0
+    assert worker.pipeline.metrics.transactions > 0 and worker.pipeline.metrics.transactions_aborted == 0
+    assert [result.ticket_id for result in _output_in_order(kafka_bootstrap, topics.output)] == [
+        f"H-{index}" for index in range(40)
+    ]
+
+
+def _output_in_order(bootstrap: str, topic: str) -> list[TriageResult]:
+    consumer = confluent_kafka.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"read-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+        }
+    )
+    consumer.assign(
+        [confluent_kafka.TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in range(3)]
+    )
+    decoder = msgspec.json.Decoder(TriageResult)
+    found: list[TriageResult] = []
+    deadline = time.monotonic() + 30
+    while len(found) < 40 and time.monotonic() < deadline:
+        found.extend(decoder.decode(m.value() or b"") for m in consumer.consume(50, 1.0) if m.error() is None)
+    consumer.close()
+    # One key per ticket: results spread over the output's partitions; input order is per ticket key there.
+    return sorted(found, key=lambda result: result.source.offset)
+
+
 def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
     kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
 ) -> None:
@@ -192,8 +248,9 @@ class _InstantClassifier(_HoldingClassifier):
     """Never holds (no ticket here says so)."""
 
 
+@BOTH_GUARANTEES
 def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_nothing_stops(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start, guarantee: str
 ) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -212,12 +269,14 @@ def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_not
     for key, value in records:
         producer.produce(topics.input, key=key, value=value)
     assert producer.flush(30) == 0
-    worker = start(topics, _InstantClassifier(), dispatch_window=4)
+    worker = start(topics, _InstantClassifier(), dispatch_window=4, **{"pipeline.guarantee": guarantee})
     wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
 
     report = audit(kafka_bootstrap, topics)
     assert report.lost == [] and report.duplicates == 0
+    if guarantee == "exactly_once":  # the broker's refusals aborted transactions; their work was redone
+        assert worker.pipeline.metrics.transactions_aborted > 0
     assert report.dead == {(0, 0): ["invalid_json"], (0, 1): ["key_too_large"], (0, 2): ["too_deeply_nested"]}
     assert list(report.results) == [(0, 3)]
     omitted = _omitted_headers(kafka_bootstrap, topics.dead_letter)

@@ -234,6 +234,8 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("triage_delivery_failed", "delivery_failed", "Results or dead letters whose delivery failed for good."),
     ("triage_committed", "committed", "Input offsets released by a confirmed commit."),
     ("triage_commit_failed", "commit_failed", "Commits that failed."),
+    ("triage_transactions", "transactions", "Exactly-once: transactions committed."),
+    ("triage_transactions_aborted", "transactions_aborted", "Exactly-once: transactions aborted and redone."),
     ("triage_discarded_after_revoke", "discarded_after_revoke", "Answers dropped: their partition moved."),
     ("triage_partitions_revoked", "revoked", "Partitions revoked by rebalances."),
     ("triage_partitions_lost", "lost", "Partitions lost (the group moved on without this worker)."),

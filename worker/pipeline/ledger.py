@@ -4,6 +4,9 @@ A record (`Work`) is *waiting* for the model (in arrival order), *at the model* 
 *produced* and awaiting its delivery report under a delivery id. Once acknowledged it leaves the ledger; the
 offset tracker holds its offset until a commit passes it.
 
+In order (exactly-once mode), a record's output is *held* until every earlier record of its partition has
+been produced: a transaction must only contain outputs of offsets it also commits (see `transactions.py`).
+
 When this worker stops owning a partition (revoke or loss), its waiting records are dropped (the next owner
 reads them again) and its records at the model or at the producer become *orphans*: their answers and
 reports still arrive, hold memory until then and count as in flight, but their results are not written.
@@ -23,6 +26,20 @@ from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
 Headers = list[tuple[str, bytes | None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Output:
+    """What the pipeline writes for a record, kept until its delivery report in case it must be written
+    smaller (or, in order, until it may be produced)."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: Headers | None
+    # For a dead letter written smaller: the bytes of the original left out, and how often it was sent so.
+    omitted: int = 0
+    shrunk: int = 0
+
+
 @dataclass(eq=False, slots=True)
 class Work:
     """One record taken from Kafka, from poll until its offset is committed."""
@@ -38,6 +55,8 @@ class Work:
     event: TicketEvent | None = None
     # Its partition was revoked or lost while it was at the model or at the producer.
     orphan: bool = False
+    # In order: its output, held until the records before it are produced.
+    output: Output | None = None
 
     @property
     def partition_key(self) -> TopicPartitionKey:
@@ -51,7 +70,11 @@ class Work:
 class Ledger:
     """The records between poll and acknowledgement, by where they are."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_order: bool = False) -> None:
+        self._in_order = in_order
+        # In order: each partition's records in consume order, up to the first one not yet produced.
+        self._order: dict[PartitionOffsets, collections.deque[Work]] = {}
+        self._held = 0
         self._waiting: collections.deque[Work] = collections.deque()
         # No waiting record's deadline is earlier than this (it may be stale-early after a removal): lets
         # `expired` answer in O(1) on almost every turn instead of scanning the queue.
@@ -60,6 +83,28 @@ class Ledger:
         self._produced: dict[int, Work] = {}
         self._ids = itertools.count()
         self.orphans = 0
+
+    # -- in order (exactly-once) ---------------------------------------------------------------------------
+
+    def taken(self, work: Work) -> None:
+        """A record was taken (in order: it holds back the outputs of its partition's later records)."""
+        if self._in_order:
+            self._order.setdefault(work.state, collections.deque()).append(work)
+
+    def hold(self, work: Work, output: Output) -> None:
+        """In order: keep `output` until `release` says it may be produced."""
+        work.output = output
+        self._held += 1
+
+    def release(self) -> list[Work]:
+        """In order: the held records whose partition's earlier records are all produced, in offset order;
+        the caller produces their `output` now."""
+        ready: list[Work] = []
+        for queue in self._order.values():
+            while queue and queue[0].output is not None:
+                ready.append(queue.popleft())
+        self._held -= len(ready)
+        return ready
 
     # -- waiting for the model ----------------------------------------------------------------------------
 
@@ -120,29 +165,37 @@ class Ledger:
     # -- ownership ----------------------------------------------------------------------------------------
 
     def pending(self, keys: Collection[TopicPartitionKey]) -> int:
-        """Records of `keys` not yet acknowledged (orphans excluded)."""
+        """Records of `keys` not yet acknowledged, held ones included (orphans excluded)."""
         return sum(1 for work in self._unacknowledged() if not work.orphan and work.partition_key in keys)
 
     def give_up(self, keys: Collection[TopicPartitionKey]) -> int:
         """This worker no longer owns `keys`: drop their waiting records, orphan the rest; returns how
         many were dropped."""
-        before = len(self._waiting)
+        before = len(self._waiting) + self._held
         self._set_waiting([work for work in self._waiting if work.partition_key not in keys])
+        for state in [state for state in self._order if state.key in keys]:
+            self._held -= sum(1 for work in self._order.pop(state) if work.output is not None)
         for work in itertools.chain(self._at_model.values(), self._produced.values()):
             if not work.orphan and work.partition_key in keys:
                 work.orphan = True
                 self.orphans += 1
-        return before - len(self._waiting)
+        return before - len(self._waiting) - self._held
 
     def _set_waiting(self, works: list[Work]) -> None:
         self._waiting = collections.deque(works)
         self._earliest = min((work.deadline for work in works), default=math.inf)
 
+    @property
+    def at_producer(self) -> int:
+        """Records produced and awaiting their delivery report."""
+        return len(self._produced)
+
     def is_empty(self) -> bool:
-        return not (self._waiting or self._at_model or self._produced)
+        return not (self._waiting or self._at_model or self._produced or self._held)
 
     def _unacknowledged(self) -> Iterator[Work]:
-        return itertools.chain(self._waiting, self._at_model.values(), self._produced.values())
+        held = (work for queue in self._order.values() for work in queue if work.output is not None)
+        return itertools.chain(self._waiting, self._at_model.values(), self._produced.values(), held)
 
     def _release(self, work: Work | None) -> Work | None:
         # An orphan's answer is discarded and its report ends it: either way it leaves the ledger here.

@@ -90,6 +90,9 @@ class PipelineMetrics:
     # Offsets released by a commit the broker confirmed.
     committed: int = 0
     commit_failed: int = 0
+    # Exactly-once: transactions committed, and aborted (their work redone).
+    transactions: int = 0
+    transactions_aborted: int = 0
     # Results of partitions revoked or lost while their ticket was at the model: the new owner redoes them.
     discarded_after_revoke: int = 0
     revoked: int = 0
@@ -159,6 +162,8 @@ class PipelineMetrics:
             "delivery_failed": self.delivery_failed,
             "committed": self.committed,
             "commit_failed": self.commit_failed,
+            "transactions": self.transactions,
+            "transactions_aborted": self.transactions_aborted,
             "discarded_after_revoke": self.discarded_after_revoke,
             "partitions_revoked": self.revoked,
             "partitions_lost": self.lost,

@@ -20,7 +20,7 @@ TopicPartitionKey = tuple[str, int]
 class PartitionOffsets:
     """Offsets of one assigned partition that were taken from Kafka and are not yet committed."""
 
-    __slots__ = ("_done", "_failed", "_last_tracked", "_ready", "_requested", "_waiting", "key")
+    __slots__ = ("_done", "_expected", "_failed", "_last_tracked", "_ready", "_requested", "_waiting", "key")
 
     def __init__(self, key: TopicPartitionKey) -> None:
         self.key = key
@@ -35,14 +35,18 @@ class PartitionOffsets:
         self._last_tracked = -1
         # Position of the last commit sent and not failed (confirmed or still on its way).
         self._requested = -1
+        # After a seek back (exactly-once redo): records are skipped until this offset comes, so that a
+        # record fetched before the seek cannot be taken first and hide the ones the seek re-reads.
+        self._expected: int | None = None
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._ready)
 
     def track(self, offset: int) -> bool:
         """Start tracking `offset`; False when it is not newer than the last one (a re-delivery to skip)."""
-        if offset <= self._last_tracked:
+        if offset <= self._last_tracked or (self._expected is not None and offset != self._expected):
             return False
+        self._expected = None
         self._last_tracked = offset
         self._waiting.append(offset)
         return True
@@ -62,6 +66,13 @@ class PartitionOffsets:
         """Mark `offset` as never finishing: the partition's commit position stops below it for good."""
         if offset in self._waiting and offset not in self._done:
             self._failed.add(offset)
+
+    @property
+    def first_uncommitted(self) -> int | None:
+        """The lowest offset taken and not covered by a confirmed commit: where a redo starts."""
+        if self._ready:
+            return self._ready[0]
+        return self._waiting[0] if self._waiting else None
 
     @property
     def blocked_at(self) -> int | None:
@@ -120,6 +131,15 @@ class OffsetTracker:
         """Start owning a partition (a fresh state: its earlier owner's leftovers never count)."""
         state = PartitionOffsets(key)
         self._partitions[key] = state
+        return state
+
+    def restart(self, key: TopicPartitionKey, at: int, blocked: bool = False) -> PartitionOffsets:
+        """Forget a partition's offsets after the consumer was sought back to `at`: a fresh state that takes
+        records from `at` on (or none, `blocked` at `at`: a record there can never be written)."""
+        state = self.assign(key)
+        state._expected = at
+        if blocked:
+            state._failed.add(at)
         return state
 
     def get(self, key: TopicPartitionKey) -> PartitionOffsets | None:

@@ -31,6 +31,16 @@ paused, and the failure is logged; the other partitions continue, and a restart 
 Shutdown (first SIGTERM/SIGINT): stop taking new records, finish the tickets already taken within
 `shutdown_timeout_ms`, flush the producer, commit synchronously, close the consumer (leaving the group) and
 the pool; exit code 0. A second signal exits at once; anything not committed is re-read by the next owner.
+
+Exactly-once (`pipeline.guarantee = "exactly_once"`): a "commit" is a transaction holding the outputs of
+every offset it commits, and nothing else (`transactions.py`). So each partition's outputs are produced in
+input order (held in the ledger until the records before them are produced), nothing is produced while a
+commit is on its way, and a commit is sent only once every record of the transaction has been
+acknowledged. A transaction that cannot commit is aborted and its work *redone*: every owned partition is
+sought back to its first uncommitted offset. A lost partition aborts the open transaction (its outputs
+would duplicate the new owner's). A record the broker refuses every time cannot be redone forever: a dead
+letter is redone smaller, anything else stops its partition at its last commit (as a failed delivery does
+in at-least-once mode). A fenced producer (another worker with the same transactional id) ends the run.
 """
 
 from __future__ import annotations
@@ -38,7 +48,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import confluent_kafka
@@ -53,16 +62,25 @@ from worker.classification import (
 )
 from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
-from worker.kafka.clients import ClientErrorLog, ClientFactory, KafkaClients, consumer_config, produce
+from worker.errors import UserError
+from worker.kafka.clients import (
+    ClientErrorLog,
+    ClientFactory,
+    KafkaClients,
+    consumer_config,
+    exactly_once,
+    produce,
+)
 from worker.kafka.dead_letters import OMITTED_BYTES, dead_letter_headers
 from worker.messages import FallbackReason, TicketEvent, utc_timestamp
-from worker.pipeline.committer import Committer
+from worker.pipeline.committer import CommitOutcome, Committer, consumer_commit, topic_partitions
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
-from worker.pipeline.ledger import Headers, Ledger, Work
+from worker.pipeline.ledger import Headers, Ledger, Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
 from worker.pipeline.records import encode_result, result_key, triage_result
+from worker.pipeline.transactions import TransactionFailed, Transactions
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -81,6 +99,17 @@ _SHRUNK_DEAD_LETTER_TRIES = 3
 _LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
+# Exactly-once: how long a failed transaction waits for its other records' reports before it is aborted.
+_REPORTS_BEFORE_ABORT_S = 5.0
+# Exactly-once: delivery errors that a redo would meet again (the record itself is refused).
+_REFUSED_RECORD = frozenset(
+    {
+        confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE,
+        confluent_kafka.KafkaError.INVALID_MSG,
+        confluent_kafka.KafkaError.INVALID_RECORD,
+        confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    }
+)
 
 
 class Pipeline:
@@ -108,8 +137,13 @@ class Pipeline:
         self._error_log = ClientErrorLog("worker")
         clients = clients or KafkaClients(settings)
         self._consumer = clients.consumer(self.on_client_error)
-        self._committer = Committer(self._consumer)
         self._producer = clients.producer(self.on_client_error)
+        self._transactions: Transactions | None = None
+        if exactly_once(settings):
+            self._transactions = Transactions(self._producer, self._consumer)
+            self._committer = Committer(self._transactions.commit)
+        else:
+            self._committer = Committer(consumer_commit(self._consumer))
         self._classifier = classifier
         self._fallback = fallback
         self._window = max(1, dispatch_window)
@@ -125,7 +159,15 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics()
-        self._ledger = Ledger()
+        self._ledger = Ledger(in_order=self._transactions is not None)
+        # Exactly-once: no records go into the transaction (a commit is due or on its way); why it must be
+        # aborted; dead letters to write smaller when redone (source position → tries); partitions stopped
+        # at their last commit because a record of theirs is refused every time.
+        self._closing = False
+        self._abort_reason: str | None = None
+        self._abort_by = 0.0
+        self._redo_smaller: dict[tuple[str, int, int], int] = {}
+        self._poisoned: dict[TopicPartitionKey, int] = {}
         self._paused: set[TopicPartitionKey] = set()
         self._stopping = False
         self._stop_by: float | None = None
@@ -154,6 +196,14 @@ class Pipeline:
             self._error_log(error)
 
     def run(self) -> int:
+        if self._transactions is not None:
+            try:
+                self._transactions.init()
+            except TransactionFailed as problem:
+                self._committer.close()
+                self._consumer.close()
+                raise UserError(f"Kafka: cannot start transactions (exactly_once): {problem}") from None
+            self._transactions.begin()
         self._consumer.subscribe(
             [self._topics.input],
             on_assign=self._on_assign,
@@ -171,6 +221,7 @@ class Pipeline:
             deadline_ms=self._pipeline.deadline_ms,
             dispatch_window=self._window,
             model=self._classifier.model_id,
+            guarantee=self._pipeline.guarantee,
         )
         while not self._stopping and self._fatal is None:
             self._turn()
@@ -216,6 +267,10 @@ class Pipeline:
     def _service(self, wait_s: float) -> None:
         """Everything but polling the consumer: the records' progress, commits, flow control."""
         self._serve_work(wait_s)
+        # All reports of a doomed transaction come first (bounded): they name the records the broker refuses.
+        aborting = self._abort_reason is not None and not self._committer.busy
+        if aborting and (not self._ledger.at_producer or self._clock() >= self._abort_by):
+            self._abort_and_redo()
         self._apply_commit_outcomes()
         self._maybe_commit()
         self._apply_flow()
@@ -260,6 +315,7 @@ class Pipeline:
                 polled_at=now,
                 deadline=now + self._pipeline.deadline_ms / 1000.0,
             )
+            self._ledger.taken(work)
             value = message.value()
             if work.key is not None and len(work.key) > MAX_KEY_BYTES:
                 reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
@@ -326,15 +382,15 @@ class Pipeline:
                 self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
             else:
                 self.metrics.classified += 1
-            record = encode_result(triage_result(work.event, answer, work.source, made_at))
-            self._produce(work, self._topics.output, result_key(work.key, work.event), record)
+            self._produce_result(
+                work, work.event, encode_result(triage_result(work.event, answer, work.source, made_at))
+            )
 
     def _produce_fallback(self, work: Work, event: TicketEvent, reason: FallbackReason) -> None:
         self.metrics.fallback[reason] += 1
         latency_ms = (self._clock() - work.polled_at) * 1000.0
         answer = fallback_answer(reason, self._fallback, self._classifier.model_id, latency_ms)
-        record = encode_result(triage_result(event, answer, work.source))
-        self._produce(work, self._topics.output, result_key(work.key, event), record)
+        self._produce_result(work, event, encode_result(triage_result(event, answer, work.source)))
 
     def _dead_letter(self, work: Work, value: bytes | None, error_type: str, message: str) -> None:
         self.metrics.dead_letter(error_type)
@@ -348,34 +404,62 @@ class Pipeline:
             offset=work.offset,
             error_type=error_type,
         )
-        self._produce(work, self._topics.dead_letter, work.key, value, headers)
+        output = Output(self._topics.dead_letter, work.key, value, headers)
+        # Kept until committed: librdkafka can fail the next transaction too (measured: after a refused
+        # record and an abort, the next commit fails with OUT_OF_ORDER_SEQUENCE_NUMBER), so a redo may repeat.
+        tries = self._redo_smaller.get((work.topic, work.partition, work.offset), 0)
+        if tries:  # exactly-once redo of a dead letter the broker refused as too large
+            output = self._smaller(work, output, tries)
+        self._produce(work, output)
 
     # -- producing and delivery -----------------------------------------------------------------------------
 
-    def _produce(
-        self,
-        work: Work,
-        topic: str,
-        key: bytes | None,
-        value: bytes | None,
-        headers: Headers | None = None,
-        omitted: int = 0,
-        shrunk: int = 0,
-    ) -> None:
+    def _produce_result(self, work: Work, event: TicketEvent, value: bytes) -> None:
+        self._produce(work, Output(self._topics.output, result_key(work.key, event), value, work.headers))
+
+    def _produce(self, work: Work, output: Output) -> None:
+        """Write `output` for `work`: at once, or in order (exactly-once) once the records before it are."""
+        if self._transactions is None:
+            self._send(work, output)
+        else:
+            self._ledger.hold(work, output)
+            self._release()
+
+    def _release(self) -> None:
+        """Exactly-once: produce the held outputs that may go, unless the transaction takes no records."""
+        if not self._closing and self._abort_reason is None:
+            for work in self._ledger.release():
+                assert work.output is not None
+                self._send(work, work.output)
+
+    def _send(self, work: Work, output: Output) -> None:
         delivery_id = self._ledger.to_broker(work)
-        record = _Record(topic, key, value, headers or work.headers, omitted, shrunk)
-        on_delivery = functools.partial(self._on_delivery, delivery_id, record)
+        on_delivery = functools.partial(self._on_delivery, delivery_id, output)
         try:
             # A full local queue (the broker is slow or away) is waited out, bounded on revoke and shutdown.
-            produce(self._producer, topic, value, key, record.headers, on_delivery, self._give_up_at)
+            produce(
+                self._producer,
+                output.topic,
+                output.value,
+                output.key,
+                output.headers,
+                on_delivery,
+                self._give_up_at,
+            )
         except BufferError:
-            self._on_delivery(delivery_id, record, confluent_kafka.KafkaError(_QUEUE_FULL), None)
+            self._on_delivery(delivery_id, output, confluent_kafka.KafkaError(_QUEUE_FULL), None)
         except confluent_kafka.KafkaException as refused:
-            # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery.
-            self._on_delivery(delivery_id, record, refused.args[0], None)
+            # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery,
+            # except that the transaction (exactly-once) never saw it.
+            self._on_delivery(delivery_id, output, refused.args[0], None, queued=False)
 
     def _on_delivery(
-        self, delivery_id: int, record: _Record, error: confluent_kafka.KafkaError | None, _msg: Any
+        self,
+        delivery_id: int,
+        output: Output,
+        error: confluent_kafka.KafkaError | None,
+        _msg: Any,
+        queued: bool = True,
     ) -> None:
         work = self._ledger.delivered(delivery_id)
         if work is None:
@@ -386,7 +470,10 @@ class Pipeline:
             work.state.done(work.offset)
             return
         too_large = error.code() == confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
-        if too_large and self._write_smaller(work, record):
+        if self._transactions is not None and (queued or not too_large):
+            self._failed_in_transaction(work, output, error)
+            return
+        if too_large and self._write_smaller(work, output):
             return
         self.metrics.delivery_failed += 1
         work.state.fail(work.offset)
@@ -402,26 +489,63 @@ class Pipeline:
         if not work.orphan:
             self._pause([work.partition_key])
 
-    def _write_smaller(self, work: Work, record: _Record) -> bool:
+    def _write_smaller(self, work: Work, output: Output) -> bool:
         """A dead letter too large for its topic (it carries the original value, key and headers) must not
         stop its partition: write it with its `triage.*` headers only; they point at the original in the
         source topic. The broker refuses a whole batch for one large record, so the small one is sent again
         a few times before giving up. False for results: decoding bounds their size, so a result refused as
         too large means a misconfigured output topic."""
-        if record.topic != self._topics.dead_letter or record.shrunk >= _SHRUNK_DEAD_LETTER_TRIES:
+        if output.topic != self._topics.dead_letter or output.shrunk >= _SHRUNK_DEAD_LETTER_TRIES:
             return False
-        kept = [(n, v) for n, v in record.headers or () if n.startswith("triage.") and n != OMITTED_BYTES]
-        omitted = record.omitted or (
-            len(record.value or b"")
-            + len(record.key or b"")
-            + sum(len(n) + len(v or b"") for n, v in record.headers or () if not n.startswith("triage."))
+        self._send(work, self._smaller(work, output, output.shrunk + 1))
+        return True
+
+    def _smaller(self, work: Work, output: Output, shrunk: int) -> Output:
+        """`output` (a dead letter) with its `triage.*` headers only, and the size of what was left out."""
+        headers = output.headers or []
+        kept = [(n, v) for n, v in headers if n.startswith("triage.") and n != OMITTED_BYTES]
+        omitted = output.omitted or (
+            len(output.value or b"")
+            + len(output.key or b"")
+            + sum(len(n) + len(v or b"") for n, v in headers if not n.startswith("triage."))
         )
         kept.append((OMITTED_BYTES, str(omitted).encode("ascii")))
         _log.warning(
             "dead_letter_shrunk", partition=work.partition, offset=work.offset, omitted_bytes=omitted
         )
-        self._produce(work, record.topic, None, None, kept, omitted, record.shrunk + 1)
-        return True
+        return Output(output.topic, None, None, kept, omitted, shrunk)
+
+    def _failed_in_transaction(self, work: Work, output: Output, error: confluent_kafka.KafkaError) -> None:
+        """Exactly-once: one failed record fails its transaction, which is aborted and redone. A record the
+        broker refuses every time must not be redone forever: a dead letter is redone smaller (a few
+        times); anything else stops its partition at its last commit. The refusal may be reported after
+        the abort (its record is an orphan by then): it still counts for the redo."""
+        _log.debug(
+            "delivery_failed_in_transaction", offset=work.offset, code=error.name(), orphan=work.orphan
+        )
+        if error.code() in _REFUSED_RECORD:
+            smaller = error.code() == confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
+            if (
+                smaller
+                and output.topic == self._topics.dead_letter
+                and output.shrunk < _SHRUNK_DEAD_LETTER_TRIES
+            ):
+                self._redo_smaller[(work.topic, work.partition, work.offset)] = output.shrunk + 1
+            else:
+                self.metrics.delivery_failed += 1
+                self._poisoned[work.partition_key] = work.offset
+                _log.error(
+                    "delivery_failed",
+                    topic=work.topic,
+                    partition=work.partition,
+                    offset=work.offset,
+                    code=error.name(),
+                    reason=error.str(),
+                    effect="partition stopped at its last commit until a restart or rebalance",
+                )
+        if self._abort_reason is None and not work.orphan:
+            self._abort_reason = f"delivery of offset {work.offset} failed: {error.name()}"
+            self._abort_by = self._clock() + _REPORTS_BEFORE_ABORT_S
 
     # -- commits --------------------------------------------------------------------------------------------
 
@@ -432,11 +556,19 @@ class Pipeline:
         due = now - self._last_commit >= self._pipeline.commit_interval_ms / 1000.0
         # Done but uncommitted work holds in-flight slots: commit early when it fills half of them.
         crowded = self._tracker.uncommitted_done() * 2 >= self._pipeline.max_in_flight
-        if not (due or crowded):
+        if not (due or crowded or self._closing):
             return
+        if self._transactions is not None:
+            # The transaction takes no more records; its offsets are known once all of them are acknowledged.
+            self._closing = True
+            if self._ledger.at_producer or self._abort_reason is not None:
+                return
         positions = self._tracker.commit_positions()
         self._last_commit = now
         if not positions:
+            # Nothing was written (every output goes with its offset): the open transaction goes on.
+            self._closing = False
+            self._release()
             return
         for key, position in positions.items():
             state = self._tracker.get(key)
@@ -448,18 +580,90 @@ class Pipeline:
         """Confirmed positions release their offsets (and in-flight slots); failed ones may be sent again."""
         outcomes = self._committer.results()
         for outcome in outcomes:
-            for key, position in outcome.confirmed.items():
-                if (state := self._tracker.get(key)) is not None:
-                    self.metrics.committed += state.committed(position)
-            for key, position in outcome.failed.items():
-                if (state := self._tracker.get(key)) is not None:
-                    state.commit_failed(position)
-            if outcome.failed:
-                self._retry_commit_at = self._clock() + self._pipeline.commit_interval_ms / 1000.0
-                self.metrics.commit_failed += 1
-                _log.warning("commit_failed", reason=outcome.error, partitions=_names(set(outcome.failed)))
+            self._apply_commit_outcome(outcome)
         if outcomes:
             self._update_gauge()
+
+    def _apply_commit_outcome(self, outcome: CommitOutcome) -> None:
+        if outcome.fatal:
+            self._fatal = f"transaction failed: {outcome.error}"
+            _log.error(
+                "transactions_failed",
+                reason=outcome.error,
+                effect="stopping: another worker may use the same pipeline.transactional_id",
+            )
+            return
+        if outcome.aborted:
+            self._redo(outcome.error or "commit failed")
+            return
+        for key, position in outcome.confirmed.items():
+            if (state := self._tracker.get(key)) is not None:
+                self.metrics.committed += state.committed(position)
+        if self._redo_smaller and outcome.confirmed:
+            self._redo_smaller = {
+                (t, p, offset): tries
+                for (t, p, offset), tries in self._redo_smaller.items()
+                if offset >= outcome.confirmed.get((t, p), -1)
+            }
+        for key, position in outcome.failed.items():
+            if (state := self._tracker.get(key)) is not None:
+                state.commit_failed(position)
+        if outcome.failed:
+            self._retry_commit_at = self._clock() + self._pipeline.commit_interval_ms / 1000.0
+            self.metrics.commit_failed += 1
+            _log.warning("commit_failed", reason=outcome.error, partitions=_names(set(outcome.failed)))
+        if self._transactions is not None:
+            self.metrics.transactions += 1
+            self._reopen()
+
+    def _reopen(self) -> None:
+        """Exactly-once: begin the next transaction and produce what was held meanwhile."""
+        if self._transactions is not None and self._closing:
+            self._transactions.begin()
+            self._closing = False
+            self._release()
+
+    def _abort_and_redo(self) -> None:
+        reason = self._abort_reason or "aborted"
+        assert self._transactions is not None
+        unusable = self._transactions.abort()
+        if unusable is not None:
+            self._fatal = f"transaction abort failed: {unusable}"
+            _log.error("transactions_failed", reason=self._fatal)
+            return
+        self._redo(reason)
+
+    def _redo(self, reason: str) -> None:
+        """After an abort: every owned partition starts again at its first uncommitted offset (the aborted
+        transaction's records are never read, so nothing is lost and nothing is written twice)."""
+        assert self._transactions is not None
+        self._abort_reason = None
+        self.metrics.transactions_aborted += 1
+        states = list(self._tracker)
+        self._ledger.give_up({state.key for state in states})
+        redo_from: dict[str, int] = {}
+        for state in states:
+            start = state.first_uncommitted
+            if start is None:
+                continue
+            blocked = self._poisoned.get(state.key) is not None
+            self._tracker.restart(state.key, start, blocked)
+            redo_from[f"{state.key[0]}[{state.key[1]}]"] = start
+            try:
+                self._consumer.seek(confluent_kafka.TopicPartition(*state.key, start))
+            except confluent_kafka.KafkaException as problem:
+                # Going on would skip the records between `start` and the fetch position: a restart
+                # re-reads them from the committed offset instead.
+                self._fatal = f"cannot seek {state.key[0]}[{state.key[1]}] back to {start}: {problem}"
+                _log.error("redo_failed", reason=self._fatal)
+                return
+            if blocked:
+                self._pause([state.key])
+        _log.warning("transaction_aborted", reason=reason, redo_from=redo_from)
+        self._closing = True
+        self._last_commit = self._clock()
+        self._reopen()
+        self._update_gauge()
 
     def _commit_now(self, states: Sequence[PartitionOffsets]) -> None:
         """Synchronous commit of the done prefix of `states` on this thread (on revoke and at shutdown).
@@ -471,7 +675,7 @@ class Pipeline:
         if not positions:
             return
         try:
-            results = self._consumer.commit(offsets=_topic_partitions(positions), asynchronous=False)
+            results = self._consumer.commit(offsets=topic_partitions(positions), asynchronous=False)
         except confluent_kafka.KafkaException as error:
             self.metrics.commit_failed += 1
             _log.warning("commit_failed", reason=str(error), partitions=sorted(positions))
@@ -482,6 +686,32 @@ class Pipeline:
             if state is not None and tp.error is None and tp.offset >= 0:
                 self.metrics.committed += state.committed(tp.offset)
         _log.info("committed", positions={f"{t}[{p}]": pos for (t, p), pos in sorted(positions.items())})
+
+    def _settle_commit(self, limit: float) -> None:
+        """Wait (until `limit`) for the commit on its way, and apply its outcome."""
+        self._committer.wait_idle(max(0.0, limit - self._clock()))
+        self._apply_commit_outcomes()
+
+    def _commit_transaction_now(self, limit: float) -> None:
+        """Exactly-once, on revoke and at shutdown: commit the open transaction on this thread, once every
+        record in it is acknowledged; abort it (and redo its work) when that does not happen by `limit`."""
+        assert self._transactions is not None
+        self._settle_commit(limit)
+        if self._fatal is not None or self._committer.busy:
+            return  # the commit on its way holds the transaction; its outcome is applied later
+        self._closing = True
+        while self._ledger.at_producer and self._abort_reason is None and self._clock() < limit:
+            self._producer.poll(_BUSY_WAIT_S)
+        if self._ledger.at_producer or self._abort_reason is not None:
+            self._abort_reason = self._abort_reason or "records not acknowledged in time"
+            self._abort_and_redo()
+            return
+        self._last_commit = self._clock()
+        outcome = self._transactions.commit(self._tracker.commit_positions())
+        self._apply_commit_outcome(outcome)
+        if outcome.confirmed:
+            positions = {f"{t}[{p}]": pos for (t, p), pos in sorted(outcome.confirmed.items())}
+            _log.info("committed", positions=positions)
 
     # -- flow control ---------------------------------------------------------------------------------------
 
@@ -505,12 +735,12 @@ class Pipeline:
     def _pause(self, keys: Sequence[TopicPartitionKey]) -> None:
         fresh = [key for key in keys if key not in self._paused]
         if fresh:
-            self._consumer.pause(_topic_partitions(dict.fromkeys(fresh, confluent_kafka.OFFSET_INVALID)))
+            self._consumer.pause(topic_partitions(dict.fromkeys(fresh, confluent_kafka.OFFSET_INVALID)))
             self._paused.update(fresh)
 
     def _resume(self, keys: Sequence[TopicPartitionKey]) -> None:
         if keys:
-            self._consumer.resume(_topic_partitions(dict.fromkeys(keys, confluent_kafka.OFFSET_INVALID)))
+            self._consumer.resume(topic_partitions(dict.fromkeys(keys, confluent_kafka.OFFSET_INVALID)))
             self._paused.difference_update(keys)
 
     # -- rebalance ------------------------------------------------------------------------------------------
@@ -520,6 +750,7 @@ class Pipeline:
         for key in keys:
             self._tracker.assign(key)
             self._paused.discard(key)
+            self._poisoned.pop(key, None)
         _log.info("partitions_assigned", partitions=_names(keys))
         if not partitions:
             return
@@ -541,13 +772,16 @@ class Pipeline:
             return
         self.metrics.revoked += len(keys)
         started = self._clock()
+        limit = started + self._revoke_drain_s
+        if self._stop_by is not None:
+            limit = min(limit, self._stop_by)
+        if self._transactions is not None:
+            # A transaction commit on its way blocks new records; draining needs them.
+            self._settle_commit(limit)
         # Their waiting tickets go to the model first. They must finish, not be dropped: dead letters and
         # answers for later offsets may already be written, and the new owner would write them again.
         self._ledger.first_to_model(keys)
         states = [state for key in keys if (state := self._tracker.get(key)) is not None]
-        limit = started + self._revoke_drain_s
-        if self._stop_by is not None:
-            limit = min(limit, self._stop_by)
         self._give_up_at = limit
         while self._ledger.pending(keys) and self._clock() < limit:
             self._serve_work(_BUSY_WAIT_S)
@@ -556,7 +790,13 @@ class Pipeline:
         # Tickets that did not make it are left to the new owner; those at the model or the producer are
         # still counted (orphans) until their answer or report arrives.
         self._ledger.give_up(keys)
-        self._commit_now(states)
+        if self._transactions is None:
+            self._commit_now(states)
+        else:
+            # The transaction holds records of every owned partition: it commits (or aborts) as a whole.
+            self._commit_transaction_now(limit)
+            for key in keys:
+                self._poisoned.pop(key, None)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
         self._update_gauge()
@@ -570,6 +810,12 @@ class Pipeline:
     def _on_lost(self, _consumer: confluent_kafka.Consumer, partitions: list[Any]) -> None:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.lost += len(keys)
+        if self._transactions is not None and keys:
+            # The open transaction holds outputs of these partitions, which their new owner writes again.
+            if self._abort_reason is None:
+                self._abort_reason, self._abort_by = "partitions lost", self._clock()
+            for key in keys:
+                self._poisoned.pop(key, None)
         self._ledger.give_up(keys)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
@@ -593,11 +839,16 @@ class Pipeline:
                 self._last_poll = self._clock()
                 self._consumer.consume(num_messages=1, timeout=0.0)
         unfinished = self._ledger.waiting + self._ledger.at_model
-        remaining = max(0.0, limit - self._clock())
-        not_flushed = self._producer.flush(remaining) if self._fatal is None else len(self._producer)
-        # The last background commit must land before the final one, never after it.
-        self._committer.wait_idle(max(0.0, limit - self._clock()))
-        self._commit_now(list(self._tracker))
+        if self._transactions is not None:
+            if self._fatal is None:
+                self._commit_transaction_now(limit)
+            not_flushed = len(self._producer)
+        else:
+            remaining = max(0.0, limit - self._clock())
+            not_flushed = self._producer.flush(remaining) if self._fatal is None else len(self._producer)
+            # The last background commit must land before the final one, never after it.
+            self._committer.wait_idle(max(0.0, limit - self._clock()))
+            self._commit_now(list(self._tracker))
         self._committer.close()
         self._consumer.close()
         self._log_metrics("final")
@@ -628,26 +879,6 @@ class Pipeline:
     def _blocked(self) -> dict[TopicPartitionKey, int]:
         """Owned partitions stopped by a delivery that failed for good, with the offset they stop at."""
         return {state.key: at for state in self._tracker if (at := state.blocked_at) is not None}
-
-
-@dataclass(frozen=True, slots=True)
-class _Record:
-    """What was produced for a record, kept until its delivery report in case it must be written smaller."""
-
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: Headers | None
-    # For a dead letter written smaller: the bytes of the original left out, and how often it was sent so.
-    omitted: int
-    shrunk: int
-
-
-def _topic_partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
-    return [
-        confluent_kafka.TopicPartition(topic, partition, offset)
-        for (topic, partition), offset in positions.items()
-    ]
 
 
 def _headers(message: confluent_kafka.Message) -> Headers | None:

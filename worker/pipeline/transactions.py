@@ -1,0 +1,127 @@
+"""Exactly-once: the results, dead letters and input offsets of a stretch of work commit in one Kafka
+transaction, or none of them do.
+
+The loop owns the transaction's contents; this module owns its life cycle, following librdkafka's rules for
+each error (`KafkaError.retriable()`: call again; `txn_requires_abort()`: abort, then redo the work;
+`fatal()`: the producer is done, typically fenced by a newer worker with the same `transactional.id`).
+
+Offsets go in with the consumer's group metadata (KIP-447), so a member that lost its partitions in a
+rebalance (a zombie) cannot commit them any more: its transaction fails and is aborted, and the partitions'
+new owner redoes the work from the last committed offsets.
+
+A transaction only ever holds records whose input offsets it also commits: the loop produces a partition's
+outputs in input order and stops producing while a commit is on its way (see `runner.py`), so the records
+in a transaction are exactly those of the offsets between the previous commit and this one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import confluent_kafka
+import structlog
+
+from worker.pipeline.committer import CommitOutcome, describe, topic_partitions
+from worker.pipeline.offsets import TopicPartitionKey
+
+_log = structlog.get_logger("worker.pipeline")
+_T = TypeVar("_T")
+# Each call waits at most this long; retriable failures are retried until `retry_for_s`.
+_CALL_TIMEOUT_S = 10.0
+
+
+class TransactionFailed(Exception):
+    """The producer cannot run transactions any more (fatal), with librdkafka's reason."""
+
+
+class Transactions:
+    """`init` once, then `begin` → (produce) → `commit` or `abort`, again and again.
+
+    `commit` may run on another thread (the committer's); the others run on the loop's thread. Nothing
+    here touches the loop's state.
+    """
+
+    def __init__(
+        self,
+        producer: confluent_kafka.Producer,
+        consumer: confluent_kafka.Consumer,
+        retry_for_s: float = 30.0,
+    ) -> None:
+        self._producer = producer
+        self._consumer = consumer
+        self._retry_for_s = retry_for_s
+        self.open = False
+
+    def init(self) -> None:
+        """Register the transactional id with the broker: fences an older producer with the same id and
+        aborts the transaction it left open (a crashed worker's). Raises TransactionFailed."""
+        try:
+            self._retrying(lambda: self._producer.init_transactions(_CALL_TIMEOUT_S))
+        except confluent_kafka.KafkaException as problem:
+            raise TransactionFailed(describe(problem)) from None
+
+    def begin(self) -> None:
+        """Open the next transaction (a local call; the broker hears of it with the first record)."""
+        self._producer.begin_transaction()
+        self.open = True
+
+    def commit(self, positions: dict[TopicPartitionKey, int]) -> CommitOutcome:
+        """Add `positions` (next offset to read, per partition) and commit everything produced since `begin`.
+
+        The outcome says whether the positions are committed, or the transaction was aborted (its records
+        are never read and the loop redoes its work), or the producer is fenced or broken for good.
+        """
+        self.open = False
+        try:
+            if positions:
+                offsets = topic_partitions(positions)
+                metadata = self._consumer.consumer_group_metadata()
+                self._retrying(
+                    lambda: self._producer.send_offsets_to_transaction(offsets, metadata, _CALL_TIMEOUT_S)
+                )
+            self._retrying(lambda: self._producer.commit_transaction(_CALL_TIMEOUT_S))
+        except confluent_kafka.KafkaException as problem:
+            return self._failed(positions, problem)
+        return CommitOutcome(confirmed=dict(positions), failed={})
+
+    def abort(self) -> str | None:
+        """Abort the open transaction; its records are never read. Returns a reason when the producer is
+        unusable afterwards (fatal), else None."""
+        self.open = False
+        try:
+            self._retrying(lambda: self._producer.abort_transaction(_CALL_TIMEOUT_S))
+        except confluent_kafka.KafkaException as problem:
+            return describe(problem)
+        return None
+
+    def _failed(
+        self, positions: dict[TopicPartitionKey, int], problem: confluent_kafka.KafkaException
+    ) -> CommitOutcome:
+        reason = describe(problem)
+        error = problem.args[0] if problem.args else None
+        fatal = isinstance(error, confluent_kafka.KafkaError) and error.fatal()
+        if not fatal:
+            # Abortable, or retriable for longer than we wait: either way the outcome is unknown unless we
+            # abort. An abort that fails too leaves the producer in an unknown state: only a restart (its
+            # init_transactions) settles it.
+            unusable = self.abort()
+            if unusable is None:
+                _log.warning("transaction_aborted", reason=reason)
+                return CommitOutcome(confirmed={}, failed=dict(positions), error=reason, aborted=True)
+            reason = f"{reason}; abort failed: {unusable}"
+        return CommitOutcome(confirmed={}, failed=dict(positions), error=reason, fatal=True)
+
+    def _retrying(self, call: Callable[[], _T]) -> _T:
+        """`call`, again while it fails with a retriable error, for up to `retry_for_s`."""
+        give_up_at = time.monotonic() + self._retry_for_s
+        while True:
+            try:
+                return call()
+            except confluent_kafka.KafkaException as problem:
+                error = problem.args[0] if problem.args else None
+                retriable = isinstance(error, confluent_kafka.KafkaError) and error.retriable()
+                if not retriable or time.monotonic() >= give_up_at:
+                    raise
+                time.sleep(0.1)
