@@ -37,6 +37,17 @@ def _report(name: str, text: str) -> None:
     print(f"\n[{name}] {text}")
 
 
+BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+
+
+def _mode(guarantee: str, group: str, member: str = "worker") -> dict[str, str]:
+    """Settings for a worker in `guarantee` mode; in exactly-once mode its transactional id is
+    "<group>-<member>": a restarted member keeps it (and fences its crashed predecessor)."""
+    if guarantee == "at_least_once":
+        return {}
+    return {"pipeline.guarantee": guarantee, "pipeline.transactional_id": f"{group}-{member}"}
+
+
 def test_every_ticket_gets_one_record_or_one_dead_letter(
     kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
 ) -> None:
@@ -115,17 +126,18 @@ def test_throughput_is_not_bounded_by_the_in_flight_bound_per_commit_cycle(
     assert report.lost == [] and report.duplicates == 0
 
 
+@BOTH_GUARANTEES
 def test_kill_9_at_random_points_loses_nothing(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
     topics = make_topics(unique_topic)
     count, max_in_flight, crashes = 1500, 32, 5
     group = _group()
     rng = random.Random(12)
-    settings = {"pipeline.max_in_flight": str(max_in_flight)}
+    settings = {"pipeline.max_in_flight": str(max_in_flight), **_mode(guarantee, group)}
     # Input keeps arriving while the workers are killed, so every kill lands mid-stream (a worker now
     # drains a backlog of 1,500 faster than the kills come).
-    producer = Publisher(kafka_bootstrap, topics, count, 40.0, seed=12)
+    producer = Publisher(kafka_bootstrap, topics, count, 25.0, seed=12)
     producer.start()
     try:
         for _ in range(crashes):
@@ -144,21 +156,25 @@ def test_kill_9_at_random_points_loses_nothing(
     worker.run_to_completion(timeout=240)
 
     report = audit(kafka_bootstrap, topics)
-    _report("crash", f"{report.summary()} after {crashes} kill -9")
+    _report(f"crash, {guarantee}", f"{report.summary()} after {crashes} kill -9")
     assert len(report.inputs) == count
     assert report.lost == []
     assert report.misrouted == []
-    assert report.duplicates <= crashes * max_in_flight
+    if guarantee == "exactly_once":
+        assert report.duplicates == 0
+    else:
+        assert report.duplicates <= crashes * max_in_flight
 
 
+@BOTH_GUARANTEES
 def test_worker_rides_out_a_broker_restart(
-    local_kafka_broker: LocalBroker, unique_topic: Callable[..., str], tmp_path: Path
+    local_kafka_broker: LocalBroker, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
     bootstrap = local_kafka_broker.bootstrap
     topics = make_topics(unique_topic)
     count = 900
     group = _group()
-    worker = Worker(bootstrap, topics, group, tmp_path)
+    worker = Worker(bootstrap, topics, group, tmp_path, settings=_mode(guarantee, group))
     producer = Publisher(bootstrap, topics, count, 60.0, seed=13)
     try:
         worker.wait_for("partitions_assigned", timeout=90)
@@ -176,26 +192,29 @@ def test_worker_rides_out_a_broker_restart(
         producer.join(5)
 
     report = audit(bootstrap, topics)
-    _report("broker restart", report.summary())
+    _report(f"broker restart, {guarantee}", report.summary())
     assert len(report.inputs) == count
     assert report.lost == []
     assert report.misrouted == []
+    if guarantee == "exactly_once":
+        assert report.duplicates == 0
 
 
+@BOTH_GUARANTEES
 def test_a_second_worker_joins_and_leaves_mid_stream(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
     topics = make_topics(unique_topic, partitions=4)
     count = 1500
     group = _group()
-    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first")
+    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first", _mode(guarantee, group, "first"))
     second: Worker | None = None
     producer = Publisher(kafka_bootstrap, topics, count, 100.0, seed=14)
     try:
         first.wait_for("partitions_assigned", timeout=90)
         producer.start()
         time.sleep(3)
-        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second")
+        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second", _mode(guarantee, group, "second"))
         second.wait_for("partitions_assigned", timeout=90)
         time.sleep(4)
         assert second.stop() == 0
@@ -210,7 +229,7 @@ def test_a_second_worker_joins_and_leaves_mid_stream(
 
     report = audit(kafka_bootstrap, topics)
     revoked = sum(e["partitions_revoked"] for e in (first.metrics()[-1], second.metrics()[-1]))
-    _report("rebalance", f"{report.summary()}; partitions revoked {revoked}")
+    _report(f"rebalance, {guarantee}", f"{report.summary()}; partitions revoked {revoked}")
     assert revoked > 0  # the partitions really moved
     assert len(report.inputs) == count
     assert report.lost == []
@@ -299,8 +318,9 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
     assert all(r.confidence == 0.0 for records in report.results.values() for r in records)
 
 
+@BOTH_GUARANTEES
 def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committed_past(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
@@ -315,7 +335,7 @@ def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committ
     count = 60
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.0, seed=31)
     group = _group()
-    worker = Worker(kafka_bootstrap, topics, group, tmp_path)
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, settings=_mode(guarantee, group))
     try:
         failure = worker.wait_for("delivery_failed", timeout=120)
         time.sleep(3)  # several commit intervals: nothing may be committed past a failed offset
@@ -334,7 +354,7 @@ def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committ
     raise_limit = ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)
     resource = ConfigResource("topic", topics.output, incremental_configs=[raise_limit])
     admin.incremental_alter_configs([resource])[resource].result(30)
-    worker = Worker(kafka_bootstrap, topics, group, tmp_path, name="fixed")
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, name="fixed", settings=_mode(guarantee, group))
     worker.run_to_completion(timeout=120)
     report = audit(kafka_bootstrap, topics)
     assert len(report.inputs) == count

@@ -162,6 +162,12 @@ class Ledger:
         """The record a delivery report belongs to (None for an unknown id); an orphan leaves the count."""
         return self._release(self._produced.pop(delivery_id, None))
 
+    def forget_produced(self) -> None:
+        """The producer was replaced: reports for what it holds will never come (its records are orphans of
+        an aborted transaction)."""
+        self.orphans -= sum(1 for work in self._produced.values() if work.orphan)
+        self._produced.clear()
+
     # -- ownership ----------------------------------------------------------------------------------------
 
     def pending(self, keys: Collection[TopicPartitionKey]) -> int:
@@ -184,6 +190,10 @@ class Ledger:
     def _set_waiting(self, works: list[Work]) -> None:
         self._waiting = collections.deque(works)
         self._earliest = min((work.deadline for work in works), default=math.inf)
+
+    @property
+    def held(self) -> int:
+        return self._held
 
     @property
     def at_producer(self) -> int:

@@ -35,8 +35,8 @@ class PartitionOffsets:
         self._last_tracked = -1
         # Position of the last commit sent and not failed (confirmed or still on its way).
         self._requested = -1
-        # After a seek back (exactly-once redo): records are skipped until this offset comes, so that a
-        # record fetched before the seek cannot be taken first and hide the ones the seek re-reads.
+        # After a seek (exactly-once redo): the offset the partition starts at again; records before it
+        # (there should be none: librdkafka drops records fetched before a seek) are skipped.
         self._expected: int | None = None
 
     def __len__(self) -> int:
@@ -44,9 +44,8 @@ class PartitionOffsets:
 
     def track(self, offset: int) -> bool:
         """Start tracking `offset`; False when it is not newer than the last one (a re-delivery to skip)."""
-        if offset <= self._last_tracked or (self._expected is not None and offset != self._expected):
+        if offset <= self._last_tracked or (self._expected is not None and offset < self._expected):
             return False
-        self._expected = None
         self._last_tracked = offset
         self._waiting.append(offset)
         return True
@@ -134,7 +133,7 @@ class OffsetTracker:
         return state
 
     def restart(self, key: TopicPartitionKey, at: int, blocked: bool = False) -> PartitionOffsets:
-        """Forget a partition's offsets after the consumer was sought back to `at`: a fresh state that takes
+        """Forget a partition's offsets after the consumer was sought to `at`: a fresh state that takes
         records from `at` on (or none, `blocked` at `at`: a record there can never be written)."""
         state = self.assign(key)
         state._expected = at

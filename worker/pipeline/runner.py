@@ -99,6 +99,9 @@ _SHRUNK_DEAD_LETTER_TRIES = 3
 _LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
+# Exactly-once: a commit still on its way after this long is stuck in librdkafka (every call in it has a 10 s
+# timeout and retries stop after 30 s; see `_replace_stuck_producer`).
+_STUCK_COMMIT_S = 30.0
 # Exactly-once: how long a failed transaction waits for its other records' reports before it is aborted.
 _REPORTS_BEFORE_ABORT_S = 5.0
 # Exactly-once: delivery errors that a redo would meet again (the record itself is refused).
@@ -136,6 +139,7 @@ class Pipeline:
         self._topics = settings.topics
         self._error_log = ClientErrorLog("worker")
         clients = clients or KafkaClients(settings)
+        self._clients = clients
         self._consumer = clients.consumer(self.on_client_error)
         self._producer = clients.producer(self.on_client_error)
         self._transactions: Transactions | None = None
@@ -166,6 +170,9 @@ class Pipeline:
         self._closing = False
         self._abort_reason: str | None = None
         self._abort_by = 0.0
+        self._commit_sent_at = 0.0
+        # Producers and committers left behind by `_replace_stuck_producer`: a thread is still inside them.
+        self._abandoned: list[object] = []
         self._redo_smaller: dict[tuple[str, int, int], int] = {}
         self._poisoned: dict[TopicPartitionKey, int] = {}
         self._paused: set[TopicPartitionKey] = set()
@@ -271,6 +278,9 @@ class Pipeline:
         aborting = self._abort_reason is not None and not self._committer.busy
         if aborting and (not self._ledger.at_producer or self._clock() >= self._abort_by):
             self._abort_and_redo()
+        stuck = self._transactions is not None and self._committer.busy
+        if stuck and self._clock() - self._commit_sent_at >= _STUCK_COMMIT_S:
+            self._replace_stuck_producer()
         self._apply_commit_outcomes()
         self._maybe_commit()
         self._apply_flow()
@@ -574,6 +584,7 @@ class Pipeline:
             state = self._tracker.get(key)
             if state is not None:
                 state.commit_requested(position)
+        self._commit_sent_at = now
         self._committer.submit(positions)
 
     def _apply_commit_outcomes(self) -> None:
@@ -633,9 +644,37 @@ class Pipeline:
             return
         self._redo(reason)
 
-    def _redo(self, reason: str) -> None:
+    def _replace_stuck_producer(self) -> None:
+        """Exactly-once: a transaction call that never returns. librdkafka ignores the call's timeout when
+        its cached group coordinator went away (confluentinc/librdkafka#5456 and #5511; seen here after a
+        broker restart). A new producer with the same transactional id fences the stuck one and ends its
+        transaction; the work is redone from the group's committed offsets, which say whether that
+        transaction committed after all. The stuck producer is left alone: a thread is still inside it."""
+        _log.error(
+            "transaction_stuck",
+            seconds=round(self._clock() - self._commit_sent_at),
+            effect="a new transactional producer takes over; the work is redone from the committed offsets",
+        )
+        self._abandoned.append((self._producer, self._committer))
+        self._producer = self._clients.producer(self.on_client_error)
+        self._transactions = Transactions(self._producer, self._consumer)
+        self._committer = Committer(self._transactions.commit)
+        self._ledger.forget_produced()
+        states = list(self._tracker)
+        try:
+            self._transactions.init()
+            wanted = [confluent_kafka.TopicPartition(*state.key) for state in states]
+            committed = self._consumer.committed(wanted, timeout=30.0) if wanted else []
+        except (TransactionFailed, confluent_kafka.KafkaException) as problem:
+            # A restart recovers the same way (init_transactions, then the committed offsets).
+            self._fatal = f"cannot replace the stuck transactional producer: {problem}"
+            return
+        self._redo("transaction commit stuck", {(tp.topic, tp.partition): tp.offset for tp in committed})
+
+    def _redo(self, reason: str, committed: dict[TopicPartitionKey, int] | None = None) -> None:
         """After an abort: every owned partition starts again at its first uncommitted offset (the aborted
-        transaction's records are never read, so nothing is lost and nothing is written twice)."""
+        transaction's records are never read, so nothing is lost and nothing is written twice), or at the
+        group's `committed` offset where the outcome of the last commit is not known here."""
         assert self._transactions is not None
         self._abort_reason = None
         self.metrics.transactions_aborted += 1
@@ -646,6 +685,8 @@ class Pipeline:
             start = state.first_uncommitted
             if start is None:
                 continue
+            if committed is not None and committed.get(state.key, -1) >= 0:
+                start = committed[state.key]
             blocked = self._poisoned.get(state.key) is not None
             self._tracker.restart(state.key, start, blocked)
             redo_from[f"{state.key[0]}[{state.key[1]}]"] = start
@@ -874,7 +915,12 @@ class Pipeline:
     def _log_metrics(self, kind: str) -> None:
         self._last_metrics = self._clock()
         blocked = {f"{t}[{p}]": offset for (t, p), offset in sorted(self._blocked().items())}
-        _log.info("metrics", kind=kind, blocked_partitions=blocked, **self.metrics.snapshot())
+        ledger = self._ledger
+        # Where the in-flight records are: waiting, at the model, at the producer, held for order; orphans.
+        where = [ledger.waiting, ledger.at_model, ledger.at_producer, ledger.held, ledger.orphans]
+        _log.info(
+            "metrics", kind=kind, blocked_partitions=blocked, in_flight_at=where, **self.metrics.snapshot()
+        )
 
     def _blocked(self) -> dict[TopicPartitionKey, int]:
         """Owned partitions stopped by a delivery that failed for good, with the offset they stop at."""

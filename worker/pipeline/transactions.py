@@ -124,4 +124,5 @@ class Transactions:
                 retriable = isinstance(error, confluent_kafka.KafkaError) and error.retriable()
                 if not retriable or time.monotonic() >= give_up_at:
                     raise
+                _log.info("transaction_call_retried", reason=describe(problem))
                 time.sleep(0.1)
