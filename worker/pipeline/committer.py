@@ -36,9 +36,11 @@ class CommitOutcome:
     confirmed: dict[TopicPartitionKey, int]
     failed: dict[TopicPartitionKey, int]
     error: str | None = None
-    # Exactly-once only: the transaction was aborted (its records will never be read), or the producer can
-    # no longer commit at all (fenced by another worker with its transactional id).
+    # Exactly-once only: the transaction was aborted (its records will never be read); neither committed nor
+    # aborted (a new producer must settle it); or the producer can no longer commit at all (fenced by
+    # another worker with its transactional id).
     aborted: bool = False
+    unsettled: bool = False
     fatal: bool = False
 
 

@@ -100,10 +100,10 @@ _LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
 # Exactly-once: a commit still on its way after this long is stuck in librdkafka (every call in it has a 10 s
-# timeout and retries stop after 30 s; see `_replace_stuck_producer`).
+# timeout and retries stop after 20 s; see `_replace_stuck_producer`).
 _STUCK_COMMIT_S = 30.0
 # Exactly-once: how long a failed transaction waits for its other records' reports before it is aborted.
-_REPORTS_BEFORE_ABORT_S = 5.0
+_REPORTS_BEFORE_ABORT_S = 1.0
 # Exactly-once: delivery errors that a redo would meet again (the record itself is refused).
 _REFUSED_RECORD = frozenset(
     {
@@ -280,7 +280,7 @@ class Pipeline:
             self._abort_and_redo()
         stuck = self._transactions is not None and self._committer.busy
         if stuck and self._clock() - self._commit_sent_at >= _STUCK_COMMIT_S:
-            self._replace_stuck_producer()
+            self._replace_stuck_producer(f"commit on its way for {_STUCK_COMMIT_S:.0f} s")
         self._apply_commit_outcomes()
         self._maybe_commit()
         self._apply_flow()
@@ -607,6 +607,9 @@ class Pipeline:
         if outcome.aborted:
             self._redo(outcome.error or "commit failed")
             return
+        if outcome.unsettled:
+            self._replace_stuck_producer(outcome.error or "commit failed")
+            return
         for key, position in outcome.confirmed.items():
             if (state := self._tracker.get(key)) is not None:
                 self.metrics.committed += state.committed(position)
@@ -637,22 +640,25 @@ class Pipeline:
     def _abort_and_redo(self) -> None:
         reason = self._abort_reason or "aborted"
         assert self._transactions is not None
-        unusable = self._transactions.abort()
-        if unusable is not None:
-            self._fatal = f"transaction abort failed: {unusable}"
+        failed = self._transactions.abort()
+        if failed is None:
+            self._redo(reason)
+        elif failed.fatal:
+            self._fatal = f"transaction abort failed: {failed.reason}"
             _log.error("transactions_failed", reason=self._fatal)
-            return
-        self._redo(reason)
+        else:
+            self._replace_stuck_producer(f"{reason}; abort failed: {failed.reason}")
 
-    def _replace_stuck_producer(self) -> None:
-        """Exactly-once: a transaction call that never returns. librdkafka ignores the call's timeout when
-        its cached group coordinator went away (confluentinc/librdkafka#5456 and #5511; seen here after a
-        broker restart). A new producer with the same transactional id fences the stuck one and ends its
-        transaction; the work is redone from the group's committed offsets, which say whether that
-        transaction committed after all. The stuck producer is left alone: a thread is still inside it."""
+    def _replace_stuck_producer(self, reason: str) -> None:
+        """Exactly-once: a transaction neither committed nor aborted. Seen here: a commit call that never
+        returns, because librdkafka ignores the call's timeout when its cached group coordinator went away
+        (confluentinc/librdkafka#5456 and #5511), after a broker restart; and an abort that times out
+        after the broker refused records. A new producer with the same transactional id fences the old one
+        and ends its transaction; the work is redone from the group's committed offsets, which say whether
+        that transaction committed after all. The old producer is left alone: a thread may still be in it."""
         _log.error(
             "transaction_stuck",
-            seconds=round(self._clock() - self._commit_sent_at),
+            reason=reason,
             effect="a new transactional producer takes over; the work is redone from the committed offsets",
         )
         self._abandoned.append((self._producer, self._committer))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import confluent_kafka
@@ -28,12 +29,30 @@ from worker.pipeline.offsets import TopicPartitionKey
 
 _log = structlog.get_logger("worker.pipeline")
 _T = TypeVar("_T")
+# Coordinator states that pass (librdkafka does not always flag them retriable): another operation on the
+# transaction still ending (a fenced producer's), a coordinator loading or moving.
+_PASSING = frozenset(
+    {
+        confluent_kafka.KafkaError.CONCURRENT_TRANSACTIONS,
+        confluent_kafka.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        confluent_kafka.KafkaError.COORDINATOR_NOT_AVAILABLE,
+        confluent_kafka.KafkaError.NOT_COORDINATOR,
+    }
+)
 # Each call waits at most this long; retriable failures are retried until `retry_for_s`.
 _CALL_TIMEOUT_S = 10.0
 
 
 class TransactionFailed(Exception):
     """The producer cannot run transactions any more (fatal), with librdkafka's reason."""
+
+
+@dataclass(frozen=True)
+class AbortFailed:
+    """Why an abort failed; `fatal`: the producer is done (fenced), else the transaction is unsettled."""
+
+    reason: str
+    fatal: bool
 
 
 class Transactions:
@@ -47,7 +66,7 @@ class Transactions:
         self,
         producer: confluent_kafka.Producer,
         consumer: confluent_kafka.Consumer,
-        retry_for_s: float = 30.0,
+        retry_for_s: float = 20.0,
     ) -> None:
         self._producer = producer
         self._consumer = consumer
@@ -58,7 +77,8 @@ class Transactions:
         """Register the transactional id with the broker: fences an older producer with the same id and
         aborts the transaction it left open (a crashed worker's). Raises TransactionFailed."""
         try:
-            self._retrying(lambda: self._producer.init_transactions(_CALL_TIMEOUT_S))
+            # The coordinator may still be ending the fenced producer's transaction: allow it longer.
+            self._retrying(lambda: self._producer.init_transactions(_CALL_TIMEOUT_S), 3 * self._retry_for_s)
         except confluent_kafka.KafkaException as problem:
             raise TransactionFailed(describe(problem)) from None
 
@@ -86,14 +106,15 @@ class Transactions:
             return self._failed(positions, problem)
         return CommitOutcome(confirmed=dict(positions), failed={})
 
-    def abort(self) -> str | None:
-        """Abort the open transaction; its records are never read. Returns a reason when the producer is
-        unusable afterwards (fatal), else None."""
+    def abort(self) -> AbortFailed | None:
+        """Abort the open transaction; its records are never read. Says why when that failed."""
         self.open = False
         try:
             self._retrying(lambda: self._producer.abort_transaction(_CALL_TIMEOUT_S))
         except confluent_kafka.KafkaException as problem:
-            return describe(problem)
+            error = problem.args[0] if problem.args else None
+            fatal = isinstance(error, confluent_kafka.KafkaError) and error.fatal()
+            return AbortFailed(describe(problem), fatal)
         return None
 
     def _failed(
@@ -104,24 +125,27 @@ class Transactions:
         fatal = isinstance(error, confluent_kafka.KafkaError) and error.fatal()
         if not fatal:
             # Abortable, or retriable for longer than we wait: either way the outcome is unknown unless we
-            # abort. An abort that fails too leaves the producer in an unknown state: only a restart (its
-            # init_transactions) settles it.
-            unusable = self.abort()
-            if unusable is None:
-                _log.warning("transaction_aborted", reason=reason)
+            # abort. An abort that fails too leaves the transaction unsettled: a new producer with the same
+            # transactional id settles it (see the pipeline's `_replace_stuck_producer`).
+            failed = self.abort()
+            if failed is None:
                 return CommitOutcome(confirmed={}, failed=dict(positions), error=reason, aborted=True)
-            reason = f"{reason}; abort failed: {unusable}"
-        return CommitOutcome(confirmed={}, failed=dict(positions), error=reason, fatal=True)
+            reason, fatal = f"{reason}; abort failed: {failed.reason}", failed.fatal
+        return CommitOutcome(
+            confirmed={}, failed=dict(positions), error=reason, fatal=fatal, unsettled=not fatal
+        )
 
-    def _retrying(self, call: Callable[[], _T]) -> _T:
+    def _retrying(self, call: Callable[[], _T], retry_for_s: float | None = None) -> _T:
         """`call`, again while it fails with a retriable error, for up to `retry_for_s`."""
-        give_up_at = time.monotonic() + self._retry_for_s
+        give_up_at = time.monotonic() + (retry_for_s or self._retry_for_s)
         while True:
             try:
                 return call()
             except confluent_kafka.KafkaException as problem:
                 error = problem.args[0] if problem.args else None
-                retriable = isinstance(error, confluent_kafka.KafkaError) and error.retriable()
+                retriable = isinstance(error, confluent_kafka.KafkaError) and (
+                    error.retriable() or error.code() in _PASSING
+                )
                 if not retriable or time.monotonic() >= give_up_at:
                     raise
                 _log.info("transaction_call_retried", reason=describe(problem))
