@@ -29,6 +29,7 @@ InferenceMode = Literal["score", "generate"]
 PoolKind = Literal["process", "thread", "batch"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["console", "json"]
+Scheduling = Literal["edf", "fifo"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
@@ -63,6 +64,8 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     revoke_timeout_ms: PositiveMs = 10000
     shutdown_timeout_ms: PositiveMs = 15000
     max_value_bytes: PositiveInt = 1048576
+    # Which waiting ticket goes to the model next: earliest deadline first, or arrival order.
+    scheduling: Scheduling = "edf"
 
     def __post_init__(self) -> None:
         if self.resume_below is not None and self.resume_below >= self.max_in_flight:

@@ -64,6 +64,11 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
         "how long shutdown waits for in-flight tickets (default 15000)",
     ),
     ("--max-value-bytes", "pipeline.max_value_bytes", "larger records are dead-lettered (default 1048576)"),
+    (
+        "--scheduling",
+        "pipeline.scheduling",
+        "edf | fifo: tickets go to the model earliest deadline first, or in arrival order (default edf)",
+    ),
     ("--model", "inference.model", "ORT GenAI model folder (default models/triage-mini)"),
     ("--taxonomy", "inference.taxonomy", "taxonomy TOML (default: the model's taxonomy.toml)"),
     ("--mode", "inference.mode", "score | generate (default score)"),

@@ -1,8 +1,12 @@
 """Where each record taken from Kafka is until the broker acknowledged what the pipeline wrote for it.
 
-A record (`Work`) is *waiting* for the model (in arrival order), *at the model* under a request id, or
-*produced* and awaiting its delivery report under a delivery id. Once acknowledged it leaves the ledger; the
-offset tracker holds its offset until a commit passes it.
+A record (`Work`) is *waiting* for the model, *at the model* under a request id, or *produced* and awaiting
+its delivery report under a delivery id. Once acknowledged it leaves the ledger; the offset tracker holds its
+offset until a commit passes it.
+
+Waiting records go to the model earliest deadline first (`pipeline.scheduling = "edf"`; ties and `"fifo"`
+in arrival order): under load a ticket whose producer asked for an early `deadline_at` is not stuck behind
+ones that can wait. A revoked partition's records go before all others (see `first_to_model`).
 
 When this worker stops owning a partition (revoke or loss), its waiting records are dropped (the next owner
 reads them again) and its records at the model or at the producer become *orphans*: their answers and
@@ -11,16 +15,20 @@ reports still arrive, hold memory until then and count as in flight, but their r
 
 from __future__ import annotations
 
-import collections
+import heapq
 import itertools
-import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+from worker.config import Scheduling
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
 
 Headers = list[tuple[str, bytes | None]]
+
+# Heap entries of records no longer waiting are skipped when they surface; a heap is rebuilt without them
+# once they outnumber the waiting records (plus this slack), which keeps every operation amortised O(log n).
+_STALE_SLACK = 64
 
 
 @dataclass(eq=False, slots=True)
@@ -51,11 +59,15 @@ class Work:
 class Ledger:
     """The records between poll and acknowledgement, by where they are."""
 
-    def __init__(self) -> None:
-        self._waiting: collections.deque[Work] = collections.deque()
-        # No waiting record's deadline is earlier than this (it may be stale-early after a removal): lets
-        # `expired` answer in O(1) on almost every turn instead of scanning the queue.
-        self._earliest = math.inf
+    def __init__(self, scheduling: Scheduling = "edf") -> None:
+        self._edf = scheduling == "edf"
+        # Waiting records by arrival number; the heaps hold arrival numbers.
+        self._waiting: dict[int, Work] = {}
+        # Service order: (0 for a revoked partition's records else 1, deadline (0 for FIFO), arrival).
+        self._order: list[tuple[int, float, int]] = []
+        # Expiry order: (deadline, arrival).
+        self._deadlines: list[tuple[float, int]] = []
+        self._arrivals = itertools.count()
         self._at_model: dict[int, Work] = {}
         self._produced: dict[int, Work] = {}
         self._ids = itertools.count()
@@ -64,30 +76,43 @@ class Ledger:
     # -- waiting for the model ----------------------------------------------------------------------------
 
     def wait(self, work: Work) -> None:
-        self._waiting.append(work)
-        self._earliest = min(self._earliest, work.deadline)
+        arrival = next(self._arrivals)
+        self._waiting[arrival] = work
+        heapq.heappush(self._order, (1, work.deadline if self._edf else 0.0, arrival))
+        heapq.heappush(self._deadlines, (work.deadline, arrival))
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
     def next_waiting(self) -> Work | None:
-        return self._waiting.popleft() if self._waiting else None
+        """The waiting record to serve next, taken out (None when none waits)."""
+        while self._order:
+            work = self._waiting.pop(heapq.heappop(self._order)[2], None)
+            if work is not None:
+                self._drop_stale()
+                return work
+        return None
 
     def expired(self, now: float) -> list[Work]:
-        """Take out the waiting records whose deadline has passed (their order is kept)."""
-        if now < self._earliest:
-            return []
-        late = [work for work in self._waiting if work.deadline <= now]
-        self._set_waiting([work for work in self._waiting if work.deadline > now])
+        """Take out the waiting records whose deadline has passed, earliest deadline first."""
+        late = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            work = self._waiting.pop(heapq.heappop(self._deadlines)[1], None)
+            if work is not None:
+                late.append(work)
+        if late:
+            self._drop_stale()
         return late
 
     def first_to_model(self, keys: Collection[TopicPartitionKey]) -> None:
-        """Move the waiting records of `keys` to the front (on revoke they must finish first)."""
-        leaving = [work for work in self._waiting if work.partition_key in keys]
-        if leaving:
-            staying = [work for work in self._waiting if work.partition_key not in keys]
-            self._set_waiting(leaving + staying)
+        """Serve the waiting records of `keys` before all others (on revoke they must finish first)."""
+        self._order = [
+            (0 if self._waiting[arrival].partition_key in keys else rank, order, arrival)
+            for rank, order, arrival in self._order
+            if arrival in self._waiting
+        ]
+        heapq.heapify(self._order)
 
     # -- at the model -------------------------------------------------------------------------------------
 
@@ -127,22 +152,28 @@ class Ledger:
         """This worker no longer owns `keys`: drop their waiting records, orphan the rest; returns how
         many were dropped."""
         before = len(self._waiting)
-        self._set_waiting([work for work in self._waiting if work.partition_key not in keys])
+        self._waiting = {n: work for n, work in self._waiting.items() if work.partition_key not in keys}
+        self._drop_stale()
         for work in itertools.chain(self._at_model.values(), self._produced.values()):
             if not work.orphan and work.partition_key in keys:
                 work.orphan = True
                 self.orphans += 1
         return before - len(self._waiting)
 
-    def _set_waiting(self, works: list[Work]) -> None:
-        self._waiting = collections.deque(works)
-        self._earliest = min((work.deadline for work in works), default=math.inf)
+    def _drop_stale(self) -> None:
+        limit = 2 * len(self._waiting) + _STALE_SLACK
+        if len(self._order) > limit:
+            self._order = [entry for entry in self._order if entry[2] in self._waiting]
+            heapq.heapify(self._order)
+        if len(self._deadlines) > limit:
+            self._deadlines = [entry for entry in self._deadlines if entry[1] in self._waiting]
+            heapq.heapify(self._deadlines)
 
     def is_empty(self) -> bool:
         return not (self._waiting or self._at_model or self._produced)
 
     def _unacknowledged(self) -> Iterator[Work]:
-        return itertools.chain(self._waiting, self._at_model.values(), self._produced.values())
+        return itertools.chain(self._waiting.values(), self._at_model.values(), self._produced.values())
 
     def _release(self, work: Work | None) -> Work | None:
         # An orphan's answer is discarded and its report ends it: either way it leaves the ledger here.

@@ -6,8 +6,8 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 1. serves the producer's delivery reports (a record is *done* only once the broker acknowledged it);
 2. takes the pool's answers and produces one TriageResult per ticket;
 3. turns tickets whose deadline passed while they waited for the model into `overloaded` fallbacks;
-4. hands waiting tickets to the pool, at most `dispatch_window` at a time (the rest wait here, where their
-   deadline is watched);
+4. hands waiting tickets to the pool earliest deadline first (`pipeline.scheduling`), at most
+   `dispatch_window` at a time (the rest wait here, where their deadline is watched);
 5. commits the highest contiguous done offset + 1 of each partition (periodically, or early when done work
    fills half of the bound) on the committer's thread, and applies the outcomes of earlier commits;
 6. at `max_in_flight` stops polling while a commit frees slots; when the bound holds for longer (a slow
@@ -125,7 +125,7 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics()
-        self._ledger = Ledger()
+        self._ledger = Ledger(self._pipeline.scheduling)
         self._paused: set[TopicPartitionKey] = set()
         self._stopping = False
         self._stop_by: float | None = None
@@ -169,6 +169,7 @@ class Pipeline:
             max_in_flight=self._pipeline.max_in_flight,
             resume_below=self._pipeline.resume_threshold,
             deadline_ms=self._pipeline.deadline_ms,
+            scheduling=self._pipeline.scheduling,
             dispatch_window=self._window,
             model=self._classifier.model_id,
         )
