@@ -7,8 +7,8 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 2. takes the pool's answers and produces one TriageResult per ticket;
 3. turns tickets whose deadline passed while they waited for the model into `overloaded` fallbacks;
 4. hands waiting tickets to the pool earliest deadline first (`pipeline.scheduling`), at most
-   `dispatch_window` at a time (the rest wait here, where their deadline is watched); a ticket that cannot
-   finish before its deadline given the pool's recent latency is answered `overloaded` instead;
+   `dispatch_window` at a time (the rest wait here, where their deadline is watched); while the pool is busy,
+   a ticket that cannot finish before its deadline given the pool's recent latency is answered `overloaded`;
 5. commits the highest contiguous done offset + 1 of each partition (periodically, or early when done work
    fills half of the bound) on the committer's thread, and applies the outcomes of earlier commits;
 6. at `max_in_flight` stops polling while a commit frees slots; when the bound holds for longer (a slow
@@ -299,8 +299,8 @@ class Pipeline:
         while self._ledger.at_model < self._window and (work := self._ledger.next_waiting()) is not None:
             event = work.event
             assert event is not None  # only tickets wait for the model
-            # One the model would most likely not finish in time is answered now. With nothing at the model
-            # it is tried anyway: that costs no other ticket model time and keeps the estimate learning.
+            # A ticket the model would most likely not finish in time is answered now. With nothing at the
+            # model it is tried anyway: that costs no other ticket model time and keeps the estimate learning.
             expected_s = self._latency.expected_s if self._ledger.at_model else 0.0
             if self._clock() + expected_s >= work.deadline:
                 self._produce_fallback(work, event, "overloaded")
