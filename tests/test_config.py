@@ -237,6 +237,18 @@ def test_settings_from_args_flags_beat_set_which_beat_env(
     )
 
 
+def test_scheduling_is_earliest_deadline_first_unless_run_is_told_fifo() -> None:
+    from worker.ops.cli import build_parser
+    from worker.ops.run_command import _overrides
+
+    assert load_settings(env={}).pipeline.scheduling == "edf"
+    args = build_parser().parse_args(["run", "--scheduling", "fifo"])
+    assert settings_from_args(args, _overrides(args)).pipeline.scheduling == "fifo"
+    assert _error(env={}, overrides={"pipeline.scheduling": "lifo"}).startswith(
+        'config error: pipeline.scheduling: expected one of "edf", "fifo", got lifo (from command line)'
+    )
+
+
 def test_resume_below_must_stay_under_max_in_flight() -> None:
     with pytest.raises(ValueError, match="resume_below"):
         PipelineSettings(max_in_flight=4, resume_below=4)

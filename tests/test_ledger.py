@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from worker.config import Scheduling
 from worker.messages import TicketEvent
 from worker.pipeline.ledger import Ledger, Work
 from worker.pipeline.offsets import PartitionOffsets
@@ -39,14 +42,47 @@ def test_a_record_goes_from_waiting_to_the_model_to_the_broker_and_out() -> None
     assert ledger.is_empty() and ledger.pending({A}) == 0
 
 
-def test_expired_takes_out_late_records_in_order_and_keeps_the_rest() -> None:
+def test_waiting_records_go_to_the_model_earliest_deadline_first_ties_in_arrival_order() -> None:
     ledger = Ledger()
-    late_1, on_time, late_2 = _work(A, 0, deadline=1.0), _work(A, 1, deadline=9.0), _work(B, 5, deadline=2.0)
-    for work in (late_1, on_time, late_2):
+    loose, tight, tie_1, tie_2 = (_work(A, i, deadline) for i, deadline in enumerate((9.0, 1.0, 5.0, 5.0)))
+    for work in (loose, tight, tie_1, tie_2):
+        ledger.wait(work)
+    assert [ledger.next_waiting() for _ in range(5)] == [tight, tie_1, tie_2, loose, None]
+
+
+def test_fifo_scheduling_keeps_arrival_order_whatever_the_deadlines() -> None:
+    ledger = Ledger("fifo")
+    works = [_work(A, i, deadline) for i, deadline in enumerate((9.0, 1.0, 5.0))]
+    for work in works:
+        ledger.wait(work)
+    assert [ledger.next_waiting() for _ in works] == works
+
+
+@pytest.mark.parametrize("scheduling", ["edf", "fifo"])
+def test_expired_takes_out_late_records_earliest_first_and_keeps_the_rest(scheduling: Scheduling) -> None:
+    ledger = Ledger(scheduling)
+    late_2, on_time, late_1 = _work(A, 0, deadline=2.0), _work(A, 1, deadline=9.0), _work(B, 5, deadline=1.0)
+    for work in (late_2, on_time, late_1):
         ledger.wait(work)
     assert ledger.expired(now=0.5) == []
     assert ledger.expired(now=5.0) == [late_1, late_2]
+    assert ledger.waiting == 1 and ledger.pending({B}) == 0
     assert ledger.next_waiting() is on_time and ledger.next_waiting() is None
+    assert ledger.expired(now=10.0) == []  # served records never expire later
+
+
+def test_every_waiting_record_comes_out_once_served_or_expired() -> None:
+    ledger = Ledger()
+    out: list[Work | None] = []
+    for i in range(10_000):
+        ledger.wait(_work(A, i, deadline=float(i % 7)))
+        if i % 3 == 0:
+            out.append(ledger.next_waiting())
+        out += ledger.expired(now=float(i % 5))
+    while (work := ledger.next_waiting()) is not None:
+        out.append(work)
+    assert sorted(work.offset for work in out if work is not None) == list(range(10_000))
+    assert ledger.is_empty() and ledger.expired(now=100.0) == []
 
 
 def test_records_of_a_revoked_partition_go_to_the_model_first() -> None:
@@ -56,6 +92,17 @@ def test_records_of_a_revoked_partition_go_to_the_model_first() -> None:
         ledger.wait(work)
     ledger.first_to_model({B})
     assert [ledger.next_waiting() for _ in works] == [works[1], works[3], works[0], works[2]]
+
+
+def test_a_revoked_partition_goes_first_even_before_earlier_deadlines_and_after_a_later_arrival() -> None:
+    ledger = Ledger()
+    urgent, leaving = _work(A, 0, deadline=1.0), _work(B, 0, deadline=50.0)
+    ledger.wait(urgent)
+    ledger.wait(leaving)
+    ledger.first_to_model({B})
+    later = _work(A, 1, deadline=0.5)  # taken after the revoke began: its partition is staying
+    ledger.wait(later)
+    assert [ledger.next_waiting() for _ in range(3)] == [leaving, later, urgent]
 
 
 def test_giving_up_a_partition_drops_waiting_records_and_orphans_the_rest_until_they_come_back() -> None:

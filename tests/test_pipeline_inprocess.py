@@ -3,6 +3,7 @@ from the topics and the group's committed offsets."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 import confluent_kafka
 import msgspec
 import pytest
+import slow_model
 from pipeline_harness import (
     TINY_MODEL,
     Topics,
@@ -26,7 +28,7 @@ from pipeline_harness import (
 
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import InferenceSettings
-from worker.inference.pool import open_pool
+from worker.inference.pool import ClassifierPool, open_pool
 from worker.messages import TriageResult
 from worker.pipeline.runner import Pipeline
 
@@ -326,3 +328,101 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
     report = audit(kafka_bootstrap, topics)
     assert report.dead == {(0, 1): ["internal_error"]}
     assert sorted(report.results) == [(0, 0), (0, 2)] and report.lost == []
+
+
+# -- scheduling: earliest deadline first, and `overloaded` before model time -------------------------------
+
+SLOW_S = 0.5  # per ticket, one context: the tests' model is the tiny one slowed down (tests/slow_model.py)
+
+
+@pytest.fixture
+def slow_pool() -> Iterator[ClassifierPool]:
+    undo = slow_model.install(SLOW_S)
+    try:
+        with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
+            yield pool
+    finally:
+        undo()
+
+
+def _publish_due(bootstrap: str, topics: Topics, tickets: list[tuple[str, float | None]]) -> float:
+    """Tickets (id, seconds from now to its `deadline_at`, or None for none) to partition 0; returns when."""
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap})
+    sent = time.time()
+    for ticket_id, due_in_s in tickets:
+        ticket: dict[str, object] = {"ticket_id": ticket_id, "body": "my card has not arrived yet"}
+        if due_in_s is not None:
+            due = datetime.datetime.fromtimestamp(sent + due_in_s, datetime.UTC)
+            ticket["metadata"] = {"deadline_at": due.isoformat()}
+        producer.produce(topics.input, value=json.dumps(ticket).encode(), partition=0)
+    assert producer.flush(30) == 0
+    return sent
+
+
+def _answers_in_order(bootstrap: str, topic: str) -> list[tuple[TriageResult, float]]:
+    """The results on partition 0 of `topic` in the order the worker wrote them, with their timestamps (s)."""
+    consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": f"read-{uuid.uuid4()}"})
+    end = consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, 0), timeout=10)[1]
+    consumer.assign([confluent_kafka.TopicPartition(topic, 0, confluent_kafka.OFFSET_BEGINNING)])
+    decode = msgspec.json.Decoder(TriageResult).decode
+    found: list[tuple[TriageResult, float]] = []
+    deadline = time.monotonic() + 30
+    while len(found) < end and time.monotonic() < deadline:
+        for message in consumer.consume(10, 1.0):
+            if message.error() is None:
+                found.append((decode(message.value() or b""), message.timestamp()[1] / 1000.0))
+    consumer.close()
+    return found
+
+
+def _wait_produced(worker: _Running, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while worker.pipeline.metrics.produced < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.pipeline.metrics.produced >= count
+
+
+def test_a_ticket_due_earlier_but_published_later_is_answered_before_the_loose_ones(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], slow_pool: ClassifierPool, start: Start
+) -> None:
+    topics = make_topics(unique_topic, partitions=1)
+    worker = start(topics, slow_pool, dispatch_window=1, **{"pipeline.deadline_ms": "60000"})
+    _publish_due(kafka_bootstrap, topics, [("ready", None)])
+    _wait_produced(worker, 1)  # assigned and running: the urgent ticket's deadline counts from now
+    loose = [f"loose-{i}" for i in range(6)]
+    _publish_due(kafka_bootstrap, topics, [*((ticket, None) for ticket in loose), ("urgent", 10.0)])
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
+    assert worker.stop() == 0
+
+    answers = [result for result, _ in _answers_in_order(kafka_bootstrap, topics.output)]
+    order = [result.ticket_id for result in answers]
+    assert sorted(order) == sorted(["ready", *loose, "urgent"]) and not any(r.fallback for r in answers)
+    # In arrival order it would be answered last, after 6 x 0.5 s; only a loose ticket already at the model
+    # (taken by an earlier poll) may go first.
+    assert order.index("urgent") <= 2, order
+
+
+def test_a_ticket_that_cannot_make_its_deadline_is_answered_overloaded_at_once_not_by_the_model(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], slow_pool: ClassifierPool, start: Start
+) -> None:
+    topics = make_topics(unique_topic, partitions=1)
+    worker = start(topics, slow_pool, dispatch_window=3, **{"pipeline.deadline_ms": "60000"})
+    _publish_due(kafka_bootstrap, topics, [(f"warm-{i}", None) for i in range(8)])
+    _wait_produced(worker, 8)  # 8 answers: the pool's latency is now known (0.5 s)
+    _publish_due(kafka_bootstrap, topics, [("loose-0", None), ("loose-1", None)])
+    deadline = time.monotonic() + 30
+    while worker.pipeline.metrics.consumed < 10 and time.monotonic() < deadline:
+        time.sleep(0.005)  # both at the model: one running, one queued in the pool; a slot is free
+    sent = _publish_due(kafka_bootstrap, topics, [("hopeless", 0.35)])  # due before 0.5 s of model time
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
+    assert worker.stop() == 0
+
+    answers = _answers_in_order(kafka_bootstrap, topics.output)
+    order = [result.ticket_id for result, _ in answers]
+    hopeless, written_at = next((r, at) for r, at in answers if r.ticket_id == "hopeless")
+    assert hopeless.fallback and hopeless.fallback_reason == "overloaded"
+    # Answered before its deadline, ahead of the loose ticket still queued for the model: it never waited
+    # for a context (the model, reached in time or not, answers only after 0.5 s, past the deadline).
+    assert written_at < sent + 0.35
+    assert order.index("hopeless") < order.index("loose-1"), order
+    assert all(not r.fallback for r, _ in answers if r.ticket_id != "hopeless")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import datetime
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,22 @@ class Tickets:
     def record(self, index: int) -> tuple[bytes, bytes]:
         ticket_id = f"bench-{index}"
         return ticket_id.encode(), self._encode({"ticket_id": ticket_id, "body": self.text(index)})
+
+
+class DueTickets(Tickets):
+    """Tickets with a `metadata.deadline_at` set when `record` is called (i.e. when it is produced): even
+    ones due `tight_s` later, odd ones `loose_s` later."""
+
+    def __init__(self, tight_s: float, loose_s: float) -> None:
+        super().__init__()
+        self.budgets = (tight_s, loose_s)
+
+    def record(self, index: int) -> tuple[bytes, bytes]:
+        ticket_id = f"bench-{index}"
+        due = datetime.datetime.fromtimestamp(time.time() + self.budgets[index % 2], datetime.UTC)
+        metadata = {"deadline_at": due.isoformat()}
+        ticket = {"ticket_id": ticket_id, "body": self.text(index), "metadata": metadata}
+        return ticket_id.encode(), self._encode(ticket)
 
 
 def loader(bootstrap: str) -> confluent_kafka.Producer:
@@ -278,13 +295,16 @@ def rss_bytes(pid: int) -> int:
 
 
 class Worker:
-    """`triage-worker run` with default settings (only bootstrap, topics and group set), JSON logs in a file.
+    """`triage-worker run` with default settings (only bootstrap, topics, group and `args` set), JSON logs in
+    a file.
 
     It runs in its own session, so a Ctrl-C of the bench does not reach it and `stop` can end its whole
     process group (pool processes included) whatever state it is in.
     """
 
-    def __init__(self, bootstrap: str, topics: Topics, group: str, log_path: Path) -> None:
+    def __init__(
+        self, bootstrap: str, topics: Topics, group: str, log_path: Path, args: Sequence[str] = ()
+    ) -> None:
         self.log_path = log_path
         command = [
             sys.executable,
@@ -305,6 +325,7 @@ class Worker:
             "json",
             "--metrics-interval",
             "1",
+            *args,
         ]
         # Defaults mean defaults: no TRIAGE_* or KAFKA_* variable of the caller's shell reaches the worker.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}

@@ -22,7 +22,11 @@ options. P2's baseline is `open_pool` with default inference settings, every tex
 drained with poll. P3's baseline is one process, a new Generator with the whole prompt per ticket,
 schema-guided generation, batch 1. CPU is user+system time of the process tree (/proc) over the same
 window. P4 offers each load for a fixed time against one worker with default settings and lets the backlog
-drain before the next level; "deadline fallbacks" are `deadline_exceeded` + `overloaded`."""
+drain before the next level; "deadline fallbacks" are `deadline_exceeded` + `overloaded`. P5 runs two workers
+that differ only in `--scheduling` (both with `--max-in-flight` sized to hold a level's backlog at 150 % and
+`--deadline-ms` = the loose budget) and offers each level to one, lets it drain, then to the other; a miss is
+a ticket answered `overloaded` or `deadline_exceeded`, or classified after its `deadline_at` (output record
+timestamp)."""
 
 
 def epoch(timestamp: str) -> float:
@@ -72,6 +76,36 @@ def _spread(baseline: dict[str, Any]) -> str:
 
 def _reasons(fallbacks: dict[str, int]) -> str:
     return ", ".join(f"{reason} {count}" for reason, count in sorted(fallbacks.items())) or "none"
+
+
+def _ratio(value: int, baseline: int) -> str:
+    return "n/a" if baseline == 0 else f"{value / baseline:.2f}x"
+
+
+def _p5_side(name: str, level: dict[str, Any]) -> str:
+    return (
+        f"{name}: {level['missed']:,} of {level['tickets']:,} missed ({level['missed_tight']:,} tight, "
+        f"{level['missed_loose']:,} loose); {level['in_time']:,} classified in time"
+    )
+
+
+def _p5_rows(p5: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    found = []
+    due = f"half the tickets due {p5['tight_s']:g} s after produced, half {p5['loose_s']:g} s"
+    for fifo, edf in zip(p5["fifo"]["levels"], p5["edf"]["levels"], strict=True):
+        misses, in_time = _ratio(edf["missed"], fifo["missed"]), _ratio(edf["in_time"], fifo["in_time"])
+        found.append(
+            (
+                f"P5 at {fifo['load_pct']} %: deadline misses, EDF vs FIFO ({due}; "
+                f"max_in_flight {p5['max_in_flight']})",
+                _p5_side("FIFO", fifo),
+                _p5_side("EDF", edf),
+                f"misses {misses}; in time {in_time}",
+                "fewer misses",
+                "-" if fifo["missed"] == 0 else _met(edf["missed"] < fifo["missed"]),
+            )
+        )
+    return found
 
 
 def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
@@ -178,6 +212,7 @@ def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             "0 lost",
             _met(p4["lost"] == 0),
         ),
+        *_p5_rows(figures["p5"]),
     ]
 
 
@@ -210,6 +245,23 @@ def markdown(figures: dict[str, Any]) -> str:
             f"| {_reasons(level['fallbacks'])} | {level['in_flight_peak']} "
             f"| {'n/a' if rss is None else f'{rss / MB:,.0f} MB'} |"
         )
+    p5 = figures["p5"]
+    lines += [
+        "",
+        f"P5 per level (capacity {p5['capacity']:,.1f} tickets/s, {p5['seconds_per_level']:g} s per level):",
+        "",
+        "| load | scheduling | tickets | missed: tight / loose | of them classified late "
+        "| classified in time | other fallbacks | lost, duplicates |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("fifo", "edf"):
+        run = p5[mode]
+        for level in run["levels"]:
+            lines.append(
+                f"| {level['load_pct']} % | {mode} | {level['tickets']:,} "
+                f"| {level['missed_tight']:,} / {level['missed_loose']:,} | {level['late']:,} "
+                f"| {level['in_time']:,} | {level['other']:,} | {run['lost']}, {run['duplicates']} |"
+            )
     lines += ["", "![latency vs load](bench-latency.png)", "", "![RSS and in-flight](bench-timeline.png)", ""]
     return "\n".join(lines)
 

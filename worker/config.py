@@ -30,6 +30,7 @@ PoolKind = Literal["process", "thread", "batch"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["console", "json"]
 Guarantee = Literal["at_least_once", "exactly_once"]
+Scheduling = Literal["edf", "fifo"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
@@ -71,6 +72,8 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     # unique among live workers (two with one id fence each other) and should survive a restart of the same
     # instance, so that the restart aborts the crashed instance's open transaction at once.
     transactional_id: Annotated[str, msgspec.Meta(min_length=1, max_length=249)] | None = None
+    # Which waiting ticket goes to the model next: earliest deadline first, or arrival order.
+    scheduling: Scheduling = "edf"
 
     def __post_init__(self) -> None:
         if self.resume_below is not None and self.resume_below >= self.max_in_flight:

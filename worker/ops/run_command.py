@@ -74,6 +74,11 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
         "pipeline.transactional_id",
         "exactly_once: this worker's transactional.id, unique among live workers (default <group>-<host>)",
     ),
+    (
+        "--scheduling",
+        "pipeline.scheduling",
+        "edf | fifo: tickets go to the model earliest deadline first, or in arrival order (default edf)",
+    ),
     ("--model", "inference.model", "ORT GenAI model folder (default models/triage-mini)"),
     ("--taxonomy", "inference.taxonomy", "taxonomy TOML (default: the model's taxonomy.toml)"),
     ("--mode", "inference.mode", "score | generate (default score)"),

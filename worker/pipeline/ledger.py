@@ -1,8 +1,12 @@
 """Where each record taken from Kafka is until the broker acknowledged what the pipeline wrote for it.
 
-A record (`Work`) is *waiting* for the model (in arrival order), *at the model* under a request id, or
-*produced* and awaiting its delivery report under a delivery id. Once acknowledged it leaves the ledger; the
-offset tracker holds its offset until a commit passes it.
+A record (`Work`) is *waiting* for the model, *at the model* under a request id, or *produced* and awaiting
+its delivery report under a delivery id. Once acknowledged it leaves the ledger; the offset tracker holds its
+offset until a commit passes it.
+
+Waiting records go to the model earliest deadline first (`pipeline.scheduling = "edf"`; ties and `"fifo"`
+in arrival order): under load a ticket whose producer asked for an early `deadline_at` is not stuck behind
+ones that can wait. A revoked partition's records go before all others (see `first_to_model`).
 
 In order (exactly-once mode), a record's output is *held* until every earlier record of its partition has
 been produced: a transaction must only contain outputs of offsets it also commits (see `transactions.py`).
@@ -15,11 +19,12 @@ reports still arrive, hold memory until then and count as in flight, but their r
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
-import math
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+from worker.config import Scheduling
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
 
@@ -38,6 +43,11 @@ class Output:
     # For a dead letter written smaller: the bytes of the original left out, and how often it was sent so.
     omitted: int = 0
     shrunk: int = 0
+
+
+# Heap entries of records no longer waiting are skipped when they surface; a heap is rebuilt without them
+# once they outnumber the waiting records (plus this slack), which keeps every operation amortised O(log n).
+_STALE_SLACK = 64
 
 
 @dataclass(eq=False, slots=True)
@@ -70,15 +80,19 @@ class Work:
 class Ledger:
     """The records between poll and acknowledgement, by where they are."""
 
-    def __init__(self, in_order: bool = False) -> None:
+    def __init__(self, scheduling: Scheduling = "edf", in_order: bool = False) -> None:
+        self._edf = scheduling == "edf"
         self._in_order = in_order
         # In order: each partition's records in consume order, up to the first one not yet produced.
-        self._order: dict[PartitionOffsets, collections.deque[Work]] = {}
+        self._partition_order: dict[PartitionOffsets, collections.deque[Work]] = {}
         self._held = 0
-        self._waiting: collections.deque[Work] = collections.deque()
-        # No waiting record's deadline is earlier than this (it may be stale-early after a removal): lets
-        # `expired` answer in O(1) on almost every turn instead of scanning the queue.
-        self._earliest = math.inf
+        # Waiting records by arrival number; the heaps hold arrival numbers.
+        self._waiting: dict[int, Work] = {}
+        # Service order: (0 for a revoked partition's records else 1, deadline (0 for FIFO), arrival).
+        self._order: list[tuple[int, float, int]] = []
+        # Expiry order: (deadline, arrival).
+        self._deadlines: list[tuple[float, int]] = []
+        self._arrivals = itertools.count()
         self._at_model: dict[int, Work] = {}
         self._produced: dict[int, Work] = {}
         self._ids = itertools.count()
@@ -89,7 +103,7 @@ class Ledger:
     def taken(self, work: Work) -> None:
         """A record was taken (in order: it holds back the outputs of its partition's later records)."""
         if self._in_order:
-            self._order.setdefault(work.state, collections.deque()).append(work)
+            self._partition_order.setdefault(work.state, collections.deque()).append(work)
 
     def hold(self, work: Work, output: Output) -> None:
         """In order: keep `output` until `release` says it may be produced."""
@@ -100,39 +114,56 @@ class Ledger:
         """In order: the held records whose partition's earlier records are all produced, in offset order;
         the caller produces their `output` now."""
         ready: list[Work] = []
-        for queue in self._order.values():
+        for queue in self._partition_order.values():
             while queue and queue[0].output is not None:
                 ready.append(queue.popleft())
         self._held -= len(ready)
         return ready
 
+    @property
+    def held(self) -> int:
+        return self._held
+
     # -- waiting for the model ----------------------------------------------------------------------------
 
     def wait(self, work: Work) -> None:
-        self._waiting.append(work)
-        self._earliest = min(self._earliest, work.deadline)
+        arrival = next(self._arrivals)
+        self._waiting[arrival] = work
+        heapq.heappush(self._order, (1, work.deadline if self._edf else 0.0, arrival))
+        heapq.heappush(self._deadlines, (work.deadline, arrival))
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
     def next_waiting(self) -> Work | None:
-        return self._waiting.popleft() if self._waiting else None
+        """The waiting record to serve next, taken out (None when none waits)."""
+        while self._order:
+            work = self._waiting.pop(heapq.heappop(self._order)[2], None)
+            if work is not None:
+                self._drop_stale()
+                return work
+        return None
 
     def expired(self, now: float) -> list[Work]:
-        """Take out the waiting records whose deadline has passed (their order is kept)."""
-        if now < self._earliest:
-            return []
-        late = [work for work in self._waiting if work.deadline <= now]
-        self._set_waiting([work for work in self._waiting if work.deadline > now])
+        """Take out the waiting records whose deadline has passed, earliest deadline first."""
+        late = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            work = self._waiting.pop(heapq.heappop(self._deadlines)[1], None)
+            if work is not None:
+                late.append(work)
+        if late:
+            self._drop_stale()
         return late
 
     def first_to_model(self, keys: Collection[TopicPartitionKey]) -> None:
-        """Move the waiting records of `keys` to the front (on revoke they must finish first)."""
-        leaving = [work for work in self._waiting if work.partition_key in keys]
-        if leaving:
-            staying = [work for work in self._waiting if work.partition_key not in keys]
-            self._set_waiting(leaving + staying)
+        """Serve the waiting records of `keys` before all others (on revoke they must finish first)."""
+        self._order = [
+            (0 if self._waiting[arrival].partition_key in keys else rank, order, arrival)
+            for rank, order, arrival in self._order
+            if arrival in self._waiting
+        ]
+        heapq.heapify(self._order)
 
     # -- at the model -------------------------------------------------------------------------------------
 
@@ -162,6 +193,11 @@ class Ledger:
         """The record a delivery report belongs to (None for an unknown id); an orphan leaves the count."""
         return self._release(self._produced.pop(delivery_id, None))
 
+    @property
+    def at_producer(self) -> int:
+        """Records produced and awaiting their delivery report."""
+        return len(self._produced)
+
     def forget_produced(self) -> None:
         """The producer was replaced: reports for what it holds will never come (its records are orphans of
         an aborted transaction)."""
@@ -178,34 +214,31 @@ class Ledger:
         """This worker no longer owns `keys`: drop their waiting records, orphan the rest; returns how
         many were dropped."""
         before = len(self._waiting) + self._held
-        self._set_waiting([work for work in self._waiting if work.partition_key not in keys])
-        for state in [state for state in self._order if state.key in keys]:
-            self._held -= sum(1 for work in self._order.pop(state) if work.output is not None)
+        self._waiting = {n: work for n, work in self._waiting.items() if work.partition_key not in keys}
+        self._drop_stale()
+        for state in [state for state in self._partition_order if state.key in keys]:
+            self._held -= sum(1 for work in self._partition_order.pop(state) if work.output is not None)
         for work in itertools.chain(self._at_model.values(), self._produced.values()):
             if not work.orphan and work.partition_key in keys:
                 work.orphan = True
                 self.orphans += 1
         return before - len(self._waiting) - self._held
 
-    def _set_waiting(self, works: list[Work]) -> None:
-        self._waiting = collections.deque(works)
-        self._earliest = min((work.deadline for work in works), default=math.inf)
-
-    @property
-    def held(self) -> int:
-        return self._held
-
-    @property
-    def at_producer(self) -> int:
-        """Records produced and awaiting their delivery report."""
-        return len(self._produced)
+    def _drop_stale(self) -> None:
+        limit = 2 * len(self._waiting) + _STALE_SLACK
+        if len(self._order) > limit:
+            self._order = [entry for entry in self._order if entry[2] in self._waiting]
+            heapq.heapify(self._order)
+        if len(self._deadlines) > limit:
+            self._deadlines = [entry for entry in self._deadlines if entry[1] in self._waiting]
+            heapq.heapify(self._deadlines)
 
     def is_empty(self) -> bool:
         return not (self._waiting or self._at_model or self._produced or self._held)
 
     def _unacknowledged(self) -> Iterator[Work]:
-        held = (work for queue in self._order.values() for work in queue if work.output is not None)
-        return itertools.chain(self._waiting, self._at_model.values(), self._produced.values(), held)
+        held = (work for queue in self._partition_order.values() for work in queue if work.output is not None)
+        return itertools.chain(self._waiting.values(), self._at_model.values(), self._produced.values(), held)
 
     def _release(self, work: Work | None) -> Work | None:
         # An orphan's answer is discarded and its report ends it: either way it leaves the ledger here.

@@ -6,8 +6,9 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 1. serves the producer's delivery reports (a record is *done* only once the broker acknowledged it);
 2. takes the pool's answers and produces one TriageResult per ticket;
 3. turns tickets whose deadline passed while they waited for the model into `overloaded` fallbacks;
-4. hands waiting tickets to the pool, at most `dispatch_window` at a time (the rest wait here, where their
-   deadline is watched);
+4. hands waiting tickets to the pool earliest deadline first (`pipeline.scheduling`), at most
+   `dispatch_window` at a time (the rest wait here, where their deadline is watched); while the pool is busy,
+   a ticket that cannot finish before its deadline given the pool's recent latency is answered `overloaded`;
 5. commits the highest contiguous done offset + 1 of each partition (periodically, or early when done work
    fills half of the bound) on the committer's thread, and applies the outcomes of earlier commits;
 6. at `max_in_flight` stops polling while a commit frees slots; when the bound holds for longer (a slow
@@ -76,6 +77,7 @@ from worker.messages import FallbackReason, TicketEvent, utc_timestamp
 from worker.pipeline.committer import CommitOutcome, Committer, consumer_commit, topic_partitions
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
+from worker.pipeline.latency import LatencyEstimate
 from worker.pipeline.ledger import Headers, Ledger, Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
@@ -163,7 +165,8 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics()
-        self._ledger = Ledger(in_order=self._transactions is not None)
+        self._ledger = Ledger(self._pipeline.scheduling, in_order=self._transactions is not None)
+        self._latency = LatencyEstimate()
         # Exactly-once: no records go into the transaction (a commit is due or on its way); why it must be
         # aborted; dead letters to write smaller when redone (source position → tries); partitions stopped
         # at their last commit because a record of theirs is refused every time.
@@ -226,6 +229,7 @@ class Pipeline:
             max_in_flight=self._pipeline.max_in_flight,
             resume_below=self._pipeline.resume_threshold,
             deadline_ms=self._pipeline.deadline_ms,
+            scheduling=self._pipeline.scheduling,
             dispatch_window=self._window,
             model=self._classifier.model_id,
             guarantee=self._pipeline.guarantee,
@@ -361,7 +365,10 @@ class Pipeline:
         while self._ledger.at_model < self._window and (work := self._ledger.next_waiting()) is not None:
             event = work.event
             assert event is not None  # only tickets wait for the model
-            if self._clock() >= work.deadline:
+            # A ticket the model would most likely not finish in time is answered now. With nothing at the
+            # model it is tried anyway: that costs no other ticket model time and keeps the estimate learning.
+            expected_s = self._latency.expected_s if self._ledger.at_model else 0.0
+            if self._clock() + expected_s >= work.deadline:
                 self._produce_fallback(work, event, "overloaded")
                 continue
             self.metrics.queue_wait.observe(self._clock() - work.polled_at)
@@ -384,6 +391,7 @@ class Pipeline:
             if work is None:
                 continue
             self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
+            self._latency.observe(answer)
             if work.orphan:
                 self.metrics.discarded_after_revoke += 1
                 continue
