@@ -45,6 +45,7 @@ class SwitchingClassifier:
 
     @property
     def current(self) -> ClassifierPool:
+        """The pool new tickets go to, without adopting a staged one (any thread may read it)."""
         return self._current
 
     def stage(self, pool: ClassifierPool) -> None:

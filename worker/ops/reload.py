@@ -34,7 +34,7 @@ from worker.inference.switch import SwitchingClassifier
 _log = structlog.get_logger("worker.reload")
 
 Outcome = Literal["succeeded", "failed"]
-CANARY_TICKET = "Where is my new card? I ordered it two weeks ago and it has not arrived."
+_CANARY_TICKET = "Where is my new card? I ordered it two weeks ago and it has not arrived."
 _CANARY_TIMEOUT_S = 60.0
 # How often the reload thread looks for requests: a signal handler cannot safely wake it.
 _REQUEST_CHECK_S = 0.2
@@ -152,7 +152,7 @@ class Reloader:
 def _canary(pool: ClassifierPool) -> Classification:
     """Classify one ticket on a pool nobody else uses yet."""
     deadline = time.monotonic() + _CANARY_TIMEOUT_S
-    pool.submit(ClassifyRequest(0, CANARY_TICKET, deadline))
+    pool.submit(ClassifyRequest(0, _CANARY_TICKET, deadline))
     while time.monotonic() < deadline:
         for request_id, answer in pool.poll(0.5):
             if request_id == 0:
