@@ -112,7 +112,9 @@ class Worker:
         settings: dict[str, str] | None = None,
         args: tuple[str, ...] = (),
         slow_model_s: float = 0.0,
+        model: Path | None = TINY_MODEL,
     ) -> None:
+        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`)."""
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
         sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
@@ -132,8 +134,7 @@ class Worker:
             topics.dead_letter,
             "--group-id",
             group,
-            "--model",
-            str(TINY_MODEL),
+            *(["--model", str(model)] if model is not None else []),
             "--log-format",
             "json",
             "--metrics-interval",

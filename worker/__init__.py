@@ -8,13 +8,14 @@ The code is in four rooms, one folder each, plus a few shared modules; each room
   development broker. Imports only the shared modules.
 - ``worker/inference`` (inference): loads an ORT GenAI model, builds the prompt from a taxonomy, scores or
   generates an answer in prefix-reusing contexts, and serves them from a pool. Its contract is a
-  `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`.
-  Imports only the shared modules.
+  `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`;
+  the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. Imports only the shared
+  modules.
 - ``worker/pipeline`` (the pipeline): the consumer loop (`runner.Pipeline`): the in-flight bound, deadlines,
   the ledger of records between poll and acknowledgement, offsets committed only over a finished prefix, on
   a committer thread. Imports the shared modules and `worker.kafka`; never ONNX Runtime.
 - ``worker/ops`` (operations): the CLI commands, replay of dead letters, sample tickets, metrics and health
-  endpoints, model training and evaluation. May import everything.
+  endpoints, hot reload of the model (`reload`), model training and evaluation. May import everything.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `logs`, `errors`.
 

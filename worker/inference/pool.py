@@ -396,6 +396,8 @@ def _worker_main(
 ) -> None:
     """Entry point of a worker process: load, warm, then answer requests until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    if hasattr(signal, "SIGHUP"):  # a hang-up reloads the parent's model (a terminal's reaches us too)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     if initializer is not None:
         initializer()
     from worker.logs import configure_logging

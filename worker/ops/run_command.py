@@ -2,7 +2,8 @@
 
 Every pipeline, topic, inference and log setting has a flag here; flags beat `--set`, which beats the
 environment and the `--config` file (see worker/config.py). The process runs until SIGTERM/SIGINT, then
-shuts down gracefully (exit 0); a second signal exits at once (exit 128+signal).
+shuts down gracefully (exit 0); a second signal exits at once (exit 128+signal). SIGHUP (and `POST /reload`
+when metrics.port is set) reloads the model without leaving the group (see worker/ops/reload.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from worker.config import (
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
+from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import KafkaClients, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.ops.reload import Reloader
 from worker.ops.telemetry import WorkerTelemetry
 from worker.pipeline.runner import Pipeline
 
@@ -159,21 +162,34 @@ def run(args: argparse.Namespace) -> int:
     _check_topics(settings)
     taxonomy, _ = resolve_taxonomy(settings.inference)
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
-    pool = open_pool(settings.inference, settings.log)
+    # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
+    reloader = Reloader(
+        settings,
+        lambda: settings_from_args(args, _overrides(args)),
+        taxonomy.fallback_label,
+        telemetry.reloaded,
+    )
+    if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
+        # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
+    classifier = SwitchingClassifier(open_pool(settings.inference, settings.log))
     try:
         pipeline = Pipeline(
             settings,
-            pool,
+            classifier,
             taxonomy.fallback_label,
             dispatch_window=dispatch_window(settings),
             metrics_interval_s=args.metrics_interval,
             clients=KafkaClients(settings, librdkafka_logger()),
         )
-        telemetry.attach(pipeline.metrics, pool.model_id, pool.size)
+        telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
+        telemetry.serve_reload(lambda: reloader.request("POST /reload"))
         _install_signal_handlers(pipeline)
+        reloader.start(classifier)
         return pipeline.run()
     finally:
-        pool.close()
+        reloader.close()
+        classifier.close()
         telemetry.close()
 
 

@@ -9,6 +9,8 @@ background thread with its own admin client, so a probe never waits on the broke
   the loop starts (model loading) it is 200: restarting a loading worker would only load it again.
 - `/readyz` (readiness): 200 once the model pool is warm, the broker answers, and the consumer has joined its
   group; otherwise 503 with the failing checks in the JSON body.
+- `POST /reload` (the worker only): starts a hot reload of the model and answers 202 at once; the outcome
+  goes to the logs and `triage_reloads_total{outcome}` (see worker/ops/reload.py).
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from worker import __version__
-from worker.config import MetricsSettings, Settings
+from worker.config import InferenceSettings, MetricsSettings, Settings
 from worker.errors import UserError
-from worker.inference.pool import default_pool_kind, default_pool_size
+from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics
 
@@ -89,6 +91,8 @@ class TelemetryServer:
         assert settings.port is not None
         self._metrics_app = make_wsgi_app(registry)
         self._probes = probes
+        # What `POST /reload` calls (it must not block); None: the path does not exist.
+        self.reload: Callable[[], None] | None = None
         try:
             self._server = wsgiref.simple_server.make_server(
                 settings.host, settings.port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler
@@ -117,6 +121,13 @@ class TelemetryServer:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return self._metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        if path == "/reload" and self.reload is not None:
+            if environ.get("REQUEST_METHOD") != "POST":
+                start_response("405 Method Not Allowed", [("Allow", "POST"), ("Content-Type", "text/plain")])
+                return [b"POST /reload starts a reload\n"]
+            self.reload()
+            start_response("202 Accepted", [("Content-Type", "application/json")])
+            return [b'{"status": "accepted", "outcome": "see the logs and triage_reloads_total"}\n']
         probe: Callable[[], tuple[bool, dict[str, Any]]] | None = {
             "/healthz": self._probes.live,
             "/readyz": self._probes.ready,
@@ -187,6 +198,7 @@ class WorkerProbes(Probes):
         # Contexts the pool is configured with, and how many are warm (0 until the pool has started).
         self.pool_contexts: int | None = None
         self.warm_contexts = 0
+        self.reloads: dict[str, int] = {"succeeded": 0, "failed": 0}
 
     def loop_age(self) -> float | None:
         """Seconds since the consumer loop last turned; None before its first turn."""
@@ -264,6 +276,12 @@ class PipelineCollector(Collector):
             "Contexts loaded and warmed (0 while the pool starts).",
             self._probes.warm_contexts,
         )
+        reloads = CounterMetricFamily(
+            "triage_reloads", "Hot reloads of the model, by outcome.", labels=["outcome"]
+        )
+        for outcome, count in sorted(self._probes.reloads.items()):
+            reloads.add_metric([outcome], count)
+        yield reloads
         metrics = self._probes.metrics
         if metrics is None:
             return
@@ -384,6 +402,23 @@ class WorkerTelemetry:
         self.info["model"] = model_id
         self.probes.pool_contexts = self.probes.warm_contexts = pool_contexts
         self.probes.metrics = metrics
+
+    def serve_reload(self, request: Callable[[], None]) -> None:
+        """Answer `POST /reload` by calling `request` (which must return at once)."""
+        if self.server is not None:
+            self.server.reload = request
+
+    def reloaded(
+        self, outcome: str, inference: InferenceSettings | None, pool: ClassifierPool | None
+    ) -> None:
+        """Count a reload; a new pool's model and contexts are what runs from now on."""
+        if self.probes is None:
+            return
+        self.probes.reloads[outcome] += 1
+        if inference is not None and pool is not None:
+            kind = default_pool_kind(inference)
+            self.info.update(model=pool.model_id, mode=inference.mode, provider=inference.provider, pool=kind)
+            self.probes.pool_contexts = self.probes.warm_contexts = pool.size
 
     def close(self) -> None:
         if self.server is not None:

@@ -1,0 +1,168 @@
+"""Hot reload: on request (SIGHUP, `POST /reload`), load the configured model and taxonomy into a new pool
+and switch new tickets to it, without leaving the consumer group.
+
+The settings are read again the way `run` read them (flags > --set > environment > --config file), so an
+edited TOML file or a remounted ConfigMap takes effect. Only the inference settings change a running
+worker; any other change is logged as ignored (it needs a restart).
+
+A reload runs on a thread of its own: loading and warming a pool takes seconds, and the consumer loop must
+keep polling meanwhile. Before the switch the new pool must pass what the running one passed at start: it
+loads (each context checks at load that the prompt's shared prefix tokenises the same alone as inside the
+whole prompt, or prefix reuse would be wrong), and a canary ticket gets an intent of the new taxonomy
+without a fallback. A reload that fails logs `reload_failed` with the reason, closes what it started and
+leaves the running pool as it was. Requests that arrive while one loads are coalesced into one more reload
+after it (it reads the settings again, so the last edit wins).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import structlog
+
+from worker.classification import Classification, ClassifyRequest, FallbackLabel
+from worker.config import InferenceSettings, Settings
+from worker.errors import UserError
+from worker.inference.loading import resolve_taxonomy
+from worker.inference.pool import ClassifierPool, open_pool
+from worker.inference.switch import SwitchingClassifier
+
+_log = structlog.get_logger("worker.reload")
+
+Outcome = Literal["succeeded", "failed"]
+_CANARY_TICKET = "Where is my new card? I ordered it two weeks ago and it has not arrived."
+_CANARY_TIMEOUT_S = 60.0
+# How often the reload thread looks for requests: a signal handler cannot safely wake it.
+_REQUEST_CHECK_S = 0.2
+_SECTIONS = ("kafka", "topics", "pipeline", "log", "metrics")
+
+
+class ReloadError(UserError):
+    """A check the new pool failed; the message is the one-line reason that gets logged."""
+
+
+class Reloader:
+    """Owns the reload thread. `load` gives the settings as configured now; `fallback` is the label the
+    pipeline gives its own fallbacks (fixed at start); `on_outcome` hears each result (for metrics), with the
+    new pool and its settings on success."""
+
+    def __init__(
+        self,
+        running: Settings,
+        load: Callable[[], Settings],
+        fallback: FallbackLabel,
+        on_outcome: Callable[[Outcome, InferenceSettings | None, ClassifierPool | None], None] | None = None,
+    ) -> None:
+        self._running = running
+        self._load = load
+        self._fallback = fallback
+        self._on_outcome = on_outcome
+        self._sources: list[str] = []  # who asked since the last reload began
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def request(self, source: str) -> None:
+        """Ask for a reload. Safe in a signal handler: one atomic append, no lock, no logging (a handler
+        runs on the main thread between any two bytecodes, maybe while that thread holds a lock)."""
+        self._sources.append(source)
+
+    def start(self, switch: SwitchingClassifier) -> None:
+        """Serve requests (including any made before this) by staging new pools on `switch`."""
+        self._thread = threading.Thread(target=self._serve, args=(switch,), name="reloader", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving requests. A reload still loading is abandoned: the switch, closed by then, closes
+        its pool when it is staged."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _serve(self, switch: SwitchingClassifier) -> None:
+        while not self._stop.wait(_REQUEST_CHECK_S):
+            if self._sources:
+                sources = [self._sources.pop() for _ in range(len(self._sources))]
+                self.reload(switch, sources)
+
+    def reload(self, switch: SwitchingClassifier, sources: list[str] | None = None) -> bool:
+        """One reload, on the calling thread; True when a new pool was staged."""
+        started = time.monotonic()
+        _log.info("reload_started", requested_by=sorted(set(sources or [])))
+        pool: ClassifierPool | None = None
+        try:
+            settings = self._load()
+            self._log_ignored(settings)
+            taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
+            if taxonomy.fallback_label != self._fallback:
+                raise ReloadError(
+                    f"the taxonomy's fallback label {_label(taxonomy.fallback_label)} differs from the "
+                    f"running {_label(self._fallback)}, used by the pipeline's own fallbacks: needs a restart"
+                )
+            pool = open_pool(settings.inference, settings.log)
+            answer = _canary(pool)
+            if answer.fallback or answer.intent not in taxonomy.labels:
+                raise ReloadError(
+                    f"canary ticket answered {answer.intent!r} "
+                    f"(fallback: {answer.fallback_reason or 'no'}), not an intent of {taxonomy_path}"
+                )
+        except Exception as error:  # whatever goes wrong, the running pool stays
+            if pool is not None:
+                pool.close()
+            # A UserError's message is written for the operator; anything else also needs its kind.
+            reason = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+            _log.error("reload_failed", reason=_one_line(reason), effect="the running model stays")
+            if self._on_outcome is not None:
+                self._on_outcome("failed", None, None)
+            return False
+        self._running = msgspec.structs.replace(self._running, inference=settings.inference)
+        switch.stage(pool)
+        _log.info(
+            "reload_succeeded",
+            model=pool.model_id,
+            taxonomy=str(taxonomy_path),
+            mode=settings.inference.mode,
+            contexts=pool.size,
+            canary=answer.intent,
+            seconds=round(time.monotonic() - started, 2),
+        )
+        if self._on_outcome is not None:
+            self._on_outcome("succeeded", settings.inference, pool)
+        return True
+
+    def _log_ignored(self, settings: Settings) -> None:
+        """Name (never show: they may be secrets) the changed settings a reload does not apply."""
+        changed = []
+        for section in _SECTIONS:
+            before, after = getattr(self._running, section), getattr(settings, section)
+            if before == after:
+                continue
+            old = before if isinstance(before, dict) else msgspec.structs.asdict(before)
+            new = after if isinstance(after, dict) else msgspec.structs.asdict(after)
+            changed += [
+                f"{section}.{key}" for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)
+            ]
+        if changed:
+            _log.warning("reload_ignored_settings", settings=changed, effect="they need a restart")
+
+
+def _canary(pool: ClassifierPool) -> Classification:
+    """Classify one ticket on a pool nobody else uses yet."""
+    deadline = time.monotonic() + _CANARY_TIMEOUT_S
+    pool.submit(ClassifyRequest(0, _CANARY_TICKET, deadline))
+    while time.monotonic() < deadline:
+        for request_id, answer in pool.poll(0.5):
+            if request_id == 0:
+                return answer
+    raise ReloadError(f"canary ticket not answered within {_CANARY_TIMEOUT_S:.0f} s")
+
+
+def _label(label: FallbackLabel) -> str:
+    return f"{label.intent}/{label.priority}"
+
+
+def _one_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "unknown error"
