@@ -32,6 +32,7 @@ from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer
 from worker.messages import ShadowResult
 from worker.ops.cli import main
+from worker.ops.run_command import SHADOW_NICENESS
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
 
@@ -54,6 +55,12 @@ def _primary_answers(bootstrap: str, topics: Topics) -> dict[tuple[int, int], tu
 def _side_records(bootstrap: str, topic: str) -> list[ShadowResult]:
     decoder = msgspec.json.Decoder(ShadowResult)
     return [decoder.decode(message.value() or b"") for message in _read_all(bootstrap, topic)]
+
+
+def _children_niceness(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    # /proc/PID/stat: the fields after the ")" that ends the name start at field 3; nice is field 19.
+    return [int(Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[16]) for c in children]
 
 
 def _settled(worker: Worker, timeout: float) -> None:
@@ -87,6 +94,8 @@ def test_the_shadow_changes_no_primary_result_and_its_side_topic_and_report_add_
     worker = Worker(kafka_bootstrap, topics, group, tmp_path, "shadowed", shadow_sets)
     try:
         worker.wait_for("pipeline_started", timeout=120)
+        # The shadow's one process runs at a lower CPU priority than the primary's.
+        assert _children_niceness(worker.process.pid).count(SHADOW_NICENESS) == 1
         wait_until_committed(kafka_bootstrap, group, topics.input, timeout=240, worker=worker)
         _settled(worker, timeout=120)
         assert worker.stop() == 0
