@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
@@ -181,7 +181,8 @@ def read_side_topic(
             f"side topic {topic!r} does not exist on {bootstrap} (set it with --topic or topics.shadow)"
         )
     # The user's connection options; a group id only because librdkafka wants one (assign joins no group).
-    overrides = {"group.id": f"{settings.pipeline.group_id}.shadow-report"}
+    # End-of-partition events end a partition whose last offsets hold no record (compaction, markers).
+    overrides = {"group.id": f"{settings.pipeline.group_id}.shadow-report", "enable.partition.eof": "true"}
     consumer = kafka_call(
         "create a consumer", lambda: create_consumer(settings, overrides=overrides), settings.kafka
     )
@@ -225,6 +226,9 @@ def _consume_until(
         for message in consumer.consume(num_messages=500, timeout=0.5):
             error = message.error()
             if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    ends.pop(message.partition(), None)
+                    continue
                 if error.fatal():
                     raise UserError(f"Kafka: consumer failed: {error.str()}")
                 continue  # transient (a broker moving); librdkafka retries by itself
