@@ -188,7 +188,7 @@ def test_side_records_not_delivered_are_counted_never_retried_or_waited_for(prod
 def _side_record(offset: int, primary: str, shadow: str, fallback: bool = False) -> bytes:
     event = TicketEvent(ticket_id=f"T{offset}", body="b")
     source = SourcePosition(topic="in", partition=offset % 2, offset=offset)
-    record = shadow_record(event, _answer(shadow, fallback), source, _answer(primary, model="primary"), "")
+    record = shadow_record(event, _answer(shadow, fallback), source, _answer(primary, model="primary"))
     return msgspec.json.encode(record)
 
 

@@ -35,10 +35,9 @@ from worker.kafka.clients import produce
 from worker.messages import ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.ledger import Headers
 from worker.pipeline.metrics import ShadowMetrics
-from worker.pipeline.records import triage_result
+from worker.pipeline.records import encode_result, triage_result
 
 _log = structlog.get_logger("worker.shadow")
-_ENCODER = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +74,6 @@ class Shadow:
         self._ids = itertools.count()
         self.metrics = ShadowMetrics()
 
-    @property
-    def model_id(self) -> str:
-        return self._classifier.model_id
-
     def offer(
         self,
         event: TicketEvent,
@@ -102,7 +97,7 @@ class Shadow:
         """Take the answers that are ready (no waiting), write their side records, serve delivery reports."""
         if self._outstanding:
             answers = self._classifier.poll(0.0)
-            made_at = utc_timestamp() if answers else ""
+            made_at = utc_timestamp() if answers else None  # one clock read per batch
             for request_id, answer in answers:
                 offer = self._outstanding.pop(request_id, None)
                 if offer is not None:
@@ -121,7 +116,7 @@ class Shadow:
         self.metrics.delivery_failed += not_flushed
         _log.info("shadow_stopped", not_flushed=not_flushed, **self.metrics.snapshot())
 
-    def _answered(self, offer: _Offer, answer: Classification, made_at: str) -> None:
+    def _answered(self, offer: _Offer, answer: Classification, made_at: str | None) -> None:
         self.metrics.latency.observe(answer.latency_ms / 1000.0)
         if answer.fallback:
             self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
@@ -133,7 +128,7 @@ class Shadow:
             produce(
                 self._producer,
                 self._topic,
-                _ENCODER.encode(record),
+                encode_result(record),
                 offer.key,
                 offer.headers,
                 self._on_delivery,
@@ -152,10 +147,14 @@ class Shadow:
 
 
 def shadow_record(
-    event: TicketEvent, answer: Classification, source: SourcePosition, primary: Classification, made_at: str
+    event: TicketEvent,
+    answer: Classification,
+    source: SourcePosition,
+    primary: Classification,
+    classified_at: str | None = None,
 ) -> ShadowResult:
     """The side record: the shadow's TriageResult plus the primary's intent, priority and model."""
-    result = triage_result(event, answer, source, made_at or None)
+    result = triage_result(event, answer, source, classified_at)
     return ShadowResult(
         **msgspec.structs.asdict(result),
         primary_intent=primary.intent,
