@@ -37,6 +37,8 @@ from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+# Side records are never in the primary's transactions: either guarantee, the same promises.
+BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 
 
 def _group() -> str:
@@ -77,14 +79,19 @@ def _settled(worker: Worker, timeout: float) -> None:
     raise AssertionError(f"the shadow did not settle in {timeout}s:\n{worker.tail()}")
 
 
+@BOTH_GUARANTEES
 def test_the_shadow_changes_no_primary_result_and_its_side_topic_and_report_add_up(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    guarantee: str,
 ) -> None:
     topics = make_topics(unique_topic)
     count = 200
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=31)
     # Deadlines no loaded machine misses: the runs are compared by their models' answers.
-    sets = {"pipeline.deadline_ms": "120000"}
+    sets = {"pipeline.deadline_ms": "120000", "pipeline.guarantee": guarantee}
     plain = Topics(topics.input, unique_topic("triaged-plain"), unique_topic("dlq-plain", partitions=1))
     Worker(kafka_bootstrap, plain, _group(), tmp_path, "plain", sets).run_to_completion(timeout=240)
 
@@ -163,15 +170,20 @@ class _SilentShadow:
         return []
 
 
+@BOTH_GUARANTEES
 def test_a_shadow_that_never_answers_holds_back_no_result_and_no_commit(
-    kafka_bootstrap: str, unique_topic: Callable[..., str]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], guarantee: str
 ) -> None:
     topics = make_topics(unique_topic)
     count = 120
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.0, seed=32)
     group = _group()
     side = unique_topic("shadow")
-    settings = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group, "topics.shadow": side})
+    settings = settings_for(
+        kafka_bootstrap,
+        topics,
+        **{"pipeline.group_id": group, "topics.shadow": side, "pipeline.guarantee": guarantee},
+    )
     silent = _SilentShadow()
     shadow = Shadow(silent, 2, create_producer(settings), side, budget_s=2.0)
     outcome: dict[str, Any] = {}

@@ -16,6 +16,10 @@ It is off the critical path: the shadow never delays, changes or blocks a primar
   compared.
 - Rebalances change nothing here: a side record is about a ticket whose primary record was already produced;
   where the new owner redoes that ticket, it writes a second side record, as it writes a second primary one.
+- With `pipeline.guarantee = "exactly_once"` the side topic stays at-least-once: its producer is never
+  transactional (a transactional one would need the primary's transactions, or fence them), so a ticket
+  redone after an aborted transaction has a second side record while its aborted primary one stays unseen.
+  `shadow report` counts each source offset once.
 """
 
 from __future__ import annotations
