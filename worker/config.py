@@ -46,6 +46,8 @@ class TopicSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     input: TopicName = "tickets.raw"
     output: TopicName = "tickets.triaged"
     dead_letter: TopicName = "tickets.dlq"
+    # Side topic of the shadow model's answers (see `InferenceSettings.shadow_settings`).
+    shadow: TopicName = "tickets.triaged.shadow"
     partitions: PositiveInt = 3
     replication_factor: PositiveInt = 1
 
@@ -104,6 +106,32 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     pool_size: PositiveInt | None = None
     batch_size: PositiveInt = 8
     max_ticket_tokens: PositiveInt = 256
+    # A shadow model classifies every ticket the primary classified, off the critical path. Flat keys, not a
+    # nested table: settings are flattened to `section.key` (see `_split_key`). Any of the first three
+    # turns it on; what is unset is the primary's (see `shadow_settings`).
+    shadow_model: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    shadow_taxonomy: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    shadow_mode: InferenceMode | None = None
+    # One context by default: the shadow shares the cores with the primary and must not crowd it out.
+    shadow_pool_size: PositiveInt = 1
+
+    def shadow_settings(self) -> InferenceSettings | None:
+        """How the shadow model runs: these settings with the `shadow_*` keys applied; None when no shadow is
+        configured. A shadow model without a taxonomy of its own uses its folder's taxonomy.toml, as the
+        primary would: the primary's taxonomy names intents the other model may not know."""
+        if self.shadow_model is None and self.shadow_taxonomy is None and self.shadow_mode is None:
+            return None
+        inherited_taxonomy = None if self.shadow_model is not None else self.taxonomy
+        return msgspec.structs.replace(
+            self,
+            model=self.shadow_model or self.model,
+            taxonomy=self.shadow_taxonomy or inherited_taxonomy,
+            mode=self.shadow_mode or self.mode,
+            pool_size=self.shadow_pool_size,
+            shadow_model=None,
+            shadow_taxonomy=None,
+            shadow_mode=None,
+        )
 
 
 class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -426,6 +454,9 @@ _UNSET_HINTS = {
     "inference.taxonomy": "the model's own taxonomy.toml",
     "inference.pool": "the provider's default pool",
     "inference.pool_size": "chosen from the CPU count",
+    "inference.shadow_model": "no shadow, or the primary's model if another shadow_* key is set",
+    "inference.shadow_taxonomy": "the shadow model's taxonomy.toml",
+    "inference.shadow_mode": "the primary's mode",
     "metrics.port": "no HTTP endpoint",
 }
 

@@ -81,6 +81,17 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
     truncated: bool
 
 
+class ShadowResult(TriageResult, kw_only=True, frozen=True):
+    """On the shadow side topic: the shadow model's TriageResult for a ticket the primary classified, with the
+    primary's answer alongside. A subclass rather than an optional field of TriageResult, so the primary's
+    output contract (and every byte of its records) stays as it was; a reader of TriageResult ignores the
+    extra fields."""
+
+    primary_intent: Annotated[NonEmptyStr, msgspec.Meta(description="The primary model's intent.")]
+    primary_priority: Priority
+    primary_model: Annotated[str, msgspec.Meta(description="Id of the primary model.")]
+
+
 def utc_timestamp(moment: datetime.datetime | None = None) -> str:
     """RFC 3339 UTC with milliseconds, e.g. ``2024-05-01T12:30:00.123Z``: every time the worker writes."""
     when = moment or datetime.datetime.now(datetime.UTC)

@@ -113,8 +113,15 @@ class ClassifierPool(abc.ABC):
         self.close()
 
 
-def open_pool(settings: InferenceSettings, log_settings: LogSettings | None = None) -> ClassifierPool:
-    """Start the configured pool and return once every context is loaded and warmed (progress is logged)."""
+def open_pool(
+    settings: InferenceSettings,
+    log_settings: LogSettings | None = None,
+    initializer: Callable[[], None] | None = None,
+) -> ClassifierPool:
+    """Start the configured pool and return once every context is loaded and warmed (progress is logged).
+
+    `initializer` (picklable) runs first in each worker process of a process or batch pool (see
+    `ProcessPool`); a thread pool has none to run it in."""
     kind = default_pool_kind(settings)
     size = default_pool_size(settings, kind)
     log.info("starting classifier pool", pool=kind, size=size, model=settings.model, mode=settings.mode)
@@ -123,7 +130,9 @@ def open_pool(settings: InferenceSettings, log_settings: LogSettings | None = No
     if kind == "thread":
         pool = ThreadPool(settings, size)
     else:
-        pool = ProcessPool(settings, size, batch=kind == "batch", log_settings=log_settings)
+        pool = ProcessPool(
+            settings, size, batch=kind == "batch", log_settings=log_settings, initializer=initializer
+        )
     log.info("classifier pool ready", model=pool.model_id, seconds=round(time.monotonic() - started, 2))
     return pool
 

@@ -78,12 +78,11 @@ class TopicSpec:
     replication_factor: int
 
 
-def worker_topics(topics: TopicSettings) -> list[TopicSpec]:
-    """The input, output and dead-letter topics, all with the configured layout."""
-    return [
-        TopicSpec(name, topics.partitions, topics.replication_factor)
-        for name in dict.fromkeys((topics.input, topics.output, topics.dead_letter))
-    ]
+def worker_topics(topics: TopicSettings, shadow: bool = False) -> list[TopicSpec]:
+    """The input, output and dead-letter topics (and with `shadow`, the shadow's side topic), all with the
+    configured layout."""
+    names = (topics.input, topics.output, topics.dead_letter, *((topics.shadow,) if shadow else ()))
+    return [TopicSpec(name, topics.partitions, topics.replication_factor) for name in dict.fromkeys(names)]
 
 
 def create_topics(

@@ -66,7 +66,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     topic_actions = topics.add_subparsers(title="actions", metavar="ACTION", required=True)
     create = topic_actions.add_parser(
         "create",
-        help="create the input, output and dead-letter topics (existing ones are left alone)",
+        help=(
+            "create the input, output and dead-letter topics, and the shadow's side topic when a shadow is "
+            "configured (existing ones are left alone)"
+        ),
     )
     add_config_argument(create)
     create.set_defaults(handler=_create_topics)
@@ -144,7 +147,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _create_topics(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    specs = worker_topics(settings.topics)
+    specs = worker_topics(settings.topics, shadow=settings.inference.shadow_settings() is not None)
     outcomes = create_topics(settings.kafka, specs)
     for spec in specs:
         if outcomes[spec.name] == "created":

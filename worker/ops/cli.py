@@ -22,6 +22,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.demo_command",
     "worker.ops.classify_command",
     "worker.ops.replay_command",
+    "worker.ops.shadow_command",
     "worker.ops.broker_command",
     "worker.ops.config_command",
     "worker.ops.model_command",

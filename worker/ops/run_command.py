@@ -9,14 +9,18 @@ when metrics.port is set) reloads the model without leaving the group (see worke
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+import msgspec
 import structlog
 
 from worker.config import (
+    InferenceSettings,
     Settings,
     add_config_argument,
     masked_kafka_config,
@@ -24,16 +28,20 @@ from worker.config import (
 )
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
-from worker.inference.pool import default_pool_kind, default_pool_size, open_pool
+from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics
-from worker.kafka.clients import KafkaClients, producer_config
+from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, producer_config
 from worker.logs import configure_logging, librdkafka_logger
 from worker.ops.reload import Reloader
 from worker.ops.telemetry import WorkerTelemetry
 from worker.pipeline.runner import Pipeline
+from worker.pipeline.shadow import Shadow
 
 _log = structlog.get_logger("worker.run")
+# Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU
+# share of a nice-0 one when both want a core).
+SHADOW_NICENESS = 10
 
 # (flag, dotted settings key, type, help). Types are parsed by the settings loader, so flags take text.
 _FLAGS: tuple[tuple[str, str, str], ...] = (
@@ -89,6 +97,15 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--pool", "inference.pool", "process | thread | batch (default: per provider)"),
     ("--pool-size", "inference.pool_size", "contexts/worker processes (default: per CPU count)"),
     ("--intra-op-threads", "inference.intra_op_num_threads", "ONNX Runtime threads per context (default 1)"),
+    (
+        "--shadow-model",
+        "inference.shadow_model",
+        "shadow model folder: also classifies every classified ticket, off the critical path (default off)",
+    ),
+    ("--shadow-taxonomy", "inference.shadow_taxonomy", "shadow taxonomy (default: the shadow model's)"),
+    ("--shadow-mode", "inference.shadow_mode", "shadow's score | generate (default: the primary's)"),
+    ("--shadow-pool-size", "inference.shadow_pool_size", "shadow contexts (default 1)"),
+    ("--shadow-topic", "topics.shadow", "side topic of shadow answers (default tickets.triaged.shadow)"),
     ("--log-level", "log.level", "debug | info | warning | error (default info)"),
     ("--log-format", "log.format", "console | json (default console)"),
     ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here (default off; 0 = any free)"),
@@ -147,7 +164,10 @@ def _check_topics(settings: Settings) -> None:
     bootstrap = settings.kafka.get("bootstrap.servers", "")
     existing = existing_topics(producer_config(settings))
     topics = settings.topics
-    missing = [t for t in (topics.input, topics.output, topics.dead_letter) if t not in existing]
+    needed = [topics.input, topics.output, topics.dead_letter]
+    if settings.inference.shadow_settings() is not None:
+        needed.append(topics.shadow)
+    missing = [t for t in needed if t not in existing]
     if missing:
         raise UserError(
             f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with "
@@ -173,7 +193,15 @@ def run(args: argparse.Namespace) -> int:
         # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
         signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
     classifier = SwitchingClassifier(open_pool(settings.inference, settings.log))
+    shadow_pool: ClassifierPool | None = None
     try:
+        shadow = None
+        if (shadow_settings := settings.inference.shadow_settings()) is not None:
+            # Its processes run at a lower CPU priority: on shared cores the primary's contexts come first.
+            # (A partial of a builtin pickles by reference, so the spawned processes import nothing more.)
+            lower_priority = cast("Callable[[], None]", functools.partial(os.nice, SHADOW_NICENESS))
+            shadow_pool = open_pool(shadow_settings, settings.log, lower_priority)
+            shadow = _shadow(settings, shadow_settings, shadow_pool)
         pipeline = Pipeline(
             settings,
             classifier,
@@ -181,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
             dispatch_window=dispatch_window(settings),
             metrics_interval_s=args.metrics_interval,
             clients=KafkaClients(settings, librdkafka_logger()),
+            shadow=shadow,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
@@ -190,7 +219,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         reloader.close()
         classifier.close()
+        if shadow_pool is not None:
+            shadow_pool.close()
         telemetry.close()
+
+
+def _shadow(settings: Settings, shadow_settings: InferenceSettings, pool: ClassifierPool) -> Shadow:
+    """The shadow: its own pool and its own producer, so neither its model nor its records hold back the
+    primary's; at most its own dispatch window outstanding (the drop rule, see worker/pipeline/shadow.py)."""
+    window = dispatch_window(msgspec.structs.replace(settings, inference=shadow_settings))
+    producer = create_producer(settings, ClientErrorLog("shadow-producer"), librdkafka_logger())
+    _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)
+    return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
 
 
 def _install_signal_handlers(pipeline: Pipeline) -> None:

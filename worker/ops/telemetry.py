@@ -46,7 +46,7 @@ from worker.config import InferenceSettings, MetricsSettings, Settings
 from worker.errors import UserError
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.kafka.clients import ClientErrorLog, producer_config
-from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics
+from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics, ShadowMetrics
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
@@ -341,6 +341,53 @@ class PipelineCollector(Collector):
             "triage_loop_last_turn_age_seconds", "Seconds since the consumer loop last turned.",
             self._probes.loop_age(),
         )  # fmt: skip
+        if metrics.shadow is not None:
+            yield from _shadow_families(metrics.shadow)
+
+
+def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
+    """The shadow model's families. Intent labels come from the two taxonomies, so the pairs are bounded by
+    the product of their sizes, and only pairs seen are exported."""
+    yield CounterMetricFamily(
+        "triage_shadow_offered", "Classified tickets offered to the shadow model.", value=shadow.offered
+    )
+    dropped = CounterMetricFamily(
+        "triage_shadow_dropped",
+        "Tickets the shadow did not classify: full (at its bound) or shutdown (still at it on stop).",
+        labels=["reason"],
+    )
+    for reason, count in sorted(dict(shadow.dropped).items()):
+        dropped.add_metric([reason], count)
+    yield dropped
+    yield CounterMetricFamily(
+        "triage_shadow_agreed", "Shadow classifications with the primary's intent.", value=shadow.agreed
+    )
+    disagreed = CounterMetricFamily(
+        "triage_shadow_disagreed",
+        "Shadow classifications with another intent than the primary's, by intent pair.",
+        labels=["primary_intent", "shadow_intent"],
+    )
+    for (primary, other), count in sorted(dict(shadow.disagreed).items()):
+        disagreed.add_metric([primary, other], count)
+    yield disagreed
+    fallbacks = CounterMetricFamily(
+        "triage_shadow_fallbacks", "Shadow answers that were fallbacks (not compared).", labels=["reason"]
+    )
+    for reason, count in sorted(dict(shadow.fallback).items()):
+        fallbacks.add_metric([reason], count)
+    yield fallbacks
+    yield CounterMetricFamily(
+        "triage_shadow_produced", "Side records the broker acknowledged.", value=shadow.produced
+    )
+    yield CounterMetricFamily(
+        "triage_shadow_delivery_failed", "Side records not sent or not acknowledged.",
+        value=shadow.delivery_failed,
+    )  # fmt: skip
+    yield _gauge("triage_shadow_outstanding", "Tickets at the shadow model now.", shadow.outstanding)
+    yield _histogram(
+        "triage_shadow_latency_seconds", "Shadow model time per ticket, as its engine reports it.",
+        shadow.latency,
+    )  # fmt: skip
 
 
 def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:

@@ -76,6 +76,49 @@ class PartitionGauges:
 
 
 @dataclass
+class ShadowMetrics:
+    """The shadow model's side of things (see worker/pipeline/shadow.py); written by the consumer thread."""
+
+    # Tickets the primary classified and offered to the shadow; those not taken, by why (`full`: the shadow
+    # was at its bound; `shutdown`: still at the shadow when the worker stopped).
+    offered: int = 0
+    dropped: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Shadow classifications that named the primary's intent, and those that did not, by (primary, shadow).
+    agreed: int = 0
+    disagreed: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    # Shadow answers that were fallbacks (deadline, model error, ...), by reason: not compared.
+    fallback: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Side records the broker acknowledged, and those it did not (or that were never sent).
+    produced: int = 0
+    delivery_failed: int = 0
+    outstanding: int = 0
+    # The shadow model's own time per ticket, comparable with `PipelineMetrics.model_latency`.
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    def compared(self, primary_intent: str, shadow_intent: str) -> None:
+        if primary_intent == shadow_intent:
+            self.agreed += 1
+        else:
+            self.disagreed[(primary_intent, shadow_intent)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        disagreed = sum(self.disagreed.values())
+        compared = self.agreed + disagreed
+        return {
+            "offered": self.offered,
+            "dropped": dict(self.dropped),
+            "agreed": self.agreed,
+            "disagreed": disagreed,
+            "agreement": round(self.agreed / compared, 4) if compared else None,
+            "top_disagreements": {f"{p}->{s}": n for (p, s), n in self.disagreed.most_common(5)},
+            "fallback": dict(self.fallback),
+            "produced": self.produced,
+            "delivery_failed": self.delivery_failed,
+            "outstanding": self.outstanding,
+        }
+
+
+@dataclass
 class PipelineMetrics:
     consumed: int = 0
     # Records re-delivered for an offset already being processed (after a seek back); skipped.
@@ -108,6 +151,8 @@ class PipelineMetrics:
     # time.monotonic() of the loop's last turn (None before the first): what /healthz watches.
     loop_turned_at: float | None = None
     partitions: PartitionGauges = field(default_factory=PartitionGauges)
+    # Set when a shadow model runs.
+    shadow: ShadowMetrics | None = None
     _gauges_at: float = float("-inf")
 
     def dead_letter(self, error_type: str) -> None:
@@ -172,4 +217,5 @@ class PipelineMetrics:
             "in_flight_max": self.in_flight_max,
             "paused": self.paused,
             "rss_bytes": current_rss_bytes(),
+            **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {}),
         }

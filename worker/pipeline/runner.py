@@ -82,6 +82,7 @@ from worker.pipeline.ledger import Headers, Ledger, Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
 from worker.pipeline.records import encode_result, result_key, triage_result
+from worker.pipeline.shadow import Shadow
 from worker.pipeline.transactions import TransactionFailed, Transactions
 
 _log = structlog.get_logger("worker.pipeline")
@@ -123,7 +124,8 @@ class Pipeline:
     `settings` gives the topics and the pipeline's limits; `classifier` answers the tickets (any object with
     the `Classifier` contract); `fallback` is the label of records the model did not answer; at most
     `dispatch_window` tickets are at the classifier at once. `clients` builds the Kafka consumer and
-    producer (default: from `settings`).
+    producer (default: from `settings`). `shadow`, when given, is offered every classified ticket (see
+    worker/pipeline/shadow.py: it never holds back a result or a commit).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class Pipeline:
         clients: ClientFactory | None = None,
         metrics_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        shadow: Shadow | None = None,
     ) -> None:
         self._settings = settings
         self._pipeline = settings.pipeline
@@ -165,6 +168,9 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics()
+        self._shadow = shadow
+        if shadow is not None:
+            self.metrics.shadow = shadow.metrics
         self._ledger = Ledger(self._pipeline.scheduling, in_order=self._transactions is not None)
         self._latency = LatencyEstimate()
         # Exactly-once: no records go into the transaction (a commit is due or on its way); why it must be
@@ -299,6 +305,8 @@ class Pipeline:
             self._producer.poll(wait_s)
         self._expire_waiting()
         self._dispatch()
+        if self._shadow is not None:
+            self._shadow.serve()
 
     def _take(self, messages: list[confluent_kafka.Message]) -> None:
         now = self._clock()
@@ -403,6 +411,9 @@ class Pipeline:
             self._produce_result(
                 work, work.event, encode_result(triage_result(work.event, answer, work.source, made_at))
             )
+            if self._shadow is not None and not answer.fallback:
+                key = result_key(work.key, work.event)
+                self._shadow.offer(work.event, work.source, key, work.headers, answer)
 
     def _produce_fallback(self, work: Work, event: TicketEvent, reason: FallbackReason) -> None:
         self.metrics.fallback[reason] += 1
@@ -906,6 +917,8 @@ class Pipeline:
             self._commit_now(list(self._tracker))
         self._committer.close()
         self._consumer.close()
+        if self._shadow is not None:  # after the last commit: the shadow never holds one back
+            self._shadow.close(max(0.0, limit - self._clock()))
         self._log_metrics("final")
         if self._fatal is not None:
             _log.error("pipeline_failed", reason=self._fatal)
