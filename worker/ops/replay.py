@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from worker.config import Settings
+from worker.config import MASK, Settings, is_secret_key
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
@@ -361,17 +361,24 @@ class _Fatal(Exception):
 
 
 class _Abortable(Exception):
-    """A transactional call failed with an error that requires `abort_transaction`."""
+    """A transactional call failed with an error that requires `abort_transaction` (text: the client's)."""
 
 
-def _abortable_errors_raised(call: Callable[[], Any]) -> Any:
-    try:
-        return call()
-    except KafkaException as exception:
-        error = exception.args[0] if exception.args else None
-        if isinstance(error, KafkaError) and error.txn_requires_abort():
-            raise _Abortable from None
-        raise
+# How records that were queued or in flight when their transaction was aborted fail.
+_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+# What a producer whose transactional id another one took over hears, depending on the call.
+_FENCING = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+
+def _fatal_reason(error: KafkaError, group: str, kafka_config: Mapping[str, str]) -> str:
+    """One line for a fatal producer error, fencing named as what it means for a replay; no secret values."""
+    text = error.str()
+    for key, value in kafka_config.items():
+        if value and is_secret_key(key):
+            text = text.replace(value, MASK)
+    if error.code() in _FENCING:
+        return f"fenced: another replay of group {group} took over its transactional id ({text})"
+    return f"Kafka: the replay's producer failed: {text}"
 
 
 class _Commits(Protocol):
@@ -467,9 +474,13 @@ class _Transactions:
             self._open = True
 
     def refused(self, error: KafkaError) -> None:
-        if error.fatal() or error.code() == KafkaError._FATAL:
-            raise _Fatal(f"Kafka: the replay's transactional producer failed: {error.str()}")
-        if error.txn_requires_abort() or error.code() == KafkaError._STATE:
+        # A transaction in error refuses every record: _STATE when abortable, _FATAL (with no reason) when
+        # fenced. Aborting then rewinds, or raises _Fatal with the client's reason.
+        if (
+            error.code() in (KafkaError._STATE, KafkaError._FATAL)
+            or error.fatal()
+            or error.txn_requires_abort()
+        ):
             self._abort()
             raise _Rewind
 
@@ -500,22 +511,34 @@ class _Transactions:
 
     def _call(self, what: str, call: Callable[[], Any]) -> Any:
         try:
-            return kafka_call(what, partial(_abortable_errors_raised, call), self._kafka_config)
+            return kafka_call(what, partial(self._attempt, call), self._kafka_config)
         except _Abortable:
             self._abort()
             raise _Rewind from None
-        except UserError as error:
+        except UserError as error:  # retries ran out, or an error neither passing nor abortable
             raise _Fatal(str(error)) from None
 
+    def _attempt(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except KafkaException as exception:
+            error = exception.args[0] if exception.args else None
+            if isinstance(error, KafkaError) and error.txn_requires_abort():
+                raise _Abortable(error.str()) from None
+            if isinstance(error, KafkaError) and (error.fatal() or error.code() in _FENCING):
+                raise _Fatal(_fatal_reason(error, self._group, self._kafka_config)) from None
+            raise
+
     def _abort(self) -> None:
-        # First, so that delivery reports of the aborted records (served while it aborts) count for nothing.
+        # First: delivery reports of the aborted records (served while it aborts) then settle nothing.
         self.epoch += 1
         self._pending.clear()
         self._open = False
+        abort = partial(self._attempt, self._producer.abort_transaction)
         try:
-            kafka_call("abort the replay's transaction", self._producer.abort_transaction, self._kafka_config)
-        except UserError as error:
-            raise _Fatal(str(error)) from None
+            kafka_call("abort the replay's transaction", abort, self._kafka_config)
+        except (_Abortable, UserError) as error:
+            raise _Fatal(f"Kafka: cannot abort the replay's transaction: {error}") from None
 
 
 class _Replay:
@@ -529,6 +552,7 @@ class _Replay:
         should_stop: Callable[[], bool],
     ) -> None:
         self.options = options
+        self.kafka_config = settings.kafka
         self.observer = observer
         self.should_stop = should_stop
         self.summary = ReplaySummary(
@@ -611,9 +635,9 @@ class _Replay:
         except KafkaException as exception:
             # poll() and flush() raise a fatal client error themselves, e.g. fenced by another replay.
             cause = exception.args[0] if exception.args else None
-            if not (isinstance(cause, KafkaError) and cause.fatal()):
+            if not (isinstance(cause, KafkaError) and (cause.fatal() or cause.code() in _FENCING)):
                 raise
-            self.summary.fatal = f"Kafka: the replay's producer failed: {cause.str()}"
+            self.summary.fatal = _fatal_reason(cause, self.options.group, self.kafka_config)
         self.summary.committed = dict(self.committed)
 
     def _assign(self, positions: dict[int, int]) -> None:
@@ -714,7 +738,11 @@ class _Replay:
 
         def delivered(error: Any, _message: Any) -> None:
             if epoch != self.commits.epoch:
-                return  # Its transaction was aborted; the rewind reads the record again.
+                # Its transaction was aborted and the rewind reads the record again; if the broker refused it
+                # (not merely purged by the abort), it is not sent again in this run, or it could loop.
+                if error is not None and error.code() not in _PURGED:
+                    self.failures[(report.partition, report.offset)] = error.str()
+                return
             if error is None:
                 self._settle(report)
             else:
