@@ -19,6 +19,7 @@ from worker.ops.replay import (
     ReplayOptions,
     ReplaySummary,
     TokenBucket,
+    _fatal_reason,
     apply_transform,
     classify,
     replay_transactional_id,
@@ -160,3 +161,12 @@ def test_an_exactly_once_replay_has_one_transactional_id_per_group_on_any_host_n
     assert replay_transactional_id(defaults, "triage-replay.incident-42") != replay_id
     pinned = load_settings(env={}, overrides={"pipeline.transactional_id": "triage-eu.worker-1"})
     assert replay_transactional_id(pinned, "g") == "triage-eu.worker-1-replay-g"  # within an ACL prefix
+
+
+def test_a_fenced_replay_says_so_in_one_line_without_secret_values() -> None:
+    error = KafkaError(KafkaError._FENCED, "fenced by a newer instance (sasl.password=hunter2)", fatal=True)
+
+    line = _fatal_reason(error, "triage-replay.tickets.dlq", {"sasl.password": "hunter2"})
+
+    assert line.startswith("fenced: another replay of group triage-replay.tickets.dlq took over")
+    assert "hunter2" not in line and "***" in line and "\n" not in line
