@@ -309,12 +309,13 @@ def test_time_window_selects_by_when_records_were_dead_lettered(
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 3}
 
 
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 def test_sigterm_stops_cleanly_and_a_rerun_sends_no_duplicates(
-    kafka_bootstrap: str, unique_topic: Callable[..., str]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], guarantee: str
 ) -> None:
     dlq, source = unique_topic("dlq"), unique_topic("source")
     total = 30
-    _seed(
+    positions = _seed(
         kafka_bootstrap,
         dlq,
         source,
@@ -324,17 +325,23 @@ def test_sigterm_stops_cleanly_and_a_rerun_sends_no_duplicates(
         sys.executable,
         "-m",
         "worker",
-        *_replay_args(kafka_bootstrap, dlq, "--from-beginning", "--json"),
+        *_replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee, "--json"),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
-    replay = subprocess.Popen([*command, "--rate", "20/s"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE)
+    replay = subprocess.Popen([*command, "--rate", "10/s"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE)
     _wait_for(kafka_bootstrap, source, 5, replay)
     replay.send_signal(signal.SIGTERM)
     out, _ = replay.communicate(timeout=30)
 
     assert replay.returncode == 130
     assert json.loads(out)["interrupted"] is True
+    # In-flight records finished and their progress was committed: readers see exactly what it passed.
+    committed = _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3)
+    visible = [record.value for record in _read_all(kafka_bootstrap, source)]
+    assert sorted(visible) == sorted(
+        v for v, (p, offset) in positions.items() if offset < committed.get(p, 0)
+    )
     rerun = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, timeout=60, check=False)
     assert rerun.returncode == 0, rerun.stderr
     copies = Counter(record.value for record in _read_all(kafka_bootstrap, source))
