@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
 from worker.ops.cli import main
@@ -79,23 +80,31 @@ def _seed(
     return positions
 
 
-def _read_all(bootstrap: str, topic: str) -> list[Record]:
-    """Every record now in `topic`, read with no consumer group."""
+def _read_all(bootstrap: str, topic: str, isolation: str = "read_committed") -> list[Record]:
+    """Every record now in `topic` a reader with `isolation` sees (read_committed: what committed
+    transactions and plain producers wrote), read with no consumer group."""
     consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": "test-reader", "enable.auto.commit": False}
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "test-reader",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+            # The end: the last stable offset for read_committed (transaction markers take offsets too).
+            "enable.partition.eof": True,
+        }
     )
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in partitions
-        }
-        pending = {p for p, end in ends.items() if end > 0}
+        pending = set(partitions)
         consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in pending])
         records: list[Record] = []
         deadline = time.monotonic() + 20
         while pending and time.monotonic() < deadline:
             for message in consumer.consume(num_messages=500, timeout=0.5):
-                if message.error():
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        pending.discard(message.partition() or 0)
                     continue
                 records.append(
                     Record(
@@ -107,8 +116,6 @@ def _read_all(bootstrap: str, topic: str) -> list[Record]:
                         message.timestamp()[1],
                     )
                 )
-                if message.offset() + 1 >= ends[message.partition()]:
-                    pending.discard(message.partition())
         assert not pending, f"could not read {topic} to its end"
         return records
     finally:
@@ -116,7 +123,16 @@ def _read_all(bootstrap: str, topic: str) -> list[Record]:
 
 
 def _committed(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    """The group's committed offsets; read_uncommitted, so a transaction a kill left open (whose offsets are
+    not committed) does not make the broker hold the answer back until it times out."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+            "isolation.level": "read_uncommitted",
+        }
+    )
     try:
         found = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
         return {tp.partition: tp.offset for tp in found if tp.offset >= 0}
@@ -136,11 +152,13 @@ def _replay_json(capsys: pytest.CaptureFixture[str], args: list[str], expect_cod
     return json.loads(out)
 
 
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 def test_filtered_replay_with_transform_repairs_exactly_the_selected_records(
     kafka_bootstrap: str,
     unique_topic: Callable[..., str],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    guarantee: str,
 ) -> None:
     dlq, source, other = unique_topic("dlq"), unique_topic("source"), unique_topic("other")
     selected = [
@@ -172,10 +190,14 @@ def test_filtered_replay_with_transform_repairs_exactly_the_selected_records(
         source,
         "--transform",
         f"{fixes}:close_json",
+        "--guarantee",
+        guarantee,
         "--json",
     )
 
     summary = _replay_json(capsys, args)
+
+    assert summary["guarantee"] == guarantee
 
     assert summary["counts"] == {
         "replayed": 6,
@@ -287,12 +309,13 @@ def test_time_window_selects_by_when_records_were_dead_lettered(
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 3}
 
 
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 def test_sigterm_stops_cleanly_and_a_rerun_sends_no_duplicates(
-    kafka_bootstrap: str, unique_topic: Callable[..., str]
+    kafka_bootstrap: str, unique_topic: Callable[..., str], guarantee: str
 ) -> None:
     dlq, source = unique_topic("dlq"), unique_topic("source")
     total = 30
-    _seed(
+    positions = _seed(
         kafka_bootstrap,
         dlq,
         source,
@@ -302,17 +325,23 @@ def test_sigterm_stops_cleanly_and_a_rerun_sends_no_duplicates(
         sys.executable,
         "-m",
         "worker",
-        *_replay_args(kafka_bootstrap, dlq, "--from-beginning", "--json"),
+        *_replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee, "--json"),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
-    replay = subprocess.Popen([*command, "--rate", "20/s"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE)
+    replay = subprocess.Popen([*command, "--rate", "10/s"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE)
     _wait_for(kafka_bootstrap, source, 5, replay)
     replay.send_signal(signal.SIGTERM)
     out, _ = replay.communicate(timeout=30)
 
     assert replay.returncode == 130
     assert json.loads(out)["interrupted"] is True
+    # In-flight records finished and their progress was committed: readers see exactly what it passed.
+    committed = _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3)
+    visible = [record.value for record in _read_all(kafka_bootstrap, source)]
+    assert sorted(visible) == sorted(
+        v for v, (p, offset) in positions.items() if offset < committed.get(p, 0)
+    )
     rerun = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, timeout=60, check=False)
     assert rerun.returncode == 0, rerun.stderr
     copies = Counter(record.value for record in _read_all(kafka_bootstrap, source))
@@ -402,3 +431,132 @@ def test_rate_holds_within_ten_percent_over_ten_seconds(
     stamps = sorted(record.timestamp_ms for record in _read_all(kafka_bootstrap, source))
     observed = (len(stamps) - 1) / ((stamps[-1] - stamps[0]) / 1000)
     assert abs(observed - rate) <= 0.1 * rate, f"observed {observed:.1f}/s for --rate {rate}/s"
+
+
+def _replay_process(bootstrap: str, dlq: str, *extra: str) -> subprocess.Popen[bytes]:
+    """`python -m worker replay` in exactly_once mode, at 5 records/s: still running when the test acts."""
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        *_replay_args(bootstrap, dlq, "--from-beginning", "--guarantee", "exactly_once", *extra),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen(
+        [*command, "--rate", "5/s"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def test_exactly_once_sigkill_then_rerun_publishes_every_record_exactly_once(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    total = 60
+    positions = _seed(
+        kafka_bootstrap,
+        dlq,
+        source,
+        [DeadLetter(f"v{i}".encode(), "invalid_json", i % 3) for i in range(total)],
+    )
+
+    replay = _replay_process(kafka_bootstrap, dlq)
+    try:
+        _wait_for(kafka_bootstrap, source, 10, replay)
+        replay.send_signal(signal.SIGKILL)
+        replay.wait(10)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+        replay.communicate()
+
+    visible = Counter(record.value for record in _read_all(kafka_bootstrap, source))
+    committed = _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3)
+    # Readers see exactly the records the committed progress has passed: none in flight, none ahead.
+    behind_progress = {
+        value for value, (partition, offset) in positions.items() if offset < committed.get(partition, 0)
+    }
+    assert 0 < len(visible) < total
+    assert visible == Counter(behind_progress)
+
+    rerun = _replay_json(
+        capsys,
+        _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", "exactly_once", "--json"),
+    )
+
+    assert rerun["counts"]["replayed"] == total - len(visible)
+    copies = Counter(record.value for record in _read_all(kafka_bootstrap, source))
+    assert copies == Counter(list(positions))  # every record once: 0 lost, 0 duplicates
+
+
+def test_exactly_once_replay_of_the_same_group_fences_the_running_one(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    total = 60
+    positions = _seed(
+        kafka_bootstrap,
+        dlq,
+        source,
+        [DeadLetter(f"v{i}".encode(), "invalid_json", i % 3) for i in range(total)],
+    )
+    first = _replay_process(kafka_bootstrap, dlq, "--json")
+    try:
+        _wait_for(kafka_bootstrap, source, 5, first)
+
+        second = _replay_json(
+            capsys,
+            _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", "exactly_once", "--json"),
+        )
+        out, err = first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+    assert first.returncode == 1 and out, err.decode()
+    stopped = json.loads(out)
+    assert stopped["fatal"] and "fenced" in stopped["fatal"].lower()
+    # One line of ours, after librdkafka's own log lines; no traceback.
+    assert "Traceback" not in err.decode()
+    (line,) = [line for line in err.decode().splitlines() if line.startswith("triage-worker:")]
+    assert "fenced" in line.lower()
+    assert stopped["counts"]["replayed"] + second["counts"]["replayed"] == total
+    copies = Counter(record.value for record in _read_all(kafka_bootstrap, source))
+    assert copies == Counter(list(positions))
+
+
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+def test_a_record_its_topic_always_refuses_is_reported_once_and_the_rest_is_replayed_once(
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+    capsys: pytest.CaptureFixture[str],
+    guarantee: str,
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=2), unique_topic("source")
+    small = f"{source}.small"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(small, 1, 1, config={"max.message.bytes": "2000"})])[small].result(30)
+    # Dead-letter partition 0: ten records from `source`; partition 1: one too large for its topic. Read at
+    # full speed, they share a transaction, which the refused one makes abortable: exactly_once aborts it,
+    # reads again, republishes the ten and reports the refused one without sending it again.
+    letters = [DeadLetter(f"v{i}".encode(), source_partition=0) for i in range(10)]
+    _seed(
+        kafka_bootstrap,
+        dlq,
+        source,
+        [*letters, DeadLetter(b"x" * 5000, source_partition=1, source_topic=small)],
+    )
+    args = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee, "--json")
+
+    summary = _replay_json(capsys, args, expect_code=1)
+    rerun = _replay_json(capsys, args, expect_code=1)
+
+    assert (summary["counts"]["replayed"], rerun["counts"]["replayed"]) == (10, 0)
+    for run in (summary, rerun):
+        (failure,) = run["attention"]
+        assert (failure["outcome"], failure["partition"], failure["offset"]) == ("publish_failed", 1, 0)
+        assert "too large" in failure["detail"].lower()
+    assert Counter(r.value for r in _read_all(kafka_bootstrap, source)) == Counter(
+        letter.value for letter in letters
+    )
+    assert _read_all(kafka_bootstrap, small) == []
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 2) == {0: 10}

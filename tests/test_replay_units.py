@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from worker.config import load_settings
 from worker.errors import UserError
-from worker.kafka.clients import kafka_call
+from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
 from worker.ops.replay import (
     OffsetRange,
@@ -18,8 +19,10 @@ from worker.ops.replay import (
     ReplayOptions,
     ReplaySummary,
     TokenBucket,
+    _fatal_reason,
     apply_transform,
     classify,
+    replay_transactional_id,
 )
 from worker.ops.replay_command import load_transform, parse_offset_ranges, parse_rate, parse_time
 
@@ -146,3 +149,24 @@ def test_kafka_errors_never_echo_a_secret_config_value() -> None:
         kafka_call("create a consumer", fail, {"sasl.password": "hunter2", "bootstrap.servers": "b:9092"})
     assert "hunter2" not in str(caught.value)
     assert "***" in str(caught.value)
+
+
+def test_an_exactly_once_replay_has_one_transactional_id_per_group_on_any_host_never_a_workers() -> None:
+    defaults = load_settings(env={})
+    replay_id = replay_transactional_id(defaults, "triage-replay.tickets.dlq")
+    assert (
+        replay_id == "triage-worker-replay-triage-replay.tickets.dlq"
+    )  # no host name: a rerun anywhere fences
+    assert replay_id != transactional_id(defaults)
+    assert replay_transactional_id(defaults, "triage-replay.incident-42") != replay_id
+    pinned = load_settings(env={}, overrides={"pipeline.transactional_id": "triage-eu.worker-1"})
+    assert replay_transactional_id(pinned, "g") == "triage-eu.worker-1-replay-g"  # within an ACL prefix
+
+
+def test_a_fenced_replay_says_so_in_one_line_without_secret_values() -> None:
+    error = KafkaError(KafkaError._FENCED, "fenced by a newer instance (sasl.password=hunter2)", fatal=True)
+
+    line = _fatal_reason(error, "triage-replay.tickets.dlq", {"sasl.password": "hunter2"})
+
+    assert line.startswith("fenced: another replay of group triage-replay.tickets.dlq took over")
+    assert "hunter2" not in line and "***" in line and "\n" not in line

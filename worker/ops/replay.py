@@ -9,6 +9,11 @@ three guarantees:
 * **At-least-once, few duplicates.** Progress is committed under the replay's own consumer group, and only up
   to the last offset whose republished record (and every one before it) the broker confirmed (idempotent
   producer, ``acks=all``). A killed replay resumes there: it re-sends at most what was in flight.
+* **Exactly once, when asked.** With ``pipeline.guarantee = "exactly_once"`` the republished records and
+  the progress past them are committed in one Kafka transaction (a transactional producer of its own, see
+  `replay_transactional_id`), so readers with ``isolation.level=read_committed`` see each selected dead
+  letter once, even across a ``kill -9`` and a rerun. The two modes differ only in where progress goes:
+  `_GroupOffsets` or `_Transactions`.
 * **A finite run.** The end offsets are captured at start; dead letters that arrive meanwhile (perhaps
   replayed records failing again) wait for the next run instead of being chased.
 
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -34,9 +39,9 @@ from typing import Any, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from worker.config import Settings
+from worker.config import MASK, Settings, is_secret_key
 from worker.errors import UserError
-from worker.kafka.clients import create_consumer, create_producer, kafka_call
+from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
 from worker.pipeline.offsets import PartitionOffsets
 
@@ -138,6 +143,9 @@ class ReplaySummary:
     committed: dict[int, int] = field(default_factory=dict)
     interrupted: bool = False
     elapsed_s: float = 0.0
+    guarantee: str = "at_least_once"
+    # exactly_once: why the transactional producer could go no further (e.g. fenced by another replay).
+    fatal: str | None = None
 
     def add(self, report: RecordReport) -> None:
         self.counts[report.outcome] += 1
@@ -170,7 +178,9 @@ class ReplaySummary:
             "dlq_topic": self.dlq_topic,
             "group": self.group,
             "dry_run": self.dry_run,
+            "guarantee": self.guarantee,
             "interrupted": self.interrupted,
+            "fatal": self.fatal,
             "elapsed_s": round(self.elapsed_s, 3),
             "partitions": [
                 {"partition": p.partition, "start": p.start, "end": p.end, "committed_before": p.committed}
@@ -198,6 +208,20 @@ class ReplayObserver(Protocol):
 def default_group(dlq_topic: str) -> str:
     """The replay's own consumer group: never the worker's, so their committed positions never mix."""
     return f"triage-replay.{dlq_topic}"
+
+
+def replay_transactional_id(settings: Settings, group: str) -> str:
+    """The exactly_once replay's ``transactional.id``: ``<pipeline.transactional_id>-replay-<group>``, or
+    ``<pipeline.group_id>-replay-<group>`` when no id is set.
+
+    Never a worker's id (a replay would fence the worker), and without the host name the worker's default id
+    carries: a rerun of the same replay from any host takes the id over, so `init_transactions` fences the
+    earlier run and aborts the transaction a ``kill -9`` left open at once, instead of holding read_committed
+    readers back until ``transaction.timeout.ms``. Two replays of one group at a time are never right; with
+    one id the second fences the first.
+    """
+    prefix = settings.pipeline.transactional_id or settings.pipeline.group_id
+    return f"{prefix}-replay-{group}"
 
 
 # --- pure pieces of the replay -----------------------------------------------------------------------------
@@ -327,6 +351,196 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
     return plans
 
 
+class _Rewind(Exception):
+    """The transaction was aborted: nothing of it is published or committed, so its records are read again."""
+
+
+class _Fatal(Exception):
+    """The transactional producer can go no further (fenced, or an error that outlasted the retries); the text
+    is one line for the summary and the CLI."""
+
+
+class _Abortable(Exception):
+    """A transactional call failed with an error that requires `abort_transaction` (text: the client's)."""
+
+
+# How records that were queued or in flight when their transaction was aborted fail.
+_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+# What a producer whose transactional id another one took over hears, depending on the call.
+_FENCING = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+
+def _fatal_reason(error: KafkaError, group: str, kafka_config: Mapping[str, str]) -> str:
+    """One line for a fatal producer error, fencing named as what it means for a replay; no secret values."""
+    text = error.str()
+    for key, value in kafka_config.items():
+        if value and is_secret_key(key):
+            text = text.replace(value, MASK)
+    if error.code() in _FENCING:
+        return f"fenced: another replay of group {group} took over its transactional id ({text})"
+    return f"Kafka: the replay's producer failed: {text}"
+
+
+class _Commits(Protocol):
+    """Where the replay's progress goes. `epoch` changes when records produced before were rolled back."""
+
+    epoch: int
+
+    def start(self) -> None:
+        """Called before the plan reads the group's committed offsets."""
+
+    def begin(self) -> None:
+        """Called before each record is produced."""
+
+    def refused(self, error: KafkaError) -> None:
+        """The client refused to queue a record: raise if the cause is not that record."""
+
+    def report(self, report: RecordReport) -> None:
+        """A record settled (or failed): count it now or once its progress is committed."""
+
+    def commit(self, progress: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
+        """Commit `progress()` (the positions past every settled record); return what was committed."""
+
+
+class _GroupOffsets:
+    """at_least_once (and dry runs): progress is committed to the group's offsets, only up to records the
+    broker confirmed. A confirmed record is published whatever happens next, so it counts at once, and nothing
+    is ever rolled back."""
+
+    epoch = 0
+
+    def __init__(self, consumer: Any, group: str, record: Callable[[RecordReport], None]) -> None:
+        self._consumer = consumer
+        self._group = group
+        self._record = record
+
+    def start(self) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def refused(self, error: KafkaError) -> None:
+        pass
+
+    def report(self, report: RecordReport) -> None:
+        self._record(report)
+
+    def commit(self, progress: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
+        offsets = progress()
+        if offsets:
+            kafka_call(
+                f"commit progress for group {self._group}",
+                lambda: self._consumer.commit(offsets=offsets, asynchronous=False),
+            )
+        return offsets
+
+
+class _Transactions:
+    """exactly_once: the records republished since the last commit and the progress past them (and past what
+    was skipped meanwhile) commit in one transaction, so the committed position is exactly what readers with
+    read_committed see. Reports wait for that commit: an aborted transaction published nothing and its
+    records are read again (`_Rewind`), so counting them at delivery would count them twice.
+
+    Errors as librdkafka documents them: retriable ones retry the same call (`kafka_call`, for a while),
+    abortable ones abort and raise `_Rewind`, fatal ones (and retries that ran out) raise `_Fatal`.
+    """
+
+    def __init__(
+        self,
+        producer: Any,
+        consumer: Any,
+        settings: Settings,
+        group: str,
+        record: Callable[[RecordReport], None],
+    ) -> None:
+        self._producer = producer
+        self._consumer = consumer
+        self._kafka_config = settings.kafka
+        self._group = group
+        self._record = record
+        self._open = False
+        self._pending: list[RecordReport] = []
+        self.epoch = 0
+
+    def start(self) -> None:
+        # Fences an earlier run under the same id and aborts its open transaction, whose offsets would
+        # otherwise keep the group's committed positions unstable (unreadable) until it times out.
+        self._call("start the replay's transactions", self._producer.init_transactions)
+
+    def begin(self) -> None:
+        if not self._open:
+            self._call("begin a transaction", self._producer.begin_transaction)
+            self._open = True
+
+    def refused(self, error: KafkaError) -> None:
+        # A transaction in error refuses every record: _STATE when abortable, _FATAL (with no reason) when
+        # fenced. Aborting then rewinds, or raises _Fatal with the client's reason.
+        if (
+            error.code() in (KafkaError._STATE, KafkaError._FATAL)
+            or error.fatal()
+            or error.txn_requires_abort()
+        ):
+            self._abort()
+            raise _Rewind
+
+    def report(self, report: RecordReport) -> None:
+        self._pending.append(report)
+
+    def commit(self, progress: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
+        if self._open:
+            # Settle every record of the transaction first, so the offsets sent are past exactly what it
+            # holds. Bounded: a transactional producer's message.timeout.ms is at most transaction.timeout.ms.
+            self._producer.flush()
+        offsets = progress()
+        if offsets or self._open:
+            self.begin()
+            if offsets:
+                self._call(
+                    f"send progress for group {self._group} to the transaction",
+                    lambda: self._producer.send_offsets_to_transaction(
+                        offsets, self._consumer.consumer_group_metadata()
+                    ),
+                )
+            self._call("commit the replay's transaction", self._producer.commit_transaction)
+            self._open = False
+        for report in self._pending:
+            self._record(report)
+        self._pending.clear()
+        return offsets
+
+    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+        try:
+            return kafka_call(what, partial(self._attempt, call), self._kafka_config)
+        except _Abortable:
+            self._abort()
+            raise _Rewind from None
+        except UserError as error:  # retries ran out, or an error neither passing nor abortable
+            raise _Fatal(str(error)) from None
+
+    def _attempt(self, call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except KafkaException as exception:
+            error = exception.args[0] if exception.args else None
+            if isinstance(error, KafkaError) and error.txn_requires_abort():
+                raise _Abortable(error.str()) from None
+            if isinstance(error, KafkaError) and (error.fatal() or error.code() in _FENCING):
+                raise _Fatal(_fatal_reason(error, self._group, self._kafka_config)) from None
+            raise
+
+    def _abort(self) -> None:
+        # First: delivery reports of the aborted records (served while it aborts) then settle nothing.
+        self.epoch += 1
+        self._pending.clear()
+        self._open = False
+        abort = partial(self._attempt, self._producer.abort_transaction)
+        try:
+            kafka_call("abort the replay's transaction", abort, self._kafka_config)
+        except (_Abortable, UserError) as error:
+            raise _Fatal(f"Kafka: cannot abort the replay's transaction: {error}") from None
+
+
 class _Replay:
     """One run: reads the planned ranges, republishes selected records, commits confirmed progress."""
 
@@ -338,9 +552,12 @@ class _Replay:
         should_stop: Callable[[], bool],
     ) -> None:
         self.options = options
+        self.kafka_config = settings.kafka
         self.observer = observer
         self.should_stop = should_stop
-        self.summary = ReplaySummary(options.dlq_topic, options.group, options.dry_run)
+        self.summary = ReplaySummary(
+            options.dlq_topic, options.group, options.dry_run, guarantee=settings.pipeline.guarantee
+        )
         # The pipeline's client options (user's librdkafka options; no auto-commit; idempotent, acks=all
         # producer), in the replay's own group, with end-of-partition events to know when a range is read.
         consumer_options = {
@@ -352,13 +569,25 @@ class _Replay:
             "create a consumer", lambda: create_consumer(settings, overrides=consumer_options), settings.kafka
         )
         self.producer: Any = None
-        if not options.dry_run:
+        self.commits: _Commits = _GroupOffsets(self.consumer, options.group, self._record)
+        if not options.dry_run and exactly_once(settings):
+            transactional = replay_transactional_id(settings, options.group)
+            self.producer = kafka_call(
+                "create a producer",
+                lambda: create_producer(settings, transactional=transactional),
+                settings.kafka,
+            )
+            self.commits = _Transactions(self.producer, self.consumer, settings, options.group, self._record)
+        elif not options.dry_run:
             self.producer = kafka_call("create a producer", lambda: create_producer(settings), settings.kafka)
         self.trackers: dict[int, PartitionOffsets] = {}
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
         self.active: set[int] = set()
         self.selected = 0
+        self.selected_committed = 0
+        # Records whose publish failed, with why: never tried again in this run, even after a rewind.
+        self.failures: dict[tuple[int, int], str] = {}
         self.last_commit = 0.0
         self.committed: dict[int, int] = {}
 
@@ -372,6 +601,10 @@ class _Replay:
         return self.summary
 
     def _run(self) -> None:
+        try:
+            self.commits.start()
+        except _Fatal as error:
+            raise UserError(str(error)) from None
         plan = plan_partitions(self.consumer, self.options)
         self.summary.plan = plan
         if self.observer is not None:
@@ -384,23 +617,56 @@ class _Replay:
                 self.active.add(item.partition)
         if not self.active:
             return
-        topic = self.options.dlq_topic
-        self.consumer.assign([TopicPartition(topic, p, self.starts[p]) for p in sorted(self.active)])
+        self._assign(self.starts)
         bucket = TokenBucket(self.options.rate, time.monotonic()) if self.options.rate else None
         until_ms = int(self.options.until.timestamp() * 1000) if self.options.until else None
+        try:
+            while True:
+                try:
+                    self._replay(bucket, until_ms)
+                    break
+                except _Rewind:
+                    if self.summary.interrupted or self.should_stop():
+                        self.summary.interrupted = True
+                        break  # The aborted records wait for the next run, like any uncommitted ones.
+                    self._rewind()
+        except _Fatal as stopped:
+            self.summary.fatal = str(stopped)
+        except KafkaException as exception:
+            # poll() and flush() raise a fatal client error themselves, e.g. fenced by another replay.
+            cause = exception.args[0] if exception.args else None
+            if not (isinstance(cause, KafkaError) and (cause.fatal() or cause.code() in _FENCING)):
+                raise
+            self.summary.fatal = _fatal_reason(cause, self.options.group, self.kafka_config)
+        self.summary.committed = dict(self.committed)
+
+    def _assign(self, positions: dict[int, int]) -> None:
+        topic = self.options.dlq_topic
+        self.consumer.assign([TopicPartition(topic, p, positions[p]) for p in sorted(self.active)])
+
+    def _rewind(self) -> None:
+        """After an aborted transaction: read again from the committed positions, as a rerun would."""
+        positions = {p: self.committed.get(p, start) for p, start in self.starts.items()}
+        self.active = {p for p, position in positions.items() if position < self.ends[p]}
+        self.trackers = {p: PartitionOffsets((self.options.dlq_topic, p)) for p in self.trackers}
+        self.selected = self.selected_committed
+        self._assign(positions)
+
+    def _replay(self, bucket: TokenBucket | None, until_ms: int | None) -> None:
         try:
             while self.active and not self.should_stop():
                 for message in self.consumer.consume(num_messages=100, timeout=0.1):
                     self._handle(message, bucket, until_ms)
                     if not self.active or self.should_stop():
                         break
+                    # Not only between batches: a transaction must end well within transaction.timeout.ms.
+                    self._commit(force=False)
                 self._serve(0)
         except KeyboardInterrupt:
             self.summary.interrupted = True
         self.summary.interrupted = self.summary.interrupted or self.should_stop()
         self._drain(deadline=time.monotonic() + INTERRUPT_DRAIN_S if self.summary.interrupted else None)
         self._commit(force=True)
-        self.summary.committed = dict(self.committed)
 
     def _handle(self, message: Any, bucket: TokenBucket | None, until_ms: int | None) -> None:
         error = message.error()
@@ -452,6 +718,10 @@ class _Replay:
             self.trackers[partition].track(offset)
             self._settle(report)
             return
+        failure = self.failures.get((partition, offset))
+        if failure is not None:  # Read again after a rewind: it fails as it did, without another try.
+            self._fail(report, failure)
+            return
         if bucket is not None:
             while (wait := bucket.wait_time(time.monotonic())) > 0:
                 if self.should_stop():
@@ -464,7 +734,15 @@ class _Replay:
     def _produce(
         self, target: str, key: bytes | None, value: bytes | None, headers: list[Header], report: RecordReport
     ) -> None:
+        epoch = self.commits.epoch
+
         def delivered(error: Any, _message: Any) -> None:
+            if epoch != self.commits.epoch:
+                # Its transaction was aborted and the rewind reads the record again; if the broker refused it
+                # (not merely purged by the abort), it is not sent again in this run, or it could loop.
+                if error is not None and error.code() not in _PURGED:
+                    self.failures[(report.partition, report.offset)] = error.str()
+                return
             if error is None:
                 self._settle(report)
             else:
@@ -472,11 +750,14 @@ class _Replay:
 
         while True:
             try:
+                self.commits.begin()
                 self.producer.produce(target, value=value, key=key, headers=headers, on_delivery=delivered)
                 break
             except BufferError:  # librdkafka's local queue is full: let deliveries drain it.
                 self._serve(0.1)
             except KafkaException as error:  # e.g. an invalid topic name given with --to
+                if error.args and isinstance(error.args[0], KafkaError):
+                    self.commits.refused(error.args[0])
                 self._fail(report, str(error.args[0]) if error.args else str(error))
                 break
             except (TypeError, ValueError) as error:  # what the client refuses before queueing (a NUL byte)
@@ -488,6 +769,7 @@ class _Replay:
         # Left unsettled, so the committed position stays before it and a rerun retries it; the rest of the
         # partition would be re-sent by that rerun anyway, so stop reading it now.
         self.active.discard(report.partition)
+        self.failures[(report.partition, report.offset)] = detail
         failed = RecordReport(
             report.partition,
             report.offset,
@@ -498,7 +780,7 @@ class _Replay:
             report.key,
             detail,
         )
-        self._record(failed)
+        self.commits.report(failed)
 
     def _begin_and_settle(
         self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
@@ -519,7 +801,7 @@ class _Replay:
 
     def _settle(self, report: RecordReport) -> None:
         self.trackers[report.partition].done(report.offset)
-        self._record(report)
+        self.commits.report(report)
 
     def _record(self, report: RecordReport) -> None:
         self.summary.add(report)
@@ -547,20 +829,17 @@ class _Replay:
         if not force and now - self.last_commit < COMMIT_INTERVAL_S:
             return
         self.last_commit = now
-        changed = [
+        for tp in self.commits.commit(self._progress):
+            self.trackers[tp.partition].committed(tp.offset)
+            self.committed[tp.partition] = tp.offset
+        self.selected_committed = self.selected
+
+    def _progress(self) -> list[TopicPartition]:
+        return [
             TopicPartition(self.options.dlq_topic, partition, position)
             for partition, state in self.trackers.items()
             if (position := state.position) is not None
         ]
-        if not changed:
-            return
-        kafka_call(
-            f"commit progress for group {self.options.group}",
-            lambda: self.consumer.commit(offsets=changed, asynchronous=False),
-        )
-        for tp in changed:
-            self.trackers[tp.partition].committed(tp.offset)
-            self.committed[tp.partition] = tp.offset
 
 
 def run_replay(

@@ -2,8 +2,9 @@
 
 Output is for two readers: a person (a live progress bar on stderr when it is a terminal, then tables on
 stdout) and a script (``--json``: one JSON object on stdout). Exit codes: 0 done, 1 some publish failed
-(those records stay before the committed position and are retried by the next run), 2 a user error,
-130 interrupted (confirmed progress is committed first).
+(those records stay before the committed position and are retried by the next run) or, with exactly_once,
+the transactional producer stopped (e.g. fenced by another replay of the group; the summary says why), 2 a
+user error, 130 interrupted (confirmed progress is committed first).
 """
 
 from __future__ import annotations
@@ -229,6 +230,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--dlq", metavar="TOPIC", help="dead-letter topic to read (default: topics.dead_letter)"
     )
     safety.add_argument("--group", help="consumer group holding the progress (default: triage-replay.<dlq>)")
+    safety.add_argument(
+        "--guarantee",
+        choices=("at_least_once", "exactly_once"),
+        help=(
+            "exactly_once: republished records and progress commit in one transaction; readers need "
+            "isolation.level=read_committed (default: pipeline.guarantee)"
+        ),
+    )
     safety.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     safety.add_argument(
         "--metrics-port",
@@ -321,7 +330,9 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, {"topics.dead_letter": args.dlq})
+    settings = settings_from_args(
+        args, {"topics.dead_letter": args.dlq, "pipeline.guarantee": args.guarantee}
+    )
     options = options_from_args(args, settings.topics.dead_letter)
     # One clear line at start for a refused login or an untrusted certificate, which the replay's own
     # clients would only report as metadata timeouts.
@@ -339,6 +350,9 @@ def run(args: argparse.Namespace) -> int:
         # Piped to a file or a log, keep rows whole rather than folding them at 80 columns.
         out = Console()
         _print_report(out if out.is_terminal else Console(width=200), summary, options)
+    if summary.fatal is not None:
+        print(f"triage-worker: error: {summary.fatal}", file=sys.stderr)
+        return 1
     if summary.interrupted:
         return 130
     return 1 if summary.failed else 0
@@ -352,7 +366,7 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
             title = f"Would replay ({len(summary.would_replay)})"
             console.print(_records_table(title, summary.would_replay, outcome=False))
     else:
-        console.print(f"[bold]Replay[/] of {title}")
+        console.print(f"[bold]Replay[/] ({summary.guarantee}) of {title}")
     for item in summary.plan:
         resumed = f", resumed after group's committed {item.committed}" if item.committed is not None else ""
         console.print(f"  partition {item.partition}: offsets {item.start}..{item.end - 1}{resumed}")
@@ -378,6 +392,11 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
         )
     if summary.interrupted:
         console.print("[yellow]Interrupted[/]: confirmed progress was committed; rerun to resume.")
+    if summary.fatal is not None:
+        console.print(
+            f"[red]Stopped[/]: {escape(summary.fatal)}. What was committed stands and nothing else was "
+            "published; rerun to resume, unless another replay of this group fenced this one and goes on."
+        )
 
 
 def _records_table(title: str, reports: list[RecordReport], outcome: bool = True) -> Table:
