@@ -6,7 +6,7 @@ import pytest
 
 from worker.config import Scheduling
 from worker.messages import TicketEvent
-from worker.pipeline.ledger import Ledger, Work
+from worker.pipeline.ledger import Ledger, Output, Work
 from worker.pipeline.offsets import PartitionOffsets
 
 A, B = ("tickets", 0), ("tickets", 1)
@@ -119,3 +119,54 @@ def test_giving_up_a_partition_drops_waiting_records_and_orphans_the_rest_until_
     assert ledger.delivered(delivery_id) is at_broker and ledger.orphans == 0
     assert ledger.give_up({A}) == 0  # nothing left of A; B untouched
     assert ledger.next_waiting() is other
+
+
+def _taken(ledger: Ledger, state: PartitionOffsets, offsets: range) -> list[Work]:
+    works = []
+    for offset in offsets:
+        work = _work(state.key, offset)
+        work.state = state
+        ledger.taken(work)
+        works.append(work)
+    return works
+
+
+def _output(offset: int) -> Output:
+    return Output("tickets.triaged", None, f"result {offset}".encode(), None)
+
+
+def test_in_order_an_output_waits_for_every_earlier_record_of_its_partition() -> None:
+    """Exactly-once: a transaction may only hold outputs whose offsets it commits."""
+    ledger = Ledger(in_order=True)
+    a, b = PartitionOffsets(A), PartitionOffsets(B)
+    first, second, third = _taken(ledger, a, range(3))
+    [other] = _taken(ledger, b, range(1))
+    ledger.hold(third, _output(2))
+    ledger.hold(second, _output(1))
+    ledger.hold(other, _output(0))
+    # Partition B's only record goes at once; A's wait for offset 0, which is still at the model.
+    assert ledger.release() == [other]
+    assert ledger.held == 2 and ledger.pending({A}) == 2 and not ledger.is_empty()
+    ledger.hold(first, _output(0))
+    assert ledger.release() == [first, second, third]
+    assert ledger.held == 0 and ledger.release() == []
+
+
+def test_in_order_giving_up_a_partition_drops_its_held_outputs() -> None:
+    ledger = Ledger(in_order=True)
+    a, b = PartitionOffsets(A), PartitionOffsets(B)
+    head, held = _taken(ledger, a, range(2))
+    [other] = _taken(ledger, b, range(1))
+    ledger.hold(held, _output(1))
+    ledger.hold(other, _output(0))
+    assert ledger.give_up({A}) == 1  # the held output; its next owner redoes it
+    assert ledger.pending({A}) == 0 and ledger.held == 1
+    assert ledger.release() == [other]
+    assert head.output is None and ledger.is_empty()
+
+
+def test_without_order_nothing_is_held_back() -> None:
+    ledger = Ledger()
+    state = PartitionOffsets(A)
+    _taken(ledger, state, range(2))
+    assert ledger.release() == [] and ledger.is_empty()

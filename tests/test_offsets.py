@@ -138,3 +138,19 @@ def test_tracker_revoke_forgets_and_reassign_starts_fresh() -> None:
     other.done(9)
     assert tracker.commit_positions() == {KEY: 6, ("tickets", 1): 10}
     assert tracker.uncommitted_done() == 2
+
+
+def test_after_a_seek_back_a_partition_takes_records_again_from_there() -> None:
+    """Exactly-once redo: a fresh state from the first uncommitted offset, never before it."""
+    tracker = OffsetTracker()
+    state = tracker.assign(("t", 0))
+    for offset in (5, 6, 7):
+        state.track(offset)
+    state.done(5)
+    assert state.first_uncommitted == 5
+    fresh = tracker.restart(("t", 0), 5)
+    assert tracker.get(("t", 0)) is fresh and len(fresh) == 0
+    assert not fresh.track(4)  # before the seek position
+    assert fresh.track(5) and fresh.track(6)
+    blocked = tracker.restart(("t", 0), 5, blocked=True)
+    assert blocked.blocked_at == 5
