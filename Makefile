@@ -82,7 +82,8 @@ fuzz: setup
 # (RSS flat, never evicted, nothing lost); about 15 minutes. Chaos: 100,000 tickets through 50 kill -9,
 # 3 broker restarts and 10 rebalances with the test model (0 lost, duplicates within the bound); about
 # 15 minutes on 2 cores. Figures in results/soak.* and results/chaos.*; `SOAK_ARGS=--quick` or
-# `CHAOS_ARGS=--quick` for a 2-3 minute version. Not part of `make test`.
+# `CHAOS_ARGS=--quick` for a 2-3 minute version; `CHAOS_ARGS=--guarantee exactly_once` runs the workers in
+# exactly-once mode (0 duplicates expected; results/chaos-exactly-once.*). Not part of `make test`.
 SOAK_ARGS ?=
 CHAOS_ARGS ?=
 soak: setup kafka-jars
