@@ -13,7 +13,8 @@ The code is in four rooms, one folder each, plus a few shared modules; each room
   modules.
 - ``worker/pipeline`` (the pipeline): the consumer loop (`runner.Pipeline`): the in-flight bound, deadlines,
   the ledger of records between poll and acknowledgement, offsets committed only over a finished prefix, on
-  a committer thread. Imports the shared modules and `worker.kafka`; never ONNX Runtime.
+  a committer thread, or in Kafka transactions with the outputs in exactly-once mode (`transactions`); the
+  shadow model's side records (`shadow`). Imports the shared modules and `worker.kafka`; never ONNX Runtime.
 - ``worker/ops`` (operations): the CLI commands, replay of dead letters, sample tickets, metrics and health
   endpoints, hot reload of the model (`reload`), model training and evaluation. May import everything.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`

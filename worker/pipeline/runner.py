@@ -504,17 +504,8 @@ class Pipeline:
             return
         if too_large and self._write_smaller(work, output):
             return
-        self.metrics.delivery_failed += 1
         work.state.fail(work.offset)
-        _log.error(
-            "delivery_failed",
-            topic=work.topic,
-            partition=work.partition,
-            offset=work.offset,
-            code=error.name(),
-            reason=error.str(),
-            effect="partition stopped: never committed past this offset until a restart or rebalance",
-        )
+        self._delivery_failed(work, error, "never committed past this offset until a restart or rebalance")
         if not work.orphan:
             self._pause([work.partition_key])
 
@@ -561,20 +552,23 @@ class Pipeline:
             ):
                 self._redo_smaller[(work.topic, work.partition, work.offset)] = output.shrunk + 1
             else:
-                self.metrics.delivery_failed += 1
                 self._poisoned[work.partition_key] = work.offset
-                _log.error(
-                    "delivery_failed",
-                    topic=work.topic,
-                    partition=work.partition,
-                    offset=work.offset,
-                    code=error.name(),
-                    reason=error.str(),
-                    effect="partition stopped at its last commit until a restart or rebalance",
-                )
+                self._delivery_failed(work, error, "at its last commit until a restart or rebalance")
         if self._abort_reason is None and not work.orphan:
             self._abort_reason = f"delivery of offset {work.offset} failed: {error.name()}"
             self._abort_by = self._clock() + _REPORTS_BEFORE_ABORT_S
+
+    def _delivery_failed(self, work: Work, error: confluent_kafka.KafkaError, stopped: str) -> None:
+        self.metrics.delivery_failed += 1
+        _log.error(
+            "delivery_failed",
+            topic=work.topic,
+            partition=work.partition,
+            offset=work.offset,
+            code=error.name(),
+            reason=error.str(),
+            effect=f"partition stopped: {stopped}",
+        )
 
     # -- commits --------------------------------------------------------------------------------------------
 
