@@ -360,3 +360,38 @@ def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committ
     report = audit(kafka_bootstrap, topics)
     assert len(report.inputs) == count
     assert report.lost == []
+
+
+def test_exactly_once_a_worker_fenced_by_another_with_its_transactional_id_stops_cleanly(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """Two live workers must never share a transactional id: the newer one fences the older, which stops
+    with one clear line (exit 1) and leaves nothing half-written; the newer one finishes the work."""
+    topics = make_topics(unique_topic)
+    count = 600
+    group = _group()
+    settings = _mode("exactly_once", group, "same")
+    producer = Publisher(kafka_bootstrap, topics, count, 100.0, seed=16)
+    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first", settings)
+    second: Worker | None = None
+    try:
+        first.wait_for("partitions_assigned", timeout=90)
+        producer.start()
+        time.sleep(2)
+        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second", settings)
+        failed = first.wait_for("transactions_failed", timeout=90)
+        assert first.process.wait(60) == 1
+        producer.finish(120)
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=180, worker=second)
+        assert second.stop() == 0
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        producer.join(5)
+    assert "fenced" in failed["reason"].lower(), failed
+    assert "Traceback" not in first.log_path.read_text()
+    report = audit(kafka_bootstrap, topics)
+    _report("fenced", f"{report.summary()}; the fenced worker said: {failed['reason']}")
+    assert len(report.inputs) == count
+    assert report.lost == [] and report.duplicates == 0

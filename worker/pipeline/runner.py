@@ -74,7 +74,13 @@ from worker.kafka.clients import (
 )
 from worker.kafka.dead_letters import OMITTED_BYTES, dead_letter_headers
 from worker.messages import FallbackReason, TicketEvent, utc_timestamp
-from worker.pipeline.committer import CommitOutcome, Committer, consumer_commit, topic_partitions
+from worker.pipeline.committer import (
+    CommitOutcome,
+    Committer,
+    consumer_commit,
+    describe,
+    topic_partitions,
+)
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
 from worker.pipeline.latency import LatencyEstimate
@@ -264,7 +270,7 @@ class Pipeline:
             if self._committer.busy:
                 self._committer.wait_idle(_BUSY_WAIT_S)
             else:
-                self._producer.poll(_BUSY_WAIT_S)
+                self._poll_producer(_BUSY_WAIT_S)
         if busy:
             self._collect(_BUSY_WAIT_S)
         self._maybe_log_metrics()
@@ -299,14 +305,28 @@ class Pipeline:
         """Move taken records forward: delivery reports, model answers, expiry, dispatch. Waits up to
         `wait_s` for an answer, or for a report when nothing is at the model."""
         if self._ledger.at_model:
-            self._producer.poll(0)
+            self._poll_producer(0)
             self._collect(wait_s)
         else:
-            self._producer.poll(wait_s)
+            self._poll_producer(wait_s)
         self._expire_waiting()
         self._dispatch()
         if self._shadow is not None:
             self._shadow.serve()
+
+    def _poll_producer(self, timeout: float) -> None:
+        """Serve delivery reports. A fatal producer error is raised here too (confluent-kafka raises it from
+        poll): fenced by a newer worker with the same transactional id, it ends the run like any fatal one."""
+        try:
+            self._producer.poll(timeout)
+        except confluent_kafka.KafkaException as problem:
+            if self._fatal is None:
+                self._fatal = describe(problem)
+                _log.error(
+                    "transactions_failed" if self._transactions is not None else "kafka_fatal_error",
+                    reason=self._fatal,
+                    effect="stopping: another worker may use the same pipeline.transactional_id",
+                )
 
     def _take(self, messages: list[confluent_kafka.Message]) -> None:
         now = self._clock()
@@ -646,7 +666,12 @@ class Pipeline:
     def _reopen(self) -> None:
         """Exactly-once: begin the next transaction and produce what was held meanwhile."""
         if self._transactions is not None and self._closing:
-            self._transactions.begin()
+            try:
+                self._transactions.begin()
+            except confluent_kafka.KafkaException as problem:  # fenced or fatal meanwhile
+                self._fatal = self._fatal or describe(problem)
+                _log.error("transactions_failed", reason=self._fatal)
+                return
             self._closing = False
             self._release()
 
@@ -761,7 +786,7 @@ class Pipeline:
             return  # the commit on its way holds the transaction; its outcome is applied later
         self._closing = True
         while self._ledger.at_producer and self._abort_reason is None and self._clock() < limit:
-            self._producer.poll(_BUSY_WAIT_S)
+            self._poll_producer(_BUSY_WAIT_S)
         if self._ledger.at_producer or self._abort_reason is not None:
             self._abort_reason = self._abort_reason or "records not acknowledged in time"
             self._abort_and_redo()
