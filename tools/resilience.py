@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
@@ -434,11 +436,17 @@ def chaos(args: argparse.Namespace) -> bool:
                 outages.append((datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), outage))
                 what = f"broker down {outage:.0f}s"
             done[action] += 1
-            committed = offsets.committed()
+            try:
+                committed = offsets.committed()
+                position = (
+                    f"committed={sum(max(0, o) for o in committed.values())} "
+                    f"end={sum(offsets.ends().values())}/{count}"
+                )
+            except confluent_kafka.KafkaException as error:  # a broker just back: leaders still moving
+                position = f"offsets not readable yet ({error.args[0].name() if error.args else error})"
             progress(
                 f"chaos: t={time.monotonic() - started:.0f}s event {index + 1}/{len(plan)} {what}; "
-                f"live={len(group.live)} committed={sum(max(0, o) for o in committed.values())} "
-                f"end={sum(offsets.ends().values())}/{count}"
+                f"live={len(group.live)} {position}"
             )
         still_producing = publisher.is_alive()
         publisher.finish(produce_s + 300)
