@@ -89,7 +89,7 @@ from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
 from worker.pipeline.records import encode_result, result_key, triage_result
 from worker.pipeline.shadow import Shadow
-from worker.pipeline.transactions import TransactionFailed, Transactions
+from worker.pipeline.transactions import TransactionFailed, Transactions, stops_worker
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -152,7 +152,7 @@ class Pipeline:
         clients = clients or KafkaClients(settings)
         self._clients = clients
         self._consumer = clients.consumer(self.on_client_error)
-        self._producer = clients.producer(self.on_client_error)
+        self._producer = clients.producer(self._on_producer_error)
         self._transactions: Transactions | None = None
         if exactly_once(settings):
             self._transactions = Transactions(self._producer, self._consumer)
@@ -186,6 +186,8 @@ class Pipeline:
         self._abort_reason: str | None = None
         self._abort_by = 0.0
         self._commit_sent_at = 0.0
+        # Exactly-once: why the producer must be replaced at the next turn (a fatal error it cannot survive).
+        self._replace_reason: str | None = None
         # Producers and committers left behind by `_replace_stuck_producer`: a thread is still inside them.
         self._abandoned: list[object] = []
         self._redo_smaller: dict[tuple[str, int, int], int] = {}
@@ -216,6 +218,27 @@ class Pipeline:
             _log.error("kafka_fatal_error", code=error.name(), reason=error.str())
         else:
             self._error_log(error)
+
+    def _on_producer_error(self, error: confluent_kafka.KafkaError) -> None:
+        """error_cb of the producer: as `on_client_error`, but in exactly-once mode a fatal error that a new
+        producer can recover from replaces the producer instead of ending the run."""
+        if error.fatal() and self._transactions is not None:
+            self._producer_failed(f"{error.name()}: {error.str()}", stops_worker(error))
+        else:
+            self.on_client_error(error)
+
+    def _producer_failed(self, reason: str, stop: bool) -> None:
+        """Exactly-once: the producer is unusable. Fenced (another live worker has our transactional id) or
+        not authorized: stop. Anything else: a new producer takes over at the next turn."""
+        if not stop:
+            self._replace_reason = self._replace_reason or reason
+        elif self._fatal is None:
+            self._fatal = reason
+            _log.error(
+                "transactions_failed",
+                reason=reason,
+                effect="stopping: another worker may use the same pipeline.transactional_id",
+            )
 
     def run(self) -> int:
         if self._transactions is not None:
@@ -296,7 +319,9 @@ class Pipeline:
             self._abort_and_redo()
         stuck = self._transactions is not None and self._committer.busy
         if stuck and self._clock() - self._commit_sent_at >= _STUCK_COMMIT_S:
-            self._replace_stuck_producer(f"commit on its way for {_STUCK_COMMIT_S:.0f} s")
+            self._replace_reason = f"commit on its way for {_STUCK_COMMIT_S:.0f} s"
+        if self._replace_reason is not None and self._fatal is None:
+            self._replace_stuck_producer(self._replace_reason)
         self._apply_commit_outcomes()
         self._maybe_commit()
         self._apply_flow()
@@ -320,13 +345,11 @@ class Pipeline:
         try:
             self._producer.poll(timeout)
         except confluent_kafka.KafkaException as problem:
-            if self._fatal is None:
+            if self._transactions is not None:
+                self._producer_failed(describe(problem), stops_worker(problem))
+            elif self._fatal is None:
                 self._fatal = describe(problem)
-                _log.error(
-                    "transactions_failed" if self._transactions is not None else "kafka_fatal_error",
-                    reason=self._fatal,
-                    effect="stopping: another worker may use the same pipeline.transactional_id",
-                )
+                _log.error("kafka_fatal_error", reason=self._fatal)
 
     def _take(self, messages: list[confluent_kafka.Message]) -> None:
         now = self._clock()
@@ -630,12 +653,7 @@ class Pipeline:
 
     def _apply_commit_outcome(self, outcome: CommitOutcome) -> None:
         if outcome.fatal:
-            self._fatal = f"transaction failed: {outcome.error}"
-            _log.error(
-                "transactions_failed",
-                reason=outcome.error,
-                effect="stopping: another worker may use the same pipeline.transactional_id",
-            )
+            self._producer_failed(f"transaction failed: {outcome.error}", stop=True)
             return
         if outcome.aborted:
             self._redo(outcome.error or "commit failed")
@@ -669,8 +687,7 @@ class Pipeline:
             try:
                 self._transactions.begin()
             except confluent_kafka.KafkaException as problem:  # fenced or fatal meanwhile
-                self._fatal = self._fatal or describe(problem)
-                _log.error("transactions_failed", reason=self._fatal)
+                self._producer_failed(describe(problem), stops_worker(problem))
                 return
             self._closing = False
             self._release()
@@ -682,8 +699,7 @@ class Pipeline:
         if failed is None:
             self._redo(reason)
         elif failed.fatal:
-            self._fatal = f"transaction abort failed: {failed.reason}"
-            _log.error("transactions_failed", reason=self._fatal)
+            self._producer_failed(f"transaction abort failed: {failed.reason}", stop=True)
         else:
             self._replace_stuck_producer(f"{reason}; abort failed: {failed.reason}")
 
@@ -699,8 +715,9 @@ class Pipeline:
             reason=reason,
             effect="a new transactional producer takes over; the work is redone from the committed offsets",
         )
+        self._replace_reason = None
         self._abandoned.append((self._producer, self._committer))
-        self._producer = self._clients.producer(self.on_client_error)
+        self._producer = self._clients.producer(self._on_producer_error)
         self._transactions = Transactions(self._producer, self._consumer)
         self._committer = Committer(self._transactions.commit)
         self._ledger.forget_produced()

@@ -3,7 +3,10 @@ transaction, or none of them do.
 
 The loop owns the transaction's contents; this module owns its life cycle, following librdkafka's rules for
 each error (`KafkaError.retriable()`: call again; `txn_requires_abort()`: abort, then redo the work;
-`fatal()`: the producer is done, typically fenced by a newer worker with the same `transactional.id`).
+`fatal()`: this producer is done). Of the fatal errors only a fence (a newer live worker with the same
+`transactional.id`) or a refused authorization stops the worker (`stops_worker`); after any other one
+(seen here: INVALID_TXN_STATE from an abort after a broker restart) a new producer with the same id takes
+over, as a restart would.
 
 Offsets go in with the consumer's group metadata (KIP-447), so a member that lost its partitions in a
 rebalance (a zombie) cannot commit them any more: its transaction fails and is aborted, and the partitions'
@@ -43,13 +46,32 @@ _PASSING = frozenset(
 _CALL_TIMEOUT_S = 10.0
 
 
+# Fatal errors after which no new producer helps: another live worker owns the id, or the id is not allowed.
+_STOPPING = frozenset(
+    {
+        confluent_kafka.KafkaError._FENCED,
+        confluent_kafka.KafkaError.PRODUCER_FENCED,
+        confluent_kafka.KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        confluent_kafka.KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    }
+)
+
+
+def stops_worker(problem: confluent_kafka.KafkaException | confluent_kafka.KafkaError) -> bool:
+    """Whether a producer error means this worker must stop (fenced, not authorized)."""
+    error = (
+        problem.args[0] if isinstance(problem, confluent_kafka.KafkaException) and problem.args else problem
+    )
+    return isinstance(error, confluent_kafka.KafkaError) and error.code() in _STOPPING
+
+
 class TransactionFailed(Exception):
     """The producer cannot run transactions any more (fatal), with librdkafka's reason."""
 
 
 @dataclass(frozen=True)
 class AbortFailed:
-    """Why an abort failed; `fatal`: the producer is done (fenced), else the transaction is unsettled."""
+    """Why an abort failed; `fatal`: the worker must stop (fenced), else the transaction is unsettled."""
 
     reason: str
     fatal: bool
@@ -112,18 +134,16 @@ class Transactions:
         try:
             self._retrying(lambda: self._producer.abort_transaction(_CALL_TIMEOUT_S))
         except confluent_kafka.KafkaException as problem:
-            error = problem.args[0] if problem.args else None
-            fatal = isinstance(error, confluent_kafka.KafkaError) and error.fatal()
-            return AbortFailed(describe(problem), fatal)
+            return AbortFailed(describe(problem), stops_worker(problem))
         return None
 
     def _failed(
         self, positions: dict[TopicPartitionKey, int], problem: confluent_kafka.KafkaException
     ) -> CommitOutcome:
         reason = describe(problem)
+        fatal = stops_worker(problem)
         error = problem.args[0] if problem.args else None
-        fatal = isinstance(error, confluent_kafka.KafkaError) and error.fatal()
-        if not fatal:
+        if not fatal and not (isinstance(error, confluent_kafka.KafkaError) and error.fatal()):
             # Abortable, or retriable for longer than we wait: either way the outcome is unknown unless we
             # abort. An abort that fails too leaves the transaction unsettled: a new producer with the same
             # transactional id settles it (see the pipeline's `_replace_stuck_producer`).
