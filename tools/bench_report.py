@@ -337,10 +337,12 @@ def markdown(figures: dict[str, Any]) -> str:
     ]
     for mode in ("at_least_once", "exactly_once"):
         run = p6[mode]
+        count, aborted = run["transactions"], run["transactions_aborted"]
+        transactions = f"{count:,} ({aborted})" if count else "-"
         lines.append(
             f"| {mode} | {run['throughput']['rate']:,.1f}/s | {run['latency']['visible']:,} "
             f"| {_ms(run['latency']['p50_ms'])} | {_ms(run['latency']['p99_ms'])} "
-            f"| {run['transactions']} ({run['transactions_aborted']}) | {run['lost']} | {run['duplicates']} |"
+            f"| {transactions} | {run['lost']} | {run['duplicates']} |"
         )
     lines += ["", P6_WHY]
     lines += ["", "![latency vs load](bench-latency.png)", "", "![RSS and in-flight](bench-timeline.png)", ""]
