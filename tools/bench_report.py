@@ -28,10 +28,10 @@ that differ only in `--scheduling` (both with `--max-in-flight` sized to hold a 
 a ticket answered `overloaded` or `deadline_exceeded`, or classified after its `deadline_at` (output record
 timestamp). P6 runs two workers with default settings except `--guarantee` (the exactly-once one with its
 own `--transactional-id`), each on its own topics: throughput is timed as in P2 (at-least-once before and
-after exactly-once); latency offers 70 % of P2's capacity to one, lets it drain, then to the other, and is
-measured from the input record's timestamp to the moment a `read_committed` consumer (polling on its own
-thread, one record per call) received the result; lost and duplicates are counted from outputs read
-`read_committed`."""
+after exactly-once); latency offers 70 % of the capacity (P2's, or the at-least-once burst rate if lower) to
+one, lets it drain, then to the other, and is measured from the input record's timestamp to the moment a
+`read_committed` consumer (polling on its own thread, one record per call) received the result; lost and
+duplicates are counted from outputs read `read_committed`."""
 
 P6_WHY = """Why exactly-once costs what it costs (P6): a commit is a Kafka transaction, not an offset commit.
 Each one is a round trip to the transaction coordinator (offsets added to the transaction, then EndTxn,
