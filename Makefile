@@ -60,7 +60,7 @@ $(VENV)/.extra-%: $(STAMP)
 	$(BIN)/pip install --disable-pip-version-check -e '.[$*]'
 	touch $@
 
-# End-to-end figures P1-P5 (each a ratio against a baseline of the same run) against a real broker (its own on
+# End-to-end figures P1-P6 (each a ratio against a baseline of the same run) against a real broker (its own on
 # a free port, or KAFKA_BOOTSTRAP_SERVERS): results/bench.md, bench.json and PNG plots. `BENCH_ARGS=--quick`
 # for a run under 5 minutes on 2 cores.
 bench: $(VENV)/.extra-bench kafka-jars

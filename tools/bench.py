@@ -13,6 +13,8 @@ tickets `{"ticket_id", "body"}` everywhere and an input topic of 3 partitions:
 - P4 latency under load: 25..200 % of P2's capacity, each for a fixed time, against one worker;
 - P5 EDF vs FIFO: two workers, `--scheduling fifo` and `edf`, at 100 and 150 % of P2's capacity with half
   the tickets due 1 s after they are produced and half much later (`metadata.deadline_at`): deadline misses;
+- P6 exactly-once vs at-least-once: two workers, `--guarantee at_least_once` and `exactly_once`: throughput
+  of a burst, and latency at 70 % of P2's capacity as a read_committed reader sees the results;
 - CPU cost: CPU-ms per ticket of the worker's process tree vs the pool's.
 
 Writes bench.json, bench.md, bench-latency.png and bench-timeline.png into --out.
@@ -46,9 +48,11 @@ from bench_kafka import (
     Progress,
     Tickets,
     Topics,
+    Visible,
     Worker,
     audit,
     cpu_seconds,
+    end_offsets,
     kafka,
     new_topics,
     produce_paced,
@@ -64,6 +68,7 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.messages import TriageResult
 from worker.ops.run_command import dispatch_window
 from worker.pipeline.runner import Pipeline
 
@@ -668,6 +673,124 @@ def p5_edf_vs_fifo(bootstrap: str, capacity: float, seconds: float, logs: Path) 
     return figures
 
 
+# -- P6 ---------------------------------------------------------------------------------------------------
+
+P6_LOAD_PCT = 70
+_GUARANTEES = ("at_least_once", "exactly_once")
+
+
+def p6_exactly_once(
+    bootstrap: str, tickets: Tickets, capacity: float, count: int, budget: float, seconds: float, logs: Path
+) -> dict[str, Any]:
+    """Two workers with default settings but `--guarantee` (the exactly-once one with a transactional id of
+    its own), each on its own topics, same tickets. Throughput: `count` tickets as fast as possible until the
+    group has committed them, at-least-once before and after exactly-once (`bracket`). Latency: P6_LOAD_PCT %
+    of the capacity (P2's, or the at-least-once burst's if lower) for `seconds`, offered to one, drained, then
+    to the other; a ticket's latency is its input CreateTime → its result visible to a read_committed reader
+    (`Visible`)."""
+    runs: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as cleanup:
+        for mode in _GUARANTEES:
+            (topics,) = new_topics(bootstrap, f"p6-{mode}")
+            group = _group(f"p6-{mode}")
+            flags = ["--guarantee", mode]
+            if mode == "exactly_once":
+                flags += ["--transactional-id", f"{group}.txn"]
+            worker = Worker(bootstrap, topics, group, logs / f"p6-{mode}.log", flags)
+            cleanup.callback(worker.stop)
+            runs[mode] = {"topics": topics, "worker": worker, "group": group, "sent": 0, "burst_end": 0}
+        for run in runs.values():
+            run["worker"].wait_assigned(timeout=180)
+            run["offsets"] = Offsets(bootstrap, run["group"], run["topics"].input)
+            cleanup.callback(run["offsets"].close)
+
+        def throughput(mode: str, when: str = "") -> dict[str, Any]:
+            run, offsets = runs[mode], runs[mode]["offsets"]
+            progress(f"P6 {mode}{when}: {count} tickets as fast as possible")
+            started = produce_tickets(bootstrap, run["topics"].input, tickets, run["sent"], count)
+            run["sent"] += count
+            done = offsets.follow(offsets.ends(), budget, run["worker"].alive, every=0.05)
+            # This burst's records: committed past where the group stood when the previous burst ended.
+            records, run["burst_end"] = done.records - run["burst_end"], done.records
+            return {
+                "records": records,
+                "seconds": round(done.at - started, 3),
+                "rate": round(records / (done.at - started), 1),
+                "complete": done.complete,
+            }
+
+        alo_before = throughput("at_least_once", " (before)")
+        eos_rate = throughput("exactly_once")
+        alo_rate = bracket(alo_before, throughput("at_least_once", " (after)"))
+
+        visible = Visible(bootstrap, end_offsets(bootstrap, [run["topics"].output for run in runs.values()]))
+        cleanup.callback(visible.close)
+        # Relative to the lower of P2's capacity and the at-least-once burst just measured: the machine may be
+        # busier than it was during P2 (other jobs), and a level over capacity would measure a queue instead.
+        capacity = min(capacity, alo_rate["rate"])
+        rate = capacity * P6_LOAD_PCT / 100
+        for mode, run in runs.items():
+            progress(f"P6 {mode} {P6_LOAD_PCT} %: {rate:.1f} tickets/s for {seconds:.0f} s")
+            before = run["offsets"].ends()
+            sent = produce_paced(bootstrap, run["topics"].input, tickets, run["sent"], rate, seconds)
+            run["sent"] += sent
+            ends = run["offsets"].ends()
+            budget_s = 30 + 3 * sent / max(capacity, 1.0)
+            drained = run["offsets"].follow(ends, budget_s, run["worker"].alive, every=0.1)
+            run["range"], run["drained"] = (before, ends), drained.complete
+        time.sleep(1.2)  # the reader's last fetch; one more metrics event
+        visible.close()
+        for run in runs.values():
+            run["code"] = run["worker"].stop()
+            run["committed"] = run["offsets"].committed()
+    progress("P6 auditing the topics (read_committed)")
+    decode = msgspec.json.Decoder(TriageResult).decode
+    figures: dict[str, Any] = {
+        "tickets": count,
+        "capacity": capacity,  # the lower of P2's and the at-least-once burst's
+        "load_pct": P6_LOAD_PCT,
+        "offered_rate": round(rate, 1),
+        "seconds": seconds,
+    }
+    for mode, run in runs.items():
+        report = audit(bootstrap, run["topics"], run["committed"])
+        shown: dict[tuple[int, int], float] = {}  # input position → first visible, epoch ms
+        for topic, at, value in visible.seen:
+            if topic == run["topics"].output:
+                source = decode(value).source
+                shown.setdefault((source.partition, source.offset), at)
+        before, ends = run["range"]
+        positions = [(p, offset) for p, end in ends.items() for offset in range(before[p], end)]
+        latencies = [
+            round(shown[position] - report.inputs[position], 1) for position in positions if position in shown
+        ]
+        metrics = _last_metrics(run["worker"])
+        figures[mode] = {
+            "throughput": alo_rate if mode == "at_least_once" else eos_rate,
+            "latency": {
+                "tickets": len(positions),
+                "visible": len(latencies),
+                "drained": run["drained"],
+                "p50_ms": _percentile(latencies, 50),
+                "p99_ms": _percentile(latencies, 99),
+            },
+            "inputs": len(report.inputs),
+            "lost": report.lost,
+            "duplicates": report.duplicates,
+            "unprocessed": report.unprocessed,
+            "transactions": metrics.get("transactions"),
+            "transactions_aborted": metrics.get("transactions_aborted"),
+            "worker_exit_code": run["code"],
+        }
+    alo, eos = figures["at_least_once"], figures["exactly_once"]
+    figures["throughput_ratio"] = round(eos["throughput"]["rate"] / alo["throughput"]["rate"], 3)
+    for key in ("p50_ms", "p99_ms"):
+        eos_ms, alo_ms = eos["latency"][key], alo["latency"][key]
+        figures[f"{key[:3]}_ratio"] = round(eos_ms / alo_ms, 2) if eos_ms is not None and alo_ms else None
+    figures["latency"] = "input CreateTime → result seen by a read_committed reader (wall clock, same host)"
+    return figures
+
+
 # -- main -------------------------------------------------------------------------------------------------
 
 
@@ -703,6 +826,9 @@ def main() -> int:
             "p3": 300,
             "p4_level_s": 8,
             "p5_level_s": 6,
+            "p6": 1_500,
+            "p6_budget_s": 60,
+            "p6_level_s": 8,
         }
         if args.quick
         else {
@@ -713,6 +839,9 @@ def main() -> int:
             "p3": 1000,
             "p4_level_s": 60,
             "p5_level_s": 15,
+            "p6": 10_000,
+            "p6_budget_s": 300,
+            "p6_level_s": 30,
         }
     )
     # The bench's own process logs warnings only (the in-process Pipeline and pool); the workers log JSON.
@@ -745,6 +874,17 @@ def main() -> int:
             progress(f"P3 ratio {figures['p3']['ratio']}")
             figures["p4"] = p4_latency(bootstrap, tickets, p2["worker"]["rate"], sizes["p4_level_s"], logs)
             figures["p5"] = p5_edf_vs_fifo(bootstrap, p2["worker"]["rate"], sizes["p5_level_s"], logs)
+            figures["p6"] = p6 = p6_exactly_once(
+                bootstrap,
+                tickets,
+                p2["worker"]["rate"],
+                sizes["p6"],
+                sizes["p6_budget_s"],
+                sizes["p6_level_s"],
+                logs,
+            )
+            ratios = (p6["throughput_ratio"], p6["p50_ratio"], p6["p99_ratio"])
+            progress("P6 ratios EOS/ALO: throughput {}, p50 {}, p99 {}".format(*ratios))
         except BaseException:
             for log in sorted(logs.glob("*.log")):
                 print(

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -387,12 +388,16 @@ class Worker:
 
 
 def read_topic(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
-    """Every record of `topic` up to its end offsets as of now."""
+    """Every record of `topic` up to its end offsets as of now, as a downstream reader of exactly-once output
+    must read it (read_committed: records of aborted transactions are skipped)."""
     consumer = confluent_kafka.Consumer(
         {
             "bootstrap.servers": bootstrap,
             "group.id": f"bench-audit-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            # A transaction's last offset is its commit marker, never handed out: the end shows as an event.
+            "enable.partition.eof": True,
         }
     )
     try:
@@ -410,8 +415,13 @@ def read_topic(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"could not read {topic} to its end offsets {ends}")
             for message in consumer.consume(1000, 0.5):
-                partition, offset = message.partition(), message.offset()
-                if message.error() is not None or partition is None or offset is None:
+                partition, offset, error = message.partition(), message.offset(), message.error()
+                if partition is None or offset is None:
+                    continue
+                if error is not None:
+                    at_end = error.code() == confluent_kafka.KafkaError._PARTITION_EOF
+                    if at_end and offset >= ends[partition]:
+                        todo.discard(partition)
                     continue
                 if offset < ends[partition]:
                     yield message
@@ -471,3 +481,68 @@ def audit(bootstrap: str, topics: Topics, committed: dict[int, int]) -> Audit:
         position = (int(headers[dead_letters.SOURCE_PARTITION]), int(headers[dead_letters.SOURCE_OFFSET]))
         report.dead[position] = report.dead.get(position, 0) + 1
     return report
+
+
+class Visible:
+    """A read_committed reader of output topics, as a downstream consumer of the worker would be: when (wall
+    clock, ms) each record became visible to it, from the given start offsets on.
+
+    It polls on a thread of its own and keeps the raw values (decoded after the run, not while it measures).
+    """
+
+    def __init__(self, bootstrap: str, starts: dict[str, dict[int, int]]) -> None:
+        self._consumer = confluent_kafka.Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-visible-{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        self._consumer.assign(
+            [
+                confluent_kafka.TopicPartition(topic, partition, offset)
+                for topic, offsets in starts.items()
+                for partition, offset in offsets.items()
+            ]
+        )
+        self.seen: list[tuple[str, float, bytes]] = []  # (topic, visible at in epoch ms, value)
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="visible-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._halt.is_set():
+            # One record per call: `consume(n, timeout)` would wait for n records or the timeout.
+            message = self._consumer.poll(0.1)
+            if message is None or message.error() is not None:
+                continue
+            topic, value = message.topic(), message.value()
+            if topic is not None and value is not None:
+                self.seen.append((topic, time.time() * 1000, value))
+
+    def close(self) -> None:
+        """Stops the reader; once (later calls do nothing)."""
+        if self._halt.is_set():
+            return
+        self._halt.set()
+        self._thread.join(10)
+        self._consumer.close()
+
+
+def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[str, dict[int, int]]:
+    """topic → partition → high watermark, now."""
+    consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-ends"})
+    try:
+        found: dict[str, dict[int, int]] = {}
+        for topic in topics:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            found[topic] = {
+                p: consumer.get_watermark_offsets(
+                    confluent_kafka.TopicPartition(topic, p), timeout=10, cached=False
+                )[1]
+                for p in sorted(partitions)
+            }
+        return found
+    finally:
+        consumer.close()

@@ -26,7 +26,22 @@ drain before the next level; "deadline fallbacks" are `deadline_exceeded` + `ove
 that differ only in `--scheduling` (both with `--max-in-flight` sized to hold a level's backlog at 150 % and
 `--deadline-ms` = the loose budget) and offers each level to one, lets it drain, then to the other; a miss is
 a ticket answered `overloaded` or `deadline_exceeded`, or classified after its `deadline_at` (output record
-timestamp)."""
+timestamp). P6 runs two workers with default settings except `--guarantee` (the exactly-once one with its
+own `--transactional-id`), each on its own topics: throughput is timed as in P2 (at-least-once before and
+after exactly-once); latency offers 70 % of the capacity (P2's, or the at-least-once burst rate if lower) to
+one, lets it drain, then to the other, and is measured from the input record's timestamp to the moment a
+`read_committed` consumer (polling on its own thread, one record per call) received the result; lost and
+duplicates are counted from outputs read `read_committed`."""
+
+P6_WHY = """Why exactly-once costs what it costs (P6): a commit is a Kafka transaction, not an offset commit.
+Each one is a round trip to the transaction coordinator (offsets added to the transaction, then EndTxn,
+which writes a commit marker into every partition the transaction touched), and the loop produces nothing
+while it is on its way and sends it only once every record in it is acknowledged. Results become visible to
+a `read_committed` reader only when their transaction commits, not when they are produced: a result waits on
+average half the time between commits (`commit_interval_ms`, 1 s by default, or less when done work fills half
+of `max_in_flight`, as it does at this load) plus the commit itself. A partition's outputs are released in
+input order, so one slow ticket holds back those after it. At-least-once results are not transactional and
+are visible as soon as they are written; its commits only move the group's offsets."""
 
 
 def epoch(timestamp: str) -> float:
@@ -106,6 +121,52 @@ def _p5_rows(p5: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             )
         )
     return found
+
+
+def _p6_latency(run: dict[str, Any]) -> str:
+    latency = run["latency"]
+    unseen = latency["tickets"] - latency["visible"]
+    return f"p50 {_ms(latency['p50_ms'])}, p99 {_ms(latency['p99_ms'])}" + (
+        f" ({unseen:,} of {latency['tickets']:,} never visible)" if unseen else ""
+    )
+
+
+def _p6_audit(run: dict[str, Any]) -> str:
+    return f"{run['lost']} lost, {run['duplicates']} duplicates of {run['inputs']:,} inputs"
+
+
+def _p6_rows(p6: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    alo, eos = p6["at_least_once"], p6["exactly_once"]
+    ratios = [f"{name} {value:.2f}x" for name, value in (("p50", p6["p50_ratio"]), ("p99", p6["p99_ratio"]))]
+    return [
+        (
+            f"P6 exactly-once throughput: `--guarantee exactly_once` vs `at_least_once` "
+            f"({p6['tickets']:,} tickets at once)",
+            f"{alo['throughput']['rate']:,.1f} tickets/s{_spread(alo['throughput'])}"
+            f"{_partial(alo['throughput'], p6['tickets'])}",
+            f"{eos['throughput']['rate']:,.1f} tickets/s{_partial(eos['throughput'], p6['tickets'])}",
+            f"{p6['throughput_ratio']:.2f}x",
+            "reported",
+            "-",
+        ),
+        (
+            f"P6 at {p6['load_pct']} %: latency to a read_committed reader, exactly-once vs at-least-once",
+            _p6_latency(alo),
+            _p6_latency(eos),
+            "; ".join(ratios),
+            "reported",
+            "-",
+        ),
+        (
+            "P6 audit (outputs read read_committed): lost; duplicates",
+            f"ALO: {_p6_audit(alo)}",
+            f"EOS: {_p6_audit(eos)}; {eos['transactions']:,} transactions, "
+            f"{eos['transactions_aborted']} aborted",
+            "-",
+            "0 lost; EOS 0 duplicates",
+            _met(alo["lost"] == 0 and eos["lost"] == 0 and eos["duplicates"] == 0),
+        ),
+    ]
 
 
 def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
@@ -213,6 +274,7 @@ def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             _met(p4["lost"] == 0),
         ),
         *_p5_rows(figures["p5"]),
+        *_p6_rows(figures["p6"]),
     ]
 
 
@@ -262,6 +324,27 @@ def markdown(figures: dict[str, Any]) -> str:
                 f"| {level['missed_tight']:,} / {level['missed_loose']:,} | {level['late']:,} "
                 f"| {level['in_time']:,} | {level['other']:,} | {run['lost']}, {run['duplicates']} |"
             )
+    p6 = figures["p6"]
+    lines += [
+        "",
+        f"P6 ({p6['tickets']:,} tickets for throughput; latency at {p6['offered_rate']:,.1f} tickets/s for "
+        f"{p6['seconds']:g} s; latency = input record timestamp → result received by a read_committed "
+        "reader):",
+        "",
+        "| guarantee | throughput | latency tickets | p50 | p99 | transactions (aborted) | lost "
+        "| duplicates |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("at_least_once", "exactly_once"):
+        run = p6[mode]
+        count, aborted = run["transactions"], run["transactions_aborted"]
+        transactions = f"{count:,} ({aborted})" if count else "-"
+        lines.append(
+            f"| {mode} | {run['throughput']['rate']:,.1f}/s | {run['latency']['visible']:,} "
+            f"| {_ms(run['latency']['p50_ms'])} | {_ms(run['latency']['p99_ms'])} "
+            f"| {transactions} | {run['lost']} | {run['duplicates']} |"
+        )
+    lines += ["", P6_WHY]
     lines += ["", "![latency vs load](bench-latency.png)", "", "![RSS and in-flight](bench-timeline.png)", ""]
     return "\n".join(lines)
 
