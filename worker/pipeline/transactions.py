@@ -93,7 +93,6 @@ class Transactions:
         self._producer = producer
         self._consumer = consumer
         self._retry_for_s = retry_for_s
-        self.open = False
 
     def init(self) -> None:
         """Register the transactional id with the broker: fences an older producer with the same id and
@@ -107,7 +106,6 @@ class Transactions:
     def begin(self) -> None:
         """Open the next transaction (a local call; the broker hears of it with the first record)."""
         self._producer.begin_transaction()
-        self.open = True
 
     def commit(self, positions: dict[TopicPartitionKey, int]) -> CommitOutcome:
         """Add `positions` (next offset to read, per partition) and commit everything produced since `begin`.
@@ -115,7 +113,6 @@ class Transactions:
         The outcome says whether the positions are committed, or the transaction was aborted (its records
         are never read and the loop redoes its work), or the producer is fenced or broken for good.
         """
-        self.open = False
         try:
             if positions:
                 offsets = topic_partitions(positions)
@@ -130,7 +127,6 @@ class Transactions:
 
     def abort(self) -> AbortFailed | None:
         """Abort the open transaction; its records are never read. Says why when that failed."""
-        self.open = False
         try:
             self._retrying(lambda: self._producer.abort_transaction(_CALL_TIMEOUT_S))
         except confluent_kafka.KafkaException as problem:
