@@ -170,3 +170,14 @@ def test_without_order_nothing_is_held_back() -> None:
     state = PartitionOffsets(A)
     _taken(ledger, state, range(2))
     assert ledger.release() == [] and ledger.is_empty()
+
+
+def test_in_order_release_of_one_partition_leaves_the_others_held() -> None:
+    ledger = Ledger(in_order=True)
+    a, b = PartitionOffsets(A), PartitionOffsets(B)
+    [on_a] = _taken(ledger, a, range(1))
+    [on_b] = _taken(ledger, b, range(1))
+    ledger.hold(on_a, _output(0))
+    ledger.hold(on_b, _output(0))
+    assert ledger.release(b) == [on_b]
+    assert ledger.held == 1 and ledger.release(a) == [on_a]

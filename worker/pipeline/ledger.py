@@ -110,11 +110,13 @@ class Ledger:
         work.output = output
         self._held += 1
 
-    def release(self) -> list[Work]:
+    def release(self, state: PartitionOffsets | None = None) -> list[Work]:
         """In order: the held records whose partition's earlier records are all produced, in offset order;
-        the caller produces their `output` now."""
+        the caller produces their `output` now. `state`: look at that partition only (after a hold there,
+        no other partition can have become ready)."""
         ready: list[Work] = []
-        for queue in self._partition_order.values():
+        queues = self._partition_order.values() if state is None else [self._partition_order.get(state)]
+        for queue in queues:
             while queue and queue[0].output is not None:
                 ready.append(queue.popleft())
         self._held -= len(ready)

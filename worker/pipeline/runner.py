@@ -191,7 +191,7 @@ class Pipeline:
         # Producers and committers left behind by `_replace_stuck_producer`: a thread is still inside them.
         self._abandoned: list[object] = []
         self._redo_smaller: dict[tuple[str, int, int], int] = {}
-        self._poisoned: dict[TopicPartitionKey, int] = {}
+        self._poisoned: set[TopicPartitionKey] = set()
         self._paused: set[TopicPartitionKey] = set()
         self._stopping = False
         self._stop_by: float | None = None
@@ -495,12 +495,13 @@ class Pipeline:
             self._send(work, output)
         else:
             self._ledger.hold(work, output)
-            self._release()
+            self._release(work.state)
 
-    def _release(self) -> None:
-        """Exactly-once: produce the held outputs that may go, unless the transaction takes no records."""
+    def _release(self, state: PartitionOffsets | None = None) -> None:
+        """Exactly-once: produce the held outputs that may go (of `state`'s partition, or of all), unless the
+        transaction takes no records."""
         if not self._closing and self._abort_reason is None:
-            for work in self._ledger.release():
+            for work in self._ledger.release(state):
                 assert work.output is not None
                 self._send(work, work.output)
 
@@ -595,7 +596,7 @@ class Pipeline:
             ):
                 self._redo_smaller[(work.topic, work.partition, work.offset)] = output.shrunk + 1
             else:
-                self._poisoned[work.partition_key] = work.offset
+                self._poisoned.add(work.partition_key)
                 self._delivery_failed(work, error, "at its last commit until a restart or rebalance")
         if self._abort_reason is None and not work.orphan:
             self._abort_reason = f"delivery of offset {work.offset} failed: {error.name()}"
@@ -730,7 +731,7 @@ class Pipeline:
             # A restart recovers the same way (init_transactions, then the committed offsets).
             self._fatal = f"cannot replace the stuck transactional producer: {problem}"
             return
-        self._redo("transaction commit stuck", {(tp.topic, tp.partition): tp.offset for tp in committed})
+        self._redo(reason, {(tp.topic, tp.partition): tp.offset for tp in committed})
 
     def _redo(self, reason: str, committed: dict[TopicPartitionKey, int] | None = None) -> None:
         """After an abort: every owned partition starts again at its first uncommitted offset (the aborted
@@ -748,7 +749,7 @@ class Pipeline:
                 continue
             if committed is not None and committed.get(state.key, -1) >= 0:
                 start = committed[state.key]
-            blocked = self._poisoned.get(state.key) is not None
+            blocked = state.key in self._poisoned
             self._tracker.restart(state.key, start, blocked)
             redo_from[f"{state.key[0]}[{state.key[1]}]"] = start
             try:
@@ -852,7 +853,7 @@ class Pipeline:
         for key in keys:
             self._tracker.assign(key)
             self._paused.discard(key)
-            self._poisoned.pop(key, None)
+            self._poisoned.discard(key)  # a new assignment tries its records again
         _log.info("partitions_assigned", partitions=_names(keys))
         if not partitions:
             return
@@ -897,8 +898,6 @@ class Pipeline:
         else:
             # The transaction holds records of every owned partition: it commits (or aborts) as a whole.
             self._commit_transaction_now(limit)
-            for key in keys:
-                self._poisoned.pop(key, None)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
         self._update_gauge()
@@ -912,12 +911,10 @@ class Pipeline:
     def _on_lost(self, _consumer: confluent_kafka.Consumer, partitions: list[Any]) -> None:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.lost += len(keys)
-        if self._transactions is not None and keys:
-            # The open transaction holds outputs of these partitions, which their new owner writes again.
-            if self._abort_reason is None:
-                self._abort_reason, self._abort_by = "partitions lost", self._clock()
-            for key in keys:
-                self._poisoned.pop(key, None)
+        # Exactly-once: the open transaction holds outputs of these partitions, which their new owner writes
+        # again.
+        if self._transactions is not None and keys and self._abort_reason is None:
+            self._abort_reason, self._abort_by = "partitions lost", self._clock()
         self._ledger.give_up(keys)
         self._tracker.revoke(keys)
         self._paused.difference_update(keys)
