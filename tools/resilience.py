@@ -29,6 +29,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -304,7 +305,12 @@ class Chaos:
 
     def start(self, role: str) -> ph.Worker:
         self.serial += 1
-        settings = {"pipeline.max_in_flight": str(MAX_IN_FLIGHT), "pipeline.guarantee": self.guarantee}
+        settings = {
+            "pipeline.max_in_flight": str(MAX_IN_FLIGHT),
+            "pipeline.guarantee": self.guarantee,
+            # Every commit's positions (debug), so that a lost ticket names the commit that passed it.
+            "log.level": "debug",
+        }
         if self.guarantee == "exactly_once":
             # A new id per worker, as pods of a Deployment get: a killed worker's open transaction then
             # holds its partitions back until the broker aborts it (transaction.timeout.ms).
@@ -362,6 +368,43 @@ class Chaos:
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [{**event, "worker": w.log_path.name} for w in self.all for event in w.events(name)]
+
+    def explainer(self, topic: str) -> Callable[[tuple[int, int], str], dict[str, Any]]:
+        """Explains a lost input position with the evidence the logs hold (the workers log at debug level):
+        which worker's commit first passed it and when, which workers skipped its record (had taken a later
+        offset of the partition first), and the last worker started that owned its partition."""
+        skipped_by: dict[tuple[int, int], list[str]] = {}
+        owners: dict[int, list[str]] = {}
+        commits: dict[int, list[tuple[str, int, str]]] = {}  # partition → (timestamp, position, worker)
+        for w in self.all:
+            for e in w.events("commit_confirmed") + w.events("committed"):
+                for name, position in (e.get("positions") or {}).items():
+                    if name.startswith(f"{topic}["):
+                        entry = (e["timestamp"], position, w.log_path.name)
+                        commits.setdefault(int(name[len(topic) + 1 : -1]), []).append(entry)
+            for e in w.events("record_skipped"):
+                skipped_by.setdefault((e["partition"], e["offset"]), []).append(w.log_path.name)
+            owned = {name for e in w.events("partitions_assigned") for name in e.get("partitions") or []}
+            for name in owned:
+                if name.startswith(f"{topic}["):
+                    owners.setdefault(int(name[len(topic) + 1 : -1]), []).append(w.log_path.name)
+
+        for entries in commits.values():
+            entries.sort()
+
+        def explain(position: tuple[int, int], kind: str) -> dict[str, Any]:
+            partition, offset = position
+            passed = [(at, worker) for at, end, worker in commits.get(partition, []) if end > offset]
+            return {
+                "partition": partition,
+                "offset": offset,
+                "kind": kind,
+                "first_committed_past_by": passed[0] if passed else None,
+                "skipped_by": skipped_by.get(position, []),
+                "last_owner": (owners.get(partition) or [None])[-1],
+            }
+
+        return explain
 
     def lead_up(self, name: str, lines: int = 6) -> list[list[str]]:
         """For each `name` event, the worker's log lines up to it (metrics left out): the evidence."""
@@ -474,6 +517,13 @@ def chaos(args: argparse.Namespace) -> bool:
         evictions = len(overruns)
         workers_started = len(group.all)
         overrun_lead_up = group.lead_up("max_poll_interval_exceeded")
+        explain = group.explainer(topics.input)
+        lost_positions = [explain(position, report.inputs[position]) for position in report.lost]
+        if report.lost:
+            kept = args.out / f"{'chaos-exactly-once' if args.guarantee == 'exactly_once' else 'chaos'}-logs"
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(state / "logs", kept)
+            progress(f"chaos: tickets lost; the workers' logs are kept in {kept}")
 
     bound = MAX_IN_FLIGHT * (done["kill"] + len(lost_events)) + unfinished
     exactly_once = args.guarantee == "exactly_once"
@@ -511,7 +561,7 @@ def chaos(args: argparse.Namespace) -> bool:
         ],
         max_poll_overrun_lead_up=overrun_lead_up,
         lost=lost,
-        lost_positions=report.lost[:20],
+        lost_positions=lost_positions,
         duplicates=report.duplicates,
         duplicate_bound=bound,
         misrouted=len(report.misrouted),

@@ -14,8 +14,8 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 6. at `max_in_flight` stops polling while a commit frees slots; when the bound holds for longer (a slow
    model) pauses every assigned partition and polls again, so the group never evicts the worker however
    slow the model is; resumes below the low-water mark;
-7. polls a batch no larger than the free capacity, decodes it, dead-letters what is not a ticket and queues
-   the rest with its deadline.
+7. polls records up to the free capacity, one per poll (see `_poll_records`), decodes each, dead-letters
+   what is not a ticket and queues the rest with its deadline.
 
 Rebalances (cooperative-sticky by default): nothing new is taken from revoked partitions; the tickets
 already taken from them (queued ones go to the model first) get up to `revoke_timeout_ms` to finish while
@@ -283,11 +283,9 @@ class Pipeline:
             wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
             # With partitions paused (no capacity) the poll only serves callbacks and keeps the member alive.
             self._last_poll = self._clock()
-            messages = self._consumer.consume(
-                num_messages=max(1, min(self._pipeline.poll_batch_size, self._gate.capacity())),
-                timeout=0.0 if busy else wait_s,
+            self._poll_records(
+                max(1, min(self._pipeline.poll_batch_size, self._gate.capacity())), 0.0 if busy else wait_s
             )
-            self._take(messages)
         elif not busy:
             # Nothing at the model: slots come back with the commit on its way or with delivery reports.
             if self._committer.busy:
@@ -351,55 +349,73 @@ class Pipeline:
                 self._fatal = describe(problem)
                 _log.error("kafka_fatal_error", reason=self._fatal)
 
-    def _take(self, messages: list[confluent_kafka.Message]) -> None:
-        now = self._clock()
-        wall = time.time()
-        for message in messages:
-            error = message.error()
-            if error is not None:
-                self._consumer_error(error)
-                continue
-            topic, partition, offset = message.topic(), message.partition(), message.offset()
-            if topic is None or partition is None or offset is None:
-                continue
-            state = self._tracker.get((topic, partition))
-            if state is None:
-                continue  # revoked while the batch was in flight; its next owner reads it
-            if not state.track(offset):
-                self.metrics.redelivered += 1
-                continue
-            self.metrics.consumed += 1
-            headers = _headers(message)
-            work = Work(
-                state=state,
-                topic=topic,
-                partition=partition,
-                offset=offset,
-                key=message.key(),
-                headers=headers,
-                polled_at=now,
-                deadline=now + self._pipeline.deadline_ms / 1000.0,
-            )
-            self._ledger.taken(work)
-            value = message.value()
-            if work.key is not None and len(work.key) > MAX_KEY_BYTES:
-                reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
-                self._dead_letter(work, value, "key_too_large", reason)
-                continue
-            try:
-                event = decode_ticket(value, self._pipeline.max_value_bytes)
-                deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
-            except DecodeError as problem:
-                self._dead_letter(work, value, problem.error_type, problem.message)
-                continue
-            except Exception as error:  # no record may stop the worker, whatever a library raises
-                _log.exception("record_failed", topic=topic, partition=partition, offset=offset)
-                self._dead_letter(work, value, "internal_error", f"{type(error).__name__}: {error}")
-                continue
-            work.event = event
-            work.deadline = deadline
-            self._ledger.wait(work)
+    def _poll_records(self, limit: int, timeout: float) -> None:
+        """Take up to `limit` records, waiting up to `timeout` for the first, each one before the next poll.
+
+        One record per poll, never a `consume()` batch: rebalance callbacks run inside a poll and may seek a
+        partition back (an exactly-once redo) or give it a fresh offset state (assign after lost), and
+        librdkafka drops the records fetched before that only while they are still queued. A batch can hand
+        back records it dequeued before the callback ran; the first of them would start the partition's
+        new state at a later offset than the seek, and the records in between, fetched again, would be
+        skipped as re-deliveries while the next commit passed them: tickets committed with no output
+        (issue #25, reproduced in tests/test_pipeline_memory.py).
+        """
+        message = self._consumer.poll(timeout)
+        now, wall = self._clock(), time.time()  # one clock read per poll round, not per record
+        taken = 0
+        while message is not None:
+            self._take(message, now, wall)
+            taken += 1
+            message = self._consumer.poll(0.0) if taken < limit else None
         self._update_gauge()
+
+    def _take(self, message: confluent_kafka.Message, now: float, wall: float) -> None:
+        error = message.error()
+        if error is not None:
+            self._consumer_error(error)
+            return
+        topic, partition, offset = message.topic(), message.partition(), message.offset()
+        if topic is None or partition is None or offset is None:
+            return
+        state = self._tracker.get((topic, partition))
+        if state is None:
+            return  # not owned (a record fetched for a partition revoked since); its owner reads it
+        if not state.track(offset):
+            # Never expected: the partition's state starts where its fetch does (see `_poll_records`).
+            self.metrics.redelivered += 1
+            _log.warning("record_skipped", topic=topic, partition=partition, offset=offset)
+            return
+        self.metrics.consumed += 1
+        headers = _headers(message)
+        work = Work(
+            state=state,
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=message.key(),
+            headers=headers,
+            polled_at=now,
+            deadline=now + self._pipeline.deadline_ms / 1000.0,
+        )
+        self._ledger.taken(work)
+        value = message.value()
+        if work.key is not None and len(work.key) > MAX_KEY_BYTES:
+            reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
+            self._dead_letter(work, value, "key_too_large", reason)
+            return
+        try:
+            event = decode_ticket(value, self._pipeline.max_value_bytes)
+            deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
+        except DecodeError as problem:
+            self._dead_letter(work, value, problem.error_type, problem.message)
+            return
+        except Exception as error:  # no record may stop the worker, whatever a library raises
+            _log.exception("record_failed", topic=topic, partition=partition, offset=offset)
+            self._dead_letter(work, value, "internal_error", f"{type(error).__name__}: {error}")
+            return
+        work.event = event
+        work.deadline = deadline
+        self._ledger.wait(work)
 
     def _consumer_error(self, error: confluent_kafka.KafkaError) -> None:
         if error.code() == confluent_kafka.KafkaError._MAX_POLL_EXCEEDED:
@@ -665,6 +681,8 @@ class Pipeline:
         for key, position in outcome.confirmed.items():
             if (state := self._tracker.get(key)) is not None:
                 self.metrics.committed += state.committed(position)
+        if outcome.confirmed:
+            _log.debug("commit_confirmed", positions=_positions(outcome.confirmed))
         if self._redo_smaller and outcome.confirmed:
             self._redo_smaller = {
                 (t, p, offset): tries
@@ -886,7 +904,8 @@ class Pipeline:
         self._ledger.first_to_model(keys)
         states = [state for key in keys if (state := self._tracker.get(key)) is not None]
         self._give_up_at = limit
-        while self._ledger.pending(keys) and self._clock() < limit:
+        # A doomed transaction (exactly-once, abort pending) produces nothing more: waiting is pointless.
+        while self._ledger.pending(keys) and self._abort_reason is None and self._clock() < limit:
             self._serve_work(_BUSY_WAIT_S)
         self._give_up_at = self._stop_by
         left = self._ledger.pending(keys)
@@ -936,7 +955,7 @@ class Pipeline:
             self._service(wait_s=_BUSY_WAIT_S)
             if self._commit_settled():  # see `_may_poll`
                 self._last_poll = self._clock()
-                self._consumer.consume(num_messages=1, timeout=0.0)
+                self._consumer.poll(0.0)  # paused: serves callbacks; a record is left to the next owner
         unfinished = self._ledger.waiting + self._ledger.at_model
         if self._transactions is not None:
             if self._fatal is None:
@@ -994,6 +1013,10 @@ def _headers(message: confluent_kafka.Message) -> Headers | None:
         return None
     pairs = raw.items() if isinstance(raw, dict) else raw
     return [(name, value.encode("utf-8") if isinstance(value, str) else value) for name, value in pairs]
+
+
+def _positions(positions: dict[TopicPartitionKey, int]) -> dict[str, int]:
+    return {f"{topic}[{partition}]": position for (topic, partition), position in sorted(positions.items())}
 
 
 def _names(keys: Sequence[TopicPartitionKey] | set[TopicPartitionKey]) -> list[str]:
