@@ -103,11 +103,13 @@ class GroupMetadata:
 @dataclass
 class Hooks:
     """Test hooks. `delivery(topic, value)` may return an error for a record; `commit(producer)` runs at
-    the start of `commit_transaction` (block there to hold a commit, raise to fail it); `consumer_call`
-    runs at the start of every consume/poll with the consumer (to inject rebalance events at a moment)."""
+    the start of `commit_transaction` (block there to hold a commit, raise to fail it), `init(producer)` at
+    the start of `init_transactions` (raise to fail it); `consumer_call` runs at the start of every
+    consume/poll with the consumer (to inject rebalance events at a moment)."""
 
     delivery: Callable[[str, bytes | None], KafkaError | None] = lambda _topic, _value: None
     commit: Callable[[MemoryProducer], None] = lambda _producer: None
+    init: Callable[[MemoryProducer], None] = lambda _producer: None
     consumer_call: Callable[[MemoryConsumer], None] = lambda _consumer: None
 
 
@@ -458,6 +460,7 @@ class MemoryProducer:
     # -- transactions ----------------------------------------------------------------------------------
 
     def init_transactions(self, timeout: float = -1) -> None:
+        self.kafka.hooks.init(self)
         self.kafka._init(self)
 
     def begin_transaction(self) -> None:

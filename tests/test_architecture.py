@@ -14,7 +14,8 @@ ALLOWED = {
     "kafka": set(),
     "inference": set(),
     "pipeline": {"kafka"},
-    "ops": {"kafka", "inference", "pipeline", "ops"},
+    "replay": {"kafka", "pipeline"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "ops"},
 }
 
 

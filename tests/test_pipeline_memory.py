@@ -364,33 +364,65 @@ def test_a_worker_fenced_by_another_with_its_transactional_id_stops_and_its_open
     assert kafka.read_committed(OUTPUT) == [] and (INPUT, 0) not in kafka.committed["memory-group"]
 
 
+class StuckFirstCommit:
+    """A commit hook: the first transaction commit hangs until `release` (librdkafka after a restart)."""
+
+    def __init__(self) -> None:
+        self.stuck, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, _producer: object) -> None:
+        if not self.stuck.is_set():
+            self.stuck.set()
+            self.release.wait(30)
+
+
+def fast_clock() -> Callable[[], float]:
+    """The pipeline's clock at 100x, so that the 30 s stuck-commit limit passes quickly."""
+    start = time.monotonic()
+    return lambda: start + (time.monotonic() - start) * 100
+
+
 def test_a_stuck_commit_is_settled_by_a_new_producer_and_the_work_redone_once(kafka: MemoryKafka) -> None:
     """A transaction commit that never returns (librdkafka after a broker restart, see the pipeline's
-    `_replace_stuck_producer`) is fenced by a new producer with the same transactional id; the work is
-    redone from the group's committed offsets. The clock runs 100x so that the 30 s limit passes quickly."""
+    `ExactlyOnce._replace_producer`) is fenced by a new producer with the same transactional id; the work is
+    redone from the group's committed offsets."""
     fill_texts(kafka, 0, ["where is my card"] * 20)
-    stuck = threading.Event()
-    release = threading.Event()
-
-    def hold_the_first_commit(_producer: object) -> None:
-        if not stuck.is_set():
-            stuck.set()
-            release.wait(30)
-
-    kafka.hooks.commit = hold_the_first_commit
-    start = time.monotonic()
-    worker = pipeline(
-        kafka,
-        "exactly_once",
-        clock=lambda: start + (time.monotonic() - start) * 100,
-        **{"pipeline.commit_interval_ms": 1000},
-    )
+    kafka.hooks.commit = stuck = StuckFirstCommit()
+    worker = pipeline(kafka, "exactly_once", clock=fast_clock(), **{"pipeline.commit_interval_ms": 1000})
     running = Running(worker)
     try:
-        wait_until(stuck.is_set, "the first commit")
+        wait_until(stuck.stuck.is_set, "the first commit")
         wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 20, "the redone work committed")
         assert worker.metrics.transactions_aborted >= 1
     finally:
-        release.set()
+        stuck.release.set()
+    assert running.stop() == 0
+    assert_exactly_once(kafka, "memory-group")
+
+
+def test_a_new_producer_whose_coordinator_does_not_answer_yet_tries_again_and_the_worker_stays(
+    kafka: MemoryKafka,
+) -> None:
+    """After a stuck commit, the new producer's init_transactions fails while the transaction coordinator is
+    not available (seen for a minute after a broker restart): the worker keeps polling and tries again at
+    the next turns instead of stopping, then redoes the work once."""
+    fill_texts(kafka, 0, ["where is my card"] * 20)
+    stuck = StuckFirstCommit()
+    refusals: list[int] = []
+
+    def coordinator_away_for_a_while(_producer: object) -> None:
+        if stuck.stuck.is_set() and len(refusals) < 5:
+            refusals.append(1)
+            error = confluent_kafka.KafkaError(confluent_kafka.KafkaError.NOT_COORDINATOR, "Not coordinator")
+            raise confluent_kafka.KafkaException(error)
+
+    kafka.hooks.commit, kafka.hooks.init = stuck, coordinator_away_for_a_while
+    worker = pipeline(kafka, "exactly_once", clock=fast_clock(), **{"pipeline.commit_interval_ms": 1000})
+    running = Running(worker)
+    try:
+        wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 20, "the redone work committed")
+    finally:
+        stuck.release.set()
+    assert len(refusals) == 5
     assert running.stop() == 0
     assert_exactly_once(kafka, "memory-group")

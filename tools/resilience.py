@@ -326,9 +326,12 @@ class Chaos:
         for worker in list(self.live):
             if worker.process.poll() is not None:
                 what = f"{worker.log_path.name} exited {worker.process.returncode}:\n{worker.tail(8)}"
-                # The start-up connection check ends a worker started while the broker is down, by design
-                # (a supervisor restarts it, as here); any other exit is a finding.
-                refused = not worker.events("pipeline_started") and "cannot reach Kafka" in worker.tail(2)
+                # The start-up checks end a worker started while the broker (or its transaction coordinator)
+                # is away, by design (a supervisor restarts it, as here); any other exit is a finding.
+                tail = worker.tail(2)
+                refused = not worker.events("pipeline_started") and (
+                    "cannot reach Kafka" in tail or "cannot start transactions" in tail
+                )
                 (self.refused_at_start if refused else self.died).append(what)
                 self.live.remove(worker)
                 worker.kill()

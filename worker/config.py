@@ -68,7 +68,7 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     shutdown_timeout_ms: PositiveMs = 15000
     max_value_bytes: PositiveInt = 1048576
     # exactly_once: results, dead letters and input offsets are written in Kafka transactions (see
-    # worker/pipeline/transactions.py); downstream consumers then need isolation.level=read_committed.
+    # worker/pipeline/guarantees.py); downstream consumers then need isolation.level=read_committed.
     guarantee: Guarantee = "at_least_once"
     # The transactional producer's id in exactly_once mode; None means "<group_id>-<host name>". It must be
     # unique among live workers (two with one id fence each other) and should survive a restart of the same
@@ -207,6 +207,15 @@ def is_secret_key(key: str) -> bool:
 def masked_kafka_config(kafka: Mapping[str, str]) -> dict[str, str]:
     """A copy of librdkafka options that is safe to log or print: secret values replaced by ``***``."""
     return {key: MASK if is_secret_key(key) else value for key, value in kafka.items()}
+
+
+def mask_secrets(text: str, kafka: Mapping[str, str]) -> str:
+    """`text` (a client's error message) with the value of every secret option in `kafka` blanked out:
+    belt and braces, whatever the client said."""
+    for key, value in kafka.items():
+        if value and is_secret_key(key):
+            text = text.replace(value, MASK)
+    return text
 
 
 class _Entry(msgspec.Struct, frozen=True):

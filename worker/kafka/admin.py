@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
-from worker.config import MASK, TopicSettings, is_secret_key
+from worker.config import TopicSettings, mask_secrets
 from worker.errors import UserError
 
 TopicOutcome = Literal["created", "exists"]
@@ -61,14 +61,6 @@ def _refusal(kafka_config: Mapping[str, str], error: KafkaError) -> str | None:
         trusted = kafka_config.get("ssl.ca.location", "the system's CA certificates")
         return f"TLS handshake with {bootstrap} failed (trusting {trusted}): {reason}"
     return None
-
-
-def _masked(text: str, kafka_config: Mapping[str, str]) -> str:
-    """Belt and braces: no secret option's value survives into a message, whatever the client said."""
-    for key, value in kafka_config.items():
-        if value and is_secret_key(key):
-            text = text.replace(value, MASK)
-    return text
 
 
 @dataclass(frozen=True)
@@ -158,7 +150,7 @@ def _reachable_admin(kafka_config: Mapping[str, str], timeout_s: float) -> Itera
             admin = AdminClient(options)
         except KafkaException as exception:  # an option librdkafka rejects (unknown name, bad value)
             problem = f"Kafka client configuration: {exception.args[0].str()}"
-            raise UserError(_masked(problem, kafka_config)) from None
+            raise UserError(mask_secrets(problem, kafka_config)) from None
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -169,11 +161,11 @@ def _reachable_admin(kafka_config: Mapping[str, str], timeout_s: float) -> Itera
             for error in errors:
                 refusal = _refusal(kafka_config, error)
                 if refusal is not None:
-                    raise UserError(_masked(refusal, kafka_config))
+                    raise UserError(mask_secrets(refusal, kafka_config))
             if time.monotonic() >= deadline:
                 reasons = [_strip(e.str()) for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
                 reason = (reasons or [last_error.message or f"no answer in {timeout_s:.0f}s"])[-1]
-                raise UserError(_masked(f"cannot reach Kafka at {bootstrap}: {reason}", kafka_config))
+                raise UserError(mask_secrets(f"cannot reach Kafka at {bootstrap}: {reason}", kafka_config))
         yield admin, metadata
     finally:
         client_log.removeHandler(last_error)

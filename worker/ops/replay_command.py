@@ -1,4 +1,4 @@
-"""`triage-worker replay`: the ops' command around `worker.ops.replay` (flags, progress bar, report).
+"""`triage-worker replay`: the ops' command around `worker.replay.engine` (flags, progress bar, report).
 
 Output is for two readers: a person (a live progress bar on stderr when it is a terminal, then tables on
 stdout) and a script (``--json``: one JSON object on stdout). Exit codes: 0 done, 1 some publish failed
@@ -32,7 +32,9 @@ from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
-from worker.ops.replay import (
+from worker.logs import configure_logging
+from worker.ops.telemetry import replay_metrics
+from worker.replay.engine import (
     DEFAULT_MAX_REPLAYS,
     OffsetRange,
     Outcome,
@@ -45,7 +47,6 @@ from worker.ops.replay import (
     printable,
     run_replay,
 )
-from worker.ops.telemetry import replay_metrics
 
 EXAMPLES = """\
 examples:
@@ -334,6 +335,10 @@ def run(args: argparse.Namespace) -> int:
         args, {"topics.dead_letter": args.dlq, "pipeline.guarantee": args.guarantee}
     )
     options = options_from_args(args, settings.topics.dead_letter)
+    # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for the
+    # worker (the delivery guarantee logs each commit at info).
+    quiet = "warning" if settings.log.level in ("debug", "info") else settings.log.level
+    configure_logging(msgspec.structs.replace(settings.log, level=quiet))
     # One clear line at start for a refused login or an untrusted certificate, which the replay's own
     # clients would only report as metadata timeouts.
     check_cluster(producer_config(settings))

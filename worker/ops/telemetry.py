@@ -51,7 +51,7 @@ from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics, ShadowMet
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
 
-    from worker.ops.replay import PartitionPlan, RecordReport, ReplayObserver
+    from worker.replay.engine import PartitionPlan, RecordReport, ReplayObserver
 
 _log = structlog.get_logger("worker.telemetry")
 
