@@ -44,7 +44,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from worker.inference.prompt import INTENT_OPENING, PromptBuilder, answer_json  # noqa: E402
 from worker.inference.taxonomy import Taxonomy, load_taxonomy  # noqa: E402
-from worker.ops.evaluation import expected_calibration_error  # noqa: E402
+from worker.ops.evaluation import expected_calibration_error, stratified_split  # noqa: E402
 from worker.ops.model_command import export_model  # noqa: E402
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|pad|>")
@@ -109,24 +108,6 @@ def read_split(path: Path, taxonomy: Taxonomy) -> list[tuple[str, str]]:
     if unknown:
         raise SystemExit(f"{path}: labels not in the taxonomy: {', '.join(unknown)}")
     return rows
-
-
-def stratified_split(
-    rows: list[tuple[str, str]], fraction: float, seed: int
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    by_intent: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for row in rows:
-        by_intent[row[1]].append(row)
-    rng = random.Random(seed)
-    train, val = [], []
-    for intent in sorted(by_intent):
-        group = by_intent[intent]
-        rng.shuffle(group)
-        cut = max(1, round(len(group) * fraction))
-        val.extend(group[:cut])
-        train.extend(group[cut:])
-    rng.shuffle(train)
-    return train, val
 
 
 def augment(text: str, rng: random.Random, word_dropout: float, swap_prob: float) -> str:
@@ -568,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     taxonomy = load_taxonomy(args.taxonomy)
     builder = PromptBuilder(taxonomy)
     rows = read_split(args.data / "train.csv", taxonomy)
-    train_rows, val_rows = stratified_split(rows, hyper.val_fraction, hyper.seed)
+    train_rows, val_rows = stratified_split(rows, lambda row: row[1], hyper.val_fraction, hyper.seed)
     print(f"train {len(train_rows)} / validation {len(val_rows)} tickets, {len(taxonomy.labels)} intents")
 
     augment_rng = random.Random(hyper.seed)

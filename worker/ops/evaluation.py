@@ -23,15 +23,16 @@ import importlib
 import importlib.util
 import json
 import os
+import random
 import shutil
 import subprocess
 import tempfile
 import time
 import zipfile
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -104,6 +105,36 @@ def read_examples(path: Path, taxonomy: Taxonomy) -> list[Example]:
     if unknown:
         raise UserError(f"{path}: labels not in the taxonomy {taxonomy.name!r}: {', '.join(unknown[:5])}")
     return rows
+
+
+# The validation split of train.csv (tools/train_triage_mini.py's defaults): model selection and the
+# cascade's threshold are chosen on it; test.csv is only ever measured.
+VALIDATION_FRACTION = 0.1
+VALIDATION_SEED = 77
+
+Row = TypeVar("Row")
+
+
+def stratified_split(
+    rows: Sequence[Row], label: Callable[[Row], str], fraction: float = VALIDATION_FRACTION,
+    seed: int = VALIDATION_SEED,
+) -> tuple[list[Row], list[Row]]:  # fmt: skip
+    """(training part, validation part): `fraction` of each label's rows (at least one), drawn with `seed`.
+    The training scripts and `model eval` share it, so the validation split is the same tickets everywhere."""
+    by_label: dict[str, list[Row]] = defaultdict(list)
+    for row in rows:
+        by_label[label(row)].append(row)
+    rng = random.Random(seed)
+    train: list[Row] = []
+    validation: list[Row] = []
+    for name in sorted(by_label):
+        group = by_label[name]
+        rng.shuffle(group)
+        cut = max(1, round(len(group) * fraction))
+        validation.extend(group[:cut])
+        train.extend(group[cut:])
+    rng.shuffle(train)
+    return train, validation
 
 
 def macro_f1(truth: Sequence[str], predicted: Sequence[str], labels: Iterable[str]) -> float:
