@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from worker.errors import UserError
-from worker.ops import evaluation
+from worker.inference.encoder import mean_pool
+from worker.ops import artifacts, evaluation
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,12 +34,12 @@ def _trainer() -> ModuleType:
 
 def test_mean_pool_ignores_padding_and_normalises() -> None:
     states = np.array([[[3.0, 0.0], [3.0, 8.0], [100.0, 100.0]]], dtype=np.float32)
-    pooled = evaluation.mean_pool(states, np.array([[1, 1, 0]]))
+    pooled = mean_pool(states, np.array([[1, 1, 0]]))
     np.testing.assert_allclose(pooled, [[0.6, 0.8]], rtol=1e-6)  # mean of the first two: (3, 4)
 
 
 def test_mean_pool_of_an_all_padding_row_is_zero_not_nan() -> None:
-    pooled = evaluation.mean_pool(np.ones((1, 2, 3), dtype=np.float32), np.zeros((1, 2), dtype=np.int64))
+    pooled = mean_pool(np.ones((1, 2, 3), dtype=np.float32), np.zeros((1, 2), dtype=np.int64))
     assert not np.isnan(pooled).any()
 
 
@@ -60,7 +61,7 @@ def test_fetch_teacher_without_maven_says_how_to_get_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(evaluation.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(artifacts.shutil, "which", lambda _name: None)
     with pytest.raises(UserError, match="mvn"):
         evaluation.fetch_teacher(lambda _line: None)
     assert not (evaluation.teacher_dir() / ".complete").exists()

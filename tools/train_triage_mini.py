@@ -134,9 +134,9 @@ def teacher_probabilities(
     import numpy as np
     from sklearn.model_selection import StratifiedKFold, cross_val_predict
 
-    from worker.ops.evaluation import SentenceEncoder, fetch_teacher, teacher_classifier
+    from worker.ops.evaluation import teacher_classifier, teacher_embedder
 
-    encoder = SentenceEncoder(fetch_teacher(), threads=threads)
+    encoder = teacher_embedder(threads)
     started = time.monotonic()
     train_x = encoder.embed([text for text, _ in train_rows])
     train_y = np.array([intent for _, intent in train_rows])

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import TracebackType
 
 import msgspec
@@ -39,6 +40,7 @@ import structlog
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.config import InferenceSettings, LogSettings, PoolKind
 from worker.errors import UserError
+from worker.inference.encoder import EncoderContext, EncoderEngine, is_encoder_folder
 from worker.inference.engine import Context, Engine
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import max_ticket_chars
@@ -68,6 +70,14 @@ _Reply = _Ready | _Failed | _Done
 _ENCODER = msgspec.msgpack.Encoder()
 _REPLY_DECODER = msgspec.msgpack.Decoder(_Reply)
 _REQUEST_DECODER = msgspec.msgpack.Decoder(ClassifyRequest)
+
+
+def open_engine(settings: InferenceSettings) -> Engine | EncoderEngine:
+    """The engine for the folder in `settings.model`: an encoder stage (it has `encoder.json`, see
+    worker/inference/encoder.py) or an ORT GenAI model."""
+    if is_encoder_folder(Path(settings.model).expanduser()):
+        return EncoderEngine(settings)
+    return Engine(settings)
 
 
 def default_pool_kind(settings: InferenceSettings) -> PoolKind:
@@ -137,6 +147,20 @@ def open_pool(
     return pool
 
 
+def measure_turnaround(pool: ClassifierPool, samples: int = 8, timeout_s: float = 60.0) -> float:
+    """Seconds from submit to answer of the slowest of `samples` warm-up tickets sent one at a time to an
+    idle `pool` (with 8 samples, about a p95): a first estimate of its latency, before traffic gives one."""
+    slowest = 0.0
+    for index in range(samples):
+        started = time.monotonic()
+        pool.submit(ClassifyRequest(-1 - index, _WARM_TICKET, started + timeout_s))
+        while not any(request_id == -1 - index for request_id, _ in pool.poll(0.5)):
+            if time.monotonic() - started > timeout_s:
+                raise UserError(f"{pool.model_id} did not answer a warm-up ticket within {timeout_s:.0f} s")
+        slowest = max(slowest, time.monotonic() - started)
+    return slowest
+
+
 def _cut(request: ClassifyRequest, limit: int) -> ClassifyRequest:
     """Drop text the engine would cut anyway before it crosses a pipe, keeping one extra character so the
     engine still sees (and reports) that the ticket was truncated."""
@@ -152,7 +176,7 @@ class ThreadPool(ClassifierPool):
     """Contexts in threads of this process, sharing one model (see the module docstring for the cost)."""
 
     def __init__(self, settings: InferenceSettings, size: int) -> None:
-        self._engine = Engine(settings)
+        self._engine = open_engine(settings)
         self.model_id = self._engine.model_id
         self.size = size
         self._requests: queue.SimpleQueue[ClassifyRequest | None] = queue.SimpleQueue()
@@ -189,7 +213,7 @@ class ThreadPool(ClassifierPool):
         for thread in self._threads:
             thread.join(_STOP_TIMEOUT_S)
 
-    def _serve(self, context: Context) -> None:
+    def _serve(self, context: Context | EncoderContext) -> None:
         while (request := self._requests.get()) is not None:
             self._results.put((request.request_id, context.classify(request)))
 
@@ -392,7 +416,7 @@ class _suppress:
         return kind is not None and issubclass(kind, (OSError, EOFError, ValueError, msgspec.DecodeError))
 
 
-def _warm(context: Context) -> None:
+def _warm(context: Context | EncoderContext) -> None:
     context.classify(ClassifyRequest(-1, _WARM_TICKET, time.monotonic() + 60.0))
 
 
@@ -413,9 +437,13 @@ def _worker_main(
 
     configure_logging(msgspec.msgpack.decode(logs, type=LogSettings))
     try:
-        engine = Engine(msgspec.msgpack.decode(settings, type=InferenceSettings))
+        engine = open_engine(msgspec.msgpack.decode(settings, type=InferenceSettings))
         serve: Callable[[list[ClassifyRequest]], list[Classification]]
-        if batch:
+        if batch and isinstance(engine, EncoderEngine):  # an encoder batches natively
+            _warm(engine.new_context())
+            serve = engine.classify_batch
+            max_batch = engine.settings.batch_size
+        elif batch and isinstance(engine, Engine):
             from worker.inference.batch import BatchRunner
 
             runner = BatchRunner(engine)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from worker.cache import cache_root
 from worker.errors import UserError
 
 KAFKA_VERSION = "4.1.1"
@@ -54,10 +55,6 @@ Echo = Callable[[str], None]
 
 def _print(line: str) -> None:
     print(line, flush=True)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "triage-worker"
 
 
 def kafka_home() -> Path:

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import hashlib
+import functools
 import importlib
 import importlib.util
 import json
 import os
 import random
-import shutil
-import subprocess
-import tempfile
 import time
-import zipfile
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -37,13 +33,15 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from worker.classification import ClassifyRequest
-from worker.config import Settings
+from worker.cache import cache_root
+from worker.classification import Classification, ClassifyRequest
+from worker.config import InferenceSettings, Settings
 from worker.errors import UserError
+from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import resolve_taxonomy as resolve_taxonomy
-from worker.inference.pool import open_pool
+from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.taxonomy import Taxonomy
-from worker.kafka.local_broker import cache_root
+from worker.ops.artifacts import fetch_jar_members
 
 ECE_BINS = 15
 # Figures a reader needs to judge the model: BANKING77's published fine-tuned BERT (Casanueva et al. 2020).
@@ -70,6 +68,11 @@ class Prediction:
     priority: str
     confidence: float | None  # None: the classifier has no probability (linear SVM)
     fallback: bool = False
+    escalated: bool = False
+
+
+def _prediction(answer: Classification, escalated: bool = False) -> Prediction:
+    return Prediction(answer.intent, answer.priority, answer.confidence, answer.fallback, escalated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,8 @@ class Figures:
     fallback_rate: float
     tickets_per_s: float
     tickets: int
+    # Cascade rows: the share of tickets the escalation stage answered (None elsewhere).
+    escalated: float | None = None
 
 
 def canonical_label(category: str) -> str:
@@ -167,7 +172,7 @@ def expected_calibration_error(
 
 
 def figures(name: str, examples: Sequence[Example], predictions: Sequence[Prediction], taxonomy: Taxonomy,
-            seconds: float) -> Figures:  # fmt: skip
+            seconds: float, cascade: bool = False) -> Figures:  # fmt: skip
     """Score predictions against the truth; a fallback counts as a wrong intent (the user got no answer)."""
     truth = [e.intent for e in examples]
     predicted = [p.intent for p in predictions]
@@ -186,6 +191,7 @@ def figures(name: str, examples: Sequence[Example], predictions: Sequence[Predic
         fallback_rate=sum(p.fallback for p in predictions) / len(examples),
         tickets_per_s=len(examples) / seconds if seconds > 0 else 0.0,
         tickets=len(examples),
+        escalated=sum(p.escalated for p in predictions) / len(examples) if cascade else None,
     )
 
 
@@ -199,15 +205,15 @@ def _progress(console: Console) -> Progress:
     )
 
 
-def evaluate_model(settings: Settings, examples: Sequence[Example], console: Console) -> tuple[Figures, str]:
-    """Classify every example through the configured classifier pool (what `run` and `classify` use) and
-    score the answers; returns the figures and the model id. Throughput excludes the pool's start-up."""
-    mode = settings.inference.mode
-    deadline_s = settings.pipeline.deadline_ms / 1000.0
+def classify_all(
+    settings: InferenceSettings, examples: Sequence[Example], deadline_s: float, label: str, console: Console
+) -> tuple[list[Prediction], float, str]:
+    """Every example through a classifier pool of `settings` (what `run` and `classify` use): the
+    predictions in order, the seconds they took (pool start-up excluded) and the model id."""
     answers: dict[int, Prediction] = {}
-    console.print(f"starting the {mode} pool ...")
-    with open_pool(settings.inference, settings.log) as pool, _progress(console) as progress:
-        task = progress.add_task(f"model ({mode})", total=len(examples))
+    console.print(f"starting the pool of {label} ...")
+    with open_pool(settings) as pool, _progress(console) as progress:
+        task = progress.add_task(label, total=len(examples))
         pending = deque(range(len(examples)))
         window = max(2, 2 * pool.size)
         in_flight = 0
@@ -219,16 +225,153 @@ def evaluate_model(settings: Settings, examples: Sequence[Example], console: Con
                 in_flight += 1
             for index, answer in pool.poll(0.1):
                 in_flight -= 1
-                answers[index] = Prediction(
-                    answer.intent, answer.priority, answer.confidence, answer.fallback
-                )
+                answers[index] = _prediction(answer)
                 progress.advance(task)
         seconds = time.monotonic() - started
         model_id = pool.model_id
-    predictions = [answers[i] for i in range(len(examples))]
+    return [answers[i] for i in range(len(examples))], seconds, model_id
+
+
+def evaluate_model(settings: Settings, examples: Sequence[Example], console: Console) -> tuple[Figures, str]:
+    """Classify every example through the configured classifier pool and score the answers; returns the
+    figures and the model id. Throughput excludes the pool's start-up."""
+    mode = settings.inference.mode
+    deadline_s = settings.pipeline.deadline_ms / 1000.0
+    predictions, seconds, model_id = classify_all(
+        settings.inference, examples, deadline_s, f"model ({mode})", console
+    )
     return figures(
         f"{model_id} ({mode})", examples, predictions, resolve_taxonomy(settings.inference)[0], seconds
     ), model_id
+
+
+# -- the cascade ------------------------------------------------------------------------------------------
+
+# The escalation thresholds `model eval` measures: 0.50, 0.55, ..., 0.95.
+CASCADE_THRESHOLDS = tuple(round(0.5 + 0.05 * step, 2) for step in range(10))
+
+
+def cascade_predictions(
+    first: Sequence[Prediction], second: Sequence[Prediction], threshold: float
+) -> list[Prediction]:
+    """What the cascade answers, given each stage's answer to every ticket: the escalation stage's where the
+    first answer is not a fallback and its confidence is under `threshold` (and the stage answered)."""
+    result = []
+    for one, two in zip(first, second, strict=True):
+        unsure = not one.fallback and (one.confidence or 0.0) < threshold
+        result.append(dataclasses.replace(two, escalated=True) if unsure and not two.fallback else one)
+    return result
+
+
+def choose_threshold(
+    first: Sequence[Prediction],
+    second: Sequence[Prediction],
+    truth: Sequence[str],
+    thresholds: Sequence[float] = CASCADE_THRESHOLDS,
+) -> tuple[float, dict[float, float]]:
+    """The default threshold, from the validation split only: the highest accuracy of the cascade over
+    `thresholds`; among those within one ticket of it, the lowest (fewest escalations). Returns it and the
+    accuracy at every threshold."""
+    accuracy = {}
+    for threshold in thresholds:
+        answers = cascade_predictions(first, second, threshold)
+        accuracy[threshold] = sum(p.intent == t for p, t in zip(answers, truth, strict=True)) / len(truth)
+    best = max(accuracy.values())
+    return min(t for t, value in accuracy.items() if value >= best - 1 / len(truth) + 1e-12), accuracy
+
+
+def run_cascade(
+    settings: InferenceSettings,
+    escalation: InferenceSettings,
+    examples: Sequence[Example],
+    thresholds: Sequence[float],
+    deadline_s: float,
+    console: Console,
+) -> dict[float, tuple[list[Prediction], float]]:
+    """The cascade for real, once per threshold: both stages' pools run side by side (on CPU they share
+    the cores, as in the worker); every answer under the threshold goes to the escalation stage (none is
+    shed: this measures the policy's accuracy and cost, not the worker's gate). Per threshold: the
+    predictions and the seconds they took."""
+    results = {}
+    with open_pool(settings) as first, open_pool(escalation) as second, _progress(console) as progress:
+        for threshold in thresholds:
+            task = progress.add_task(f"cascade, escalate below {threshold:.2f}", total=len(examples))
+            advance = functools.partial(progress.advance, task)
+            results[threshold] = _cascade_pass(first, second, examples, threshold, deadline_s, advance)
+    return results
+
+
+def _cascade_pass(
+    first: ClassifierPool,
+    second: ClassifierPool,
+    examples: Sequence[Example],
+    threshold: float,
+    deadline_s: float,
+    advance: Callable[[], None],
+) -> tuple[list[Prediction], float]:
+    answers: dict[int, Prediction] = {}
+    pending = deque(range(len(examples)))
+    unsure: deque[int] = deque()
+    first_answers: dict[int, Classification] = {}
+    at_first = at_second = 0
+    started = time.monotonic()
+    while len(answers) < len(examples):
+        while pending and at_first < 2 * first.size:
+            index = pending.popleft()
+            first.submit(ClassifyRequest(index, examples[index].text, time.monotonic() + deadline_s))
+            at_first += 1
+        while unsure and at_second < 2 * second.size:
+            index = unsure.popleft()
+            second.submit(ClassifyRequest(index, examples[index].text, time.monotonic() + deadline_s))
+            at_second += 1
+        for index, answer in first.poll(0.005):
+            at_first -= 1
+            if not answer.fallback and answer.confidence < threshold:
+                first_answers[index] = answer
+                unsure.append(index)
+            else:
+                answers[index] = _prediction(answer)
+                advance()
+        for index, answer in second.poll(0.0 if at_first else 0.005):
+            at_second -= 1
+            kept = first_answers.pop(index)
+            answers[index] = _prediction(kept) if answer.fallback else _prediction(answer, escalated=True)
+            advance()
+    seconds = time.monotonic() - started
+    return [answers[i] for i in range(len(examples))], seconds
+
+
+def plot_cascade(rows: Sequence[Figures], chosen: str | None, path: Path) -> Path | None:
+    """Accuracy against tickets/s: each model row a point, the cascade's thresholds a line (matplotlib, the
+    `bench` extra; None when it is not installed)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    matplotlib = importlib.import_module("matplotlib")
+    matplotlib.use("Agg")
+    pyplot = importlib.import_module("matplotlib.pyplot")
+    figure, axes = pyplot.subplots(figsize=(8, 5))
+    cascade = [row for row in rows if row.escalated is not None]
+    axes.plot([r.tickets_per_s for r in cascade], [100 * r.accuracy for r in cascade], "o-", label="cascade")
+    for row in cascade:
+        axes.annotate(row.name.rsplit(" ", 1)[-1], (row.tickets_per_s, 100 * row.accuracy), fontsize=7)
+    for row in rows:
+        if row.escalated is None and row.ece is not None:
+            axes.plot(row.tickets_per_s, 100 * row.accuracy, "s", label=row.name)
+    if chosen is not None:
+        for row in cascade:
+            if row.name == chosen:
+                axes.plot(
+                    row.tickets_per_s, 100 * row.accuracy, "r*", markersize=14, label="chosen threshold"
+                )
+    axes.set_xscale("log")
+    axes.set_xlabel("tickets/s (log scale; same run, same machine)")
+    axes.set_ylabel("intent accuracy on BANKING77 test (%)")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path
 
 
 def _sklearn(module: str) -> Any:
@@ -293,84 +436,21 @@ def teacher_dir() -> Path:
 
 def fetch_teacher(echo: Callable[[str], None] = print) -> Path:
     """Resolve the teacher's jar from Maven Central with deploy/teacher/pom.xml and unzip its model and
-    tokenizer into the cache; later calls return at once. A marker written last (the pom's digest) keeps an
-    interrupted or outdated fetch from being mistaken for a complete one."""
-    folder = teacher_dir()
-    marker = folder / ".complete"
-    if not TEACHER_POM.is_file():
-        raise UserError(f"{TEACHER_POM} is missing; the teacher is resolved from a source checkout")
-    digest = hashlib.sha256(TEACHER_POM.read_bytes()).hexdigest()
-    if marker.is_file() and marker.read_text().strip() == digest:
-        return folder
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise UserError(
-            "`mvn` was not found on PATH; the teacher's jar comes from Maven Central (apt-get install maven)"
-        )
-    echo(f"Fetching the teacher {TEACHER_ARTIFACT} (83 MB) from Maven Central into {folder} (once)")
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="teacher-", dir=folder) as staging:
-        command = [
-            mvn, "--batch-mode", "-q", "-Dstyle.color=never", "-f", str(TEACHER_POM),
-            "dependency:copy-dependencies", f"-DoutputDirectory={staging}",
-        ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        jars = sorted(Path(staging).glob("*.jar"))
-        if result.returncode != 0 or len(jars) != 1:
-            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
-            raise UserError(f"Maven could not resolve the teacher ({' '.join(command)}):\n{tail}")
-        with zipfile.ZipFile(jars[0]) as jar:
-            for member, name in _TEACHER_FILES.items():
-                with jar.open(member) as source, (folder / name).open("wb") as target:
-                    shutil.copyfileobj(source, target)
-    marker.write_text(digest + "\n")
-    return folder
+    tokenizer into the cache (once; see worker/ops/artifacts.py)."""
+    return fetch_jar_members(
+        TEACHER_POM, _TEACHER_FILES, teacher_dir(), f"the teacher {TEACHER_ARTIFACT} (83 MB)", echo
+    )
 
 
-def mean_pool(states: Any, mask: Any) -> Any:
-    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: the mean of the
-    token states over the attention mask, L2-normalised. `states` (B, S, D), `mask` (B, S) of 0/1."""
-    np = importlib.import_module("numpy")
-    weights = mask[:, :, None].astype(np.float32)
-    pooled = (states * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
-    return pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
-
-
-class SentenceEncoder:
-    """all-MiniLM-L6-v2 run with plain onnxruntime (a dependency of onnxruntime-genai) and the HF
-    `tokenizers` library (a WordPiece tokenizer, which ORT GenAI cannot load: the teacher never ships)."""
-
-    def __init__(self, folder: Path, threads: int = 0) -> None:
-        if importlib.util.find_spec("tokenizers") is None:
-            raise UserError("the teacher needs tokenizers: pip install 'triage-worker[eval]'")
-        onnxruntime = importlib.import_module("onnxruntime")
-        tokenizers = importlib.import_module("tokenizers")
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
-        self._session = onnxruntime.InferenceSession(
-            str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"]
-        )
-        self._inputs = {i.name for i in self._session.get_inputs()}
-        self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-        # The packaged tokenizer pads every text to 128 tokens; padding to the batch's longest is the same
-        # embedding (the pad positions are masked out) for a fraction of the work.
-        self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-
-    def embed(self, texts: Sequence[str], batch_size: int = 64) -> Any:
-        """(len(texts), 384) float32 normalised embeddings."""
-        np = importlib.import_module("numpy")
-        parts = []
-        for start in range(0, len(texts), batch_size):
-            encodings = self._tokenizer.encode_batch(list(texts[start : start + batch_size]))
-            feeds = {
-                "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-                "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-                "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
-            }
-            feeds = {name: value for name, value in feeds.items() if name in self._inputs}
-            states = self._session.run(None, feeds)[0]
-            parts.append(mean_pool(states, feeds["attention_mask"]))
-        return np.concatenate(parts) if parts else np.zeros((0, 384), dtype=np.float32)
+def teacher_embedder(threads: int = 0) -> SentenceEmbedder:
+    """all-MiniLM-L6-v2 (fp32, from the cache `fetch_teacher` fills) with plain onnxruntime and the HF
+    `tokenizers` library (a WordPiece tokenizer, which ORT GenAI cannot load); all cores by default."""
+    if importlib.util.find_spec("tokenizers") is None:
+        raise UserError("the teacher needs tokenizers: pip install 'triage-worker[eval]'")
+    folder = fetch_teacher()
+    return SentenceEmbedder(
+        folder / "model.onnx", folder / "tokenizer.json", threads or len(os.sched_getaffinity(0))
+    )
 
 
 def teacher_classifier() -> Any:
@@ -382,9 +462,9 @@ def evaluate_teacher(train: Sequence[Example], test: Sequence[Example], taxonomy
                      console: Console) -> Figures:  # fmt: skip
     """The teacher as a reference row: fit on the train split's embeddings, predict the test split. Speed
     covers embedding and predicting the test split (batch 64, all cores)."""
-    folder = fetch_teacher(console.print)
+    fetch_teacher(console.print)
     with console.status(f"fitting {TEACHER_NAME} ..."):
-        encoder = SentenceEncoder(folder)
+        encoder = teacher_embedder()
         model = teacher_classifier()
         model.fit(encoder.embed([e.text for e in train]), [e.intent for e in train])
         started = time.monotonic()
@@ -405,17 +485,19 @@ def render_markdown(rows: Sequence[Figures], context: dict[str, Any]) -> str:
         f"Command: `{context['command']}`  ",
         f"Model: `{context['model']}`; machine: {context['machine']}; {context['date']}.",
         "",
-        "| classifier | intent accuracy | macro-F1 | priority accuracy | ECE | fallback rate | tickets/s |",
-        "|---|---|---|---|---|---|---|",
+        "| classifier | intent accuracy | macro-F1 | priority accuracy | ECE | fallback rate | tickets/s "
+        "| escalated |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         ece = "n/a" if row.ece is None else f"{row.ece:.3f}"
+        escalated = "" if row.escalated is None else f"{row.escalated:.1%}"
         lines.append(
             f"| {row.name} | {row.accuracy:.2%} | {row.macro_f1:.4f} | {row.priority_accuracy:.2%} | {ece} "
-            f"| {row.fallback_rate:.2%} | {row.tickets_per_s:,.0f} |"
+            f"| {row.fallback_rate:.2%} | {row.tickets_per_s:,.0f} | {escalated} |"
         )
     for name, reason in context.get("unavailable", {}).items():
-        lines.append(f"| {name} | not measured: {reason.replace('|', '/')} | | | | | |")
+        lines.append(f"| {name} | not measured: {reason.replace('|', '/')} | | | | | | |")
     lines += [
         "",
         "- Intent accuracy counts a fallback as wrong. Priority accuracy compares with the taxonomy's policy "
@@ -430,8 +512,23 @@ def render_markdown(rows: Sequence[Figures], context: dict[str, Any]) -> str:
         f"Central `{TEACHER_ARTIFACT}`) is what `model train` distils into the embedded model; it is a "
         "training-time reference, not servable by ORT GenAI (WordPiece tokenizer, encoder). Its speed is "
         "embedding + prediction in batches of 64 on all cores.",
-        "",
     ]
+    cascade = context.get("cascade")
+    if cascade:
+        validation = ", ".join(f"{t:.2f}: {a:.2%}" for t, a in cascade["validation_accuracy"].items())
+        lines += [
+            f"- Cascade rows: `{cascade['first']}` answers every ticket, `{cascade['escalation']}` (the "
+            "escalation stage) the ones whose first confidence is under the threshold; both stages' pools "
+            "run side by side on the same cores, every unsure ticket escalated (the worker's gate, which "
+            "sheds escalations under load or near a deadline, is measured by `make bench` P7). *escalated*: "
+            "share of tickets the escalation stage answered.",
+            f"- Threshold chosen on the validation split of train.csv ({cascade['validation_tickets']} "
+            "tickets, never on test): the highest cascade accuracy, the lowest threshold within one ticket "
+            f"of it: **{cascade['chosen']:.2f}** (validation accuracy by threshold: {validation}).",
+        ]
+        if cascade.get("plot"):
+            lines.append(f"- Accuracy against throughput: `{cascade['plot']}`.")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -25,12 +25,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 from rich.console import Console
 
-from worker.config import add_config_argument, settings_from_args
+from worker.config import DEFAULT_ESCALATION_DIR, add_config_argument, escalation_dir, settings_from_args
 from worker.errors import UserError
+
+if TYPE_CHECKING:
+    from worker.ops.evaluation import Example, Figures
 
 Precision = Literal["int4", "int8", "fp16", "fp32"]
 _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
@@ -38,6 +42,7 @@ _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
 _CARRIED_FILES = ("taxonomy.toml",)
 _REPO = Path(__file__).resolve().parents[2]
 TRAIN_SCRIPT = _REPO / "tools" / "train_triage_mini.py"
+TRAIN_ENCODER_SCRIPT = _REPO / "tools" / "train_triage_encoder.py"
 BANKING77 = _REPO / "data" / "banking77"
 
 
@@ -69,6 +74,19 @@ def export_model(
             shutil.copyfile(hf_dir / name, out_dir / name)
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    """Resolve the escalation stage's encoder into the user cache (what the worker also does on first use)."""
+    from worker.inference.encoder import is_encoder_folder
+    from worker.ops.artifacts import fetch_encoder
+
+    folder = escalation_dir(args.escalation)
+    if not is_encoder_folder(folder):
+        raise UserError(f"{folder} is not an encoder stage (no encoder.json): nothing to fetch")
+    path = fetch_encoder(folder)
+    print(f"{folder.name}: encoder at {path}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     export_model(Path(args.hf_dir), Path(args.out), args.precision, args.provider)
     print(f"exported {args.hf_dir} -> {args.out} ({args.precision}, {args.provider})")
@@ -76,19 +94,30 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Run the training script with this interpreter; it needs the repository checkout (data, tools)."""
-    if not TRAIN_SCRIPT.is_file():
-        raise UserError(f"model train needs the repository checkout: {TRAIN_SCRIPT} not found")
-    needed = (*_EXPORT_MODULES, "tokenizers", "sklearn")
+    """Run a training script with this interpreter; it needs the repository checkout (data, tools)."""
+    script = TRAIN_ENCODER_SCRIPT if args.encoder else TRAIN_SCRIPT
+    if not script.is_file():
+        raise UserError(f"model train needs the repository checkout: {script} not found")
+    needed = (
+        ("onnx", "tokenizers", "sklearn") if args.encoder else (*_EXPORT_MODULES, "tokenizers", "sklearn")
+    )
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
-        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[export,eval]'")
+        extras = "eval" if args.encoder else "export,eval"
+        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[{extras}]'")
+    options = ("data", "taxonomy", "out") if args.encoder else (
+        "data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed",
+    )  # fmt: skip
+    if args.encoder and any(
+        getattr(args, name) is not None for name in ("work_dir", "max_minutes", "epochs", "seed")
+    ):
+        raise UserError("model train --encoder takes --data, --taxonomy and --out only")
     forwarded = []
-    for option in ("data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed"):
+    for option in options:
         value = getattr(args, option)
         if value is not None:
             forwarded += [f"--{option.replace('_', '-')}", str(value)]
-    return subprocess.run([sys.executable, str(TRAIN_SCRIPT), *forwarded], check=False).returncode
+    return subprocess.run([sys.executable, str(script), *forwarded], check=False).returncode
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -119,6 +148,10 @@ def _eval(args: argparse.Namespace) -> int:
         row, model_id = evaluation.evaluate_model(mode_settings, test, console)
         rows.append(row)
         console.print(f"{row.name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
+    cascade_context = None
+    if not args.no_cascade:
+        cascade_rows, cascade_context = _eval_cascade(args, overrides, train, test, console)
+        rows += cascade_rows
     if not args.no_baselines:
         for name, make in evaluation.baselines().items():
             row = evaluation.evaluate_baseline(name, make, train, test, taxonomy, console)
@@ -145,12 +178,98 @@ def _eval(args: argparse.Namespace) -> int:
         "train_tickets": len(train),
         "deadline_ms": settings.pipeline.deadline_ms,
         "unavailable": unavailable,
+        "cascade": cascade_context,
     }
+    if args.out and cascade_context is not None:
+        chosen = cascade_context.pop("chosen_row")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        plot = evaluation.plot_cascade(rows, chosen, Path(args.out) / "eval-cascade.png")
+        cascade_context["plot"] = None if plot is None else plot.name
+        if plot is None:
+            console.print("[yellow]no plot: matplotlib is not installed (the `bench` extra)[/yellow]")
+    elif cascade_context is not None:
+        cascade_context.pop("chosen_row")
     print(evaluation.render_markdown(rows, context))
     if args.out:
         markdown, data_file = evaluation.write_results(Path(args.out), rows, context)
         console.print(f"wrote {markdown} and {data_file}")
     return 0
+
+
+def _eval_cascade(
+    args: argparse.Namespace,
+    overrides: dict[str, object],
+    train: list[Example],
+    test: list[Example],
+    console: Console,
+) -> tuple[list[Figures], dict[str, Any]]:
+    """The escalation stage alone and the cascade at each threshold on test.csv; the threshold chosen on the
+    validation split of train.csv (both stages classify it first)."""
+    from worker.ops import evaluation
+    from worker.ops.artifacts import fetch_stage_files
+
+    escalation_overrides = {**overrides, "inference.mode": "score"}
+    if args.escalation is not None:
+        escalation_overrides["inference.escalation"] = args.escalation
+    settings = settings_from_args(args, escalation_overrides)
+    if settings.inference.escalation is None:
+        settings = msgspec.structs.replace(
+            settings,
+            inference=msgspec.structs.replace(settings.inference, escalation=DEFAULT_ESCALATION_DIR.name),
+        )
+    taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
+    escalation = settings.inference.escalation_settings(str(taxonomy_path))
+    assert escalation is not None
+    fetch_stage_files(escalation, console.print)
+    deadline_s = settings.pipeline.deadline_ms / 1000.0
+    thresholds = _thresholds(args.thresholds)
+    _, validation = evaluation.stratified_split(train, lambda example: example.intent)
+    first_val, _, first_id = evaluation.classify_all(
+        settings.inference, validation, deadline_s, "first stage, validation split", console
+    )
+    second_val, _, second_id = evaluation.classify_all(
+        escalation, validation, deadline_s, "escalation stage, validation split", console
+    )
+    chosen, validation_accuracy = evaluation.choose_threshold(
+        first_val, second_val, [e.intent for e in validation], thresholds
+    )
+    console.print(f"threshold chosen on the validation split: {chosen:.2f}")
+    alone, seconds, _ = evaluation.classify_all(escalation, test, deadline_s, "escalation stage", console)
+    rows = [evaluation.figures(f"{second_id} (escalation stage alone)", test, alone, taxonomy, seconds)]
+    console.print(f"{rows[0].name}: accuracy {rows[0].accuracy:.2%}, {rows[0].tickets_per_s:.0f} tickets/s")
+    chosen_row = None
+    for threshold, (predictions, seconds) in evaluation.run_cascade(
+        settings.inference, escalation, test, thresholds, deadline_s, console
+    ).items():
+        marker = " (chosen on validation)" if threshold == chosen else ""
+        name = f"cascade {first_id} -> {second_id}{marker}, escalate below {threshold:.2f}"
+        row = evaluation.figures(name, test, predictions, taxonomy, seconds, cascade=True)
+        rows.append(row)
+        chosen_row = name if threshold == chosen else chosen_row
+        console.print(f"{name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
+    context = {
+        "first": first_id,
+        "escalation": second_id,
+        "validation_tickets": len(validation),
+        "validation_accuracy": {f"{t:.2f}": a for t, a in validation_accuracy.items()},
+        "chosen": chosen,
+        "chosen_row": chosen_row,
+    }
+    return rows, context
+
+
+def _thresholds(text: str | None) -> tuple[float, ...]:
+    if not text:
+        from worker.ops.evaluation import CASCADE_THRESHOLDS
+
+        return CASCADE_THRESHOLDS
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--thresholds: expected numbers separated by commas, got {text!r}") from None
+    if not all(0.0 < value <= 1.0 for value in values):
+        raise UserError(f"--thresholds: every threshold must be in (0, 1], got {text!r}")
+    return values
 
 
 def _eval_argv() -> list[str]:
@@ -174,6 +293,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export.add_argument("--provider", choices=["cpu", "cuda", "dml"], default="cpu", help="target provider")
     export.set_defaults(handler=_export)
 
+    fetch = commands.add_parser(
+        "fetch",
+        help="resolve the escalation stage's encoder (too large for the repository) into the user cache "
+        "with Maven, once; `make setup` runs it",
+    )
+    fetch.add_argument(
+        "--escalation",
+        default=DEFAULT_ESCALATION_DIR.name,
+        metavar="DIR",
+        help="encoder stage folder (default: the shipped triage-encoder)",
+    )
+    fetch.set_defaults(handler=_fetch)
+
     train = commands.add_parser(
         "train",
         help="rebuild the embedded model models/triage-mini from BANKING77 (needs the `export` extra)",
@@ -186,6 +318,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train.add_argument("--max-minutes", type=float, help="training time budget (default 150)")
     train.add_argument("--epochs", type=int, help="training epochs")
     train.add_argument("--seed", type=int, help="random seed")
+    train.add_argument(
+        "--encoder",
+        action="store_true",
+        help="build the cascade's escalation stage models/triage-encoder instead "
+        "(tools/train_triage_encoder.py: bge-small-en-v1.5 int8 + a linear head; needs the `eval` extra)",
+    )
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser(
@@ -201,6 +339,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     evaluate.add_argument("--no-baselines", action="store_true", help="skip the scikit-learn baselines")
     evaluate.add_argument(
         "--no-teacher", action="store_true", help="skip the all-MiniLM-L6-v2 teacher (resolved with Maven)"
+    )
+    evaluate.add_argument(
+        "--escalation",
+        metavar="DIR",
+        help="the cascade's escalation stage (inference.escalation; default: the shipped triage-encoder)",
+    )
+    evaluate.add_argument(
+        "--thresholds", metavar="T,T,...", help="cascade thresholds (default 0.5,0.55,...,0.95)"
+    )
+    evaluate.add_argument(
+        "--no-cascade", action="store_true", help="skip the escalation stage and cascade rows"
     )
     evaluate.add_argument("--out", default="results", help="folder for eval.md and eval.json ('' = none)")
     add_config_argument(evaluate)

@@ -1,0 +1,273 @@
+"""The encoder stage: a sentence encoder run by plain onnxruntime, with a linear head over its embedding.
+
+ORT GenAI serves decoders only and refuses WordPiece tokenizers, so a pretrained sentence encoder (here
+all-MiniLM-L6-v2) runs with the `onnxruntime` package (installed with onnxruntime-genai; the `cuda` extra's
+onnxruntime-gpu gives it CUDA) and the Hugging Face `tokenizers` library. Its folder (`encoder.json` marks
+one) holds the tokenizer, the head (`head.npz`: weight LxD, bias L), the labels the head was trained for in
+its row order with their fingerprint, and the taxonomy they come from; the ONNX encoder is in the folder too,
+or, too large for the repository, in the user cache, where `triage-worker model fetch` resolves it with Maven
+(worker/ops/artifacts.py). `model train --encoder` builds the folder (tools/train_triage_encoder.py).
+
+It fills the same `Classification` as the ORT GenAI engine (`confidence` is the head's calibrated
+probability, `scores` the top labels, the priority the taxonomy's policy priority of the intent), so any
+classifier pool runs it and the pipeline cannot tell the two apart. One ONNX call per ticket cannot be
+stopped halfway: the deadline is checked before it (an encoder step is a few milliseconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from worker.cache import cache_root
+from worker.classification import Classification, ClassifyRequest, fallback_answer
+from worker.config import InferenceSettings
+from worker.errors import UserError
+from worker.inference.loading import model_id, resolve_taxonomy
+from worker.inference.taxonomy import Taxonomy
+from worker.messages import FallbackReason
+
+log = structlog.get_logger(__name__)
+
+MANIFEST = "encoder.json"
+TOP_K_SCORES = 5
+# onnxruntime's name of each provider of the settings.
+_ORT_PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "dml": "DmlExecutionProvider",
+}
+
+FloatArray = npt.NDArray[np.float32]
+
+
+class EncoderManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`encoder.json`: what the folder holds and what its head was trained for."""
+
+    kind: Literal["sentence-encoder"]
+    encoder: str  # the ONNX file's name, in the folder or in `cache`
+    # When the folder does not hold the encoder: its folder under the user cache, the pom (relative to a
+    # source checkout) that resolves the jar holding it, that jar's member, and the file's sha256.
+    cache: str | None = None
+    maven_pom: str | None = None
+    jar_member: str | None = None
+    encoder_sha256: str | None = None
+    tokenizer: str = "tokenizer.json"
+    head: str = "head.npz"
+    # Tokens per ticket (special tokens included); longer tickets are cut and reported `truncated`.
+    max_tokens: int = 128
+    # Head rows, in order, and `labels_fingerprint` of them.
+    labels: tuple[str, ...]
+    labels_sha256: str
+    # Divides the head's logits before the softmax (fitted out of fold at training: calibrated confidence).
+    temperature: float = 1.0
+    # Where the encoder came from and how it was reduced (for the model card; not read at run time).
+    source: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def labels_fingerprint(labels: Sequence[str]) -> str:
+    """sha256 of the labels in order, one a line: a model folder's record of the taxonomy it knows."""
+    return hashlib.sha256("\n".join(labels).encode("utf-8")).hexdigest()
+
+
+def is_encoder_folder(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()
+
+
+def read_manifest(folder: Path) -> EncoderManifest:
+    try:
+        manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=EncoderManifest)
+    except (OSError, msgspec.DecodeError) as error:
+        raise UserError(f"{folder / MANIFEST}: {error}") from None
+    if labels_fingerprint(manifest.labels) != manifest.labels_sha256:
+        raise UserError(f"{folder / MANIFEST}: labels_sha256 does not match its labels (edited by hand?)")
+    return manifest
+
+
+def encoder_file(folder: Path, manifest: EncoderManifest) -> Path:
+    """The ONNX encoder: in the folder, else in the user cache where `triage-worker model fetch` puts it."""
+    candidates = [folder / manifest.encoder]
+    if manifest.cache is not None:
+        cached = cache_root() / manifest.cache
+        if (cached / ".complete").is_file():
+            candidates.append(cached / manifest.encoder)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UserError(
+        f"{folder}: its encoder {manifest.encoder} is not downloaded yet: run `triage-worker model fetch` "
+        "once (it uses Maven; `make setup` does it), or put the file into the folder"
+    )
+
+
+def mean_pool(states: npt.NDArray[Any], mask: npt.NDArray[Any]) -> FloatArray:
+    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: the mean of the
+    token states over the attention mask, L2-normalised. `states` (B, S, D), `mask` (B, S) of 0/1."""
+    weights = mask[:, :, None].astype(np.float32)
+    pooled = (states * weights).sum(axis=1) / np.maximum(weights.sum(axis=1), 1e-9)
+    normalised: FloatArray = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+    return normalised.astype(np.float32)
+
+
+def _module(name: str) -> Any:
+    if importlib.util.find_spec(name) is None:
+        raise UserError(f"the encoder stage needs the `{name}` package: pip install {name}")
+    return importlib.import_module(name)
+
+
+class SentenceEmbedder:
+    """An ONNX sentence encoder (inputs input_ids, attention_mask and maybe token_type_ids; first output the
+    token states) and its `tokenizers` tokenizer: texts → normalised embeddings. Also the teacher's
+    embedder in `model eval` and training."""
+
+    def __init__(
+        self,
+        onnx_file: Path,
+        tokenizer_file: Path,
+        threads: int,
+        provider: str = "cpu",
+        max_tokens: int = 128,
+    ) -> None:
+        onnxruntime = _module("onnxruntime")
+        tokenizers = _module("tokenizers")
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        name = _ORT_PROVIDERS[provider]
+        if name not in onnxruntime.get_available_providers():
+            raise UserError(
+                f"the encoder stage asks for {name}, which this onnxruntime build lacks "
+                f"(it has {', '.join(onnxruntime.get_available_providers())})"
+            )
+        try:
+            self._session = onnxruntime.InferenceSession(str(onnx_file), options, providers=[name])
+        except Exception as error:  # onnxruntime raises its own exception types for a bad file
+            raise UserError(f"cannot load the encoder {onnx_file}: {str(error).splitlines()[0]}") from None
+        self._inputs = {i.name for i in self._session.get_inputs()}
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        self._tokenizer.enable_truncation(max_tokens)
+        # Pad a batch to its longest text only (packaged tokenizers pad every text to their maximum): the
+        # same embeddings, the pad positions being masked out, for a fraction of the work.
+        self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+        self.max_tokens = max_tokens
+
+    def embed(self, texts: Sequence[str], batch_size: int = 64) -> FloatArray:
+        """(len(texts), D) normalised embeddings, `batch_size` texts per encoder call."""
+        parts = [self.embed_batch(texts[i : i + batch_size])[0] for i in range(0, len(texts), batch_size)]
+        return np.concatenate(parts) if parts else np.zeros((0, 0), dtype=np.float32)
+
+    def embed_batch(self, texts: Sequence[str]) -> tuple[FloatArray, list[bool]]:
+        """One encoder call: the texts' embeddings, and for each whether it was cut to `max_tokens`."""
+        encodings = self._tokenizer.encode_batch(list(texts))
+        feeds = {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+        states = self._session.run(None, {k: v for k, v in feeds.items() if k in self._inputs})[0]
+        return mean_pool(states, feeds["attention_mask"]), [bool(e.overflowing) for e in encodings]
+
+
+class EncoderEngine:
+    """A loaded encoder stage: embedder, head and taxonomy; `new_context` as the ORT GenAI `Engine` has."""
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        self.settings = settings
+        folder = Path(settings.model).expanduser()
+        manifest = read_manifest(folder)
+        self.taxonomy: Taxonomy
+        self.taxonomy, self.taxonomy_path = resolve_taxonomy(settings)
+        unknown = sorted(set(self.taxonomy.labels) - set(manifest.labels))
+        if unknown:
+            raise UserError(
+                f"{folder}: its head was trained for {len(manifest.labels)} labels, without "
+                f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} of {self.taxonomy_path}"
+            )
+        self.model_id = model_id(folder)
+        self.labels = manifest.labels
+        self._labels_known = np.array([label in self.taxonomy.labels for label in manifest.labels])
+        try:
+            head = np.load(folder / manifest.head, allow_pickle=False)
+            self._weight = np.asarray(head["weight"], dtype=np.float32)
+            self._bias = np.asarray(head["bias"], dtype=np.float32)
+        except (OSError, KeyError, ValueError) as error:
+            raise UserError(f"cannot read the head {folder / manifest.head}: {error}") from None
+        if self._weight.shape[0] != len(manifest.labels) or self._bias.shape != (len(manifest.labels),):
+            raise UserError(f"{folder / manifest.head}: its shape does not fit {len(self.labels)} labels")
+        self._temperature = manifest.temperature
+        self.embedder = SentenceEmbedder(
+            encoder_file(folder, manifest),
+            folder / manifest.tokenizer,
+            settings.intra_op_num_threads,
+            settings.provider,
+            manifest.max_tokens,
+        )
+
+    def new_context(self, mode: object = None) -> EncoderContext:
+        """A context: stateless here (the session is shared), kept for the pools' one interface."""
+        return EncoderContext(self)
+
+    def fallback(self, reason: FallbackReason, started: float) -> Classification:
+        latency_ms = (time.monotonic() - started) * 1000.0
+        return fallback_answer(reason, self.taxonomy.fallback_label, self.model_id, latency_ms)
+
+    def classify_batch(self, requests: Sequence[ClassifyRequest]) -> list[Classification]:
+        """Classify several tickets in one encoder call (a batching pool); never raises. Requests already
+        past their deadline are answered `overloaded` without running."""
+        started = time.monotonic()
+        live = [r for r in requests if r.deadline > started]
+        answers: dict[int, Classification] = {}
+        if live:
+            try:
+                embeddings, truncated = self.embedder.embed_batch([r.text for r in live])
+                probabilities = self._probabilities(embeddings)
+            except Exception:
+                log.exception("encoder error", requests=len(live))
+                answers = {r.request_id: self.fallback("model_error", started) for r in live}
+            else:
+                latency_ms = (time.monotonic() - started) * 1000.0
+                for request, probs, cut in zip(live, probabilities, truncated, strict=True):
+                    answers[request.request_id] = self._answer(probs, cut, latency_ms)
+        return [answers.get(r.request_id) or self.fallback("overloaded", started) for r in requests]
+
+    def _probabilities(self, embeddings: FloatArray) -> FloatArray:
+        logits = (embeddings @ self._weight.T + self._bias) / self._temperature
+        # Labels the taxonomy does not have are never answered: the rest is renormalised.
+        logits = np.where(self._labels_known, logits, -np.inf)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        exp = np.exp(shifted)
+        probabilities: FloatArray = exp / exp.sum(axis=1, keepdims=True)
+        return probabilities
+
+    def _answer(self, probs: FloatArray, truncated: bool, latency_ms: float) -> Classification:
+        order = np.argsort(-probs)[:TOP_K_SCORES]
+        intent = self.labels[int(order[0])]
+        return Classification(
+            intent=intent,
+            priority=self.taxonomy.policy_priority(intent),
+            confidence=float(probs[order[0]]),
+            scores={self.labels[int(i)]: float(probs[i]) for i in order},
+            model=self.model_id,
+            latency_ms=latency_ms,
+            truncated=truncated,
+        )
+
+
+class EncoderContext:
+    """Classifies one ticket at a time with its engine (the `Context` interface of the pools)."""
+
+    def __init__(self, engine: EncoderEngine) -> None:
+        self.engine = engine
+
+    def classify(self, request: ClassifyRequest) -> Classification:
+        return self.engine.classify_batch([request])[0]
