@@ -333,6 +333,11 @@ class Audit:
         return wrong
 
     @property
+    def escalated(self) -> int:
+        """Results the cascade's escalation stage answered."""
+        return sum(r.stage == "escalation" for records in self.results.values() for r in records)
+
+    @property
     def fallback_reasons(self) -> collections.Counter[str | None]:
         return collections.Counter(
             r.fallback_reason for records in self.results.values() for r in records if r.fallback

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from pipeline_harness import (
+    TINY_MODEL,
     Publisher,
     Worker,
     audit,
@@ -38,6 +39,18 @@ def _report(name: str, text: str) -> None:
 
 
 BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+
+
+# The accounting tests also run with the cascade on: the test model as both stages. Its near-uniform
+# confidence puts every classified ticket under the threshold, so each goes to the escalation stage unless the
+# gate sheds it, and kills, restarts and rebalances meet tickets there.
+CASCADE_OFF_ON = pytest.mark.parametrize("cascade", ["no_cascade", "cascade"])
+
+
+def _cascade(cascade: str) -> dict[str, str]:
+    if cascade == "no_cascade":
+        return {}
+    return {"inference.escalation": str(TINY_MODEL), "inference.escalate_below": "1.0"}
 
 
 def _mode(guarantee: str, group: str, member: str = "worker") -> dict[str, str]:
@@ -126,15 +139,16 @@ def test_throughput_is_not_bounded_by_the_in_flight_bound_per_commit_cycle(
     assert report.lost == [] and report.duplicates == 0
 
 
+@CASCADE_OFF_ON
 @BOTH_GUARANTEES
 def test_kill_9_at_random_points_loses_nothing(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str, cascade: str
 ) -> None:
     topics = make_topics(unique_topic)
     count, max_in_flight, crashes = 1500, 32, 5
     group = _group()
     rng = random.Random(12)
-    settings = {"pipeline.max_in_flight": str(max_in_flight), **_mode(guarantee, group)}
+    settings = {"pipeline.max_in_flight": str(max_in_flight), **_mode(guarantee, group), **_cascade(cascade)}
     # Input keeps arriving while the workers are killed, so every kill lands mid-stream (a worker now
     # drains a backlog of 1,500 faster than the kills come).
     producer = Publisher(kafka_bootstrap, topics, count, 25.0, seed=12)
@@ -156,7 +170,8 @@ def test_kill_9_at_random_points_loses_nothing(
     worker.run_to_completion(timeout=240)
 
     report = audit(kafka_bootstrap, topics)
-    _report(f"crash, {guarantee}", f"{report.summary()} after {crashes} kill -9")
+    _report(f"crash, {guarantee}, {cascade}", f"{report.summary()} after {crashes} kill -9")
+    assert (report.escalated > 0) == (cascade == "cascade")
     assert len(report.inputs) == count
     assert report.lost == []
     assert report.misrouted == []
@@ -166,15 +181,19 @@ def test_kill_9_at_random_points_loses_nothing(
         assert report.duplicates <= crashes * max_in_flight
 
 
+@CASCADE_OFF_ON
 @BOTH_GUARANTEES
 def test_worker_rides_out_a_broker_restart(
-    local_kafka_broker: LocalBroker, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
-) -> None:
+    local_kafka_broker: LocalBroker, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str,
+    cascade: str,
+) -> None:  # fmt: skip
     bootstrap = local_kafka_broker.bootstrap
     topics = make_topics(unique_topic)
     count = 900
     group = _group()
-    worker = Worker(bootstrap, topics, group, tmp_path, settings=_mode(guarantee, group))
+    worker = Worker(
+        bootstrap, topics, group, tmp_path, settings={**_mode(guarantee, group), **_cascade(cascade)}
+    )
     producer = Publisher(bootstrap, topics, count, 60.0, seed=13)
     try:
         worker.wait_for("partitions_assigned", timeout=90)
@@ -192,7 +211,8 @@ def test_worker_rides_out_a_broker_restart(
         producer.join(5)
 
     report = audit(bootstrap, topics)
-    _report(f"broker restart, {guarantee}", report.summary())
+    _report(f"broker restart, {guarantee}, {cascade}", report.summary())
+    assert (report.escalated > 0) == (cascade == "cascade")
     assert len(report.inputs) == count
     assert report.lost == []
     assert report.misrouted == []
@@ -200,21 +220,24 @@ def test_worker_rides_out_a_broker_restart(
         assert report.duplicates == 0
 
 
+@CASCADE_OFF_ON
 @BOTH_GUARANTEES
 def test_a_second_worker_joins_and_leaves_mid_stream(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str, cascade: str
 ) -> None:
     topics = make_topics(unique_topic, partitions=4)
     count = 1500
     group = _group()
-    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first", _mode(guarantee, group, "first"))
+    first_settings = {**_mode(guarantee, group, "first"), **_cascade(cascade)}
+    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first", first_settings)
     second: Worker | None = None
     producer = Publisher(kafka_bootstrap, topics, count, 100.0, seed=14)
     try:
         first.wait_for("partitions_assigned", timeout=90)
         producer.start()
         time.sleep(3)
-        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second", _mode(guarantee, group, "second"))
+        second_settings = {**_mode(guarantee, group, "second"), **_cascade(cascade)}
+        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second", second_settings)
         second.wait_for("partitions_assigned", timeout=90)
         time.sleep(4)
         assert second.stop() == 0
@@ -229,7 +252,8 @@ def test_a_second_worker_joins_and_leaves_mid_stream(
 
     report = audit(kafka_bootstrap, topics)
     revoked = sum(e["partitions_revoked"] for e in (first.metrics()[-1], second.metrics()[-1]))
-    _report(f"rebalance, {guarantee}", f"{report.summary()}; partitions revoked {revoked}")
+    _report(f"rebalance, {guarantee}, {cascade}", f"{report.summary()}; partitions revoked {revoked}")
+    assert (report.escalated > 0) == (cascade == "cascade")
     assert revoked > 0  # the partitions really moved
     assert len(report.inputs) == count
     assert report.lost == []

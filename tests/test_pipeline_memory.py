@@ -21,6 +21,7 @@ from worker.config import load_settings
 from worker.kafka import dead_letters
 from worker.messages import TriageResult
 from worker.ops.samples import SampleFactory
+from worker.pipeline.cascade import Cascade
 from worker.pipeline.runner import Pipeline
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
@@ -137,6 +138,7 @@ def pipeline(
     guarantee: str,
     classifier: Classifier | None = None,
     clock: Callable[[], float] = time.monotonic,
+    cascade: Cascade | None = None,
     **settings: object,
 ) -> Pipeline:
     """A pipeline in group "memory-group"; by default it commits only when its in-flight bound is half full,
@@ -157,7 +159,13 @@ def pipeline(
     )
     clients = kafka.clients(group, "memory-tid" if guarantee == "exactly_once" else None)
     return Pipeline(
-        config, classifier or InstantClassifier(), FALLBACK, dispatch_window=64, clients=clients, clock=clock
+        config,
+        classifier or InstantClassifier(),
+        FALLBACK,
+        dispatch_window=64,
+        clients=clients,
+        clock=clock,
+        cascade=cascade,
     )
 
 

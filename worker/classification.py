@@ -14,7 +14,7 @@ from typing import Protocol
 
 import msgspec
 
-from worker.messages import FallbackReason, Priority, TicketEvent
+from worker.messages import EscalationSkip, FallbackReason, Priority, Stage, TicketEvent
 
 
 def ticket_text(event: TicketEvent) -> str:
@@ -43,6 +43,11 @@ class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     truncated: bool
     fallback: bool = False
     fallback_reason: FallbackReason | None = None
+    # Set by the cascade (worker/pipeline/cascade.py), never by a classifier; see TriageResult.
+    stage: Stage | None = None
+    first_intent: str | None = None
+    first_confidence: float | None = None
+    escalation_skipped: EscalationSkip | None = None
 
 
 @dataclass(frozen=True)

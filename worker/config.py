@@ -23,6 +23,9 @@ import msgspec
 from worker.errors import UserError
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "triage-mini"
+# The shipped escalation stage of the cascade (an encoder stage, see worker/inference/encoder.py), found like
+# the embedded model.
+DEFAULT_ESCALATION_DIR = DEFAULT_MODEL_DIR.parent / "triage-encoder"
 
 Provider = Literal["cpu", "cuda", "dml"]
 InferenceMode = Literal["score", "generate"]
@@ -114,6 +117,14 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     shadow_mode: InferenceMode | None = None
     # One context by default: the shadow shares the cores with the primary and must not crowd it out.
     shadow_pool_size: PositiveInt = 1
+    # The cascade (worker/pipeline/cascade.py): a ticket the model answers with a confidence under
+    # `escalate_below` goes to the escalation stage when its deadline leaves time for it. `escalation` is the
+    # stage's folder (an encoder stage with encoder.json, or an ORT GenAI model; the shipped one by its name,
+    # "triage-encoder"); None: no cascade.
+    escalation: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    escalate_below: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.8
+    # One process by default: the stage shares the cores with the first one and must never crowd it out.
+    escalation_pool_size: PositiveInt = 1
 
     def shadow_settings(self) -> InferenceSettings | None:
         """How the shadow model runs: these settings with the `shadow_*` keys applied; None when no shadow is
@@ -131,7 +142,34 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             shadow_model=None,
             shadow_taxonomy=None,
             shadow_mode=None,
+            escalation=None,
         )
+
+    def escalation_settings(self, taxonomy: str) -> InferenceSettings | None:
+        """How the escalation stage runs: its folder as `model`, the first stage's `taxonomy` (its file, as
+        resolved: both stages answer with one label set and one priority policy), its pool size, the rest
+        (provider, threads) as the first stage's; None when there is no cascade."""
+        if self.escalation is None:
+            return None
+        return msgspec.structs.replace(
+            self,
+            model=str(escalation_dir(self.escalation)),
+            taxonomy=taxonomy,
+            pool=None,
+            pool_size=self.escalation_pool_size,
+            shadow_model=None,
+            shadow_taxonomy=None,
+            shadow_mode=None,
+            escalation=None,
+        )
+
+
+def escalation_dir(value: str) -> Path:
+    """`inference.escalation` as a folder: a path, or the shipped stage's name (where no such folder is)."""
+    folder = Path(value).expanduser()
+    if value == DEFAULT_ESCALATION_DIR.name and not folder.exists():
+        return DEFAULT_ESCALATION_DIR
+    return folder
 
 
 class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -466,6 +504,7 @@ _UNSET_HINTS = {
     "inference.shadow_model": "no shadow, or the primary's model if another shadow_* key is set",
     "inference.shadow_taxonomy": "the shadow model's taxonomy.toml",
     "inference.shadow_mode": "the primary's mode",
+    "inference.escalation": 'no cascade; the shipped stage is "triage-encoder"',
     "metrics.port": "no HTTP endpoint",
 }
 

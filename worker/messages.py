@@ -17,6 +17,10 @@ Priority = Literal["Low", "Medium", "High", "Critical"]
 PRIORITIES: tuple[Priority, ...] = ("Low", "Medium", "High", "Critical")
 
 FallbackReason = Literal["deadline_exceeded", "model_error", "invalid_output", "overloaded"]
+# The cascade (worker/pipeline/cascade.py): which stage answered a ticket, and why a ticket the first stage
+# was unsure of kept its first answer.
+Stage = Literal["first", "escalation"]
+EscalationSkip = Literal["deadline", "overloaded", "error"]
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -63,8 +67,11 @@ class SourcePosition(msgspec.Struct, kw_only=True, frozen=True):
     offset: NonNegativeInt
 
 
-class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
-    """Exactly one per ticket on the output topic: a classification, or a fallback with its reason."""
+class TriageResult(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Exactly one per ticket on the output topic: a classification, or a fallback with its reason.
+
+    The optional fields at the end are written only by a worker that runs the cascade (and only when set),
+    so every other record stays byte for byte what it was."""
 
     schema_version: int
     ticket_id: NonEmptyStr
@@ -79,6 +86,38 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
     classified_at: Annotated[str, _timestamp("RFC 3339 UTC time the record was made.")]
     source: SourcePosition
     truncated: bool
+    stage: (
+        Annotated[
+            Stage,
+            msgspec.Meta(
+                description="Cascade only: the stage that answered (`model`, `intent`, `confidence` and "
+                "`scores` are its answer's)."
+            ),
+        ]
+        | None
+    ) = None
+    first_intent: (
+        Annotated[str, msgspec.Meta(min_length=1, description="Escalated tickets: the first stage's intent.")]
+        | None
+    ) = None
+    first_confidence: (
+        Annotated[
+            float,
+            msgspec.Meta(ge=0.0, le=1.0, description="Escalated tickets: the first stage's confidence."),
+        ]
+        | None
+    ) = None
+    escalation_skipped: (
+        Annotated[
+            EscalationSkip,
+            msgspec.Meta(
+                description="Cascade only: why a ticket under the escalation threshold kept its first answer "
+                "(deadline: too little time left; overloaded: the stage or the first stage was at its bound; "
+                "error: the stage gave no answer)."
+            ),
+        ]
+        | None
+    ) = None
 
 
 class ShadowResult(TriageResult, kw_only=True, frozen=True):

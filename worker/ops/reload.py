@@ -6,7 +6,9 @@ edited TOML file or a remounted ConfigMap takes effect. Only the inference setti
 worker; any other change is logged as ignored (it needs a restart).
 
 A reload runs on a thread of its own: loading and warming a pool takes seconds, and the consumer loop must
-keep polling meanwhile. Before the switch the new pool must pass what the running one passed at start: it
+keep polling meanwhile. The cascade's escalation stage is not reloaded: changes to its settings are logged as
+ignored (they need a restart), and a new taxonomy must keep the label set the running stage was checked
+against. Before the switch the new pool must pass what the running one passed at start: it
 loads (each context checks at load that the prompt's shared prefix tokenises the same alone as inside the
 whole prompt, or prefix reuse would be wrong), and a canary ticket gets an intent of the new taxonomy
 without a fallback. A reload that fails logs `reload_failed` with the reason, closes what it started and
@@ -39,6 +41,8 @@ _CANARY_TIMEOUT_S = 60.0
 # How often the reload thread looks for requests: a signal handler cannot safely wake it.
 _REQUEST_CHECK_S = 0.2
 _SECTIONS = ("kafka", "topics", "pipeline", "log", "metrics")
+# Inference settings of the cascade's escalation stage, which runs on until a restart.
+_ESCALATION_KEYS = ("escalation", "escalate_below", "escalation_pool_size")
 
 
 class ReloadError(UserError):
@@ -56,8 +60,11 @@ class Reloader:
         load: Callable[[], Settings],
         fallback: FallbackLabel,
         on_outcome: Callable[[Outcome, InferenceSettings | None, ClassifierPool | None], None] | None = None,
+        escalation_labels: tuple[str, ...] | None = None,
     ) -> None:
+        """`escalation_labels`: the running taxonomy's labels when a cascade runs (a reload keeps them)."""
         self._running = running
+        self._labels = escalation_labels
         self._load = load
         self._fallback = fallback
         self._on_outcome = on_outcome
@@ -102,6 +109,11 @@ class Reloader:
                     f"the taxonomy's fallback label {_label(taxonomy.fallback_label)} differs from the "
                     f"running {_label(self._fallback)}, used by the pipeline's own fallbacks: needs a restart"
                 )
+            if self._labels is not None and set(taxonomy.labels) != set(self._labels):
+                raise ReloadError(
+                    f"{taxonomy_path} changes the label set the running escalation stage was checked "
+                    "against: needs a restart"
+                )
             pool = open_pool(settings.inference, settings.log)
             answer = _canary(pool)
             if answer.fallback or answer.intent not in taxonomy.labels:
@@ -118,7 +130,11 @@ class Reloader:
             if self._on_outcome is not None:
                 self._on_outcome("failed", None, None)
             return False
-        self._running = msgspec.structs.replace(self._running, inference=settings.inference)
+        # The escalation stage's settings stay the running ones (it is not reloaded).
+        kept = {key: getattr(self._running.inference, key) for key in _ESCALATION_KEYS}
+        self._running = msgspec.structs.replace(
+            self._running, inference=msgspec.structs.replace(settings.inference, **kept)
+        )
         switch.stage(pool)
         _log.info(
             "reload_succeeded",
@@ -145,6 +161,11 @@ class Reloader:
             changed += [
                 f"{section}.{key}" for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)
             ]
+        changed += [
+            f"inference.{key}"
+            for key in _ESCALATION_KEYS
+            if getattr(self._running.inference, key) != getattr(settings.inference, key)
+        ]
         if changed:
             _log.warning("reload_ignored_settings", settings=changed, effect="they need a restart")
 

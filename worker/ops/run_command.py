@@ -28,13 +28,22 @@ from worker.config import (
 )
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
-from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size, open_pool
+from worker.inference.pool import (
+    ClassifierPool,
+    default_pool_kind,
+    default_pool_size,
+    measure_turnaround,
+    open_pool,
+)
 from worker.inference.switch import SwitchingClassifier
+from worker.inference.taxonomy import Taxonomy
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.ops.artifacts import fetch_stage_files
 from worker.ops.reload import Reloader
 from worker.ops.telemetry import WorkerTelemetry
+from worker.pipeline.cascade import Cascade
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
 
@@ -106,6 +115,18 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--shadow-mode", "inference.shadow_mode", "shadow's score | generate (default: the primary's)"),
     ("--shadow-pool-size", "inference.shadow_pool_size", "shadow contexts (default 1)"),
     ("--shadow-topic", "topics.shadow", "side topic of shadow answers (default tickets.triaged.shadow)"),
+    (
+        "--escalation",
+        "inference.escalation",
+        "escalation stage folder (encoder stage or ORT GenAI model; the shipped one: triage-encoder): "
+        "tickets the model is unsure of go to it when their deadline allows (default off)",
+    ),
+    (
+        "--escalate-below",
+        "inference.escalate_below",
+        "escalate tickets whose first answer's confidence is under this (default 0.8)",
+    ),
+    ("--escalation-pool-size", "inference.escalation_pool_size", "escalation stage processes (default 1)"),
     ("--log-level", "log.level", "debug | info | warning | error (default info)"),
     ("--log-format", "log.format", "console | json (default console)"),
     ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here (default off; 0 = any free)"),
@@ -180,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     _check_topics(settings)
-    taxonomy, _ = resolve_taxonomy(settings.inference)
+    taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
     reloader = Reloader(
@@ -188,13 +209,20 @@ def run(args: argparse.Namespace) -> int:
         lambda: settings_from_args(args, _overrides(args)),
         taxonomy.fallback_label,
         telemetry.reloaded,
+        escalation_labels=None if settings.inference.escalation is None else taxonomy.labels,
     )
     if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
         # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
         signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
     classifier = SwitchingClassifier(open_pool(settings.inference, settings.log))
     shadow_pool: ClassifierPool | None = None
+    escalation_pool: ClassifierPool | None = None
     try:
+        cascade = None
+        if (escalation := settings.inference.escalation_settings(str(taxonomy_path))) is not None:
+            fetch_stage_files(escalation, lambda line: _log.info("fetching", what=line))
+            escalation_pool = open_pool(escalation, settings.log)
+            cascade = _cascade(settings, escalation, escalation_pool, taxonomy, classifier.current.size)
         shadow = None
         if (shadow_settings := settings.inference.shadow_settings()) is not None:
             # Its processes run at a lower CPU priority: on shared cores the primary's contexts come first.
@@ -210,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_interval_s=args.metrics_interval,
             clients=KafkaClients(settings, librdkafka_logger()),
             shadow=shadow,
+            cascade=cascade,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
@@ -221,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         classifier.close()
         if shadow_pool is not None:
             shadow_pool.close()
+        if escalation_pool is not None:
+            escalation_pool.close()
         telemetry.close()
 
 
@@ -231,6 +262,28 @@ def _shadow(settings: Settings, shadow_settings: InferenceSettings, pool: Classi
     producer = create_producer(settings, ClientErrorLog("shadow-producer"), librdkafka_logger())
     _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)
     return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
+
+
+def _cascade(
+    settings: Settings,
+    escalation: InferenceSettings,
+    pool: ClassifierPool,
+    taxonomy: Taxonomy,
+    first_contexts: int,
+) -> Cascade:
+    """The cascade over the escalation stage's own pool: at most its dispatch window outstanding (beyond it,
+    escalations are shed), with its turnaround on warm-up tickets as the gate's first p95."""
+    window = dispatch_window(msgspec.structs.replace(settings, inference=escalation))
+    prior_s = measure_turnaround(pool)
+    escalate_below = settings.inference.escalate_below
+    _log.info(
+        "cascade_started",
+        escalation=pool.model_id,
+        escalate_below=escalate_below,
+        window=window,
+        warm_turnaround_ms=round(prior_s * 1000.0, 1),
+    )
+    return Cascade(pool, escalate_below, window, prior_s, first_contexts, taxonomy.labels)
 
 
 def _install_signal_handlers(pipeline: Pipeline) -> None:

@@ -46,7 +46,7 @@ from worker.config import InferenceSettings, MetricsSettings, Settings
 from worker.errors import UserError
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.kafka.clients import ClientErrorLog, producer_config
-from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics, ShadowMetrics
+from worker.pipeline.metrics import EscalationMetrics, LatencyHistogram, PipelineMetrics, ShadowMetrics
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
@@ -343,6 +343,45 @@ class PipelineCollector(Collector):
         )  # fmt: skip
         if metrics.shadow is not None:
             yield from _shadow_families(metrics.shadow)
+        if metrics.escalation is not None:
+            yield from _escalation_families(metrics.escalation)
+
+
+def _escalation_families(escalation: EscalationMetrics) -> Iterator[Metric]:
+    """The cascade's escalation stage. Intents come from the taxonomy, so the series are bounded by its size
+    times the three outcomes; all of them (and both skip reasons) exist from the start at 0."""
+    escalated = CounterMetricFamily(
+        "triage_escalations",
+        "Tickets sent to the escalation stage, by outcome (changed or confirmed the first stage's intent, "
+        "or failed: the first answer stood) and the first stage's intent.",
+        labels=["outcome", "intent"],
+    )
+    for (outcome, intent), count in sorted(dict(escalation.escalated).items()):
+        escalated.add_metric([outcome, intent], count)
+    yield escalated
+    skipped = CounterMetricFamily(
+        "triage_escalations_skipped",
+        "Tickets under the escalation threshold that kept the first answer: deadline (too little time left) "
+        "or overloaded (the stage at its bound, or the first stage under pressure).",
+        labels=["reason"],
+    )
+    for reason, count in sorted(dict(escalation.skipped).items()):
+        skipped.add_metric([reason], count)
+    yield skipped
+    yield _gauge(
+        "triage_escalation_outstanding", "Tickets at the escalation stage now.", escalation.outstanding
+    )
+    yield _histogram(
+        "triage_escalation_latency_seconds",
+        "Escalation stage turnaround per ticket: submit to answer, as the consumer loop sees it (the gate "
+        "compares its p95 with a ticket's time left).",
+        escalation.latency,
+    )
+    yield _histogram(
+        "triage_escalation_model_latency_seconds",
+        "Escalation stage model time per ticket, as its engine reports it.",
+        escalation.model_latency,
+    )
 
 
 def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:

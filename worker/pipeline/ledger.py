@@ -1,7 +1,8 @@
 """Where each record taken from Kafka is until the broker acknowledged what the pipeline wrote for it.
 
-A record (`Work`) is *waiting* for the model, *at the model* under a request id, or *produced* and awaiting
-its delivery report under a delivery id. Once acknowledged it leaves the ledger; the offset tracker holds its
+A record (`Work`) is *waiting* for the model, *at the model* under a request id, *escalated* (at the
+cascade's second stage, worker/pipeline/cascade.py) under another request id, or *produced* and awaiting its
+delivery report under a delivery id. Once acknowledged it leaves the ledger; the offset tracker holds its
 offset until a commit passes it.
 
 Waiting records go to the model earliest deadline first (`pipeline.scheduling = "edf"`; ties and `"fifo"`
@@ -12,8 +13,8 @@ In order (exactly-once mode), a record's output is *held* until every earlier re
 been produced: a transaction must only contain outputs of offsets it also commits (see `guarantees.py`).
 
 When this worker stops owning a partition (revoke or loss), its waiting records are dropped (the next owner
-reads them again) and its records at the model or at the producer become *orphans*: their answers and
-reports still arrive, hold memory until then and count as in flight, but their results are not written.
+reads them again) and its records at the model, escalated or at the producer become *orphans*: their answers
+and reports still arrive, hold memory until then and count as in flight, but their results are not written.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import itertools
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+from worker.classification import Classification
 from worker.config import Scheduling
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
@@ -67,6 +69,8 @@ class Work:
     orphan: bool = False
     # In order: its output, held until the records before it are produced.
     output: Output | None = None
+    # Escalated: the first stage's answer, which stands if the escalation stage gives none.
+    first: Classification | None = None
 
     @property
     def partition_key(self) -> TopicPartitionKey:
@@ -94,6 +98,7 @@ class Ledger:
         self._deadlines: list[tuple[float, int]] = []
         self._arrivals = itertools.count()
         self._at_model: dict[int, Work] = {}
+        self._escalated: dict[int, Work] = {}
         self._produced: dict[int, Work] = {}
         self._ids = itertools.count()
         self.orphans = 0
@@ -158,6 +163,12 @@ class Ledger:
             self._drop_stale()
         return late
 
+    def earliest_waiting_deadline(self) -> float | None:
+        """The earliest deadline among the waiting records (None when none waits)."""
+        while self._deadlines and self._deadlines[0][1] not in self._waiting:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
     def first_to_model(self, keys: Collection[TopicPartitionKey]) -> None:
         """Serve the waiting records of `keys` before all others (on revoke they must finish first)."""
         self._order = [
@@ -182,6 +193,24 @@ class Ledger:
     def answered(self, request_id: int) -> Work | None:
         """The record a model answer belongs to (None for an unknown id); an orphan leaves the count."""
         return self._release(self._at_model.pop(request_id, None))
+
+    # -- at the escalation stage ----------------------------------------------------------------------------
+
+    def to_escalation(self, work: Work, first: Classification) -> int:
+        """Record that `work`, answered `first` by the first stage, went to the escalation stage; returns
+        its request id there."""
+        request_id = next(self._ids)
+        work.first = first
+        self._escalated[request_id] = work
+        return request_id
+
+    @property
+    def at_escalation(self) -> int:
+        return len(self._escalated)
+
+    def escalation_answered(self, request_id: int) -> Work | None:
+        """The record an escalation answer belongs to (None for an unknown id); an orphan leaves the count."""
+        return self._release(self._escalated.pop(request_id, None))
 
     # -- at the producer ----------------------------------------------------------------------------------
 
@@ -220,7 +249,8 @@ class Ledger:
         self._drop_stale()
         for state in [state for state in self._partition_order if state.key in keys]:
             self._held -= sum(1 for work in self._partition_order.pop(state) if work.output is not None)
-        for work in itertools.chain(self._at_model.values(), self._produced.values()):
+        owned = itertools.chain(self._at_model.values(), self._escalated.values(), self._produced.values())
+        for work in owned:
             if not work.orphan and work.partition_key in keys:
                 work.orphan = True
                 self.orphans += 1
@@ -236,11 +266,17 @@ class Ledger:
             heapq.heapify(self._deadlines)
 
     def is_empty(self) -> bool:
-        return not (self._waiting or self._at_model or self._produced or self._held)
+        return not (self._waiting or self._at_model or self._escalated or self._produced or self._held)
 
     def _unacknowledged(self) -> Iterator[Work]:
         held = (work for queue in self._partition_order.values() for work in queue if work.output is not None)
-        return itertools.chain(self._waiting.values(), self._at_model.values(), self._produced.values(), held)
+        return itertools.chain(
+            self._waiting.values(),
+            self._at_model.values(),
+            self._escalated.values(),
+            self._produced.values(),
+            held,
+        )
 
     def _release(self, work: Work | None) -> Work | None:
         # An orphan's answer is discarded and its report ends it: either way it leaves the ledger here.

@@ -118,6 +118,47 @@ class ShadowMetrics:
         }
 
 
+# Escalated tickets end one of these ways: the stage named another intent, the same one, or no answer.
+ESCALATION_OUTCOMES = ("changed", "confirmed", "failed")
+# Why a ticket under the threshold was not escalated (the gate's reasons, see worker/pipeline/cascade.py).
+SKIP_REASONS = ("deadline", "overloaded")
+
+
+@dataclass
+class EscalationMetrics:
+    """The cascade's escalation stage (see worker/pipeline/cascade.py); written by the consumer thread."""
+
+    # Escalated tickets by (outcome, the first stage's intent).
+    escalated: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    # Tickets under the threshold the gate kept at the first stage, by reason.
+    skipped: collections.Counter[str] = field(default_factory=collections.Counter)
+    outstanding: int = 0
+    # Submit → answer as the loop sees it (what the gate's p95 is taken from), and the stage's model time.
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    model_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+    @classmethod
+    def starting(cls, intents: Iterable[str]) -> EscalationMetrics:
+        """Every series known in advance at 0, so that a rate() sees the first escalation."""
+        metrics = cls()
+        metrics.escalated.update({(o, i): 0 for o in ESCALATION_OUTCOMES for i in intents})
+        metrics.skipped.update(dict.fromkeys(SKIP_REASONS, 0))
+        return metrics
+
+    def outcome(self, first_intent: str, outcome: str) -> None:
+        self.escalated[(outcome, first_intent)] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        by_outcome: collections.Counter[str] = collections.Counter()
+        for (outcome, _), count in self.escalated.items():
+            by_outcome[outcome] += count
+        return {
+            "escalated": dict(by_outcome),
+            "skipped": dict(self.skipped),
+            "outstanding": self.outstanding,
+        }
+
+
 @dataclass
 class PipelineMetrics:
     consumed: int = 0
@@ -151,8 +192,9 @@ class PipelineMetrics:
     # time.monotonic() of the loop's last turn (None before the first): what /healthz watches.
     loop_turned_at: float | None = None
     partitions: PartitionGauges = field(default_factory=PartitionGauges)
-    # Set when a shadow model runs.
+    # Set when a shadow model runs; when the cascade runs.
     shadow: ShadowMetrics | None = None
+    escalation: EscalationMetrics | None = None
     _gauges_at: float = float("-inf")
 
     def dead_letter(self, error_type: str) -> None:
@@ -218,4 +260,5 @@ class PipelineMetrics:
             "paused": self.paused,
             "rss_bytes": current_rss_bytes(),
             **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {}),
+            **({"escalation": self.escalation.snapshot()} if self.escalation is not None else {}),
         }

@@ -33,6 +33,10 @@ def triage_result(
         classified_at=classified_at or utc_timestamp(),
         source=source,
         truncated=answer.truncated,
+        stage=answer.stage,
+        first_intent=answer.first_intent,
+        first_confidence=answer.first_confidence,
+        escalation_skipped=answer.escalation_skipped,
     )
 
 

@@ -4,7 +4,9 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 (other processes or threads), so a slow model never stops this loop from polling. Each turn of the loop:
 
 1. serves the producer's delivery reports (a record is *done* only once the broker acknowledged it);
-2. takes the pool's answers and produces one TriageResult per ticket;
+2. takes the pool's answers and produces one TriageResult per ticket (with the cascade, see `cascade.py`,
+   sends the tickets the model is unsure of to the escalation stage when the gate lets them, and takes
+   that stage's answers);
 3. turns tickets whose deadline passed while they waited for the model into `overloaded` fallbacks;
 4. hands waiting tickets to the pool earliest deadline first (`pipeline.scheduling`), at most
    `dispatch_window` at a time (the rest wait here, where their deadline is watched); while the pool is busy,
@@ -35,7 +37,7 @@ the pool; exit code 0. A second signal exits at once; anything not committed is 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import confluent_kafka
@@ -54,7 +56,8 @@ from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
 from worker.kafka.dead_letters import dead_letter_headers
-from worker.messages import FallbackReason, utc_timestamp
+from worker.messages import EscalationSkip, FallbackReason, utc_timestamp
+from worker.pipeline.cascade import Cascade
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.guarantees import Failure, guarantee_for, names
 from worker.pipeline.inflight import Flow, InFlightGate, PausedPartitions
@@ -79,6 +82,8 @@ MAX_KEY_BYTES = 4096
 _LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
+# After the first stage shed a ticket (`overloaded`), escalations stay shed this long (see `_pressed`).
+_SHED_MEMORY_S = 1.0
 
 
 class Pipeline:
@@ -101,6 +106,7 @@ class Pipeline:
         metrics_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         shadow: Shadow | None = None,
+        cascade: Cascade | None = None,
     ) -> None:
         self._pipeline = settings.pipeline
         self._topics = settings.topics
@@ -125,6 +131,10 @@ class Pipeline:
         self._shadow = shadow
         if shadow is not None:
             self.metrics.shadow = shadow.metrics
+        self._cascade = cascade
+        if cascade is not None:
+            self.metrics.escalation = cascade.metrics
+        self._shed_at = float("-inf")  # when the first stage last answered a ticket `overloaded`
         self._paused = PausedPartitions(self._consumer)
         consumer, pause = self._consumer, self._paused.pause
         self._guarantee = guarantee_for(
@@ -169,6 +179,8 @@ class Pipeline:
             dispatch_window=self._window,
             model=self._classifier.model_id,
             guarantee=self._pipeline.guarantee,
+            escalation=None if self._cascade is None else self._cascade.model_id,
+            escalate_below=None if self._cascade is None else self._cascade.escalate_below,
         )
         while not self._stopping and self._failure.reason is None:
             self._turn()
@@ -178,7 +190,7 @@ class Pipeline:
 
     def _turn(self) -> None:
         self._service(wait_s=0.0)
-        busy = self._ledger.at_model > 0
+        busy = self._ledger.at_model + self._ledger.at_escalation > 0
         if self._may_poll():
             idle = not busy and len(self._tracker) == 0 and self._ledger.orphans == 0
             wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
@@ -216,7 +228,7 @@ class Pipeline:
     def _serve_work(self, wait_s: float) -> None:
         """Move taken records forward: delivery reports, model answers, expiry, dispatch. Waits up to
         `wait_s` for an answer, or for a report when nothing is at the model."""
-        if self._ledger.at_model:
+        if self._ledger.at_model or self._ledger.at_escalation:
             self._guarantee.serve(0)
             self._collect(wait_s)
         else:
@@ -224,6 +236,7 @@ class Pipeline:
         # Tickets whose deadline passed while they waited for the model get `overloaded`, without it.
         for work in self._ledger.expired(self._clock()):
             self._write_result(work, self._fallback_for(work, "overloaded"))
+            self._shed_at = self._clock()
         self._dispatch()
         if self._shadow is not None:
             self._shadow.serve()
@@ -312,15 +325,21 @@ class Pipeline:
             expected_s = self._latency.expected_s if self._ledger.at_model else 0.0
             if self._clock() + expected_s >= work.deadline:
                 self._write_result(work, self._fallback_for(work, "overloaded"))
+                self._shed_at = self._clock()
                 continue
             self.metrics.queue_wait.observe(self._clock() - work.polled_at)
             request_id = self._ledger.to_model(work)
             self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), work.deadline))
 
     def _collect(self, wait_s: float) -> None:
-        if not self._ledger.at_model:
-            return
-        answers = self._classifier.poll(wait_s)
+        """Take the answers of the model (waiting up to `wait_s` for one) and of the escalation stage."""
+        if self._ledger.at_model:
+            self._take_answers(self._classifier.poll(wait_s))
+            wait_s = 0.0
+        if self._cascade is not None and self._ledger.at_escalation:
+            self._take_escalations(self._cascade.poll(wait_s, self._clock))
+
+    def _take_answers(self, answers: Sequence[tuple[int, Classification]]) -> None:
         made_at = utc_timestamp() if answers else ""  # one clock read per batch, not per record
         for request_id, answer in answers:
             work = self._ledger.answered(request_id)
@@ -336,10 +355,58 @@ class Pipeline:
                 self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
             else:
                 self.metrics.classified += 1
-            self._write_result(work, answer, made_at)
-            if self._shadow is not None and not answer.fallback:
-                key = result_key(work.key, work.event)
-                self._shadow.offer(work.event, work.source, key, work.headers, answer)
+            if self._cascade is not None:
+                if not self._cascade.unsure(answer):
+                    answer = self._cascade.first_stands(answer)
+                elif (skipped := self._escalation_gate(work)) is not None:
+                    answer = self._cascade.first_stands(answer, skipped)
+                else:
+                    request_id = self._ledger.to_escalation(work, answer)
+                    request = ClassifyRequest(request_id, ticket_text(work.event), work.deadline)
+                    self._cascade.submit(request, self._clock())
+                    continue
+            self._answered(work, answer, made_at)
+
+    def _take_escalations(self, answers: Sequence[tuple[int, Classification]]) -> None:
+        assert self._cascade is not None
+        made_at = utc_timestamp() if answers else ""
+        for request_id, answer in answers:
+            work = self._ledger.escalation_answered(request_id)
+            if work is None:
+                continue
+            if work.orphan:
+                self.metrics.discarded_after_revoke += 1
+                continue
+            assert work.first is not None
+            self._answered(work, self._cascade.escalated(work.first, answer), made_at)
+
+    def _answered(self, work: Work, answer: Classification, made_at: str) -> None:
+        """Write the record of a ticket a model answered, and offer it to the shadow."""
+        assert work.event is not None
+        self._write_result(work, answer, made_at)
+        if self._shadow is not None and not answer.fallback:
+            key = result_key(work.key, work.event)
+            self._shadow.offer(work.event, work.source, key, work.headers, answer)
+
+    def _escalation_gate(self, work: Work) -> EscalationSkip | None:
+        """The cascade's gate for one unsure ticket (see worker/pipeline/cascade.py)."""
+        assert self._cascade is not None
+        now = self._clock()
+        return self._cascade.gate(work.deadline - now, now, self._pressed(now))
+
+    def _pressed(self, now: float) -> bool:
+        """Whether the first stage is under pressure, so that escalations must wait: it shed a ticket within
+        `_SHED_MEMORY_S`, or the tickets waiting for it would not all have started, with an escalation's
+        time added, before the earliest of their deadlines. Deliberately pessimistic (EDF serves that
+        earliest one first): a second opinion never costs a first answer its deadline."""
+        assert self._cascade is not None
+        if now - self._shed_at < _SHED_MEMORY_S:
+            return True
+        earliest = self._ledger.earliest_waiting_deadline()
+        if earliest is None:
+            return False
+        drain_s = self._ledger.waiting * self._latency.expected_s / self._cascade.first_contexts
+        return now + drain_s + self._cascade.latency.p95(now) >= earliest
 
     def _fallback_for(self, work: Work, reason: FallbackReason) -> Classification:
         self.metrics.fallback[reason] += 1
@@ -462,7 +529,7 @@ class Pipeline:
             if self._may_poll():
                 self._last_poll = self._clock()
                 self._consumer.poll(0.0)  # paused: serves callbacks; a record is left to the next owner
-        unfinished = self._ledger.waiting + self._ledger.at_model
+        unfinished = self._ledger.waiting + self._ledger.at_model + self._ledger.at_escalation
         not_flushed = self._guarantee.stop(limit)
         self._consumer.close()
         if self._shadow is not None:  # after the last commit: the shadow never holds one back
@@ -491,8 +558,12 @@ class Pipeline:
         self._last_metrics = self._clock()
         blocked = {f"{t}[{p}]": offset for (t, p), offset in sorted(self._tracker.blocked().items())}
         ledger = self._ledger
-        # Where the in-flight records are: waiting, at the model, at the producer, held for order; orphans.
-        where = [ledger.waiting, ledger.at_model, ledger.at_producer, ledger.held, ledger.orphans]
+        # Where the in-flight records are: waiting, at the model, at the producer, held for order; orphans;
+        # escalated (last, so that readers of the first five keep their meaning).
+        where = [
+            ledger.waiting, ledger.at_model, ledger.at_producer, ledger.held, ledger.orphans,
+            ledger.at_escalation,
+        ]  # fmt: skip
         _log.info(
             "metrics", kind=kind, blocked_partitions=blocked, in_flight_at=where, **self.metrics.snapshot()
         )

@@ -1,0 +1,160 @@
+"""The cascade: the first stage answers every ticket; the ones it is unsure of go to an escalation stage when
+their deadline leaves time for it.
+
+The escalation stage is any `Classifier` (its own bounded pool: an encoder stage or another ORT GenAI model,
+see worker/inference/). The pipeline asks `gate` for each ticket the first stage classified with a
+confidence under `escalate_below` (a fallback is never escalated):
+
+- `deadline`: the ticket's time left is under the stage's recent p95 turnaround (`StageLatency`): the
+  answer would most likely come too late, so the first answer stands;
+- `overloaded`: the stage already holds `window` tickets (its bound), or the first stage is under pressure
+  (the caller says so: tickets waiting for it would not all start before the earliest of their deadlines).
+  Escalations are the first thing shed: never a first-stage ticket's deadline for a second opinion.
+
+Otherwise the ticket goes to the stage and its record waits for the answer. The record then carries the
+stage's answer (`stage = "escalation"`, its `model`, `intent`, `confidence`, `scores`), the first stage's
+intent and confidence, and the model time of both stages in `latency_ms`. A stage answer that is a fallback
+(error, or its own deadline check) leaves the first answer standing (`escalation_skipped = "deadline"` or
+`"error"`). Every ticket still gets exactly one record: the ledger keeps an escalated ticket in flight, so
+rebalances, shutdown and both delivery guarantees treat it like one at the first stage.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from worker.classification import Classification, Classifier, ClassifyRequest
+from worker.messages import EscalationSkip
+from worker.pipeline.metrics import EscalationMetrics
+
+Result = tuple[int, Classification]
+
+
+class StageLatency:
+    """p95 of the escalation stage's recent turnarounds (submit → answer seen by the loop), in seconds.
+
+    Turnaround rather than the stage's own model time: it includes the wait in the stage's pool, which is
+    what the ticket's deadline pays. Samples older than `max_age_s` drop out, so a stage that was slow once
+    (a burst, a restart) is tried again once the slow samples have aged: skipped tickets give no samples, and
+    without ageing one slow minute would stop every escalation for good. Until `min_samples` recent samples
+    exist, the `prior_s` measured at start stands in.
+    """
+
+    def __init__(
+        self, prior_s: float, window: int = 128, max_age_s: float = 30.0, min_samples: int = 8
+    ) -> None:
+        self._prior_s = prior_s
+        self._max_age_s = max_age_s
+        self._min_samples = min_samples
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)
+        self._sorted: list[float] | None = None  # the p95 is recomputed only after a change
+
+    def observe(self, now: float, seconds: float) -> None:
+        self._samples.append((now, seconds))
+        self._sorted = None
+
+    def p95(self, now: float) -> float:
+        while self._samples and now - self._samples[0][0] > self._max_age_s:
+            self._samples.popleft()
+            self._sorted = None
+        if len(self._samples) < self._min_samples:
+            return self._prior_s
+        if self._sorted is None:
+            self._sorted = sorted(seconds for _, seconds in self._samples)
+        return self._sorted[min(len(self._sorted) - 1, math.ceil(0.95 * len(self._sorted)) - 1)]
+
+
+class Cascade:
+    """The escalation stage as the pipeline sees it: the gate, the outstanding requests and the records'
+    cascade fields. Driven by the consumer's thread only."""
+
+    def __init__(
+        self,
+        classifier: Classifier,
+        escalate_below: float,
+        window: int,
+        prior_latency_s: float,
+        first_contexts: int,
+        labels: Sequence[str] = (),
+    ) -> None:
+        """`window`: most tickets at the stage at once (its bound); `prior_latency_s`: its turnaround as
+        measured at start; `first_contexts`: how many tickets the first stage runs at once (for the
+        pipeline's pressure estimate); `labels`: the intents to export metrics for from the start."""
+        self._classifier = classifier
+        self.escalate_below = escalate_below
+        self._window = max(1, window)
+        self.first_contexts = max(1, first_contexts)
+        self.latency = StageLatency(prior_latency_s)
+        self._submitted: dict[int, float] = {}  # request id -> when it was submitted
+        self.metrics = EscalationMetrics.starting(labels)
+
+    @property
+    def model_id(self) -> str:
+        return self._classifier.model_id
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._submitted)
+
+    def unsure(self, answer: Classification) -> bool:
+        """Whether the first stage's answer is one the cascade would escalate (fallbacks never are)."""
+        return not answer.fallback and answer.confidence < self.escalate_below
+
+    def gate(self, time_left_s: float, now: float, first_stage_pressed: bool) -> EscalationSkip | None:
+        """Why an unsure ticket with `time_left_s` before its deadline keeps its first answer, or None
+        when it goes to the stage."""
+        if time_left_s <= 0.0 or time_left_s < self.latency.p95(now):
+            return "deadline"
+        if first_stage_pressed or len(self._submitted) >= self._window:
+            return "overloaded"
+        return None
+
+    def submit(self, request: ClassifyRequest, now: float) -> None:
+        self._submitted[request.request_id] = now
+        self.metrics.outstanding = len(self._submitted)
+        self._classifier.submit(request)
+
+    def poll(self, timeout: float, now: Callable[[], float]) -> list[Result]:
+        """The stage's answers that are ready (waiting up to `timeout` for the first), with their turnaround
+        recorded."""
+        answers = list(self._classifier.poll(timeout))
+        if answers:
+            at = now()
+            for request_id, answer in answers:
+                submitted = self._submitted.pop(request_id, None)
+                if submitted is not None:
+                    self.latency.observe(at, at - submitted)
+                    self.metrics.latency.observe(at - submitted)
+                if answer.fallback_reason != "overloaded":  # queued past its deadline: no model time
+                    self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
+            self.metrics.outstanding = len(self._submitted)
+        return answers
+
+    def first_stands(self, first: Classification, skipped: EscalationSkip | None = None) -> Classification:
+        """The record's answer when the first stage's stands: confident, a fallback, or `skipped` by the
+        gate."""
+        if skipped is not None:
+            self.metrics.skipped[skipped] += 1
+        return msgspec.structs.replace(first, stage="first", escalation_skipped=skipped)
+
+    def escalated(self, first: Classification, answer: Classification) -> Classification:
+        """The record's answer once the stage answered an escalated ticket."""
+        if answer.fallback:
+            skipped: EscalationSkip = (
+                "deadline" if answer.fallback_reason in ("deadline_exceeded", "overloaded") else "error"
+            )
+            self.metrics.outcome(first.intent, "failed")
+            return msgspec.structs.replace(first, stage="first", escalation_skipped=skipped)
+        self.metrics.outcome(first.intent, "confirmed" if answer.intent == first.intent else "changed")
+        return msgspec.structs.replace(
+            answer,
+            latency_ms=first.latency_ms + answer.latency_ms,
+            truncated=first.truncated or answer.truncated,
+            stage="escalation",
+            first_intent=first.intent,
+            first_confidence=first.confidence,
+        )
