@@ -15,9 +15,13 @@ tickets `{"ticket_id", "body"}` everywhere and an input topic of 3 partitions:
   the tickets due 1 s after they are produced and half much later (`metadata.deadline_at`): deadline misses;
 - P6 exactly-once vs at-least-once: two workers, `--guarantee at_least_once` and `exactly_once`: throughput
   of a burst, and latency at 70 % of P2's capacity as a read_committed reader sees the results;
+- P7 the cascade: two workers, the first stage alone and with the escalation stage (`--escalation
+  triage-encoder`, default threshold): throughput of a burst of BANKING77 test tickets, and what each wrote
+  (intent accuracy against the tickets' labels, share escalated, escalations skipped by reason);
 - CPU cost: CPU-ms per ticket of the worker's process tree vs the pool's.
 
-Writes bench.json, bench.md, bench-latency.png and bench-timeline.png into --out.
+Writes bench.json, bench.md, bench-latency.png and bench-timeline.png into --out; `--only p7` runs P7 alone
+and writes bench-p7.json and bench-p7.md.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import onnxruntime_genai as og
 from bench_kafka import (
     BROKER_PID,
     DueTickets,
+    LabelledTickets,
     Offsets,
     Progress,
     Tickets,
@@ -791,7 +796,99 @@ def p6_exactly_once(
     return figures
 
 
+# -- P7 ---------------------------------------------------------------------------------------------------
+
+_CASCADE_RUNS = {
+    # The first stage alone, whatever the default: no escalation stage.
+    "first_stage": ["--set", "inference.escalation="],
+    "cascade": ["--escalation", "triage-encoder"],
+}
+
+
+def p7_cascade(bootstrap: str, count: int, budget: float, logs: Path) -> dict[str, Any]:
+    """Two workers with default settings but the escalation stage, each on its own topics, the same BANKING77
+    test tickets: `count` of them as fast as possible until the group committed them, the first stage
+    alone before and after the cascade (`bracket`); then what each wrote, read back from its output."""
+    tickets = LabelledTickets()
+    runs: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as cleanup:
+        for name, flags in _CASCADE_RUNS.items():
+            (topics,) = new_topics(bootstrap, f"p7-{name}")
+            group = _group(f"p7-{name}")
+            worker = Worker(bootstrap, topics, group, logs / f"p7-{name}.log", flags)
+            cleanup.callback(worker.stop)
+            runs[name] = {"topics": topics, "worker": worker, "group": group, "sent": 0, "burst_end": 0}
+        for run in runs.values():
+            run["worker"].wait_assigned(timeout=240)
+            run["offsets"] = Offsets(bootstrap, run["group"], run["topics"].input)
+            cleanup.callback(run["offsets"].close)
+
+        def throughput(name: str, when: str = "") -> dict[str, Any]:
+            run, offsets = runs[name], runs[name]["offsets"]
+            progress(f"P7 {name}{when}: {count} tickets as fast as possible")
+            started = produce_tickets(bootstrap, run["topics"].input, tickets, run["sent"], count)
+            run["sent"] += count
+            done = offsets.follow(offsets.ends(), budget, run["worker"].alive, every=0.05)
+            records, run["burst_end"] = done.records - run["burst_end"], done.records
+            return {
+                "records": records,
+                "seconds": round(done.at - started, 3),
+                "rate": round(records / (done.at - started), 1),
+                "complete": done.complete,
+            }
+
+        before = throughput("first_stage", " (before)")
+        cascade_rate = throughput("cascade")
+        first_rate = bracket(before, throughput("first_stage", " (after)"))
+        cascade_start = runs["cascade"]["worker"].events("cascade_started")
+        for run in runs.values():
+            run["code"] = run["worker"].stop()
+    progress("P7 reading what each worker wrote")
+    figures: dict[str, Any] = {"tickets": count, "texts": "BANKING77 test.csv, in file order, repeated"}
+    for name, run in runs.items():
+        figures[name] = {
+            "throughput": first_rate if name == "first_stage" else cascade_rate,
+            **_cascade_outputs(bootstrap, run["topics"].output, tickets),
+            "worker_exit_code": run["code"],
+        }
+    figures["escalate_below"] = cascade_start[0]["escalate_below"] if cascade_start else None
+    figures["ratio"] = round(cascade_rate["rate"] / first_rate["rate"], 3)
+    return figures
+
+
+def _cascade_outputs(bootstrap: str, topic: str, tickets: LabelledTickets) -> dict[str, Any]:
+    """Intent accuracy of a worker's records against the tickets' labels, and the cascade's fields."""
+    decode = msgspec.json.Decoder(TriageResult).decode
+    correct = total = escalated = 0
+    skipped: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    for message in read_topic(bootstrap, topic):
+        value = message.value()
+        assert isinstance(value, bytes)
+        result = decode(value)
+        total += 1
+        correct += result.intent == tickets.label(int(result.ticket_id.removeprefix("bench-")))
+        escalated += result.stage == "escalation"
+        if result.escalation_skipped is not None:
+            skipped[result.escalation_skipped] = skipped.get(result.escalation_skipped, 0) + 1
+        if result.fallback_reason is not None:
+            fallbacks[result.fallback_reason] = fallbacks.get(result.fallback_reason, 0) + 1
+    return {
+        "records": total,
+        "accuracy": round(correct / max(1, total), 4),
+        "escalated_share": round(escalated / max(1, total), 4),
+        "escalation_skipped": skipped,
+        "fallbacks": fallbacks,
+    }
+
+
 # -- main -------------------------------------------------------------------------------------------------
+
+
+def _p7(bootstrap: str, sizes: dict[str, int], logs: Path) -> dict[str, Any]:
+    p7 = p7_cascade(bootstrap, sizes["p7"], sizes["p7_budget_s"], logs)
+    progress(f"P7 ratio cascade/first stage {p7['ratio']}")
+    return p7
 
 
 @contextlib.contextmanager
@@ -816,6 +913,7 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("results"), help="folder for bench.* (default results)"
     )
+    parser.add_argument("--only", choices=["p7"], help="run one figure alone (writes bench-<figure>.*)")
     args = parser.parse_args()
     sizes = (
         {
@@ -829,6 +927,8 @@ def main() -> int:
             "p6": 1_500,
             "p6_budget_s": 60,
             "p6_level_s": 8,
+            "p7": 1_000,
+            "p7_budget_s": 300,
         }
         if args.quick
         else {
@@ -842,6 +942,8 @@ def main() -> int:
             "p6": 10_000,
             "p6_budget_s": 300,
             "p6_level_s": 30,
+            "p7": 6_000,
+            "p7_budget_s": 900,
         }
     )
     # The bench's own process logs warnings only (the in-process Pipeline and pool); the workers log JSON.
@@ -861,6 +963,11 @@ def main() -> int:
     ):
         logs = Path(tmp)
         try:
+            if args.only == "p7":
+                figures["p7"] = _p7(bootstrap, sizes, logs)
+                bench_report.write_only(figures, args.out, "p7")
+                print((args.out / "bench-p7.md").read_text())
+                return 0
             figures["p1"] = p1_kafka_overhead(bootstrap, tickets, sizes["p1"], sizes["p1_budget_s"])
             progress(f"P1 ratio {figures['p1']['ratio']}")
             pool_before = pool_baseline(tickets, sizes["p2"])
@@ -885,6 +992,7 @@ def main() -> int:
             )
             ratios = (p6["throughput_ratio"], p6["p50_ratio"], p6["p99_ratio"])
             progress("P6 ratios EOS/ALO: throughput {}, p50 {}, p99 {}".format(*ratios))
+            figures["p7"] = _p7(bootstrap, sizes, logs)
         except BaseException:
             for log in sorted(logs.glob("*.log")):
                 print(

@@ -34,6 +34,7 @@ from worker.kafka import dead_letters  # noqa: E402
 from worker.kafka.admin import TopicSpec, create_topics  # noqa: E402
 from worker.kafka.local_broker import LocalBroker, free_port  # noqa: E402
 from worker.messages import TriageResult  # noqa: E402
+from worker.ops.evaluation import canonical_label  # noqa: E402
 
 BANKING77 = REPO / "data" / "banking77"
 INPUT_PARTITIONS = 3
@@ -113,6 +114,20 @@ class Tickets:
     def record(self, index: int) -> tuple[bytes, bytes]:
         ticket_id = f"bench-{index}"
         return ticket_id.encode(), self._encode({"ticket_id": ticket_id, "body": self.text(index)})
+
+
+class LabelledTickets(Tickets):
+    """BANKING77's test tickets only (in file order, repeated), with the intent each one is labelled with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with (BANKING77 / "test.csv").open(newline="", encoding="utf-8") as handle:
+            rows = [(row["text"], canonical_label(row["category"])) for row in csv.DictReader(handle)]
+        self.texts = [text for text, _ in rows]
+        self._labels = [label for _, label in rows]
+
+    def label(self, index: int) -> str:
+        return self._labels[index % len(self._labels)]
 
 
 class DueTickets(Tickets):

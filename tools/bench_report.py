@@ -169,6 +169,40 @@ def _p6_rows(p6: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     ]
 
 
+P7_HOW = """How (P7): two workers with default settings except the escalation stage (`--set
+inference.escalation=` for the first stage alone, `--escalation triage-encoder` for the cascade at its
+default threshold), each on its own topics, the same BANKING77 test tickets (`{"ticket_id", "body"}`, test.csv
+in file order): throughput is timed as in P2 (the first stage alone before and after the cascade); accuracy
+is the intent of each worker's records against the tickets' labels. Under a burst the gate sheds escalations
+only when the tickets waiting for the first stage are at risk of missing their deadline (the 64 in flight
+at 2 s each are not): the cascade's throughput is what its escalations cost."""
+
+
+def _p7_rows(p7: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    first, cascade = p7["first_stage"], p7["cascade"]
+    skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(cascade["escalation_skipped"].items())) or "none"
+    return [
+        (
+            f"P7 the cascade: worker with the escalation stage (below {p7['escalate_below']}) vs the first "
+            f"stage alone ({p7['tickets']:,} tickets at once)",
+            f"{first['throughput']['rate']:,.1f} tickets/s{_spread(first['throughput'])}"
+            f"{_partial(first['throughput'], p7['tickets'])}",
+            f"{cascade['throughput']['rate']:,.1f} tickets/s{_partial(cascade['throughput'], p7['tickets'])}",
+            f"{p7['ratio']:.2f}x",
+            "≥ 0.6x",
+            _met(p7["ratio"] >= 0.6),
+        ),
+        (
+            "P7 what the records say: intent accuracy against the labels; escalated; escalations skipped",
+            f"{first['accuracy']:.2%}",
+            f"{cascade['accuracy']:.2%}; {cascade['escalated_share']:.1%} escalated; skipped: {skipped}",
+            f"{100 * (cascade['accuracy'] - first['accuracy']):+.2f} points",
+            "reported",
+            "-",
+        ),
+    ]
+
+
 def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     """(figure, baseline, measured, ratio, goal, met?) for the table."""
     p1, p2, p3, p4 = figures["p1"], figures["p2"], figures["p3"], figures["p4"]
@@ -275,12 +309,13 @@ def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
         ),
         *_p5_rows(figures["p5"]),
         *_p6_rows(figures["p6"]),
+        *(_p7_rows(figures["p7"]) if "p7" in figures else []),
     ]
 
 
-def markdown(figures: dict[str, Any]) -> str:
+def _header(figures: dict[str, Any]) -> list[str]:
     box = figures["machine"]
-    lines = [
+    return [
         f"# `make bench` ({figures['mode']} mode)",
         "",
         f"Command: `{figures['command']}`  ",
@@ -290,6 +325,12 @@ def markdown(figures: dict[str, Any]) -> str:
         "",
         "| figure | baseline | measured | ratio | goal | met? |",
         "|---|---|---|---|---|---|",
+    ]
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    lines = [
+        *_header(figures),
         *("| " + " | ".join(row) + " |" for row in rows(figures)),
         "",
         HOW,
@@ -345,6 +386,8 @@ def markdown(figures: dict[str, Any]) -> str:
             f"| {transactions} | {run['lost']} | {run['duplicates']} |"
         )
     lines += ["", P6_WHY]
+    if "p7" in figures:
+        lines += ["", P7_HOW]
     lines += ["", "![latency vs load](bench-latency.png)", "", "![RSS and in-flight](bench-timeline.png)", ""]
     return "\n".join(lines)
 
@@ -392,6 +435,15 @@ def plots(figures: dict[str, Any], out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out / "bench-timeline.png", dpi=100)
     plt.close(figure)
+
+
+def write_only(figures: dict[str, Any], out: Path, figure: str) -> None:
+    """A run of one figure (`bench.py --only`): bench-<figure>.json and .md beside the full run's files."""
+    assert figure == "p7"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench-{figure}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    table = ["| " + " | ".join(row) + " |" for row in _p7_rows(figures["p7"])]
+    (out / f"bench-{figure}.md").write_text("\n".join([*_header(figures), *table, "", P7_HOW, ""]))
 
 
 def write(figures: dict[str, Any], out: Path) -> None:
