@@ -41,6 +41,7 @@ from worker.config import InferenceSettings, LogSettings, PoolKind
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine
 from worker.inference.loading import resolve_taxonomy
+from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.prompt import max_ticket_chars
 
 log = structlog.get_logger(__name__)
@@ -124,6 +125,7 @@ def open_pool(
     `ProcessPool`); a thread pool has none to run it in."""
     kind = default_pool_kind(settings)
     size = default_pool_size(settings, kind)
+    warn_once_if_unpaired(settings, *resolve_taxonomy(settings))
     log.info("starting classifier pool", pool=kind, size=size, model=settings.model, mode=settings.mode)
     started = time.monotonic()
     pool: ClassifierPool

@@ -179,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, _overrides(args))
     configure_logging(settings.log)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
-    _check_topics(settings)
+    # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, _ = resolve_taxonomy(settings.inference)
+    if (shadow_inference := settings.inference.shadow_settings()) is not None:
+        resolve_taxonomy(shadow_inference)
+    _check_topics(settings)
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
     reloader = Reloader(
