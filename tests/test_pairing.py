@@ -82,5 +82,8 @@ def test_run_refuses_a_shadow_taxonomy_its_model_was_not_trained_for_before_cont
     assert code == 2
     err = capsys.readouterr().err
     lines = err.splitlines()  # the `settings` log event, then the error line
-    assert lines[-1].startswith("triage-worker: error: inference.taxonomy:") and "label(s) the model" in lines[-1]
+    assert (
+        lines[-1].startswith("triage-worker: error: inference.taxonomy:")
+        and "label(s) the model" in lines[-1]
+    )
     assert "Kafka" not in err and "Traceback" not in err
