@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +24,15 @@ from worker.config import MASK, TopicSettings, is_secret_key
 from worker.errors import UserError
 
 TopicOutcome = Literal["created", "exists"]
+# Told what the command waits for once the cluster has not answered for this long, so a wrong address is
+# never a silent wait of the whole timeout.
+WAIT_NOTICE_AFTER_S = 0.5
+Notice = Callable[[str], None]
+
+
+def print_notice(line: str) -> None:
+    """The default for start-up checks of commands: stderr, so that stdout stays the command's output."""
+    print(line, file=sys.stderr, flush=True)
 
 
 class _LastClientError(logging.Handler):
@@ -86,7 +96,10 @@ def worker_topics(topics: TopicSettings, shadow: bool = False) -> list[TopicSpec
 
 
 def create_topics(
-    kafka_config: Mapping[str, str], specs: Iterable[TopicSpec], timeout_s: float = 30.0
+    kafka_config: Mapping[str, str],
+    specs: Iterable[TopicSpec],
+    timeout_s: float = 30.0,
+    on_wait: Notice = print_notice,
 ) -> dict[str, TopicOutcome]:
     """Create each topic unless it exists; returns what happened to each, in order.
 
@@ -97,7 +110,7 @@ def create_topics(
     if not specs:
         return {}
     bootstrap = kafka_config.get("bootstrap.servers", "?")
-    with _reachable_admin(kafka_config, min(timeout_s, 10.0)) as (admin, _):
+    with _reachable_admin(kafka_config, min(timeout_s, 10.0), on_wait) as (admin, _):
         futures = admin.create_topics(
             [
                 NewTopic(s.name, num_partitions=s.partitions, replication_factor=s.replication_factor)
@@ -125,25 +138,32 @@ def create_topics(
         return outcomes
 
 
-def existing_topics(kafka_config: Mapping[str, str], timeout_s: float = 15.0) -> set[str]:
+def existing_topics(
+    kafka_config: Mapping[str, str], timeout_s: float = 15.0, on_wait: Notice = print_notice
+) -> set[str]:
     """The cluster's topic names; UserError with librdkafka's reason when the cluster cannot be reached."""
-    with _reachable_admin(kafka_config, timeout_s) as (_, metadata):
+    with _reachable_admin(kafka_config, timeout_s, on_wait) as (_, metadata):
         return set(metadata.topics)
 
 
-def check_cluster(kafka_config: Mapping[str, str], timeout_s: float = 15.0) -> None:
+def check_cluster(
+    kafka_config: Mapping[str, str], timeout_s: float = 15.0, on_wait: Notice = print_notice
+) -> None:
     """A command's start-up check: returns once `kafka_config` reaches the cluster, else one-line UserError
     (unreachable, login refused, certificate not trusted), at once when no retry can help."""
-    with _reachable_admin(kafka_config, timeout_s):
+    with _reachable_admin(kafka_config, timeout_s, on_wait):
         pass
 
 
 @contextlib.contextmanager
-def _reachable_admin(kafka_config: Mapping[str, str], timeout_s: float) -> Iterator[tuple[AdminClient, Any]]:
+def _reachable_admin(
+    kafka_config: Mapping[str, str], timeout_s: float, on_wait: Notice
+) -> Iterator[tuple[AdminClient, Any]]:
     """An admin client that has reached the cluster (and its metadata), or UserError saying why not.
 
     librdkafka retries a refused login or an untrusted certificate forever, reporting it only to the error
     callback, so the metadata is requested in short slices and the callback's errors are checked between.
+    After `WAIT_NOTICE_AFTER_S` without an answer, `on_wait` is told once what is awaited and for how long.
     """
     bootstrap = kafka_config.get("bootstrap.servers", "?")
     errors: list[KafkaError] = []
@@ -160,12 +180,17 @@ def _reachable_admin(kafka_config: Mapping[str, str], timeout_s: float) -> Itera
             problem = f"Kafka client configuration: {exception.args[0].str()}"
             raise UserError(_masked(problem, kafka_config)) from None
         deadline = time.monotonic() + timeout_s
+        noticed = False
         while True:
+            slice_s = 1.0 if noticed else WAIT_NOTICE_AFTER_S
             try:
-                metadata = admin.list_topics(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+                metadata = admin.list_topics(timeout=min(slice_s, max(0.1, deadline - time.monotonic())))
                 break
             except KafkaException:
                 admin.poll(0)  # serves the error callback and the queued client logs
+            if not noticed:
+                noticed = True
+                on_wait(f"waiting for Kafka at {bootstrap} (gives up after {timeout_s:.0f} s) ...")
             for error in errors:
                 refusal = _refusal(kafka_config, error)
                 if refusal is not None:

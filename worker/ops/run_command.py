@@ -162,7 +162,10 @@ def _check_topics(settings: Settings) -> None:
     """Fail at start, in one line, when the broker is unreachable, refuses the credentials or certificate,
     or a topic is missing."""
     bootstrap = settings.kafka.get("bootstrap.servers", "")
-    existing = existing_topics(producer_config(settings))
+    # In the configured log format (JSON logs stay JSON), not a bare line on stderr.
+    existing = existing_topics(
+        producer_config(settings), on_wait=lambda line: _log.info("waiting_for_kafka", line=line)
+    )
     topics = settings.topics
     needed = [topics.input, topics.output, topics.dead_letter]
     if settings.inference.shadow_settings() is not None:
