@@ -105,6 +105,11 @@ class ClassifierPool(abc.ABC):
     def close(self) -> None:
         """Stop the workers (idempotent); requests still in flight are not answered."""
 
+    def worker_pids(self) -> list[int]:
+        """The process id of each context's worker process, in context order; none when the contexts run
+        in this process (their cost is this process's own)."""
+        return []
+
     def __enter__(self) -> ClassifierPool:
         return self
 
@@ -251,6 +256,10 @@ class ProcessPool(ClassifierPool):
         except BaseException:
             self.close()
             raise
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
 
     def submit(self, request: ClassifyRequest) -> None:
         with self._lock:

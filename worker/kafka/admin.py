@@ -1,4 +1,5 @@
-"""Topic administration: check the connection at start, create the worker's topics idempotently.
+"""Topic administration: check the connection at start, create the worker's topics idempotently, and read
+a consumer group's lag from the broker.
 
 Brokers in production usually disable topic auto-creation, and an auto-created topic gets the broker's
 default partition count, which caps how many workers can share the load. So the topics are created
@@ -16,8 +17,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import (
+    ConsumerGroupTopicPartitions,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._listoffsets import OffsetSpec  # re-exported untyped by confluent_kafka.admin
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
 from worker.config import MASK, TopicSettings, is_secret_key
@@ -202,3 +210,54 @@ def _reachable_admin(
         yield admin, metadata
     finally:
         client_log.removeHandler(last_error)
+
+
+class GroupLagReader:
+    """A consumer group's lag on a topic, read from the broker: per partition, the log end offset minus the
+    group's committed offset, as KEDA's Kafka scaler computes it (a partition the group never committed
+    counts from its earliest offset, `offsetResetPolicy: earliest`). Needs no worker: it is what tells an
+    operator the backlog when every worker is down. One admin client, reused for every read."""
+
+    def __init__(self, kafka_config: Mapping[str, str]) -> None:
+        try:
+            self._admin = AdminClient(dict(kafka_config))
+        except KafkaException as exception:
+            problem = f"Kafka client configuration: {exception.args[0].str()}"
+            raise UserError(_masked(problem, kafka_config)) from None
+        self._kafka_config = kafka_config
+
+    def read(self, group: str, topic: str, timeout_s: float = 5.0) -> dict[int, int]:
+        """Partition → lag; UserError (one line) when the broker does not answer or the topic is missing."""
+        try:
+            metadata = self._admin.list_topics(topic=topic, timeout=timeout_s).topics.get(topic)
+            if metadata is None or metadata.error is not None or not metadata.partitions:
+                raise UserError(f"topic {topic!r} does not exist")
+            partitions = [TopicPartition(topic, p) for p in sorted(metadata.partitions)]
+            request = [ConsumerGroupTopicPartitions(group, partitions)]
+            answer = self._admin.list_consumer_group_offsets(request, request_timeout=timeout_s)[group]
+            committed = {tp.partition: tp.offset for tp in answer.result(timeout_s).topic_partitions}
+            ends = self._offsets(partitions, OffsetSpec.latest(), timeout_s)  # type: ignore[no-untyped-call]
+            uncommitted = [tp for tp in partitions if committed.get(tp.partition, -1) < 0]
+            earliest = OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+            starts = self._offsets(uncommitted, earliest, timeout_s) if uncommitted else {}
+        except KafkaException as exception:
+            reason = _strip(exception.args[0].str()) if exception.args else str(exception)
+            problem = f"cannot read the lag of group {group!r}: {reason}"
+            raise UserError(_masked(problem, self._kafka_config)) from None
+        except TimeoutError:
+            raise UserError(f"cannot read the lag of group {group!r}: no answer in {timeout_s:g}s") from None
+        return {
+            partition: max(0, end - (starts[partition] if partition in starts else committed[partition]))
+            for partition, end in ends.items()
+        }
+
+    def _offsets(
+        self, partitions: list[TopicPartition], spec: OffsetSpec, timeout_s: float
+    ) -> dict[int, int]:
+        # read_committed: the end a consumer of the group can reach (open transactions excluded).
+        futures = self._admin.list_offsets(
+            {tp: spec for tp in partitions},
+            isolation_level=IsolationLevel.READ_COMMITTED,
+            request_timeout=timeout_s,
+        )
+        return {tp.partition: future.result(timeout_s).offset for tp, future in futures.items()}

@@ -218,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
             shadow=shadow,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
+        telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
+        if shadow_pool is not None:
+            telemetry.watch_model_processes("shadow", shadow_pool.worker_pids)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
         _install_signal_handlers(pipeline)
         reloader.start(classifier)
