@@ -19,6 +19,8 @@ from worker.errors import UserError
 COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.run_command",
     "worker.ops.samples_command",
+    "worker.ops.send_command",
+    "worker.ops.watch_command",
     "worker.ops.demo_command",
     "worker.ops.classify_command",
     "worker.ops.replay_command",
