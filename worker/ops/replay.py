@@ -19,7 +19,7 @@ three guarantees:
 
 Everything the group passes over counts as done *for that group*: records skipped by a filter or by the
 max-replay bound are behind its committed position. A replay with a different selection therefore needs its
-own ``--group`` (the README's ops section shows the workflow).
+own ``--group`` (docs/operations.md shows the workflow).
 
 The time window (``--since``/``--until``) applies to when a record was dead-lettered, i.e. the dead-letter
 record's Kafka timestamp: ``--since`` seeks with the broker's time index and ``--until`` ends each partition
