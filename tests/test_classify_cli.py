@@ -1,4 +1,4 @@
-"""`triage-worker classify` with the real test model."""
+"""`triage-worker classify` with the real test model, and the argument text checks it shares with `send`."""
 
 from __future__ import annotations
 
@@ -119,3 +119,14 @@ def test_an_input_file_without_a_valid_ticket_fails_without_starting_the_pool(
     err = done.stderr.decode()
     assert err.splitlines()[-1] == f"triage-worker: error: {tickets}: no ticket to classify: {detail}"
     assert "classifier pool" not in err and "Traceback" not in err
+
+
+def test_send_refuses_text_that_is_not_utf8_before_contacting_kafka() -> None:
+    done = subprocess.run(
+        [*CLI, "send", b"caf\xe9", "--bootstrap-servers", "127.0.0.1:9"], capture_output=True, check=False
+    )
+    assert done.returncode == 2 and done.stdout == b""
+    assert done.stderr.decode().startswith(
+        "triage-worker: error: the ticket text is not valid UTF-8 (byte 0xe9"
+    )
+    assert b"Kafka" not in done.stderr and len(done.stderr.splitlines()) == 1
