@@ -15,8 +15,8 @@ PYTEST_ARGS ?=
 RUN_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench bench-inference eval model fuzz \
-	soak chaos
+.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-inference eval model \
+	fuzz soak chaos
 
 setup: $(STAMP)
 
@@ -53,6 +53,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict worker
+
+# Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
+# tests/test_docs.py fails when they are stale.
+docs: setup
+	$(BIN)/python -m worker.ops.reference --write
 
 # Optional extras, each installed once into the same venv (torch only for `model`, scikit-learn and tokenizers
 # for the baselines and the teacher in `eval` and `model`).

@@ -69,7 +69,7 @@ tickets = st.fixed_dictionaries(
         "metadata": st.none() | st.dictionaries(plain_text, plain_text, max_size=4),
         "producer_only": json_values,
     },
-)
+).filter(lambda ticket: (ticket["body"] + (ticket.get("subject") or "")).strip() != "")  # text to classify
 
 
 def _json(document: Any, ascii_only: bool) -> bytes:
@@ -229,6 +229,8 @@ def test_surrogate_escapes_are_a_ticket_only_when_paired(field: str, pieces: lis
         valid = False
     if not valid:
         assert isinstance(outcome, DecodeError) and outcome.error_type == "invalid_json", outcome
+    elif field == "body" and not decoded.strip():  # no text left to classify
+        assert isinstance(outcome, DecodeError) and outcome.error_type == "empty_ticket", outcome
     elif not (field == "ticket_id" and decoded == ""):
         assert isinstance(outcome, TicketEvent), outcome
 

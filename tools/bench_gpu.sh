@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU figures for the inference part of `make bench`, on a lent H200 (device tool). Not yet run: no device
-# machine has been lent to this project's tasks so far; the README says so until its output is committed.
+# machine has been lent to this project's tasks so far; docs/performance.md says so until its output is committed.
 #
 # Here, first: `bash ../shared/gpu/fetch_wheels.sh` and carry the chunks (recipe: ../shared/gpu/README.md).
 # Then one device call from the project root:

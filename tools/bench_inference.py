@@ -7,7 +7,7 @@
 2. pools: 1 context in this process (baseline) vs the thread pool vs the process pool, N = cores; plus the
    largest gap a 1 ms ticker thread of this process sees meanwhile (what a Kafka poll loop would suffer);
 3. static batches of 1 / 8 / 32 guided generations (generate mode; batch 1 = baseline).
-Absolute req/s depend on the machine and its load; the ratios are what the README quotes.
+Absolute req/s depend on the machine and its load; the ratios are what docs/design.md quotes.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ chaos: 100,000 sample tickets (10 % malformed) paced in the background while 2-3
 tiny test model, fast group timeouts) go through a seeded schedule of 50 kill -9 (each replaced at once),
 3 broker stop/starts on the same data and 10 graceful joins/leaves; then a fresh worker drains the rest.
 Promises: 0 lost, committed == end offsets, no misrouted record, duplicates <= the bound computed from what
-happened (README "Guarantees"): max_in_flight per kill and per lost partition set, plus every ticket a
+happened (docs/guarantees.md): max_in_flight per kill and per lost partition set, plus every ticket a
 revoke left unfinished.
 
 Both print a progress line to stderr and exit 1 when a promise is broken.
@@ -557,7 +557,7 @@ def chaos(args: argparse.Namespace) -> bool:
         partitions_revoked_events=revoked,
         revoke_unfinished=unfinished,
         max_poll_exceeded_events=evictions,
-        # Evidence for the README and for findings: which worker, when, and what librdkafka said.
+        # Evidence for docs/guarantees.md and for findings: which worker, when, and what librdkafka said.
         lost_and_overrun_events=[
             {k: e.get(k) for k in ("timestamp", "worker", "event", "partitions", "reason")}
             for e in lost_events + overruns

@@ -460,6 +460,7 @@ def _toml_value(value: object) -> str:
 
 _UNSET_HINTS = {
     "pipeline.resume_below": "half of max_in_flight",
+    "pipeline.transactional_id": "<group_id>-<host name>",
     "inference.taxonomy": "the model's own taxonomy.toml",
     "inference.pool": "the provider's default pool",
     "inference.pool_size": "chosen from the CPU count",
@@ -468,6 +469,11 @@ _UNSET_HINTS = {
     "inference.shadow_mode": "the primary's mode",
     "metrics.port": "no HTTP endpoint",
 }
+
+
+def unset_hint(key: str) -> str:
+    """What an unset (None) setting means, e.g. ``half of max_in_flight`` for ``pipeline.resume_below``."""
+    return _UNSET_HINTS.get(key, "unset")
 
 
 def settings_to_toml(settings: Settings) -> str:
@@ -480,7 +486,7 @@ def settings_to_toml(settings: Settings) -> str:
         tables: list[str] = []
         for name, value in values.items():
             if value is None:
-                hint = _UNSET_HINTS.get(f"{section}.{name}", "unset")
+                hint = unset_hint(f"{section}.{name}")
                 lines.append(f"# {name}: not set ({hint})")
             elif isinstance(value, dict):
                 tables += ["", f"[{section}.{name}]"]
