@@ -26,7 +26,7 @@ import confluent_kafka
 import msgspec
 
 from tools import REPO
-from tools.harness import Topics, WorkerProcess, headers_of, read_topic, worker_command
+from tools.harness import Position, Topics, WorkerProcess, headers_of, read_topic, worker_command
 from worker.kafka import dead_letters
 from worker.kafka.admin import TopicSpec, create_topics
 from worker.kafka.local_broker import LocalBroker, free_port
@@ -333,9 +333,6 @@ class BenchWorker(WorkerProcess):
 
 
 # -- audit ------------------------------------------------------------------------------------------------
-
-
-Position = tuple[int, int]
 
 
 @dataclass
