@@ -2,7 +2,7 @@
 
 Any bytes decode to a TicketEvent or raise DecodeError, nothing else; valid tickets round-trip; the error
 type and the field it names follow from how the input was broken; every DecodeError makes a dead letter
-that reads back. `make fuzz` (tools/fuzz.py) runs a million such inputs; these run a few hundred each,
+that reads back. `make fuzz` (python -m tools.fuzz) runs a million such inputs; these run a few hundred each,
 derandomized (the same examples on every run, no example database) so CI never flakes.
 """
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import confluent_kafka
 import pytest
-from pipeline_harness import REPO
 from prometheus_client import CollectorRegistry
 from test_telemetry_e2e import scrape
 
+from tools import REPO
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader, TopicSpec, create_topics
 from worker.ops.lag_command import GroupLagCollector

@@ -14,7 +14,8 @@ import confluent_kafka
 import msgspec
 import pytest
 import slow_model
-from pipeline_harness import (
+
+from tools.harness import (
     TINY_MODEL,
     Topics,
     audit,
@@ -25,7 +26,6 @@ from pipeline_harness import (
     settings_for,
     wait_until_committed,
 )
-
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from pipeline_harness import TINY_MODEL
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from tools.harness import TINY_MODEL
 from worker.classification import Classification, ClassifyRequest
 from worker.config import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.errors import UserError

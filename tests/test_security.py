@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SecureBroker
-from pipeline_harness import TINY_MODEL, Topics, Worker, audit, end_offsets, wait_until_committed
 
+from tools.harness import TINY_MODEL, Topics, Worker, audit, end_offsets, wait_until_committed
 from worker.errors import UserError
 from worker.kafka import local_broker
 from worker.kafka.admin import check_cluster

@@ -15,9 +15,9 @@ from typing import Any
 
 import confluent_kafka
 import pytest
-from pipeline_harness import REPO, Worker, audit, make_topics, publish, wait_until_committed
 from prometheus_client.parser import text_string_to_metric_families
 
+from tools.harness import REPO, Worker, audit, make_topics, publish, wait_until_committed
 from worker.kafka.dead_letters import dead_letter_headers
 from worker.kafka.local_broker import LocalBroker
 

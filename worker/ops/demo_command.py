@@ -18,7 +18,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka import local_broker
 from worker.kafka.admin import create_topics, worker_topics
+from worker.ops.launch import run_command
 from worker.ops.samples import Sample, SampleFactory, produce_samples
 from worker.ops.viewer import dead_letter_line, decode_result, open_viewer, result_line
 
@@ -184,21 +184,11 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _start_worker(args: argparse.Namespace, bootstrap: str, log_path: Path) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "run",
-        "--bootstrap-servers",
-        bootstrap,
-        "--log-format",
-        "json",
-    ]
-    if args.config is not None:
-        command += ["--config", str(args.config)]
-    command += [f"--set={pair}" for pair in args.config_overrides]
+    options = ["--config", str(args.config)] if args.config is not None else []
+    options += [f"--set={pair}" for pair in args.config_overrides]
     if args.model:
-        command += ["--model", args.model]
+        options += ["--model", args.model]
+    command = run_command(bootstrap, options)
     with log_path.open("ab") as log:
         return subprocess.Popen(
             command,

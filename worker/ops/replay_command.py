@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType, ModuleType, TracebackType
 
 import msgspec
 from rich.console import Console
@@ -134,17 +134,16 @@ def load_transform(spec: str) -> Transform:
         raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or module_spec.loader is None or not path.is_file():
-                raise UserError(f"--transform: no such file {module_name}")
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            module = _load_file(Path(module_name))
         else:
-            # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
-            if "" not in sys.path and "." not in sys.path:
-                sys.path.append(".")
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError:
+                # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
+                local = Path(*module_name.split(".")).with_suffix(".py")
+                if not local.is_file():
+                    raise
+                module = _load_file(local)
     except UserError:
         raise
     except Exception as error:
@@ -154,6 +153,15 @@ def load_transform(spec: str) -> Transform:
         raise UserError(f"--transform: {module_name} has no function {function_name!r}")
     transform: Transform = function
     return transform
+
+
+def _load_file(path: Path) -> ModuleType:
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    if module_spec is None or module_spec.loader is None or not path.is_file():
+        raise UserError(f"--transform: no such file {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def _positive_int(text: str) -> int:
