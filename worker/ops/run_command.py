@@ -35,9 +35,9 @@ from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, 
 from worker.logs import configure_logging, librdkafka_logger
 from worker.ops.defaults import with_default
 from worker.ops.reload import Reloader
-from worker.ops.telemetry import WorkerTelemetry
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
+from worker.telemetry.worker import WorkerTelemetry
 
 _log = structlog.get_logger("worker.run")
 # Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU
