@@ -21,13 +21,27 @@ from worker.ops.lag_command import GroupLagCollector
 pytestmark = pytest.mark.kafka
 
 
+_COORDINATOR_NOT_READY = {
+    confluent_kafka.KafkaError.NOT_COORDINATOR,
+    confluent_kafka.KafkaError.COORDINATOR_NOT_AVAILABLE,
+    confluent_kafka.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+}
+
+
 def _commit(bootstrap: str, group: str, offsets: dict[tuple[str, int], int]) -> None:
     consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": group})
+    positions = [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+    deadline = time.monotonic() + 30
     try:
-        consumer.commit(
-            offsets=[confluent_kafka.TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-            asynchronous=False,
-        )
+        while True:
+            try:
+                consumer.commit(offsets=positions, asynchronous=False)
+                return
+            except confluent_kafka.KafkaException as error:
+                # A broker that just started may not have elected the group's coordinator yet.
+                if error.args[0].code() not in _COORDINATOR_NOT_READY or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
     finally:
         consumer.close()
 

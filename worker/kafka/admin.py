@@ -37,6 +37,10 @@ TopicOutcome = Literal["created", "exists"]
 WAIT_NOTICE_AFTER_S = 0.5
 Notice = Callable[[str], None]
 
+# An admin client is a producer to librdkafka, and a producer's metadata request for a missing topic asks
+# the broker to create it (allow.auto.create.topics defaults to true there): looking must never create.
+METADATA_ONLY = {"allow.auto.create.topics": "false"}
+
 
 def print_notice(line: str) -> None:
     """The default for start-up checks of commands: stderr, so that stdout stays the command's output."""
@@ -173,7 +177,12 @@ def _reachable_admin(
     client_log.addHandler(last_error)
     try:
         # The stubs omit `logger`.
-        options: dict[str, Any] = {"logger": client_log, **kafka_config, "error_cb": errors.append}
+        options: dict[str, Any] = {
+            "logger": client_log,
+            **kafka_config,
+            **METADATA_ONLY,
+            "error_cb": errors.append,
+        }
         try:
             admin = AdminClient(options)
         except KafkaException as exception:  # an option librdkafka rejects (unknown name, bad value)
@@ -212,7 +221,7 @@ class GroupLagReader:
 
     def __init__(self, kafka_config: Mapping[str, str]) -> None:
         try:
-            self._admin = AdminClient(dict(kafka_config))
+            self._admin = AdminClient({**kafka_config, **METADATA_ONLY})
         except KafkaException as exception:
             problem = f"Kafka client configuration: {exception.args[0].str()}"
             raise UserError(mask_secrets(problem, kafka_config)) from None

@@ -12,6 +12,7 @@ import structlog
 from confluent_kafka.admin import AdminClient
 
 from worker.config import Settings
+from worker.kafka.admin import METADATA_ONLY
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.pipeline.metrics import PipelineMetrics
 from worker.telemetry.server import Check, Probes, report
@@ -28,7 +29,7 @@ class BrokerProbe:
     worker's connection settings and credentials); the last answer is what /readyz reports."""
 
     def __init__(self, settings: Settings, logger: Any = None) -> None:
-        config: dict[str, Any] = dict(producer_config(settings))
+        config: dict[str, Any] = {**producer_config(settings), **METADATA_ONLY}
         config["error_cb"] = ClientErrorLog("readiness-probe")
         if logger is not None:
             config["logger"] = logger
