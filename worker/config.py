@@ -21,8 +21,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from worker.errors import UserError
+from worker.shipped import shipped_path
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "triage-mini"
+DEFAULT_MODEL_DIR = shipped_path("models/triage-mini")
 
 Provider = Literal["cpu", "cuda", "dml"]
 InferenceMode = Literal["score", "generate"]

@@ -15,8 +15,9 @@ import onnxruntime_genai as og
 from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
+from worker.shipped import shipped_path
 
-DEFAULT_TAXONOMY = Path(__file__).resolve().parents[2] / "taxonomies" / "default.toml"
+DEFAULT_TAXONOMY = shipped_path("taxonomies/default.toml")
 
 # ORT GenAI's name of each provider, and the package that brings its runtime.
 _PROVIDERS = {"cpu": None, "cuda": "cuda", "dml": "dml"}

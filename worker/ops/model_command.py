@@ -31,14 +31,14 @@ from rich.console import Console
 
 from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
+from worker.shipped import SOURCE_ROOT, checkout_file
 
 Precision = Literal["int4", "int8", "fp16", "fp32"]
 _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
 # Files the builder does not know about but the worker reads from a model folder.
 _CARRIED_FILES = ("taxonomy.toml",)
-_REPO = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = _REPO / "tools" / "train_triage_mini.py"
-BANKING77 = _REPO / "data" / "banking77"
+TRAIN_SCRIPT = "tools/train_triage_mini.py"
+BANKING77 = SOURCE_ROOT / "data" / "banking77"
 
 
 def export_model(
@@ -77,8 +77,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     """Run the training script with this interpreter; it needs the repository checkout (data, tools)."""
-    if not TRAIN_SCRIPT.is_file():
-        raise UserError(f"model train needs the repository checkout: {TRAIN_SCRIPT} not found")
+    script = checkout_file(TRAIN_SCRIPT, "model train")
     needed = (*_EXPORT_MODULES, "tokenizers", "sklearn")
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
@@ -88,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
         value = getattr(args, option)
         if value is not None:
             forwarded += [f"--{option.replace('_', '-')}", str(value)]
-    return subprocess.run([sys.executable, str(TRAIN_SCRIPT), *forwarded], check=False).returncode
+    return subprocess.run([sys.executable, str(script), *forwarded], check=False).returncode
 
 
 def _eval(args: argparse.Namespace) -> int:
