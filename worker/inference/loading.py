@@ -10,10 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import onnxruntime_genai as og
-
 from worker.config import InferenceSettings
 from worker.errors import UserError
+from worker.inference.genai import og, require_runtime
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.shipped import shipped_path
 
@@ -61,6 +60,7 @@ def load_model(settings: InferenceSettings) -> og.Model:
     Thread count is set explicitly because ORT's default was measured to be effectively single-threaded
     here; with several worker processes, 1 thread each (the default) avoids oversubscribing the cores.
     """
+    require_runtime()
     folder = model_dir(settings)
     config = og.Config(str(folder))
     config.clear_providers()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
 import os
 import platform
 import shlex
@@ -67,6 +68,19 @@ def export_model(
     for name in _CARRIED_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out_dir / name)
+    _portable_tokenizer_class(out_dir / "tokenizer_config.json")
+
+
+def _portable_tokenizer_class(path: Path) -> None:
+    """transformers 5 saves its fast tokenizer's class as TokenizersBackend, which ORT GenAI refuses before
+    0.13 (DirectML's newest installable build is 0.12.2); PreTrainedTokenizerFast names the same
+    tokenizer.json to every version (measured: identical answers under 0.12.2 and 0.18.0)."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _export(args: argparse.Namespace) -> int:
