@@ -43,9 +43,10 @@ broker-status: setup
 	$(BIN)/triage-worker broker status
 
 # The main demo: local broker (unless KAFKA_BOOTSTRAP_SERVERS is set), topics, the worker with the embedded
-# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything.
+# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything. The broker takes
+# port 9092, or a free one when 9092 is taken (it says which); `make run PORT=9093` picks one.
 run: setup kafka-jars
-	$(BIN)/triage-worker demo $(RUN_ARGS)
+	$(BIN)/triage-worker demo $(if $(filter-out default file,$(origin PORT)),--port $(PORT)) $(RUN_ARGS)
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one.
 test: setup kafka-jars
