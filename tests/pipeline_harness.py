@@ -113,8 +113,10 @@ class Worker:
         args: tuple[str, ...] = (),
         slow_model_s: float = 0.0,
         model: Path | None = TINY_MODEL,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`)."""
+        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`); `env` adds to an
+        environment without this session's KAFKA_*/TRIAGE_* variables."""
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
         sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
@@ -142,9 +144,11 @@ class Worker:
             *(f"--set={key}={value}" for key, value in sets.items()),
             *args,
         ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env={**clean, **(env or {})}, stdout=self._log, stderr=self._log
+        )
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         found = []
