@@ -84,7 +84,12 @@ def _provider_error(settings: InferenceSettings, error: Exception) -> UserError:
     if settings.provider in _PACKAGES and (
         any(
             marker in message.lower()
-            for marker in ("interface not available", "failed to load library", "not been built with")
+            for marker in (
+                "interface not available",  # 0.18
+                "failed to load library",
+                "not been built with",
+                "not enabled in this build",  # 0.12 (the DirectML extra's version)
+            )
         )
     ):
         package, extra = _PACKAGES[settings.provider]
