@@ -3,7 +3,6 @@ start in one line naming it, and the list of librdkafka's properties kept equal 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,21 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pipeline_harness import TINY_MODEL, Worker, audit, make_topics, publish, wait_until_committed
 
+from tools import librdkafka_properties
+from tools.harness import TINY_MODEL, Worker, audit, make_topics, publish, wait_until_committed
 from worker import config
 from worker.config import load_settings
 from worker.errors import UserError
 from worker.librdkafka import LIBRDKAFKA_VERSION, PROPERTIES
 from worker.ops.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location(
-    "librdkafka_properties", REPO / "tools" / "librdkafka_properties.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-librdkafka_properties = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(librdkafka_properties)
 
 
 def service_links(name: str, host: str, port: int, port_name: str = "tcp-client") -> dict[str, str]:
@@ -129,7 +121,7 @@ def test_the_property_list_is_the_installed_librdkafkas() -> None:
     assert len(installed) > 150  # the table was read, not an empty file
     assert installed == PROPERTIES, (
         f"worker/librdkafka.py lists librdkafka {LIBRDKAFKA_VERSION}; the installed one differs: "
-        "run `python tools/librdkafka_properties.py --write`"
+        "run `python -m tools.librdkafka_properties --write`"
     )
 
 

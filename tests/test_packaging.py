@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pipeline_harness import Topics, audit, make_topics
 
+from tools.harness import Topics, audit, make_topics
 from worker.inference.genai import MISSING_RUNTIME
 
 REPO = Path(__file__).resolve().parents[1]

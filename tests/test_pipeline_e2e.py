@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pipeline_harness import (
+
+from tools.harness import (
     Publisher,
     Worker,
     audit,
@@ -23,7 +24,6 @@ from pipeline_harness import (
     publish,
     wait_until_committed,
 )
-
 from worker.kafka.local_broker import LocalBroker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

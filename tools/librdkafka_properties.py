@@ -1,6 +1,6 @@
 """Regenerate worker/librdkafka.py: the configuration property names of the installed librdkafka.
 
-    .venv/bin/python tools/librdkafka_properties.py [--write]
+    .venv/bin/python -m tools.librdkafka_properties [--write]
 
 librdkafka prints its own property table (the one in its CONFIGURATION.md) with
 `rd_kafka_conf_properties_show(FILE *)`; confluent-kafka's wheels bundle the library, which is called here
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import confluent_kafka
 
-REPO = Path(__file__).resolve().parent.parent
+from tools import REPO
+from worker.librdkafka import LIBRDKAFKA_VERSION, PROPERTIES
+
 MODULE = REPO / "worker" / "librdkafka.py"
 # A row of the table: `name | C/P | range | default | importance | description`.
 _ROW = re.compile(r"^([A-Za-z0-9._]+)\s+\|")
@@ -57,7 +59,7 @@ def render(properties: set[str], version: str) -> str:
     header = [
         '"""The configuration property names librdkafka knows; settings check `[kafka]` keys against them.',
         "",
-        f"Generated from librdkafka {version}'s table by `python tools/librdkafka_properties.py --write`.",
+        f"Generated from librdkafka {version}'s table by `python -m tools.librdkafka_properties --write`.",
         "tests/test_kafka_properties.py fails when the installed librdkafka's table differs.",
         '"""',
         "",
@@ -86,8 +88,6 @@ def main() -> int:
         MODULE.write_text(render(properties, version), encoding="utf-8")
         print(f"wrote {MODULE.relative_to(REPO)}: {len(properties)} properties of librdkafka {version}")
         return 0
-    from worker.librdkafka import LIBRDKAFKA_VERSION, PROPERTIES
-
     added, removed = sorted(properties - PROPERTIES), sorted(PROPERTIES - properties)
     if added or removed:
         print(f"librdkafka {version} (listed: {LIBRDKAFKA_VERSION}): new {added}, gone {removed}")

@@ -73,7 +73,7 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     shutdown_timeout_ms: PositiveMs = 15000
     max_value_bytes: PositiveInt = 1048576
     # exactly_once: results, dead letters and input offsets are written in Kafka transactions (see
-    # worker/pipeline/transactions.py); downstream consumers then need isolation.level=read_committed.
+    # worker/pipeline/guarantees.py); downstream consumers then need isolation.level=read_committed.
     guarantee: Guarantee = "at_least_once"
     # The transactional producer's id in exactly_once mode; None means "<group_id>-<host name>". It must be
     # unique among live workers (two with one id fence each other) and should survive a restart of the same
@@ -220,6 +220,15 @@ def is_secret_key(key: str) -> bool:
 def masked_kafka_config(kafka: Mapping[str, str]) -> dict[str, str]:
     """A copy of librdkafka options that is safe to log or print: secret values replaced by ``***``."""
     return {key: MASK if is_secret_key(key) else value for key, value in kafka.items()}
+
+
+def mask_secrets(text: str, kafka: Mapping[str, str]) -> str:
+    """`text` (a client's error message) with the value of every secret option in `kafka` blanked out:
+    belt and braces, whatever the client said."""
+    for key, value in kafka.items():
+        if value and is_secret_key(key):
+            text = text.replace(value, MASK)
+    return text
 
 
 class _Entry(msgspec.Struct, frozen=True):
@@ -523,6 +532,7 @@ def _toml_value(value: object) -> str:
 
 _UNSET_HINTS = {
     "pipeline.resume_below": "half of max_in_flight",
+    "pipeline.transactional_id": "<group_id>-<host name>",
     "inference.taxonomy": "the model's own taxonomy.toml",
     "inference.pool": "the provider's default pool",
     "inference.pool_size": "chosen from the CPU count",
@@ -531,6 +541,11 @@ _UNSET_HINTS = {
     "inference.shadow_mode": "the primary's mode",
     "metrics.port": "no HTTP endpoint",
 }
+
+
+def unset_hint(key: str) -> str:
+    """What an unset (None) setting means, e.g. ``half of max_in_flight`` for ``pipeline.resume_below``."""
+    return _UNSET_HINTS.get(key, "unset")
 
 
 def settings_to_toml(settings: Settings) -> str:
@@ -543,7 +558,7 @@ def settings_to_toml(settings: Settings) -> str:
         tables: list[str] = []
         for name, value in values.items():
             if value is None:
-                hint = _UNSET_HINTS.get(f"{section}.{name}", "unset")
+                hint = unset_hint(f"{section}.{name}")
                 lines.append(f"# {name}: not set ({hint})")
             elif isinstance(value, dict):
                 tables += ["", f"[{section}.{name}]"]

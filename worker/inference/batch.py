@@ -115,6 +115,7 @@ class BatchRunner:
                     model=engine.model_id,
                     latency_ms=(end - started) * 1000.0,
                     truncated=truncated,
+                    taxonomy=engine.taxonomy_mark,
                 )
             )
         return results

@@ -34,6 +34,7 @@ from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.genai import og
 from worker.inference.loading import load_model, model_dir, model_id, resolve_taxonomy
+from worker.inference.pairing import taxonomy_mark
 from worker.inference.prompt import INTENT_OPENING, PRIORITY_OPENING, PromptBuilder, truncate_ticket
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason, Priority
@@ -82,6 +83,7 @@ class Engine:
         folder = model_dir(settings)
         self.taxonomy: Taxonomy
         self.taxonomy, self.taxonomy_path = resolve_taxonomy(settings)
+        self.taxonomy_mark = taxonomy_mark(settings, self.taxonomy, self.taxonomy_path)
         self.model_id = model_id(folder)
         self.model = load_model(settings)
         try:
@@ -269,6 +271,7 @@ class Context:
                 model=self.engine.model_id,
                 latency_ms=(time.monotonic() - started) * 1000.0,
                 truncated=truncated,
+                taxonomy=self.engine.taxonomy_mark,
             )
         self._reset()
         return result

@@ -13,6 +13,7 @@ from typing import Any
 from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.genai import og, require_runtime
+from worker.inference.pairing import taxonomy_mark
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.shipped import shipped_path
 
@@ -42,7 +43,14 @@ def model_id(folder: Path) -> str:
 
 
 def resolve_taxonomy(settings: InferenceSettings) -> tuple[Taxonomy, Path]:
-    """The configured taxonomy, else the model's own `taxonomy.toml`, else the shipped default."""
+    """The configured taxonomy, else the model's own `taxonomy.toml`, else the shipped default; in score mode
+    a UserError when the model was not trained for its labels (see worker/inference/pairing.py)."""
+    taxonomy, path = _find_taxonomy(settings)
+    taxonomy_mark(settings, taxonomy, path)
+    return taxonomy, path
+
+
+def _find_taxonomy(settings: InferenceSettings) -> tuple[Taxonomy, Path]:
     if settings.taxonomy is not None:
         path = Path(settings.taxonomy).expanduser()
     elif (Path(settings.model) / "taxonomy.toml").is_file():

@@ -7,7 +7,9 @@ test split next to classical baselines and the teacher (worker/ops/evaluation.py
 `model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
 template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline. It needs torch,
 transformers and onnx, which are never runtime dependencies: they come with the optional `export` extra and
-are imported only by the builder, in a child process, so the worker itself never loads them.
+are imported only by the builder, in a child process, so the worker itself never loads them. A folder with
+a `taxonomy.toml` (a model trained for it) also gets `trained_labels.json`, which every start checks the
+configured taxonomy against (worker/inference/pairing.py).
 
 Each `model` sub-command registers itself in `register` below; more are added there.
 """
@@ -32,6 +34,8 @@ from rich.console import Console
 
 from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
+from worker.inference.pairing import write_trained_labels
+from worker.inference.taxonomy import load_taxonomy
 from worker.shipped import SOURCE_ROOT, checkout_file
 
 Precision = Literal["int4", "int8", "fp16", "fp32"]
@@ -68,6 +72,9 @@ def export_model(
     for name in _CARRIED_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out_dir / name)
+    if (out_dir / "taxonomy.toml").is_file():
+        # A model trained for its taxonomy: starts check the configured one against this record.
+        write_trained_labels(out_dir, load_taxonomy(out_dir / "taxonomy.toml"))
     _portable_tokenizer_class(out_dir / "tokenizer_config.json")
 
 

@@ -15,12 +15,15 @@ background thread with its own admin client, so a probe never waits on the broke
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import sys
 import threading
 import time
+import typing
 import wsgiref.simple_server
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -43,17 +46,29 @@ from prometheus_client.registry import Collector
 
 from worker import __version__
 from worker.config import InferenceSettings, MetricsSettings, Settings
+from worker.decoding import DecodeErrorType
 from worker.errors import UserError
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.kafka.clients import ClientErrorLog, producer_config
-from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics, ShadowMetrics
+from worker.kafka.dead_letters import PIPELINE_ERROR_DOCS
+from worker.messages import FallbackReason
+from worker.pipeline.metrics import SHADOW_DROP_REASONS, LatencyHistogram, PipelineMetrics, ShadowMetrics
+from worker.replay.engine import Outcome
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
 
-    from worker.ops.replay import PartitionPlan, RecordReport, ReplayObserver
+    from worker.replay.engine import PartitionPlan, RecordReport, ReplayObserver
 
 _log = structlog.get_logger("worker.telemetry")
+
+# Label values known in advance: exported at 0 from the first scrape.
+FALLBACK_REASONS: tuple[str, ...] = typing.get_args(FallbackReason)
+DEAD_LETTER_TYPES: tuple[str, ...] = (
+    *typing.get_args(DecodeErrorType),
+    *(name for name, _ in PIPELINE_ERROR_DOCS),
+)
+REPLAY_OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
 
 # How often the background thread asks the broker for metadata, and how long it waits for an answer.
 _BROKER_CHECK_INTERVAL_S = 5.0
@@ -276,31 +291,28 @@ class PipelineCollector(Collector):
             "Contexts loaded and warmed (0 while the pool starts).",
             self._probes.warm_contexts,
         )
-        reloads = CounterMetricFamily(
-            "triage_reloads", "Hot reloads of the model, by outcome.", labels=["outcome"]
+        yield _by_label(
+            "triage_reloads", "Hot reloads of the model, by outcome.", "outcome", (), self._probes.reloads
         )
-        for outcome, count in sorted(self._probes.reloads.items()):
-            reloads.add_metric([outcome], count)
-        yield reloads
         metrics = self._probes.metrics
         if metrics is None:
             return
         for name, attribute, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(metrics, attribute))
-        fallbacks = CounterMetricFamily(
-            "triage_fallbacks", "Tickets answered with the fallback label, by reason.", labels=["reason"]
+        yield _by_label(
+            "triage_fallbacks",
+            "Tickets answered with the fallback label, by reason.",
+            "reason",
+            FALLBACK_REASONS,
+            metrics.fallback,
         )
-        for reason, count in sorted(dict(metrics.fallback).items()):
-            fallbacks.add_metric([reason], count)
-        yield fallbacks
-        dead = CounterMetricFamily(
+        yield _by_label(
             "triage_dead_letters",
             "Records sent to the dead-letter topic, by error type.",
-            labels=["error_type"],
+            "error_type",
+            DEAD_LETTER_TYPES,
+            metrics.dead_lettered_by_type,
         )
-        for error_type, count in sorted(dict(metrics.dead_lettered_by_type).items()):
-            dead.add_metric([error_type], count)
-        yield dead
         yield _histogram(
             "triage_end_to_end_latency_seconds",
             "Poll to broker acknowledgement of the ticket's result or dead letter.",
@@ -346,36 +358,39 @@ class PipelineCollector(Collector):
 
 
 def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
-    """The shadow model's families. Intent labels come from the two taxonomies, so the pairs are bounded by
-    the product of their sizes, and only pairs seen are exported."""
+    """The shadow model's families. Disagreement is exported per primary intent only (one series per intent
+    of the primary's taxonomy, seen so far): by intent pair it could reach the product of the two
+    taxonomies' sizes per pod. The pairs are in `triage-worker shadow report` and the metrics log event."""
     yield CounterMetricFamily(
         "triage_shadow_offered", "Classified tickets offered to the shadow model.", value=shadow.offered
     )
-    dropped = CounterMetricFamily(
+    yield _by_label(
         "triage_shadow_dropped",
         "Tickets the shadow did not classify: full (at its bound) or shutdown (still at it on stop).",
-        labels=["reason"],
+        "reason",
+        SHADOW_DROP_REASONS,
+        shadow.dropped,
     )
-    for reason, count in sorted(dict(shadow.dropped).items()):
-        dropped.add_metric([reason], count)
-    yield dropped
     yield CounterMetricFamily(
         "triage_shadow_agreed", "Shadow classifications with the primary's intent.", value=shadow.agreed
     )
-    disagreed = CounterMetricFamily(
+    by_primary: collections.Counter[str] = collections.Counter()
+    for (primary, _), count in list(shadow.disagreed.items()):
+        by_primary[primary] += count
+    yield _by_label(
         "triage_shadow_disagreed",
-        "Shadow classifications with another intent than the primary's, by intent pair.",
-        labels=["primary_intent", "shadow_intent"],
+        "Shadow classifications with another intent than the primary's, by the primary's intent.",
+        "primary_intent",
+        (),
+        by_primary,
     )
-    for (primary, other), count in sorted(dict(shadow.disagreed).items()):
-        disagreed.add_metric([primary, other], count)
-    yield disagreed
-    fallbacks = CounterMetricFamily(
-        "triage_shadow_fallbacks", "Shadow answers that were fallbacks (not compared).", labels=["reason"]
+    yield _by_label(
+        "triage_shadow_fallbacks",
+        "Shadow answers that were fallbacks (not compared).",
+        "reason",
+        FALLBACK_REASONS,
+        shadow.fallback,
     )
-    for reason, count in sorted(dict(shadow.fallback).items()):
-        fallbacks.add_metric([reason], count)
-    yield fallbacks
     yield CounterMetricFamily(
         "triage_shadow_produced", "Side records the broker acknowledged.", value=shadow.produced
     )
@@ -388,6 +403,18 @@ def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
         "triage_shadow_latency_seconds", "Shadow model time per ticket, as its engine reports it.",
         shadow.latency,
     )  # fmt: skip
+
+
+def _by_label(
+    name: str, doc: str, label: str, known: Iterable[str], counts: Mapping[str, int]
+) -> CounterMetricFamily:
+    """A counter family with every `known` label value (at 0 until it happens: a `rate()` alert sees a
+    series from the start, not a jump from nothing) and any other value counted."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    values = dict(counts)  # a copy: the consumer thread may add a key meanwhile
+    for value in sorted({*known, *values}):
+        family.add_metric([value], values.get(value, 0))
+    return family
 
 
 def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
@@ -407,6 +434,53 @@ def _histogram(name: str, doc: str, histogram: LatencyHistogram) -> HistogramMet
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 
+class ModelProcessCollector(Collector):
+    """CPU seconds and resident memory of each model process, read from /proc at scrape time.
+
+    The pool's worker processes do most of the worker's work, and `process_*` covers only the consumer
+    process. One series per context (`pool` = primary or shadow, `context` = its index): a restarted model
+    process keeps its context's series, whose CPU counter then starts again from 0 (a reset `rate()` handles).
+    """
+
+    def __init__(self) -> None:
+        # Pool role → a function giving its worker processes' ids now (a reload swaps the pool behind it).
+        self.pools: dict[str, Callable[[], list[int]]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        cpu = CounterMetricFamily(
+            "triage_model_process_cpu_seconds",
+            "CPU time (user + system) of each model process.",
+            labels=["pool", "context"],
+        )
+        rss = GaugeMetricFamily(
+            "triage_model_process_resident_memory_bytes",
+            "Resident memory of each model process.",
+            labels=["pool", "context"],
+        )
+        for role, pids in sorted(self.pools.items()):
+            for context, pid in enumerate(pids()):
+                usage = process_usage(pid)
+                if usage is not None:
+                    cpu.add_metric([role, str(context)], usage[0])
+                    rss.add_metric([role, str(context)], usage[1])
+        yield cpu
+        yield rss
+
+
+def process_usage(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, resident bytes) of a process from /proc; None when it is gone or /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            # The command name (field 2) may hold spaces and parentheses: count fields after its last ")".
+            fields = stat.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/statm", encoding="ascii") as statm:
+            resident_pages = int(statm.read().split()[1])
+        ticks = int(fields[11]) + int(fields[12])  # utime and stime, fields 14 and 15
+    except (OSError, ValueError, IndexError):
+        return None
+    return ticks / os.sysconf("SC_CLK_TCK"), resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class WorkerTelemetry:
     """The worker's endpoint, or nothing when `metrics.port` is unset; `attach` as the pieces come up."""
@@ -415,6 +489,7 @@ class WorkerTelemetry:
     server: TelemetryServer | None = None
     broker: BrokerProbe | None = None
     info: dict[str, str] = field(default_factory=dict)
+    model_processes: ModelProcessCollector | None = None
 
     @classmethod
     def start(cls, settings: Settings, logger: Any = None) -> WorkerTelemetry:
@@ -434,13 +509,15 @@ class WorkerTelemetry:
         }
         registry = new_registry()
         registry.register(PipelineCollector(probes, info))
+        model_processes = ModelProcessCollector()
+        registry.register(model_processes)
         try:
             server = TelemetryServer(settings.metrics, registry, probes)
         except BaseException:
             broker.close()
             raise
         _log.info("telemetry_listening", host=settings.metrics.host, port=server.port)
-        return cls(probes, server, broker, info)
+        return cls(probes, server, broker, info, model_processes)
 
     def attach(self, metrics: PipelineMetrics, model_id: str, pool_contexts: int) -> None:
         """The pool is warm and the pipeline built: from now on its numbers are exported."""
@@ -449,6 +526,11 @@ class WorkerTelemetry:
         self.info["model"] = model_id
         self.probes.pool_contexts = self.probes.warm_contexts = pool_contexts
         self.probes.metrics = metrics
+
+    def watch_model_processes(self, role: str, pids: Callable[[], list[int]]) -> None:
+        """Export the CPU and memory of the processes `pids` names, as pool `role` (primary, shadow)."""
+        if self.model_processes is not None:
+            self.model_processes.pools[role] = pids
 
     def serve_reload(self, request: Callable[[], None]) -> None:
         """Answer `POST /reload` by calling `request` (which must return at once)."""
@@ -496,12 +578,13 @@ class ReplayMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield _gauge("triage_replay_planned_records", "Dead letters this run will go through.", self._planned)
-        records = CounterMetricFamily(
-            "triage_replay_records", "Dead letters settled by this run, by outcome.", labels=["outcome"]
+        yield _by_label(
+            "triage_replay_records",
+            "Dead letters settled by this run, by outcome.",
+            "outcome",
+            REPLAY_OUTCOMES,
+            self._settled,
         )
-        for outcome, count in sorted(dict(self._settled).items()):
-            records.add_metric([outcome], count)
-        yield records
 
 
 @contextmanager
