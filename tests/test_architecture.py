@@ -15,7 +15,8 @@ ALLOWED = {
     "inference": set(),
     "pipeline": {"kafka"},
     "replay": {"kafka", "pipeline"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "ops"},
+    "telemetry": {"kafka", "inference", "pipeline", "replay"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops"},
 }
 
 

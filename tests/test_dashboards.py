@@ -16,8 +16,10 @@ import pytest
 import yaml
 
 from worker.ops.lag_command import GroupLagCollector
-from worker.ops.telemetry import Check, ModelProcessCollector, PipelineCollector, WorkerProbes, new_registry
 from worker.pipeline.metrics import LATENCY_BUCKETS_S, PartitionGauges, PipelineMetrics
+from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.server import Check, new_registry
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

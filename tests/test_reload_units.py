@@ -24,14 +24,10 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.ops.reload import Reloader
-from worker.ops.telemetry import (
-    Check,
-    PipelineCollector,
-    TelemetryServer,
-    WorkerProbes,
-    WorkerTelemetry,
-    new_registry,
-)
+from worker.telemetry.collectors import PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.server import Check, TelemetryServer, new_registry
+from worker.telemetry.worker import WorkerTelemetry
 
 
 def _settings(model: Path, **inference: object) -> Settings:

@@ -19,15 +19,6 @@ from worker.config import MetricsSettings, load_settings
 from worker.decoding import DecodeErrorType
 from worker.errors import UserError
 from worker.messages import FallbackReason
-from worker.ops.telemetry import (
-    Check,
-    ModelProcessCollector,
-    PipelineCollector,
-    ReplayMetrics,
-    TelemetryServer,
-    WorkerProbes,
-    new_registry,
-)
 from worker.pipeline.metrics import (
     LATENCY_BUCKETS_S,
     LatencyHistogram,
@@ -36,6 +27,10 @@ from worker.pipeline.metrics import (
     ShadowMetrics,
 )
 from worker.replay.engine import Outcome
+from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.replay import ReplayMetrics
+from worker.telemetry.server import Check, TelemetryServer, new_registry
 
 
 class _Broker:

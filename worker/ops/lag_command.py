@@ -26,7 +26,7 @@ from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader
 from worker.kafka.clients import producer_config
 from worker.logs import configure_logging
-from worker.ops.telemetry import Probes, TelemetryServer
+from worker.telemetry.server import Probes, TelemetryServer
 
 DEFAULT_PORT = 9401
 _log = structlog.get_logger("worker.lag")

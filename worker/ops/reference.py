@@ -26,8 +26,11 @@ from worker.config import Settings
 from worker.ops.defaults import default_of
 from worker.ops.lag_command import GroupLagCollector
 from worker.ops.run_command import flag_settings
-from worker.ops.telemetry import Check, ModelProcessCollector, PipelineCollector, ReplayMetrics, WorkerProbes
 from worker.pipeline.metrics import PartitionGauges, PipelineMetrics, ShadowMetrics
+from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.replay import ReplayMetrics
+from worker.telemetry.server import Check
 
 DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 

@@ -33,7 +33,6 @@ from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
 from worker.logs import configure_logging
-from worker.ops.telemetry import replay_metrics
 from worker.replay.engine import (
     DEFAULT_MAX_REPLAYS,
     OffsetRange,
@@ -47,6 +46,7 @@ from worker.replay.engine import (
     printable,
     run_replay,
 )
+from worker.telemetry.replay import replay_metrics
 
 EXAMPLES = """\
 examples:

@@ -35,9 +35,9 @@ from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, 
 from worker.logs import configure_logging, librdkafka_logger
 from worker.ops.defaults import with_default
 from worker.ops.reload import Reloader
-from worker.ops.telemetry import WorkerTelemetry
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
+from worker.telemetry.worker import WorkerTelemetry
 
 _log = structlog.get_logger("worker.run")
 # Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU
@@ -190,6 +190,7 @@ def _check_topics(settings: Settings) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, _overrides(args))
     configure_logging(settings.log)
+    stop = _StopOnSignals()
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, _ = resolve_taxonomy(settings.inference)
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if shadow_pool is not None:
             telemetry.watch_model_processes("shadow", shadow_pool.worker_pids)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
-        _install_signal_handlers(pipeline)
+        stop.attach(pipeline)
         reloader.start(classifier)
         return pipeline.run()
     finally:
@@ -251,16 +252,27 @@ def _shadow(settings: Settings, shadow_settings: InferenceSettings, pool: Classi
     return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
 
 
-def _install_signal_handlers(pipeline: Pipeline) -> None:
-    received: list[int] = []
+class _StopOnSignals:
+    """SIGTERM/SIGINT from the very start: a stop asked for while the model loads (a pod stopped during
+    start-up) is remembered and the pipeline stops as soon as it exists (exit 0), instead of the process
+    dying by the signal's default action. A second signal exits at once."""
 
-    def on_signal(signum: int, _frame: types.FrameType | None) -> None:
-        if received:
+    def __init__(self) -> None:
+        self._received: list[int] = []
+        self._pipeline: Pipeline | None = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def attach(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+        if self._received:
+            pipeline.request_stop()
+
+    def _on_signal(self, signum: int, _frame: types.FrameType | None) -> None:
+        if self._received:
             # Second signal: leave now. Nothing uncommitted is lost; the next owner re-reads it.
             os._exit(128 + signum)
-        received.append(signum)
+        self._received.append(signum)
         _log.info("stop_requested", signal=signal.Signals(signum).name, again="exits at once")
-        pipeline.request_stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+        if self._pipeline is not None:
+            self._pipeline.request_stop()

@@ -3,7 +3,7 @@
 They are plain numbers updated by the single consumer thread, so the hot path costs an integer add (a
 histogram adds a bisect). Two readers take them from there: the `metrics` log event at an interval and at
 shutdown (JSON logs feed any collector, and the end-to-end tests read them, e.g. `in_flight_max` and
-`rss_bytes`), and the Prometheus exporter (`worker/ops/telemetry.py`), which reads them at scrape time from
+`rss_bytes`), and the Prometheus exporter (`worker/telemetry/`), which reads them at scrape time from
 its HTTP thread. Values that need the consumer (partition state, lag, group membership) are copied into an
 immutable `PartitionGauges` on the consumer thread about once a second, so a scrape never touches the
 consumer and the consumer never waits for a scrape.
