@@ -11,6 +11,8 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 PORT ?= 9092
+# The ONNX Runtime GenAI build the venv gets: cpu, cuda or directml (one of the package's extras).
+RUNTIME ?= cpu
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 BENCH_ARGS ?=
@@ -24,7 +26,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python 3.11+ not found; install python3.11 or pass PYTHON=..." >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -e '.[$(RUNTIME),dev]'
 	touch $@
 
 # Resolves the Kafka broker's jars into ~/.cache/triage-worker/kafka/<version> (TRIAGE_KAFKA_HOME); once.
@@ -41,9 +43,10 @@ broker-status: setup
 	$(BIN)/triage-worker broker status
 
 # The main demo: local broker (unless KAFKA_BOOTSTRAP_SERVERS is set), topics, the worker with the embedded
-# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything.
+# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything. The broker takes
+# port 9092, or a free one when 9092 is taken (it says which); `make run PORT=9093` picks one.
 run: setup kafka-jars
-	$(BIN)/triage-worker demo $(RUN_ARGS)
+	$(BIN)/triage-worker demo $(if $(filter-out default file,$(origin PORT)),--port $(PORT)) $(RUN_ARGS)
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one.
 test: setup kafka-jars

@@ -125,18 +125,25 @@ def worker_command(
 class WorkerProcess:
     """A `worker_command` subprocess with its output (JSON log lines) in a file.
 
-    No `TRIAGE_*` or `KAFKA_*` variable of the caller's shell reaches it: its settings are the command's.
+    No `TRIAGE_*` or `KAFKA_*` variable of the caller's shell reaches it: its settings are the command's (and
+    `env`'s, added on top).
     """
 
-    def __init__(self, command: Sequence[str], log_path: Path, own_session: bool = False) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_path: Path,
+        own_session: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`own_session`: a Ctrl-C of the caller does not reach the worker (the caller stops it)."""
         self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
             command,
             cwd=REPO,
-            env=env,
+            env={**clean, **(env or {})},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=own_session,
@@ -178,8 +185,10 @@ class Worker(WorkerProcess):
         args: tuple[str, ...] = (),
         slow_model_s: float = 0.0,
         model: Path | None = TINY_MODEL,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`)."""
+        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`); `env` is added
+        to the worker's environment."""
         self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
         sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
         options = [
@@ -190,7 +199,7 @@ class Worker(WorkerProcess):
         # A slowed model runs the same CLI through tests/slow_model.py.
         entry = ["-m", "worker"] if not slow_model_s else [str(SLOW_MODEL_SCRIPT), str(slow_model_s)]
         command = worker_command(bootstrap, topics, group, options, entry)
-        super().__init__(command, log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log")
+        super().__init__(command, log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log", env=env)
 
     def wait_for(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

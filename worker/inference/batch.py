@@ -14,11 +14,11 @@ import math
 import time
 
 import numpy as np
-import onnxruntime_genai as og
 import structlog
 
 from worker.classification import Classification, ClassifyRequest
 from worker.inference.engine import Engine, InvalidOutput, log_softmax
+from worker.inference.genai import og
 from worker.messages import FallbackReason
 
 log = structlog.get_logger(__name__)

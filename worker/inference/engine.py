@@ -27,12 +27,12 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import onnxruntime_genai as og
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.config import InferenceSettings
 from worker.errors import UserError
+from worker.inference.genai import og
 from worker.inference.loading import load_model, model_dir, model_id, resolve_taxonomy
 from worker.inference.pairing import taxonomy_mark
 from worker.inference.prompt import INTENT_OPENING, PRIORITY_OPENING, PromptBuilder, truncate_ticket
@@ -86,7 +86,10 @@ class Engine:
         self.taxonomy_mark = taxonomy_mark(settings, self.taxonomy, self.taxonomy_path)
         self.model_id = model_id(folder)
         self.model = load_model(settings)
-        self.tokenizer = og.Tokenizer(self.model)
+        try:
+            self.tokenizer = og.Tokenizer(self.model)
+        except RuntimeError as error:  # e.g. a tokenizer class this ORT GenAI build does not support
+            raise UserError(f"cannot load the tokenizer of {folder}: {str(error).splitlines()[0]}") from None
         self.builder = PromptBuilder(self.taxonomy, self._render)
         budgets = [settings.max_ticket_tokens, self.taxonomy.prompt.max_ticket_tokens]
         self.max_ticket_tokens = min(b for b in budgets if b is not None)

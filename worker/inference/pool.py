@@ -40,6 +40,7 @@ from worker.classification import Classification, ClassifyRequest, fallback_answ
 from worker.config import InferenceSettings, LogSettings, PoolKind
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine
+from worker.inference.genai import require_runtime
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.prompt import max_ticket_chars
@@ -128,6 +129,7 @@ def open_pool(
 
     `initializer` (picklable) runs first in each worker process of a process or batch pool (see
     `ProcessPool`); a thread pool has none to run it in."""
+    require_runtime()  # here, not in each of the pool's processes
     kind = default_pool_kind(settings)
     size = default_pool_size(settings, kind)
     warn_once_if_unpaired(settings, *resolve_taxonomy(settings))

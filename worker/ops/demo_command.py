@@ -1,7 +1,8 @@
 """`triage-worker demo` (what `make run` calls): the whole flow on one machine, results shown live.
 
 1. Kafka: `KAFKA_BOOTSTRAP_SERVERS` (or --bootstrap-servers / the config) when given; otherwise the local
-   development broker is started (and stopped again at the end if this command started it).
+   development broker is started (and stopped again at the end if this command started it), on --port, else
+   on 9092, else (9092 taken, e.g. by another Kafka on a laptop) on a free port, which it says.
 2. The input, output and dead-letter topics are created if missing.
 3. The worker runs as a child process (`triage-worker run`, default: the embedded model), its JSON log in a
    file; it is started in its own session so that Ctrl-C reaches only this command, which then stops the
@@ -53,6 +54,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument(
         "--bootstrap-servers", metavar="SERVERS", help="use this Kafka instead of a local one"
     )
+    parser.add_argument(
+        "--port",
+        type=int,
+        help=(
+            f"client port of the local broker it starts (default {local_broker.DEFAULT_PORT}, or a free one "
+            "when that is taken)"
+        ),
+    )
     parser.add_argument("--model", help="model folder for the worker (default: the embedded model)")
     parser.add_argument("--rate", type=float, default=5.0, help="sample tickets per second (default 5)")
     parser.add_argument(
@@ -101,14 +110,20 @@ def demo(args: argparse.Namespace) -> int:
     given = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     broker: local_broker.LocalBroker | None = None
     if given is None:
-        broker = local_broker.LocalBroker(args.state_dir)
-        if broker.status().running:
-            print(f"using the local broker already running at {broker.bootstrap}", flush=True)
-            broker = None  # not ours to stop
+        running = local_broker.LocalBroker(args.state_dir).status()
+        if running.running and running.bootstrap is not None:
+            ignored = (
+                f" (not --port {args.port}: `broker stop` it first)"
+                if args.port not in (None, running.port)
+                else ""
+            )
+            print(f"using the local broker already running at {running.bootstrap}{ignored}", flush=True)
+            given = running.bootstrap  # not ours to stop
         else:
-            print(f"starting the local Kafka broker ({args.state_dir}) ...", flush=True)
+            broker = local_broker.LocalBroker(args.state_dir, args.port or _free_default_port())
+            print(f"starting the local Kafka broker on port {broker.port} ({args.state_dir}) ...", flush=True)
             broker.start(fresh=False)
-        given = local_broker.LocalBroker(args.state_dir).bootstrap
+            given = broker.bootstrap
     settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
     try:
         return _run(args, settings)
@@ -116,6 +131,15 @@ def demo(args: argparse.Namespace) -> int:
         if broker is not None:
             print("stopping the local Kafka broker ...", flush=True)
             broker.stop()
+
+
+def _free_default_port() -> int:
+    """The usual Kafka port, unless something (another Kafka, most likely) already listens there."""
+    if not local_broker.port_open(local_broker.DEFAULT_PORT):
+        return local_broker.DEFAULT_PORT
+    port = local_broker.free_port()
+    print(f"port {local_broker.DEFAULT_PORT} is taken (another Kafka?); using port {port}", flush=True)
+    return port
 
 
 def _run(args: argparse.Namespace, settings: Settings) -> int:

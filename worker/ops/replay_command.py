@@ -192,6 +192,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_argument(parser)
+    parser.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
     where = parser.add_argument_group("selection (one required)")
     selection = where.add_mutually_exclusive_group(required=True)
     selection.add_argument(
@@ -340,7 +341,12 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(
-        args, {"topics.dead_letter": args.dlq, "pipeline.guarantee": args.guarantee}
+        args,
+        {
+            "kafka.bootstrap.servers": args.bootstrap_servers,
+            "topics.dead_letter": args.dlq,
+            "pipeline.guarantee": args.guarantee,
+        },
     )
     options = options_from_args(args, settings.topics.dead_letter)
     # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for the
