@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pipeline_harness import Audit, Worker, audit, make_topics, publish, wait_until_committed
 
+from tools.harness import Audit, Worker, audit, make_topics, publish, wait_until_committed
 from worker.messages import TriageResult
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """Train `triage-encoder`, the cascade's escalation stage, from BANKING77.
 
-    python tools/train_triage_encoder.py --data data/banking77 --out models/triage-encoder
+    triage-worker model train --encoder      # = python -m tools.train_triage_encoder [--out DIR]
 
 An encoder stage (worker/inference/encoder.py): the pretrained sentence encoder BAAI bge-small-en-v1.5 (MIT;
 Xenova's int8 ONNX export, 34 MB, from the Maven Central jar deploy/encoder/pom.xml names) with a linear head
@@ -33,21 +33,21 @@ from typing import Any
 import msgspec
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from train_triage_mini import fit_temperature  # noqa: E402
-
-from worker.cache import cache_root  # noqa: E402
-from worker.inference.encoder import MANIFEST, EncoderManifest, SentenceEmbedder, labels_fingerprint  # noqa: E402
-from worker.inference.taxonomy import load_taxonomy  # noqa: E402
-from worker.ops.artifacts import fetch_jar_members  # noqa: E402
-from worker.ops.evaluation import (  # noqa: E402
+from worker.cache import cache_root
+from worker.inference.encoder import MANIFEST, EncoderManifest, SentenceEmbedder, labels_fingerprint
+from worker.inference.taxonomy import load_taxonomy
+from worker.ops.artifacts import fetch_jar_members
+from worker.ops.evaluation import (
     TEACHER_C,
     expected_calibration_error,
+    fit_temperature,
     read_examples,
     stratified_split,
 )
+
+# Not `tools.REPO`: `triage-worker model train --encoder` runs this file as a script, where only `worker` is
+# importable.
+REPO = Path(__file__).resolve().parent.parent
 
 SEED = 77
 POM = "deploy/encoder/pom.xml"

@@ -48,13 +48,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from worker.inference.prompt import INTENT_OPENING, PromptBuilder, answer_json
+from worker.inference.taxonomy import Taxonomy, load_taxonomy
+from worker.ops.evaluation import expected_calibration_error, fit_temperature, stratified_split
+from worker.ops.model_command import export_model
 
-from worker.inference.prompt import INTENT_OPENING, PromptBuilder, answer_json  # noqa: E402
-from worker.inference.taxonomy import Taxonomy, load_taxonomy  # noqa: E402
-from worker.ops.evaluation import expected_calibration_error, stratified_split  # noqa: E402
-from worker.ops.model_command import export_model  # noqa: E402
+# Not `tools.REPO`: `triage-worker model train` runs this file as a script, where only `worker` is importable.
+REPO = Path(__file__).resolve().parent.parent
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|pad|>")
 EOS = "<|im_end|>"
@@ -150,20 +150,6 @@ def teacher_probabilities(
     print(f"teacher: {len(train_rows) + sum(map(len, extra_texts.values()))} texts embedded and labelled in "
           f"{(time.monotonic() - started) / 60:.1f} min")  # fmt: skip
     return oof[:, order].astype(np.float32), {k: v.astype(np.float32) for k, v in extra.items()}
-
-
-def fit_temperature(logits: Any, labels: Any) -> float:
-    """Temperature T (0.5 to 3, step 0.01) minimising the negative log-likelihood of softmax(logits / T)
-    on held-out examples: the standard post-hoc calibration, one parameter, argmax unchanged."""
-    import numpy as np
-
-    def nll(temperature: float) -> float:
-        scaled = logits / temperature
-        scaled = scaled - scaled.max(axis=1, keepdims=True)
-        log_probs = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
-        return float(-log_probs[np.arange(len(labels)), labels].mean())
-
-    return min((round(0.5 + 0.01 * i, 2) for i in range(251)), key=nll)
 
 
 def train_tokenizer(texts: list[str], taxonomy: Taxonomy, vocab_size: int) -> Any:
@@ -266,7 +252,7 @@ def batches(examples: list[Example], size: int, rng: random.Random) -> list[list
     order = examples[:]
     rng.shuffle(order)
     chunk = size * 20
-    grouped = []
+    grouped: list[list[Example]] = []
     for start in range(0, len(order), chunk):
         part = sorted(order[start : start + chunk], key=lambda e: len(e.ids))
         grouped.extend(part[i : i + size] for i in range(0, len(part), size))
@@ -404,7 +390,8 @@ class Trainer:
         rng = random.Random(hyper.seed)
         steps_per_epoch = math.ceil(len(train) / hyper.batch_size)
         total = steps_per_epoch * hyper.epochs
-        decay, no_decay = [], []
+        decay: list[Any] = []
+        no_decay: list[Any] = []
         for name, param in self.model.named_parameters():
             (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
         optimizer = torch.optim.AdamW(

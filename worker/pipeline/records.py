@@ -37,6 +37,7 @@ def triage_result(
         first_intent=answer.first_intent,
         first_confidence=answer.first_confidence,
         escalation_skipped=answer.escalation_skipped,
+        taxonomy=answer.taxonomy,
     )
 
 

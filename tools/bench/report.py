@@ -1,5 +1,5 @@
-"""tools/bench.py's output: bench.json (everything measured), bench.md (the table of figures against their
-goals, the machine and the command) and two PNG plots."""
+"""`python -m tools.bench`'s output: bench.json (everything measured), bench.md (the table of figures against
+their goals, the machine and the command) and two PNG plots."""
 
 from __future__ import annotations
 
@@ -438,7 +438,8 @@ def plots(figures: dict[str, Any], out: Path) -> None:
 
 
 def write_only(figures: dict[str, Any], out: Path, figure: str) -> None:
-    """A run of one figure (`bench.py --only`): bench-<figure>.json and .md beside the full run's files."""
+    """A run of one figure (`python -m tools.bench --only`): bench-<figure>.json and .md beside the full
+    run's files."""
     assert figure == "p7"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench-{figure}.json").write_text(json.dumps(figures, indent=1) + "\n")
