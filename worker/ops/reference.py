@@ -26,7 +26,7 @@ from worker.config import Settings
 from worker.ops.defaults import default_of
 from worker.ops.lag_command import GroupLagCollector
 from worker.ops.run_command import flag_settings
-from worker.pipeline.metrics import PartitionGauges, PipelineMetrics, ShadowMetrics
+from worker.pipeline.metrics import EscalationMetrics, PartitionGauges, PipelineMetrics, ShadowMetrics
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics
@@ -81,6 +81,11 @@ SETTING_DOCS: dict[str, str] = {
     "inference.shadow_taxonomy": "the shadow's taxonomy",
     "inference.shadow_mode": "the shadow's mode",
     "inference.shadow_pool_size": "the shadow's contexts",
+    "inference.escalation": "the cascade's escalation stage: an encoder-stage folder or an ORT GenAI model "
+    "folder; `triage-encoder` names the shipped one ([model](model.md#the-cascade))",
+    "inference.escalate_below": "tickets whose first answer's confidence is under this go to the escalation "
+    "stage when their deadline leaves time (chosen on the validation split)",
+    "inference.escalation_pool_size": "the escalation stage's processes",
     "log.level": "`debug`, `info`, `warning` or `error`",
     "log.format": "`console`, or `json` for log shippers",
     "metrics.port": "HTTP port of `/metrics`, `/healthz`, `/readyz`, `POST /reload`; `0` = any free port "
@@ -130,9 +135,9 @@ class _AnsweringBroker:
 
 
 def exporters() -> dict[str, CollectorRegistry]:
-    """A registry per process kind, with every family present: the worker (with a shadow, and one model
-    process), the lag exporter and replay."""
-    metrics = PipelineMetrics(shadow=ShadowMetrics())
+    """A registry per process kind, with every family present: the worker (with a shadow, the cascade and one
+    model process), the lag exporter and replay."""
+    metrics = PipelineMetrics(shadow=ShadowMetrics(), escalation=EscalationMetrics.starting(("a",)))
     metrics.partitions = PartitionGauges(assigned=(("t", 0),), lag=((("t", 0), 0),), member=True)
     assert metrics.shadow is not None
     metrics.shadow.compared("a", "b")

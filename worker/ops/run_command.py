@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
         if shadow_pool is not None:
             telemetry.watch_model_processes("shadow", shadow_pool.worker_pids)
+        if escalation_pool is not None:
+            telemetry.watch_model_processes("escalation", escalation_pool.worker_pids)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
         stop.attach(pipeline)
         reloader.start(classifier)

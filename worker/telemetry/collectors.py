@@ -263,8 +263,9 @@ class ModelProcessCollector(Collector):
     """CPU seconds and resident memory of each model process, read from /proc at scrape time.
 
     The pool's worker processes do most of the worker's work, and `process_*` covers only the consumer
-    process. One series per context (`pool` = primary or shadow, `context` = its index): a restarted model
-    process keeps its context's series, whose CPU counter then starts again from 0 (a reset `rate()` handles).
+    process. One series per context (`pool` = primary, shadow or escalation, `context` = its index): a
+    restarted model process keeps its context's series, whose CPU counter then starts again from 0 (a reset
+    `rate()` handles).
     """
 
     def __init__(self) -> None:
