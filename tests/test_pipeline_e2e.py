@@ -150,8 +150,10 @@ def test_kill_9_at_random_points_loses_nothing(
     rng = random.Random(12)
     settings = {"pipeline.max_in_flight": str(max_in_flight), **_mode(guarantee, group), **_cascade(cascade)}
     # Input keeps arriving while the workers are killed, so every kill lands mid-stream (a worker now
-    # drains a backlog of 1,500 faster than the kills come).
-    producer = Publisher(kafka_bootstrap, topics, count, 25.0, seed=12)
+    # drains a backlog of 1,500 faster than the kills come). A cascade worker starts two pools, so its five
+    # starts take about twice as long: its stream lasts twice as long too.
+    rate = 25.0 if cascade == "no_cascade" else 12.5
+    producer = Publisher(kafka_bootstrap, topics, count, rate, seed=12)
     producer.start()
     try:
         for _ in range(crashes):
