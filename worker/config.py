@@ -127,6 +127,7 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     # stage's folder (an encoder stage with encoder.json, or an ORT GenAI model; the shipped one by its name,
     # "triage-encoder"); None: no cascade.
     escalation: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    # 0.8: what `model eval` chose on the validation split (docs/model.md#the-cascade).
     escalate_below: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.8
     # One process by default: the stage shares the cores with the first one and must never crowd it out.
     escalation_pool_size: PositiveInt = 1
