@@ -534,7 +534,7 @@ def render_markdown(rows: Sequence[Figures], context: dict[str, Any]) -> str:
     ]
     cascade = context.get("cascade")
     if cascade:
-        validation = ", ".join(f"{t:.2f}: {a:.2%}" for t, a in cascade["validation_accuracy"].items())
+        validation = ", ".join(f"{t}: {a:.2%}" for t, a in cascade["validation_accuracy"].items())
         lines += [
             f"- Cascade rows: `{cascade['first']}` answers every ticket, `{cascade['escalation']}` (the "
             "escalation stage) the ones whose first confidence is under the threshold; both stages' pools "
