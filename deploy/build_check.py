@@ -13,8 +13,8 @@
    and ENTRYPOINT + CMD (`run`), waits until the HEALTHCHECK command passes, stops it with SIGTERM (exit 0).
 
 Not checked: the base image itself (Debian slim's shared libraries, its Python version: the local Python runs
-the steps), file ownership and the USER switch, the HEALTHCHECK timing. PIP_NO_CACHE_DIR is dropped so that
-reruns use the local pip cache.
+the steps), file ownership and the USER switch, the HEALTHCHECK timing; `make image-check` covers those with
+the built image where an engine exists. PIP_NO_CACHE_DIR is dropped so that reruns use the local pip cache.
 """
 
 from __future__ import annotations
