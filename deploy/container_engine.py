@@ -144,12 +144,13 @@ def build_broker(tool: str, tag: str, jars: Path, base_image: str | None, extra:
         build(tool, tag, context, kafka_dir / "Dockerfile", base_image, None, extra)
 
 
-def _docker_api_answers(env: dict[str, str]) -> bool:
-    """What testcontainers will find with `env`: DOCKER_HOST, else Docker's default socket."""
+def docker_api_answers(env: dict[str, str], timeout_s: float = 15) -> bool:
+    """What testcontainers will find with `env`: DOCKER_HOST, else Docker's default socket. Fails at once
+    where nothing listens; a busy Podman service may take seconds to answer. tests/kafka_source.py asks it."""
     import docker  # the project's venv has it (testcontainers); `engine` and `build` need no venv
 
     try:
-        client = docker.from_env(timeout=5, environment=env)
+        client = docker.from_env(timeout=timeout_s, environment=env)
         try:
             return bool(client.ping())
         finally:
@@ -160,7 +161,7 @@ def _docker_api_answers(env: dict[str, str]) -> bool:
 
 def with_docker_api(command: list[str]) -> int:
     env = dict(os.environ)
-    if _docker_api_answers(env):
+    if docker_api_answers(env):
         where = env.get("DOCKER_HOST", "Docker's default socket")
         print(f"docker api: {where} answers", flush=True)
         return subprocess.run(command, env=env, check=False).returncode
@@ -180,7 +181,7 @@ def with_docker_api(command: list[str]) -> int:
             env["DOCKER_HOST"] = socket_url
             env.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
             deadline = time.monotonic() + 30
-            while not _docker_api_answers(env):
+            while not docker_api_answers(env):
                 if service.poll() is not None or time.monotonic() > deadline:
                     error = (
                         service.stderr.read().decode()

@@ -14,13 +14,17 @@ not a fallback to the local broker.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+from pathlib import Path
+from types import ModuleType
 
 from worker.kafka.local_broker import KAFKA_VERSION
 
 SOURCES = ("given", "container", "local")
 DEFAULT_IMAGE = f"apache/kafka:{KAFKA_VERSION}"
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
 class SourceError(Exception):
@@ -31,18 +35,17 @@ def kafka_image() -> str:
     return os.environ.get("TRIAGE_KAFKA_IMAGE") or DEFAULT_IMAGE
 
 
-def docker_api_answers() -> bool:
-    """A ping: instant failure where no engine listens; a busy Podman service may take seconds to answer."""
-    try:
-        import docker
+def _container_engine() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("container_engine", DEPLOY / "container_engine.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-        client = docker.from_env(timeout=15)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
+
+def docker_api_answers() -> bool:
+    """The Docker API testcontainers would use (DOCKER_HOST, else Docker's socket) answers a ping."""
+    return bool(_container_engine().docker_api_answers(dict(os.environ)))
 
 
 def choose() -> str:
