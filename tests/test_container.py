@@ -79,18 +79,21 @@ def test_dockerfile_is_multi_stage_slim_non_root_with_a_healthcheck() -> None:
     assert by_keyword["EXPOSE"] == _runtime_env()["TRIAGE_METRICS__PORT"]
 
 
-def test_dockerfile_copies_only_what_exists_and_survives_dockerignore() -> None:
+def test_dockerfile_copies_only_what_exists_and_survives_dockerignore(tmp_path: Path) -> None:
     ignore = build_check.DockerIgnore((REPO / ".dockerignore").read_text())
+    context = tmp_path / "context"
+    build_check.build_context(REPO, ignore, context)  # what Docker would send
     for item in _instructions():
         if item.keyword != "COPY" or "--from=" in item.args:
             continue
         *sources, _ = item.args.split()
         for source in sources:
-            path = REPO / source
-            assert path.exists(), f"Dockerfile:{item.line}: {source} does not exist"
-            files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-            kept = [f for f in files if not ignore.excluded(f.relative_to(REPO).as_posix())]
+            assert (REPO / source).exists(), f"Dockerfile:{item.line}: {source} does not exist"
+            path = context / source
+            kept = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
             assert kept, f"Dockerfile:{item.line}: .dockerignore drops all of {source}"
+    # The wheel is built from the context: the package and its metadata are in it.
+    assert (context / "pyproject.toml").is_file() and (context / "worker" / "__init__.py").is_file()
     # Heavy or private things stay out of the build context.
     for path in (".venv/bin/python", "data/banking77/train.csv", "tests/conftest.py", ".git/HEAD"):
         assert ignore.excluded(path), path
