@@ -40,6 +40,7 @@ import confluent_kafka
 import container_engine
 import msgspec
 import yaml
+from confluent_kafka import ConsumerGroupState
 from confluent_kafka.admin import AdminClient
 from container_engine import EngineError
 
@@ -474,13 +475,21 @@ def _up_in_order(tool: str, project: str, compose_run: Callable[..., None]) -> N
 
 
 def _check_group(bootstrap: str) -> None:
-    """Two workers in one consumer group, each with its own share of the input partitions."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    group = admin.describe_consumer_groups(["triage-worker"])["triage-worker"].result(timeout=15)
-    shares = [sorted(tp.partition for tp in member.assignment.topic_partitions) for member in group.members]
-    say(f"  group triage-worker: {len(shares)} members, partitions {' | '.join(map(str, shares))}")
-    if len(shares) != 2 or not all(shares):
-        fail("expected two workers in the group, each with partitions")
+    """Two workers in one consumer group, each with its own share of the input partitions, once a rebalance
+    (the second worker joining) has settled."""
+    # Quiet about the broker going away later: `down` follows.
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log.connection.close": False})
+    shares: list[list[int]] = []
+
+    def shared() -> bool:
+        group = admin.describe_consumer_groups(["triage-worker"])["triage-worker"].result(timeout=15)
+        shares[:] = [sorted(tp.partition for tp in m.assignment.topic_partitions) for m in group.members]
+        return group.state == ConsumerGroupState.STABLE and len(shares) == 2 and all(shares)
+
+    try:
+        wait_for("two workers sharing the input partitions", shared, timeout_s=180)
+    finally:
+        say(f"  group triage-worker: {len(shares)} members, partitions {' | '.join(map(str, shares))}")
 
 
 def main() -> int:
