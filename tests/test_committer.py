@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 import confluent_kafka
 import pytest
 
-from worker.pipeline.committer import Committer, consumer_commit
+from worker.kafka.commits import consumer_commit
+from worker.pipeline.committer import Committer
 
 pytestmark = pytest.mark.kafka
 

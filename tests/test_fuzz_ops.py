@@ -17,9 +17,8 @@ from worker.config import Settings
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
 from worker.ops.cli import main
-from worker.ops.replay import Outcome, ReplayOptions, Transform, _Replay
 from worker.ops.replay_command import _print_report
-from worker.pipeline.offsets import PartitionOffsets
+from worker.replay.engine import Outcome, ReplayOptions, Transform, _Replay
 
 TINY = Path(__file__).parent / "models" / "tiny"
 
@@ -68,7 +67,8 @@ def _replay(transform: Transform | None, dry_run: bool = True, to_topic: str | N
         dlq_topic="tickets.dlq", group="g", transform=transform, dry_run=dry_run, to_topic=to_topic
     )
     replay = _Replay(Settings(kafka={"bootstrap.servers": "127.0.0.1:1"}), options, None, lambda: False)
-    replay.trackers[0], replay.starts[0], replay.ends[0] = PartitionOffsets(("tickets.dlq", 0)), 0, 1 << 62
+    replay.tracker.assign(("tickets.dlq", 0))
+    replay.starts[0], replay.ends[0] = 0, 1 << 62
     replay.active.add(0)
     return replay
 

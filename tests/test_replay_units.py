@@ -10,21 +10,22 @@ from confluent_kafka import KafkaError, KafkaException
 
 from worker.config import load_settings
 from worker.errors import UserError
+from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
-from worker.ops.replay import (
+from worker.ops.replay_command import load_transform, parse_offset_ranges, parse_rate, parse_time
+from worker.replay.engine import (
     OffsetRange,
     Outcome,
     RecordReport,
     ReplayOptions,
     ReplaySummary,
     TokenBucket,
-    _fatal_reason,
     apply_transform,
     classify,
+    fatal_reason,
     replay_transactional_id,
 )
-from worker.ops.replay_command import load_transform, parse_offset_ranges, parse_rate, parse_time
 
 
 def test_offset_ranges_accept_closed_open_and_single_forms() -> None:
@@ -166,7 +167,12 @@ def test_an_exactly_once_replay_has_one_transactional_id_per_group_on_any_host_n
 def test_a_fenced_replay_says_so_in_one_line_without_secret_values() -> None:
     error = KafkaError(KafkaError._FENCED, "fenced by a newer instance (sasl.password=hunter2)", fatal=True)
 
-    line = _fatal_reason(error, "triage-replay.tickets.dlq", {"sasl.password": "hunter2"})
+    line = fatal_reason(
+        errors.describe(error),
+        errors.fenced(error),
+        "triage-replay.tickets.dlq",
+        {"sasl.password": "hunter2"},
+    )
 
     assert line.startswith("fenced: another replay of group triage-replay.tickets.dlq took over")
     assert "hunter2" not in line and "***" in line and "\n" not in line

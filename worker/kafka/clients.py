@@ -29,8 +29,9 @@ from typing import Any, Protocol, cast
 import confluent_kafka
 import structlog
 
-from worker.config import MASK, Settings, is_secret_key, masked_kafka_config
+from worker.config import Settings, mask_secrets, masked_kafka_config
 from worker.errors import UserError
+from worker.kafka import errors
 
 _log = structlog.get_logger("worker.kafka")
 # How long `kafka_call` retries passing errors.
@@ -261,14 +262,18 @@ def produce(
             producer.poll(wait_s)
 
 
-# Group coordinator errors are passing (a new group's coordinator loading, one moving between brokers).
-_COORDINATOR_ERRORS = frozenset(
-    {
-        confluent_kafka.KafkaError.NOT_COORDINATOR,
-        confluent_kafka.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-        confluent_kafka.KafkaError.COORDINATOR_NOT_AVAILABLE,
-    }
-)
+def record_headers(message: confluent_kafka.Message) -> list[tuple[str, bytes | None]] | None:
+    """A consumed record's headers as a list (a consumer gives bytes values; None for a null header)."""
+    raw = message.headers()
+    if raw is None:
+        return None
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    return [(name, value.encode("utf-8") if isinstance(value, str) else value) for name, value in pairs]
+
+
+def partitions_of(keys: Sequence[tuple[str, int]]) -> list[confluent_kafka.TopicPartition]:
+    """Partitions to pause or resume (the offset is not used)."""
+    return [confluent_kafka.TopicPartition(t, p, confluent_kafka.OFFSET_INVALID) for t, p in keys]
 
 
 def kafka_call(what: str, call: Callable[[], Any], kafka_config: Mapping[str, str] | None = None) -> Any:
@@ -279,19 +284,12 @@ def kafka_call(what: str, call: Callable[[], Any], kafka_config: Mapping[str, st
         try:
             return call()
         except confluent_kafka.KafkaException as error:
-            first = error.args[0] if error.args else None
-            kafka_error = first if isinstance(first, confluent_kafka.KafkaError) else None
-            passing = kafka_error is not None and (
-                kafka_error.retriable() or kafka_error.code() in _COORDINATOR_ERRORS
-            )
-            if passing and time.monotonic() < deadline:
+            kafka_error = errors.kafka_error(error)
+            if errors.passing(error) and time.monotonic() < deadline:
                 time.sleep(0.2)
                 continue
             text = kafka_error.str() if kafka_error is not None else str(error)
-            for key, value in (kafka_config or {}).items():
-                if value and is_secret_key(key):
-                    text = text.replace(value, MASK)
-            raise UserError(f"Kafka: cannot {what}: {text}") from None
+            raise UserError(f"Kafka: cannot {what}: {mask_secrets(text, kafka_config or {})}") from None
 
 
 class ClientFactory(Protocol):

@@ -19,10 +19,13 @@ from worker.errors import UserError
 COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.run_command",
     "worker.ops.samples_command",
+    "worker.ops.send_command",
+    "worker.ops.watch_command",
     "worker.ops.demo_command",
     "worker.ops.classify_command",
     "worker.ops.replay_command",
     "worker.ops.shadow_command",
+    "worker.ops.lag_command",
     "worker.ops.broker_command",
     "worker.ops.config_command",
     "worker.ops.model_command",

@@ -13,42 +13,20 @@ owns the offset tracker, so outcomes are only *reported* here and applied by the
 thread waits while the loop is inside a rebalance callback (measured: it only completes once the callback
 returns), so the loop does not poll while a commit is on its way, and commits on revoke from its own thread.
 
-What a commit *is* is given by the caller: `consumer_commit` (at-least-once) or a transaction's commit
-(exactly-once, see `transactions.py`).
+What a commit *is* is given by the caller: a group commit (at-least-once) or a transaction's commit
+(exactly-once); both are in `worker/kafka/commits.py`.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import confluent_kafka
-
-from worker.pipeline.offsets import TopicPartitionKey
-
-
-@dataclass(frozen=True)
-class CommitOutcome:
-    """What the broker said about one commit: the positions it confirmed, and those it did not."""
-
-    confirmed: dict[TopicPartitionKey, int]
-    failed: dict[TopicPartitionKey, int]
-    error: str | None = None
-    # Exactly-once only: the transaction was aborted (its records will never be read); neither committed nor
-    # aborted (a new producer must settle it); or the producer can no longer commit at all (fenced by
-    # another worker with its transactional id).
-    aborted: bool = False
-    unsettled: bool = False
-    fatal: bool = False
-
-
-CommitCall = Callable[[dict[TopicPartitionKey, int]], CommitOutcome]
+from worker.kafka.commits import CommitCall, CommitOutcome, TopicPartitionKey
 
 
 class Committer:
-    """Runs a blocking `commit` (by default `consumer_commit`) on a daemon thread, one commit at a time."""
+    """Runs a blocking `commit` on a daemon thread, one commit at a time."""
 
     def __init__(self, commit: CommitCall) -> None:
         self._commit = commit
@@ -95,31 +73,3 @@ class Committer:
                 self._outcomes.put(self._commit(positions))
             finally:
                 self._idle.set()
-
-
-def consumer_commit(consumer: confluent_kafka.Consumer) -> CommitCall:
-    """A synchronous group commit of `positions` through `consumer`."""
-
-    def commit(positions: dict[TopicPartitionKey, int]) -> CommitOutcome:
-        try:
-            answered = consumer.commit(offsets=topic_partitions(positions), asynchronous=False) or []
-        except confluent_kafka.KafkaException as problem:
-            return CommitOutcome(confirmed={}, failed=dict(positions), error=describe(problem))
-        confirmed = {
-            (tp.topic, tp.partition): tp.offset for tp in answered if tp.error is None and tp.offset >= 0
-        }
-        failed = {key: position for key, position in positions.items() if key not in confirmed}
-        return CommitOutcome(confirmed=confirmed, failed=failed)
-
-    return commit
-
-
-def topic_partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
-    return [confluent_kafka.TopicPartition(t, p, position) for (t, p), position in positions.items()]
-
-
-def describe(problem: confluent_kafka.KafkaException) -> str:
-    error = problem.args[0] if problem.args else None
-    if isinstance(error, confluent_kafka.KafkaError):
-        return f"{error.name()}: {error.str()}"
-    return str(problem)

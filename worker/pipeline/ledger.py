@@ -9,7 +9,7 @@ in arrival order): under load a ticket whose producer asked for an early `deadli
 ones that can wait. A revoked partition's records go before all others (see `first_to_model`).
 
 In order (exactly-once mode), a record's output is *held* until every earlier record of its partition has
-been produced: a transaction must only contain outputs of offsets it also commits (see `transactions.py`).
+been produced: a transaction must only contain outputs of offsets it also commits (see `guarantees.py`).
 
 When this worker stops owning a partition (revoke or loss), its waiting records are dropped (the next owner
 reads them again) and its records at the model or at the producer become *orphans*: their answers and

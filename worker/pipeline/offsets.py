@@ -162,3 +162,7 @@ class OffsetTracker:
 
     def uncommitted_done(self) -> int:
         return sum(state.uncommitted_done for state in self._partitions.values())
+
+    def blocked(self) -> dict[TopicPartitionKey, int]:
+        """Owned partitions stopped by a delivery that failed for good, with the offset they stop at."""
+        return {key: at for key, state in self._partitions.items() if (at := state.blocked_at) is not None}

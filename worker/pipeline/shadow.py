@@ -38,7 +38,7 @@ from worker.classification import Classification, Classifier, ClassifyRequest, t
 from worker.kafka.clients import produce
 from worker.messages import ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.ledger import Headers
-from worker.pipeline.metrics import ShadowMetrics
+from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
 from worker.pipeline.records import encode_result, triage_result
 
 _log = structlog.get_logger("worker.shadow")
@@ -76,7 +76,7 @@ class Shadow:
         self._clock = clock
         self._outstanding: dict[int, _Offer] = {}
         self._ids = itertools.count()
-        self.metrics = ShadowMetrics()
+        self.metrics = ShadowMetrics(latency=LatencyHistogram(latency_buckets(budget_s)))
 
     def offer(
         self,

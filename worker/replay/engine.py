@@ -12,14 +12,15 @@ three guarantees:
 * **Exactly once, when asked.** With ``pipeline.guarantee = "exactly_once"`` the republished records and
   the progress past them are committed in one Kafka transaction (a transactional producer of its own, see
   `replay_transactional_id`), so readers with ``isolation.level=read_committed`` see each selected dead
-  letter once, even across a ``kill -9`` and a rerun. The two modes differ only in where progress goes:
-  `_GroupOffsets` or `_Transactions`.
+  letter once, even across a ``kill -9`` and a rerun. Both modes are the pipeline's own delivery
+  guarantees (`worker/pipeline/guarantees.py`): the replay differs from the worker only in what it reads
+  and writes.
 * **A finite run.** The end offsets are captured at start; dead letters that arrive meanwhile (perhaps
   replayed records failing again) wait for the next run instead of being chased.
 
 Everything the group passes over counts as done *for that group*: records skipped by a filter or by the
 max-replay bound are behind its committed position. A replay with a different selection therefore needs its
-own ``--group`` (the README's ops section shows the workflow).
+own ``--group`` (docs/operations.md shows the workflow).
 
 The time window (``--since``/``--until``) applies to when a record was dead-lettered, i.e. the dead-letter
 record's Kafka timestamp: ``--since`` seeks with the broker's time index and ``--until`` ends each partition
@@ -30,20 +31,25 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from functools import partial
 from typing import Any, Protocol
 
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+import msgspec
+from confluent_kafka import KafkaError, TopicPartition
 
-from worker.config import MASK, Settings, is_secret_key
+from worker.config import Settings, mask_secrets
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
-from worker.pipeline.offsets import PartitionOffsets
+from worker.kafka.errors import PURGED
+from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_for
+from worker.pipeline.ledger import Output, Work
+from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
 
 Transform = Callable[[bytes], bytes | None]
 Header = tuple[str, bytes | None]
@@ -51,9 +57,11 @@ Header = tuple[str, bytes | None]
 DEFAULT_MAX_REPLAYS = 3
 METADATA_TIMEOUT_S = 10.0
 # Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
-COMMIT_INTERVAL_S = 0.2
-# How long a Ctrl-C'd replay waits for in-flight records before committing what was confirmed.
+COMMIT_INTERVAL_MS = 200
+# How long a Ctrl-C'd replay waits for in-flight records before committing what was confirmed; and one that
+# read its whole range (the client's own delivery timeout bounds every record anyway).
 INTERRUPT_DRAIN_S = 30.0
+FINISH_S = 600.0
 
 
 class Outcome(StrEnum):
@@ -68,6 +76,10 @@ class Outcome(StrEnum):
     UNREADABLE = "unreadable"
 
 
+# Outcomes of records the selection took (they count for --limit).
+SELECTED = frozenset(
+    {Outcome.REPLAYED, Outcome.TRANSFORM_SKIPPED, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED}
+)
 # Outcomes listed record by record in the report: each one needs a person to look at it.
 ATTENTION = frozenset(
     {Outcome.SKIPPED_MAX_REPLAYS, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED, Outcome.UNREADABLE}
@@ -351,198 +363,39 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
     return plans
 
 
-class _Rewind(Exception):
-    """The transaction was aborted: nothing of it is published or committed, so its records are read again."""
+def fatal_reason(reason: str, fenced: bool, group: str, kafka_config: Mapping[str, str]) -> str:
+    """One line for a producer that can go no further, fencing named as what it means for a replay; no
+    secret values."""
+    reason = mask_secrets(reason, kafka_config)
+    if fenced:
+        return f"fenced: another replay of group {group} took over its transactional id ({reason})"
+    return f"Kafka: the replay's producer failed: {reason}"
 
 
-class _Fatal(Exception):
-    """The transactional producer can go no further (fenced, or an error that outlasted the retries); the text
-    is one line for the summary and the CLI."""
+@dataclass(frozen=True)
+class _ReplayClients:
+    """The replay's producer for its guarantee: transactional under the replay's own id in exactly_once."""
+
+    settings: Settings
+    transactional: str | None
+
+    def consumer(self, on_error: Callable[[KafkaError], None]) -> Any:
+        raise NotImplementedError("the replay makes its own consumer")
+
+    def producer(self, on_error: Callable[[KafkaError], None]) -> Any:
+        settings, transactional = self.settings, self.transactional
+        return kafka_call(
+            "create a producer",
+            lambda: create_producer(settings, on_error=on_error, transactional=transactional),
+            settings.kafka,
+        )
 
 
-class _Abortable(Exception):
-    """A transactional call failed with an error that requires `abort_transaction` (text: the client's)."""
-
-
-# How records that were queued or in flight when their transaction was aborted fail.
-_PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
-# What a producer whose transactional id another one took over hears, depending on the call.
-_FENCING = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
-
-
-def _fatal_reason(error: KafkaError, group: str, kafka_config: Mapping[str, str]) -> str:
-    """One line for a fatal producer error, fencing named as what it means for a replay; no secret values."""
-    text = error.str()
-    for key, value in kafka_config.items():
-        if value and is_secret_key(key):
-            text = text.replace(value, MASK)
-    if error.code() in _FENCING:
-        return f"fenced: another replay of group {group} took over its transactional id ({text})"
-    return f"Kafka: the replay's producer failed: {text}"
-
-
-class _Commits(Protocol):
-    """Where the replay's progress goes. `epoch` changes when records produced before were rolled back."""
-
-    epoch: int
-
-    def start(self) -> None:
-        """Called before the plan reads the group's committed offsets."""
-
-    def begin(self) -> None:
-        """Called before each record is produced."""
-
-    def refused(self, error: KafkaError) -> None:
-        """The client refused to queue a record: raise if the cause is not that record."""
-
-    def report(self, report: RecordReport) -> None:
-        """A record settled (or failed): count it now or once its progress is committed."""
-
-    def commit(self, progress: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
-        """Commit `progress()` (the positions past every settled record); return what was committed."""
-
-
-class _GroupOffsets:
-    """at_least_once (and dry runs): progress is committed to the group's offsets, only up to records the
-    broker confirmed. A confirmed record is published whatever happens next, so it counts at once, and nothing
-    is ever rolled back."""
-
-    epoch = 0
-
-    def __init__(self, consumer: Any, group: str, record: Callable[[RecordReport], None]) -> None:
-        self._consumer = consumer
-        self._group = group
-        self._record = record
-
-    def start(self) -> None:
-        pass
-
-    def begin(self) -> None:
-        pass
-
-    def refused(self, error: KafkaError) -> None:
-        pass
-
-    def report(self, report: RecordReport) -> None:
-        self._record(report)
-
-    def commit(self, progress: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
-        offsets = progress()
-        if offsets:
-            kafka_call(
-                f"commit progress for group {self._group}",
-                lambda: self._consumer.commit(offsets=offsets, asynchronous=False),
-            )
-        return offsets
-
-
-class _Transactions:
-    """exactly_once: the records republished since the last commit and the progress past them (and past what
-    was skipped meanwhile) commit in one transaction, so the committed position is exactly what readers with
-    read_committed see. Reports wait for that commit: an aborted transaction published nothing and its
-    records are read again (`_Rewind`), so counting them at delivery would count them twice.
-
-    Errors as librdkafka documents them: retriable ones retry the same call (`kafka_call`, for a while),
-    abortable ones abort and raise `_Rewind`, fatal ones (and retries that ran out) raise `_Fatal`.
-    """
-
-    def __init__(
-        self,
-        producer: Any,
-        consumer: Any,
-        settings: Settings,
-        group: str,
-        record: Callable[[RecordReport], None],
-    ) -> None:
-        self._producer = producer
-        self._consumer = consumer
-        self._kafka_config = settings.kafka
-        self._group = group
-        self._record = record
-        self._open = False
-        self._pending: list[RecordReport] = []
-        self.epoch = 0
-
-    def start(self) -> None:
-        # Fences an earlier run under the same id and aborts its open transaction, whose offsets would
-        # otherwise keep the group's committed positions unstable (unreadable) until it times out.
-        self._call("start the replay's transactions", self._producer.init_transactions)
-
-    def begin(self) -> None:
-        if not self._open:
-            self._call("begin a transaction", self._producer.begin_transaction)
-            self._open = True
-
-    def refused(self, error: KafkaError) -> None:
-        # A transaction in error refuses every record: _STATE when abortable, _FATAL (with no reason) when
-        # fenced. Aborting then rewinds, or raises _Fatal with the client's reason.
-        if (
-            error.code() in (KafkaError._STATE, KafkaError._FATAL)
-            or error.fatal()
-            or error.txn_requires_abort()
-        ):
-            self._abort()
-            raise _Rewind
-
-    def report(self, report: RecordReport) -> None:
-        self._pending.append(report)
-
-    def commit(self, progress: Callable[[], list[TopicPartition]]) -> list[TopicPartition]:
-        if self._open:
-            # Settle every record of the transaction first, so the offsets sent are past exactly what it
-            # holds. Bounded: a transactional producer's message.timeout.ms is at most transaction.timeout.ms.
-            self._producer.flush()
-        offsets = progress()
-        if offsets or self._open:
-            self.begin()
-            if offsets:
-                self._call(
-                    f"send progress for group {self._group} to the transaction",
-                    lambda: self._producer.send_offsets_to_transaction(
-                        offsets, self._consumer.consumer_group_metadata()
-                    ),
-                )
-            self._call("commit the replay's transaction", self._producer.commit_transaction)
-            self._open = False
-        for report in self._pending:
-            self._record(report)
-        self._pending.clear()
-        return offsets
-
-    def _call(self, what: str, call: Callable[[], Any]) -> Any:
-        try:
-            return kafka_call(what, partial(self._attempt, call), self._kafka_config)
-        except _Abortable:
-            self._abort()
-            raise _Rewind from None
-        except UserError as error:  # retries ran out, or an error neither passing nor abortable
-            raise _Fatal(str(error)) from None
-
-    def _attempt(self, call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except KafkaException as exception:
-            error = exception.args[0] if exception.args else None
-            if isinstance(error, KafkaError) and error.txn_requires_abort():
-                raise _Abortable(error.str()) from None
-            if isinstance(error, KafkaError) and (error.fatal() or error.code() in _FENCING):
-                raise _Fatal(_fatal_reason(error, self._group, self._kafka_config)) from None
-            raise
-
-    def _abort(self) -> None:
-        # First: delivery reports of the aborted records (served while it aborts) then settle nothing.
-        self.epoch += 1
-        self._pending.clear()
-        self._open = False
-        abort = partial(self._attempt, self._producer.abort_transaction)
-        try:
-            kafka_call("abort the replay's transaction", abort, self._kafka_config)
-        except (_Abortable, UserError) as error:
-            raise _Fatal(f"Kafka: cannot abort the replay's transaction: {error}") from None
-
-
-class _Replay:
-    """One run: reads the planned ranges, republishes selected records, commits confirmed progress."""
+class _Replay(Observer):
+    """One run: reads the planned ranges, republishes selected records through the pipeline's delivery
+    guarantee (`worker/pipeline/guarantees.py`), and reports each record once its outcome is final: at once
+    for skipped records and, at-least-once, for acknowledged ones; exactly-once, when the transaction
+    holding it commits (an aborted one is redone, and its records reported then)."""
 
     def __init__(
         self,
@@ -568,28 +421,47 @@ class _Replay:
         self.consumer = kafka_call(
             "create a consumer", lambda: create_consumer(settings, overrides=consumer_options), settings.kafka
         )
-        self.producer: Any = None
-        self.commits: _Commits = _GroupOffsets(self.consumer, options.group, self._record)
-        if not options.dry_run and exactly_once(settings):
-            transactional = replay_transactional_id(settings, options.group)
-            self.producer = kafka_call(
-                "create a producer",
-                lambda: create_producer(settings, transactional=transactional),
-                settings.kafka,
+        self.tracker = OffsetTracker()
+        self.failure = Failure()
+        self.exactly_once = exactly_once(settings) and not options.dry_run
+        self.guarantee: Guarantee | None = None
+        if not options.dry_run:
+            transactional = replay_transactional_id(settings, options.group) if self.exactly_once else None
+            # Progress committed often, so a kill re-sends little; no record is written smaller (a replay's
+            # targets are the original topics, never the dead-letter topic).
+            replay_settings = msgspec.structs.replace(
+                settings,
+                pipeline=msgspec.structs.replace(settings.pipeline, commit_interval_ms=COMMIT_INTERVAL_MS),
+                topics=msgspec.structs.replace(settings.topics, dead_letter=""),
             )
-            self.commits = _Transactions(self.producer, self.consumer, settings, options.group, self._record)
-        elif not options.dry_run:
-            self.producer = kafka_call("create a producer", lambda: create_producer(settings), settings.kafka)
-        self.trackers: dict[int, PartitionOffsets] = {}
+            self.guarantee = guarantee_for(
+                replay_settings,
+                _ReplayClients(settings, transactional),
+                self.consumer,
+                self.tracker,
+                PipelineMetrics(),
+                time.monotonic,
+                self._stop_reading,
+                self.failure,
+                self,
+            )
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
         self.active: set[int] = set()
         self.selected = 0
         self.selected_committed = 0
-        # Records whose publish failed, with why: never tried again in this run, even after a rewind.
-        self.failures: dict[tuple[int, int], str] = {}
-        self.last_commit = 0.0
-        self.committed: dict[int, int] = {}
+        # Records whose publish failed (the report says why): not tried again in this run, even after a redo.
+        self.failures: dict[tuple[int, int], RecordReport] = {}
+        self.reported_failures: set[tuple[int, int]] = set()
+        # Outcomes waiting for the transaction that holds them (exactly-once), and each replayed record's.
+        self.pending: list[RecordReport] = []
+        self.sent: dict[int, RecordReport] = {}
+        self.positions: dict[int, int] = {}
+
+    @property
+    def trackers(self) -> dict[int, PartitionOffsets]:
+        """The offset state of each planned dead-letter partition."""
+        return {state.key[1]: state for state in self.tracker}
 
     def run(self) -> ReplaySummary:
         started = time.monotonic()
@@ -601,72 +473,60 @@ class _Replay:
         return self.summary
 
     def _run(self) -> None:
-        try:
-            self.commits.start()
-        except _Fatal as error:
-            raise UserError(str(error)) from None
+        if self.guarantee is not None:
+            # Exactly-once: fences an earlier run under the same id and aborts its open transaction, whose
+            # offsets would otherwise keep the group's committed positions unstable until it times out.
+            self.guarantee.start()
         plan = plan_partitions(self.consumer, self.options)
         self.summary.plan = plan
         if self.observer is not None:
             self.observer.planned(plan)
         for item in plan:
-            self.trackers[item.partition] = PartitionOffsets((self.options.dlq_topic, item.partition))
+            self.tracker.assign((self.options.dlq_topic, item.partition))
             self.starts[item.partition] = item.start
             self.ends[item.partition] = item.end
             if item.start < item.end:
                 self.active.add(item.partition)
         if not self.active:
             return
-        self._assign(self.starts)
+        topic = self.options.dlq_topic
+        self.consumer.assign([TopicPartition(topic, p, self.starts[p]) for p in sorted(self.active)])
         bucket = TokenBucket(self.options.rate, time.monotonic()) if self.options.rate else None
         until_ms = int(self.options.until.timestamp() * 1000) if self.options.until else None
         try:
-            while True:
-                try:
-                    self._replay(bucket, until_ms)
-                    break
-                except _Rewind:
-                    if self.summary.interrupted or self.should_stop():
-                        self.summary.interrupted = True
-                        break  # The aborted records wait for the next run, like any uncommitted ones.
-                    self._rewind()
-        except _Fatal as stopped:
-            self.summary.fatal = str(stopped)
-        except KafkaException as exception:
-            # poll() and flush() raise a fatal client error themselves, e.g. fenced by another replay.
-            cause = exception.args[0] if exception.args else None
-            if not (isinstance(cause, KafkaError) and (cause.fatal() or cause.code() in _FENCING)):
-                raise
-            self.summary.fatal = _fatal_reason(cause, self.options.group, self.kafka_config)
-        self.summary.committed = dict(self.committed)
-
-    def _assign(self, positions: dict[int, int]) -> None:
-        topic = self.options.dlq_topic
-        self.consumer.assign([TopicPartition(topic, p, positions[p]) for p in sorted(self.active)])
-
-    def _rewind(self) -> None:
-        """After an aborted transaction: read again from the committed positions, as a rerun would."""
-        positions = {p: self.committed.get(p, start) for p, start in self.starts.items()}
-        self.active = {p for p, position in positions.items() if position < self.ends[p]}
-        self.trackers = {p: PartitionOffsets((self.options.dlq_topic, p)) for p in self.trackers}
-        self.selected = self.selected_committed
-        self._assign(positions)
-
-    def _replay(self, bucket: TokenBucket | None, until_ms: int | None) -> None:
-        try:
-            while self.active and not self.should_stop():
-                for message in self.consumer.consume(num_messages=100, timeout=0.1):
+            while self._unfinished() and not self.should_stop() and self.failure.reason is None:
+                message = self.consumer.poll(0.1 if self.active else 0.0)
+                if message is not None:
                     self._handle(message, bucket, until_ms)
-                    if not self.active or self.should_stop():
-                        break
-                    # Not only between batches: a transaction must end well within transaction.timeout.ms.
-                    self._commit(force=False)
-                self._serve(0)
+                self._serve(0 if self.active else 0.1)
         except KeyboardInterrupt:
             self.summary.interrupted = True
         self.summary.interrupted = self.summary.interrupted or self.should_stop()
-        self._drain(deadline=time.monotonic() + INTERRUPT_DRAIN_S if self.summary.interrupted else None)
-        self._commit(force=True)
+        self._finish()
+
+    def _unfinished(self) -> bool:
+        """Partitions left to read, or records whose outcome is still open (an abort may yet redo them)."""
+        if self.active or self.guarantee is None:
+            return bool(self.active)
+        ledger = self.guarantee.ledger
+        return bool(ledger.at_producer or ledger.held or not self.guarantee.producing)
+
+    def _finish(self) -> None:
+        """Wait for the records in flight (bounded when interrupted), commit what is confirmed."""
+        if self.guarantee is not None:
+            wait_s = INTERRUPT_DRAIN_S if self.summary.interrupted else FINISH_S
+            limit = time.monotonic() + wait_s
+            ledger = self.guarantee.ledger
+            while (
+                (ledger.at_producer or ledger.held) and time.monotonic() < limit and not self.failure.reason
+            ):
+                self._serve(0.1)
+            self.guarantee.stop(limit)
+        self.summary.committed = dict(self.positions)
+        if self.failure.reason is not None:
+            self.summary.fatal = fatal_reason(
+                self.failure.reason, self.failure.fenced, self.options.group, self.kafka_config
+            )
 
     def _handle(self, message: Any, bucket: TokenBucket | None, until_ms: int | None) -> None:
         error = message.error()
@@ -687,11 +547,11 @@ class _Replay:
         try:
             info = read_dead_letter(message.headers() or [])
         except ValueError as problem:
-            self._begin_and_settle(message, Outcome.UNREADABLE, None, detail=str(problem))
+            self._settle(message, Outcome.UNREADABLE, None, detail=str(problem))
             return
         skipped = classify(info, self.options)
         if skipped is not None:
-            self._begin_and_settle(message, skipped, info)
+            self._settle(message, skipped, info)
             return
         if self.options.limit is not None and self.selected >= self.options.limit:
             self.active.clear()
@@ -703,90 +563,97 @@ class _Replay:
                 value = apply_transform(self.options.transform, value)
             # The ops' code: any failure, even sys.exit(), is reported for this record only.
             except (Exception, SystemExit) as problem:
-                self._begin_and_settle(
-                    message, Outcome.TRANSFORM_FAILED, info, detail=describe_failure(problem)
-                )
+                self._settle(message, Outcome.TRANSFORM_FAILED, info, detail=describe_failure(problem))
                 return
             if value is None:
-                self._begin_and_settle(message, Outcome.TRANSFORM_SKIPPED, info)
+                self._settle(message, Outcome.TRANSFORM_SKIPPED, info)
                 return
         target = self.options.to_topic or info.topic
         report = RecordReport(
             partition, offset, Outcome.REPLAYED, info.error_type, info.replay_count, target, message.key()
         )
-        if self.options.dry_run:
+        if self.guarantee is None:  # dry run
             self.trackers[partition].track(offset)
-            self._settle(report)
+            self._settle_report(report)
             return
         failure = self.failures.get((partition, offset))
-        if failure is not None:  # Read again after a rewind: it fails as it did, without another try.
-            self._fail(report, failure)
+        if failure is not None:  # Read again after a redo: it fails as it did, without another try.
+            self._fail(failure)
             return
         if bucket is not None:
             while (wait := bucket.wait_time(time.monotonic())) > 0:
                 if self.should_stop():
-                    return  # Not begun: the committed position stays before this record.
+                    return  # Not taken: the committed position stays before this record.
                 self._serve(min(wait, 0.05))
-        self.trackers[partition].track(offset)
+        state = self.trackers[partition]
+        state.track(offset)
+        now = time.monotonic()
+        work = Work(state, self.options.dlq_topic, partition, offset, message.key(), None, now, now)
+        self.guarantee.ledger.taken(work)
+        self.sent[id(work)] = report
         headers = replay_headers(message.headers())
-        self._produce(target, message.key(), value, headers, report)
+        self.guarantee.write(work, Output(target, message.key(), value, headers))
 
-    def _produce(
-        self, target: str, key: bytes | None, value: bytes | None, headers: list[Header], report: RecordReport
-    ) -> None:
-        epoch = self.commits.epoch
+    # -- what the guarantee says ------------------------------------------------------------------------
 
-        def delivered(error: Any, _message: Any) -> None:
-            if epoch != self.commits.epoch:
-                # Its transaction was aborted and the rewind reads the record again; if the broker refused it
-                # (not merely purged by the abort), it is not sent again in this run, or it could loop.
-                if error is not None and error.code() not in _PURGED:
-                    self.failures[(report.partition, report.offset)] = error.str()
-                return
-            if error is None:
-                self._settle(report)
-            else:
-                self._fail(report, error.str())
+    def delivered(self, work: Work, error: KafkaError | None) -> None:
+        report = self.sent.pop(id(work))
+        if error is None:
+            if not work.orphan:
+                self._report(report)
+            return
+        if error.code() in PURGED:
+            return  # its transaction was aborted; the redo reads it again
+        # Refused: not sent again in this run, or it could loop.
+        failed = _failed(report, error.str())
+        self.failures[(report.partition, report.offset)] = failed
+        if not self.exactly_once:
+            self._fail(failed)
 
-        while True:
-            try:
-                self.commits.begin()
-                self.producer.produce(target, value=value, key=key, headers=headers, on_delivery=delivered)
-                break
-            except BufferError:  # librdkafka's local queue is full: let deliveries drain it.
-                self._serve(0.1)
-            except KafkaException as error:  # e.g. an invalid topic name given with --to
-                if error.args and isinstance(error.args[0], KafkaError):
-                    self.commits.refused(error.args[0])
-                self._fail(report, str(error.args[0]) if error.args else str(error))
-                break
-            except (TypeError, ValueError) as error:  # what the client refuses before queueing (a NUL byte)
-                self._fail(report, describe_failure(error))
-                break
-        self.producer.poll(0)
+    def committed(self, positions: dict[TopicPartitionKey, int]) -> None:
+        for (_, partition), position in positions.items():
+            self.positions[partition] = position
+        if self.exactly_once:
+            confirmed = [
+                r for r in self.pending if r.offset < positions.get((self.options.dlq_topic, r.partition), 0)
+            ]
+            self.pending = [r for r in self.pending if r not in confirmed]
+            for report in confirmed:
+                self._record(report)
 
-    def _fail(self, report: RecordReport, detail: str) -> None:
+    def redone(self) -> None:
+        """The aborted transaction published nothing: its records are read (every partition from its last
+        commit, even one read to its end already) and reported again."""
+        self.pending.clear()
+        self.selected = self.selected_committed
+        self.active = {p for p, end in self.ends.items() if self.positions.get(p, self.starts[p]) < end}
+
+    def _stop_reading(self, keys: Sequence[TopicPartitionKey]) -> None:
+        """A partition the guarantee stopped (a record of it is refused for good): read no more of it, and
+        report its refused records."""
+        for _, partition in keys:
+            self.consumer.pause([TopicPartition(self.options.dlq_topic, partition)])
+            self.active.discard(partition)
+            for (failed_partition, offset), failed in sorted(self.failures.items()):
+                if failed_partition == partition and (partition, offset) not in self.reported_failures:
+                    self._fail(failed)
+
+    # -- outcomes ---------------------------------------------------------------------------------------
+
+    def _fail(self, failed: RecordReport) -> None:
         # Left unsettled, so the committed position stays before it and a rerun retries it; the rest of the
         # partition would be re-sent by that rerun anyway, so stop reading it now.
-        self.active.discard(report.partition)
-        self.failures[(report.partition, report.offset)] = detail
-        failed = RecordReport(
-            report.partition,
-            report.offset,
-            Outcome.PUBLISH_FAILED,
-            report.error_type,
-            report.replay_count,
-            report.target,
-            report.key,
-            detail,
-        )
-        self.commits.report(failed)
+        self.active.discard(failed.partition)
+        self.failures[(failed.partition, failed.offset)] = failed
+        self.reported_failures.add((failed.partition, failed.offset))
+        self._record(failed)
 
-    def _begin_and_settle(
+    def _settle(
         self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
     ) -> None:
+        """A record that needs no output: done at once."""
         self.trackers[message.partition()].track(message.offset())
-        self._settle(
+        self._settle_report(
             RecordReport(
                 message.partition(),
                 message.offset(),
@@ -799,47 +666,46 @@ class _Replay:
             )
         )
 
-    def _settle(self, report: RecordReport) -> None:
+    def _settle_report(self, report: RecordReport) -> None:
         self.trackers[report.partition].done(report.offset)
-        self.commits.report(report)
+        self._report(report)
+
+    def _report(self, report: RecordReport) -> None:
+        """Exactly-once: counted once the transaction holding it commits; else at once."""
+        if self.exactly_once:
+            self.pending.append(report)
+        else:
+            self._record(report)
 
     def _record(self, report: RecordReport) -> None:
+        if self.exactly_once and report.outcome in SELECTED:
+            self.selected_committed += 1
         self.summary.add(report)
         if self.observer is not None:
             self.observer.settled(report)
 
     def _serve(self, timeout: float) -> None:
         """Run delivery callbacks (waiting up to `timeout`), then commit what they confirmed."""
-        if self.producer is not None:
-            self.producer.poll(timeout)
-        elif timeout > 0:
-            time.sleep(timeout)
-        self._commit(force=False)
-
-    def _drain(self, deadline: float | None) -> None:
-        while self.producer is not None and len(self.producer) > 0:
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            self._serve(0.1)
-
-    def _commit(self, force: bool) -> None:
-        if self.options.dry_run:
+        if self.guarantee is None:
+            if timeout > 0:
+                time.sleep(timeout)
             return
-        now = time.monotonic()
-        if not force and now - self.last_commit < COMMIT_INTERVAL_S:
-            return
-        self.last_commit = now
-        for tp in self.commits.commit(self._progress):
-            self.trackers[tp.partition].committed(tp.offset)
-            self.committed[tp.partition] = tp.offset
-        self.selected_committed = self.selected
+        self.guarantee.serve(timeout)
+        self.guarantee.advance()
 
-    def _progress(self) -> list[TopicPartition]:
-        return [
-            TopicPartition(self.options.dlq_topic, partition, position)
-            for partition, state in self.trackers.items()
-            if (position := state.position) is not None
-        ]
+
+def _failed(report: RecordReport, detail: str) -> RecordReport:
+    """`report` (a record sent) as failed, with why."""
+    return RecordReport(
+        report.partition,
+        report.offset,
+        Outcome.PUBLISH_FAILED,
+        report.error_type,
+        report.replay_count,
+        report.target,
+        report.key,
+        detail,
+    )
 
 
 def run_replay(

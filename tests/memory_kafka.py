@@ -1,0 +1,531 @@
+"""An in-memory Kafka for unit tests of the loop: a `ClientFactory` whose consumer and producer behave like
+librdkafka's for the calls the pipeline makes, deterministically and without a broker.
+
+What it models, because the pipeline's correctness depends on it:
+
+- **One queue per consumer** holding fetched records and rebalance events in arrival order, as librdkafka's
+  consumer queue does. Records are prefetched (`prefetch` per partition) at the start and end of every
+  `consume`/`poll` call, so records fetched before a rebalance event sit in front of it.
+- **Versions and barriers**: `seek`, `pause`, `resume`, assignment changes bump a partition's version and put
+  a barrier at the tail of the queue; a queued record of an older version is dropped when it is dequeued.
+  `consume(n)` follows librdkafka's `rd_kafka_q_serve_rkmessages`: records already placed in the batch are
+  purged only when the barrier is dequeued *in the same call*; a batch that fills up first returns them.
+  `poll()` returns one record, dequeued (and version-checked) after any callback served before it.
+- **Rebalance callbacks** run inside `consume`/`poll`/`close`, on the caller's thread; the test decides when
+  partitions are assigned, revoked or lost (`MemoryKafka.revoke`, `.lose`, `.assign`), each a new generation.
+- **Transactions**: records written in a transaction are visible to read_committed readers only once it
+  commits; `send_offsets_to_transaction` checks the consumer's generation (a zombie cannot commit offsets);
+  `init_transactions` under the same id fences the older producer and aborts its open transaction. A failed
+  delivery makes the transaction abortable. `hooks` let a test fail deliveries or hold a commit.
+
+Not modelled: several brokers, leaders, compaction, control records' offsets, timing of the network.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import confluent_kafka
+
+Key = tuple[str, int]
+Headers = list[tuple[str, bytes | None]] | None
+KafkaError = confluent_kafka.KafkaError
+KafkaException = confluent_kafka.KafkaException
+
+
+@dataclass
+class Transaction:
+    transactional_id: str
+    state: str = "open"  # open → committed | aborted
+    offsets: dict[str, dict[Key, int]] = field(default_factory=dict)  # group → positions
+    failed: KafkaError | None = None
+
+
+@dataclass
+class Record:
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+    transaction: Transaction | None = None
+
+    @property
+    def visible(self) -> bool:
+        """Read by a read_committed reader: not transactional, or its transaction committed."""
+        return self.transaction is None or self.transaction.state == "committed"
+
+    @property
+    def settled(self) -> bool:
+        return self.transaction is None or self.transaction.state != "open"
+
+
+class Message:
+    """What `consume`/`poll` return and delivery reports carry (the accessors the project calls)."""
+
+    def __init__(self, topic: str, partition: int, record: Record | None, error: KafkaError | None = None):
+        self._topic, self._partition, self._record, self._error = topic, partition, record, error
+
+    def error(self) -> KafkaError | None:
+        return self._error
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int | None:
+        return self._record.offset if self._record else None
+
+    def key(self) -> bytes | None:
+        return self._record.key if self._record else None
+
+    def value(self) -> bytes | None:
+        return self._record.value if self._record else None
+
+    def headers(self) -> Headers:
+        return self._record.headers if self._record else None
+
+
+@dataclass(frozen=True)
+class GroupMetadata:
+    group: str
+    generation: int
+    member: str
+
+
+@dataclass
+class Hooks:
+    """Test hooks. `delivery(topic, value)` may return an error for a record; `commit(producer)` runs at
+    the start of `commit_transaction` (block there to hold a commit, raise to fail it), `init(producer)` at
+    the start of `init_transactions` (raise to fail it); `consumer_call` runs at the start of every
+    consume/poll with the consumer (to inject rebalance events at a moment)."""
+
+    delivery: Callable[[str, bytes | None], KafkaError | None] = lambda _topic, _value: None
+    commit: Callable[[MemoryProducer], None] = lambda _producer: None
+    init: Callable[[MemoryProducer], None] = lambda _producer: None
+    consumer_call: Callable[[MemoryConsumer], None] = lambda _consumer: None
+
+
+class MemoryKafka:
+    """Topics, one consumer group and transactional ids, shared by the clients it makes (thread-safe)."""
+
+    def __init__(self, prefetch: int = 2) -> None:
+        self.lock = threading.RLock()
+        self.prefetch = prefetch
+        self.logs: dict[str, list[list[Record]]] = {}
+        self.committed: dict[str, dict[Key, int]] = collections.defaultdict(dict)
+        self.generation = 0
+        self.members: list[MemoryConsumer] = []
+        self.hooks = Hooks()
+        self._epochs: dict[str, MemoryProducer] = {}
+        self._open: dict[str, Transaction] = {}
+
+    # -- topics -------------------------------------------------------------------------------------------
+
+    def create_topic(self, topic: str, partitions: int) -> None:
+        self.logs[topic] = [[] for _ in range(partitions)]
+
+    def append(
+        self,
+        topic: str,
+        partition: int,
+        value: bytes | None,
+        key: bytes | None = None,
+        headers: Headers = None,
+    ) -> int:
+        with self.lock:
+            log = self.logs[topic][partition]
+            log.append(Record(len(log), key, value, headers))
+            return len(log) - 1
+
+    def read_committed(self, topic: str) -> list[tuple[int, Record]]:
+        """Every record a read_committed reader sees, as (partition, record)."""
+        with self.lock:
+            return [(p, r) for p, log in enumerate(self.logs[topic]) for r in log if r.visible]
+
+    def end_offsets(self, topic: str) -> dict[int, int]:
+        return {p: len(log) for p, log in enumerate(self.logs[topic])}
+
+    # -- clients ------------------------------------------------------------------------------------------
+
+    def clients(self, group: str, transactional_id: str | None = None) -> MemoryClients:
+        return MemoryClients(self, group, transactional_id)
+
+    # -- the group ----------------------------------------------------------------------------------------
+
+    def assign(self, consumer: MemoryConsumer, partitions: list[Key]) -> None:
+        """A rebalance that gives `consumer` these partitions (queued: its callback runs in its next call)."""
+        with self.lock:
+            self.generation += 1
+            consumer.events.append(("assign", partitions))
+
+    def revoke(self, consumer: MemoryConsumer, partitions: list[Key]) -> None:
+        with self.lock:
+            self.generation += 1
+            consumer.events.append(("revoke", partitions))
+
+    def lose(self, consumer: MemoryConsumer, partitions: list[Key]) -> None:
+        with self.lock:
+            self.generation += 1
+            consumer.events.append(("lost", partitions))
+
+    # -- transactions -------------------------------------------------------------------------------------
+
+    def _init(self, producer: MemoryProducer) -> None:
+        tid = producer.transactional_id
+        assert tid is not None
+        with self.lock:
+            older = self._epochs.get(tid)
+            if older is not None and older is not producer:
+                older.fenced = True
+            self._epochs[tid] = producer
+            if (open_txn := self._open.pop(tid, None)) is not None:
+                open_txn.state = "aborted"
+
+    def _current(self, producer: MemoryProducer) -> bool:
+        return self._epochs.get(producer.transactional_id or "") is producer
+
+
+class MemoryConsumer:
+    """The calls the pipeline makes on a confluent_kafka.Consumer."""
+
+    def __init__(self, kafka: MemoryKafka, group: str, on_error: Callable[[KafkaError], None]) -> None:
+        self.kafka, self.group, self._on_error = kafka, group, on_error
+        self.member = f"member-{id(self):x}"
+        self.queue: collections.deque[tuple[str, Any]] = collections.deque()
+        # Rebalance events the group decided, moved into the queue at the consumer's next call.
+        self.events: list[tuple[str, list[Key]]] = []
+        self.assigned: set[Key] = set()
+        self.paused: set[Key] = set()
+        self.version: dict[Key, int] = collections.defaultdict(int)
+        self.fetch_at: dict[Key, int] = {}
+        self.app_at: dict[Key, int] = {}
+        self.callbacks: dict[str, Callable[..., None]] = {}
+        self.closed = False
+
+    # -- subscription and assignment -------------------------------------------------------------------
+
+    def subscribe(self, topics: list[str], on_assign: Any, on_revoke: Any, on_lost: Any) -> None:
+        """Joins the group; the first member gets every partition of `topics`."""
+        self.callbacks = {"assign": on_assign, "revoke": on_revoke, "lost": on_lost}
+        with self.kafka.lock:
+            self.kafka.members.append(self)
+            if len(self.kafka.members) == 1:
+                keys = [(t, p) for t in topics for p in range(len(self.kafka.logs[t]))]
+                self.kafka.assign(self, keys)
+
+    def incremental_assign(self, partitions: list[Any]) -> None:
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            start = self.kafka.committed[self.group].get(key, 0)
+            self.assigned.add(key)
+            self._bump(key)
+            self.fetch_at[key] = self.app_at[key] = start
+
+    assign = incremental_assign
+
+    def _unassign(self, keys: list[Key]) -> None:
+        for key in keys:
+            if key in self.assigned:
+                self.assigned.discard(key)
+                self.paused.discard(key)
+                self._bump(key)
+
+    def memberid(self) -> str:
+        return self.member
+
+    def consumer_group_metadata(self) -> GroupMetadata:
+        return GroupMetadata(self.group, self.kafka.generation, self.member)
+
+    # -- fetch position --------------------------------------------------------------------------------
+
+    def seek(self, tp: Any) -> None:
+        key = (tp.topic, tp.partition)
+        if key not in self.assigned:
+            raise KafkaException(KafkaError(KafkaError._STATE, f"{key} is not assigned"))
+        self._bump(key)
+        self.fetch_at[key] = tp.offset
+
+    def pause(self, partitions: list[Any]) -> None:
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key in self.assigned:
+                self.paused.add(key)
+                self._bump(key)
+
+    def resume(self, partitions: list[Any]) -> None:
+        for tp in partitions:
+            key = (tp.topic, tp.partition)
+            if key in self.assigned:
+                self.paused.discard(key)
+                self._bump(key)
+                self.fetch_at[key] = self.app_at[key]  # librdkafka refetches from the app position
+
+    def _bump(self, key: Key) -> None:
+        self.version[key] += 1
+        self.queue.append(("barrier", (key, self.version[key])))
+
+    # -- taking records --------------------------------------------------------------------------------
+
+    def _prefetch(self) -> None:
+        """Fill the queue up to `prefetch` records per fetching partition (read_committed: up to the first
+        record of an open transaction; aborted records are skipped)."""
+        queued = collections.Counter(item[1][0] for item in self.queue if item[0] == "record")
+        for key in sorted(self.assigned - self.paused):
+            log = self.kafka.logs[key[0]][key[1]]
+            while queued[key] < self.kafka.prefetch and self.fetch_at[key] < len(log):
+                record = log[self.fetch_at[key]]
+                if not record.settled:
+                    break
+                self.fetch_at[key] += 1
+                if record.visible:
+                    self.queue.append(("record", (key, self.version[key], record)))
+                    queued[key] += 1
+
+    def _next(self) -> tuple[str, Any] | None:
+        """Dequeue one item, serving rebalance events (their callbacks) on the way; None when empty."""
+        while self.queue:
+            kind, item = self.queue.popleft()
+            if kind in ("assign", "revoke", "lost"):
+                self._rebalance(kind, item)
+                continue
+            if kind == "record" and item[1] != self.version[item[0]]:
+                continue  # outdated: fetched before a seek, pause or reassignment
+            return kind, item
+        return None
+
+    def _rebalance(self, kind: str, keys: list[Key]) -> None:
+        tps = [confluent_kafka.TopicPartition(t, p) for t, p in keys]
+        self.callbacks[kind](self, tps)
+        if kind == "assign":
+            if not set(keys) <= self.assigned:
+                self.incremental_assign(tps)
+        else:
+            self._unassign(keys)
+
+    def _start_call(self) -> None:
+        with self.kafka.lock:
+            self.kafka.hooks.consumer_call(self)
+            self.queue.extend(self.events)
+            self.events.clear()
+            self._prefetch()
+
+    def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
+        """librdkafka's batch semantics, see the module docstring."""
+        self._start_call()
+        batch: list[Message] = []
+        versions: list[int] = []
+        while len(batch) < num_messages:
+            got = self._next()
+            if got is None:
+                break
+            kind, item = got
+            if kind == "barrier":
+                key, version = item
+                kept = [
+                    (m, v)
+                    for m, v in zip(batch, versions, strict=True)
+                    if (m.topic(), m.partition()) != key or v >= version
+                ]
+                batch, versions = [m for m, _ in kept], [v for _, v in kept]
+                continue
+            key, version, record = item
+            batch.append(Message(key[0], key[1], record))
+            versions.append(version)
+        self._taken(batch)
+        if not batch and timeout:
+            time.sleep(min(timeout, 0.002))
+        return batch
+
+    def poll(self, timeout: float = -1) -> Message | None:
+        self._start_call()
+        while (got := self._next()) is not None:
+            kind, item = got
+            if kind == "record":
+                key, _version, record = item
+                message = Message(key[0], key[1], record)
+                self._taken([message])
+                return message
+        if timeout:
+            time.sleep(min(timeout, 0.002))
+        return None
+
+    def _taken(self, messages: list[Message]) -> None:
+        for message in messages:
+            key = (message.topic(), message.partition())
+            self.app_at[key] = max(self.app_at.get(key, 0), (message.offset() or 0) + 1)
+        with self.kafka.lock:
+            self._prefetch()
+
+    # -- offsets ---------------------------------------------------------------------------------------
+
+    def committed(self, partitions: list[Any], timeout: float = -1) -> list[Any]:
+        offsets = self.kafka.committed[self.group]
+        return [
+            confluent_kafka.TopicPartition(
+                tp.topic, tp.partition, offsets.get((tp.topic, tp.partition), confluent_kafka.OFFSET_INVALID)
+            )
+            for tp in partitions
+        ]
+
+    def commit(self, offsets: list[Any], asynchronous: bool = True) -> list[Any]:
+        with self.kafka.lock:
+            for tp in offsets:
+                self.kafka.committed[self.group][(tp.topic, tp.partition)] = tp.offset
+        return offsets
+
+    def position(self, partitions: list[Any]) -> list[Any]:
+        return [
+            confluent_kafka.TopicPartition(
+                tp.topic, tp.partition, self.app_at.get((tp.topic, tp.partition), -1)
+            )
+            for tp in partitions
+        ]
+
+    def get_watermark_offsets(self, tp: Any, timeout: float = -1, cached: bool = False) -> tuple[int, int]:
+        return 0, len(self.kafka.logs[tp.topic][tp.partition])
+
+    def close(self) -> None:
+        """Leaves the group: the revoke callback runs for what is still assigned, as librdkafka's does."""
+        if self.assigned:
+            self._rebalance("revoke", sorted(self.assigned))
+        with self.kafka.lock:
+            if self in self.kafka.members:
+                self.kafka.members.remove(self)
+        self.closed = True
+
+
+class MemoryProducer:
+    """The calls the pipeline makes on a confluent_kafka.Producer; records reach the log on `poll`."""
+
+    def __init__(
+        self, kafka: MemoryKafka, transactional_id: str | None, on_error: Callable[[KafkaError], None]
+    ) -> None:
+        self.kafka, self.transactional_id, self._on_error = kafka, transactional_id, on_error
+        self._queue: list[tuple[str, bytes | None, bytes | None, Headers, Any]] = []
+        self._transaction: Transaction | None = None
+        self.fenced = False
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _check(self) -> None:
+        if self.fenced:
+            raise KafkaException(KafkaError(KafkaError._FENCED, "producer fenced", fatal=True))
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        headers: Headers = None,
+        on_delivery: Any = None,
+    ) -> None:
+        self._check()
+        if self.transactional_id is not None and self._transaction is None:
+            raise KafkaException(KafkaError(KafkaError._STATE, "no transaction open"))
+        self._queue.append((topic, value, key, headers, on_delivery))
+
+    def poll(self, timeout: float = 0) -> int:
+        """Writes the queued records and serves their delivery reports."""
+        queue, self._queue = self._queue, []
+        for topic, value, key, headers, on_delivery in queue:
+            partitions = self.kafka.logs[topic]
+            partition = zlib.crc32(key or b"") % len(partitions)
+            error = self.kafka.hooks.delivery(topic, value)
+            if error is None:
+                with self.kafka.lock:
+                    record = Record(len(partitions[partition]), key, value, headers, self._transaction)
+                    partitions[partition].append(record)
+                on_delivery(None, Message(topic, partition, record))
+            else:
+                if self._transaction is not None:
+                    self._transaction.failed = error
+                on_delivery(error, Message(topic, partition, None, error))
+        if not queue and timeout:
+            time.sleep(min(timeout, 0.002))
+        return len(queue)
+
+    def flush(self, timeout: float = -1) -> int:
+        self.poll(0)
+        return 0
+
+    # -- transactions ----------------------------------------------------------------------------------
+
+    def init_transactions(self, timeout: float = -1) -> None:
+        self.kafka.hooks.init(self)
+        self.kafka._init(self)
+
+    def begin_transaction(self) -> None:
+        self._check()
+        if self._transaction is not None:
+            raise KafkaException(KafkaError(KafkaError._STATE, "a transaction is already open"))
+        assert self.transactional_id is not None
+        self._transaction = Transaction(self.transactional_id)
+        with self.kafka.lock:
+            self.kafka._open[self.transactional_id] = self._transaction
+
+    def send_offsets_to_transaction(
+        self, offsets: list[Any], metadata: GroupMetadata, timeout: float = -1
+    ) -> None:
+        self._check()
+        assert self._transaction is not None
+        with self.kafka.lock:
+            if metadata.generation != self.kafka.generation:
+                error = KafkaError(KafkaError.ILLEGAL_GENERATION, "stale generation", txn_requires_abort=True)
+                self._transaction.failed = error
+                raise KafkaException(error)
+            positions = self._transaction.offsets.setdefault(metadata.group, {})
+            positions.update({(tp.topic, tp.partition): tp.offset for tp in offsets})
+
+    def commit_transaction(self, timeout: float = -1) -> None:
+        self._check()
+        self.kafka.hooks.commit(self)
+        self.poll(0)
+        transaction = self._transaction
+        assert transaction is not None
+        if transaction.failed is not None:
+            failed = transaction.failed
+            raise KafkaException(KafkaError(failed.code(), failed.str(), txn_requires_abort=True))
+        with self.kafka.lock:
+            if not self.kafka._current(self) or transaction.state != "open":
+                raise KafkaException(KafkaError(KafkaError._FENCED, "producer fenced", fatal=True))
+            transaction.state = "committed"
+            for group, positions in transaction.offsets.items():
+                self.kafka.committed[group].update(positions)
+            self.kafka._open.pop(transaction.transactional_id, None)
+        self._transaction = None
+
+    def abort_transaction(self, timeout: float = -1) -> None:
+        self._check()
+        queue, self._queue = self._queue, []
+        for topic, _value, _key, _headers, on_delivery in queue:
+            error = KafkaError(KafkaError._PURGE_QUEUE, "purged by the abort")
+            on_delivery(error, Message(topic, 0, None, error))
+        if self._transaction is not None:
+            with self.kafka.lock:
+                self._transaction.state = "aborted"
+                self.kafka._open.pop(self._transaction.transactional_id, None)
+        self._transaction = None
+
+
+@dataclass(frozen=True)
+class MemoryClients:
+    """A `ClientFactory` over a MemoryKafka: one group, transactional when given an id."""
+
+    kafka: MemoryKafka
+    group: str
+    transactional_id: str | None = None
+
+    def consumer(self, on_error: Callable[[KafkaError], None]) -> MemoryConsumer:
+        return MemoryConsumer(self.kafka, self.group, on_error)
+
+    def producer(self, on_error: Callable[[KafkaError], None]) -> MemoryProducer:
+        return MemoryProducer(self.kafka, self.transactional_id, on_error)

@@ -1,0 +1,77 @@
+"""Kafka error classes: one table for every client the project runs (the pipeline, replay, admin calls).
+
+librdkafka flags each error `retriable()`, `txn_requires_abort()` or `fatal()`. The sets below add what the
+flags leave out, as seen here:
+
+- *passing*: coordinator states that end by themselves (a coordinator loading or moving, another operation
+  on the transaction still ending) though librdkafka does not always flag them retriable: call again;
+- *fenced*: fatal errors after which no new producer helps: another live client owns the transactional id,
+  or the id is not allowed. Any other fatal producer error (seen here: INVALID_TXN_STATE from an abort after
+  a broker restart) is survived by a new producer with the same id, as a restart would;
+- *purged*: how records queued or in flight when their transaction was aborted fail;
+- *refused record*: delivery errors that sending the same record again would meet again.
+"""
+
+from __future__ import annotations
+
+import confluent_kafka
+
+KafkaError = confluent_kafka.KafkaError
+
+PASSING = frozenset(
+    {
+        KafkaError.CONCURRENT_TRANSACTIONS,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+    }
+)
+FENCED = frozenset(
+    {
+        KafkaError._FENCED,
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    }
+)
+PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+REFUSED_RECORD = frozenset(
+    {
+        KafkaError._INVALID_ARG,  # refused by the client itself (e.g. a topic name with a NUL byte)
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.INVALID_MSG,
+        KafkaError.INVALID_RECORD,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    }
+)
+
+
+def kafka_error(problem: confluent_kafka.KafkaException | KafkaError) -> KafkaError | None:
+    """The KafkaError a client call raised (or was given)."""
+    if isinstance(problem, KafkaError):
+        return problem
+    first = problem.args[0] if problem.args else None
+    return first if isinstance(first, KafkaError) else None
+
+
+def describe(problem: confluent_kafka.KafkaException | KafkaError) -> str:
+    """`NAME: reason` for logs and outcomes."""
+    error = kafka_error(problem)
+    return f"{error.name()}: {error.str()}" if error is not None else str(problem)
+
+
+def passing(problem: confluent_kafka.KafkaException | KafkaError) -> bool:
+    """Worth calling again: retriable, or a coordinator state that passes."""
+    error = kafka_error(problem)
+    return error is not None and (error.retriable() or error.code() in PASSING)
+
+
+def fenced(problem: confluent_kafka.KafkaException | KafkaError) -> bool:
+    """The producer must stop for good (see FENCED): a new one with the same transactional id cannot help."""
+    error = kafka_error(problem)
+    return error is not None and error.code() in FENCED
+
+
+def fatal(problem: confluent_kafka.KafkaException | KafkaError) -> bool:
+    error = kafka_error(problem)
+    return error is not None and (error.fatal() or error.code() in FENCED)

@@ -1,0 +1,739 @@
+"""The delivery guarantee behind one seam: how the loop's outputs reach Kafka and its progress is committed.
+
+The loop (`runner.py`) decides *what* to write for each record taken from Kafka; a `Guarantee` decides *how*
+it is written and when the input offsets past it are committed. Two implementations, chosen by
+`pipeline.guarantee`:
+
+- `AtLeastOnce`: outputs are produced at once; a partition's done prefix is committed to the group. A crash
+  re-delivers at most the uncommitted records (duplicates, never loss).
+- `ExactlyOnce`: a commit is a transaction holding the outputs of exactly the offsets it commits. Outputs of
+  a partition are produced in input order (held in the ledger until the records before them are produced),
+  nothing is produced while a commit is on its way, and a commit is sent only once every record in it is
+  acknowledged. A transaction that cannot commit is aborted and its work *redone*: every owned partition is
+  sought back to its first uncommitted offset.
+
+The contract, every call on the loop's thread (one small step each, as getsentry/arroyo's strategies):
+
+- `start()` once before the consumer subscribes; raises UserError when the guarantee cannot work at all;
+- `write(work, output)`: the output for one record; its offset counts as done once the broker acknowledged it;
+- `serve(wait_s)`: delivery reports, waiting up to `wait_s` for one;
+- `advance()`: apply commit outcomes (an abort or a stuck commit is handled here), start a commit when one is
+  due (every `commit_interval_ms`, or early when done work fills half of the in-flight bound);
+- `committing`: a background commit is on its way (the loop then does not poll: see `runner._may_poll`);
+  `wait(wait_s)` waits for it or for a report when the loop has nothing else to do;
+- `producing`: outputs still go out (False while an exactly-once transaction is doomed to abort);
+- `settle(limit)`, `commit_now(states, limit)`: on revoke, before and after the revoked partitions' work is
+  drained: their progress is committed synchronously so the new owner starts where this worker stopped;
+- `assigned(keys)`, `lost(keys)`: partitions came, or were taken without a revoke (nothing of theirs may be
+  committed any more);
+- `stop(limit)`: at shutdown, flush and commit what is done; returns how many records were not flushed.
+
+Why the run must end (a fatal client error, a fenced producer) is written to the `Failure` both share. A
+caller that reports record by record (replay) passes an `Observer`; the pipeline needs none.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
+
+import confluent_kafka
+import structlog
+
+from worker.config import Settings
+from worker.errors import UserError
+from worker.kafka import errors
+from worker.kafka.clients import ClientErrorLog, ClientFactory, produce
+from worker.kafka.commits import CommitOutcome, TransactionFailed, Transactions, consumer_commit
+from worker.kafka.dead_letters import OMITTED_BYTES
+from worker.pipeline.committer import Committer
+from worker.pipeline.ledger import Ledger, Output, Work
+from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
+
+_log = structlog.get_logger("worker.pipeline")
+
+_QUEUE_FULL = confluent_kafka.KafkaError._QUEUE_FULL
+_INVALID_ARG = confluent_kafka.KafkaError._INVALID_ARG
+_TOO_LARGE = confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
+# How often a dead letter written smaller is sent before its partition stops (see `smaller`).
+_SHRUNK_DEAD_LETTER_TRIES = 3
+# Exactly-once: a commit still on its way after this long is stuck in librdkafka (every call in it has a 10 s
+# timeout and retries stop after 20 s; see `ExactlyOnce._replace_producer`).
+_STUCK_COMMIT_S = 30.0
+# Exactly-once: one try of a new producer to take the transactional id over (see `_take_over`).
+_TAKE_OVER_CALL_S = 2.0
+# Exactly-once: how long a failed transaction waits for its other records' reports before it is aborted.
+_REPORTS_BEFORE_ABORT_S = 1.0
+# While waiting for a report or a commit at shutdown and on revoke.
+_BUSY_WAIT_S = 0.01
+
+
+class Failure:
+    """Why the run must stop; the first reason given wins. Shared by the loop and its guarantee. `fenced`:
+    another client took the transactional id over (or it is not allowed)."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.fenced = False
+        self._error_log = ClientErrorLog("worker")
+
+    def set(self, reason: str, fenced: bool = False) -> None:
+        if self.reason is None:
+            self.reason, self.fenced = reason, fenced
+
+    def client_error(self, error: confluent_kafka.KafkaError) -> None:
+        """error_cb of the consumer: transient errors are the client's to retry; fatal ones end the run."""
+        if error.fatal():
+            self.set(f"{error.name()}: {error.str()}")
+            _log.error("kafka_fatal_error", code=error.name(), reason=error.str())
+        else:
+            self._error_log(error)
+
+
+class Observer:
+    """Told what a guarantee did with each record: a delivery report (`error` None: acknowledged; the work
+    may be an orphan of an aborted transaction), confirmed commit positions, and a redo (records produced
+    since the last commit will be read and written again). This default ignores everything."""
+
+    def delivered(self, work: Work, error: confluent_kafka.KafkaError | None) -> None:
+        pass
+
+    def committed(self, positions: dict[TopicPartitionKey, int]) -> None:
+        pass
+
+    def redone(self) -> None:
+        pass
+
+
+class Guarantee(Protocol):
+    """See the module docstring for the contract."""
+
+    in_order: ClassVar[bool]
+    ledger: Ledger
+    give_up_at: float | None
+
+    def start(self) -> None: ...
+    def write(self, work: Work, output: Output) -> None: ...
+    def serve(self, wait_s: float) -> None: ...
+    def advance(self) -> None: ...
+    @property
+    def committing(self) -> bool: ...
+    def wait(self, wait_s: float) -> None: ...
+    @property
+    def producing(self) -> bool: ...
+    def settle(self, limit: float) -> None: ...
+    def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None: ...
+    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None: ...
+    def lost(self, keys: set[TopicPartitionKey]) -> None: ...
+    def stop(self, limit: float) -> int: ...
+
+
+def guarantee_for(
+    settings: Settings,
+    clients: ClientFactory,
+    consumer: confluent_kafka.Consumer,
+    tracker: OffsetTracker,
+    metrics: PipelineMetrics,
+    clock: Callable[[], float],
+    pause: Callable[[Sequence[TopicPartitionKey]], None],
+    failure: Failure,
+    observer: Observer | None = None,
+) -> AtLeastOnce | ExactlyOnce:
+    """The guarantee `pipeline.guarantee` names, with a ledger in input order where it needs one."""
+    kind = ExactlyOnce if settings.pipeline.guarantee == "exactly_once" else AtLeastOnce
+    ledger = Ledger(settings.pipeline.scheduling, in_order=kind.in_order)
+    return kind(settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer)
+
+
+def smaller(work: Work, output: Output, shrunk: int) -> Output:
+    """A dead letter too large for its topic (it carries the original value, key and headers) with its
+    `triage.*` headers only, which point at the original in the source topic, and the size left out."""
+    headers = output.headers or []
+    kept = [(n, v) for n, v in headers if n.startswith("triage.") and n != OMITTED_BYTES]
+    omitted = output.omitted or (
+        len(output.value or b"")
+        + len(output.key or b"")
+        + sum(len(n) + len(v or b"") for n, v in headers if not n.startswith("triage."))
+    )
+    kept.append((OMITTED_BYTES, str(omitted).encode("ascii")))
+    _log.warning("dead_letter_shrunk", partition=work.partition, offset=work.offset, omitted_bytes=omitted)
+    return Output(output.topic, None, None, kept, omitted, shrunk)
+
+
+class _Base:
+    """What both guarantees share: the producer, delivery reports and the committer thread."""
+
+    in_order: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        settings: Settings,
+        clients: ClientFactory,
+        consumer: confluent_kafka.Consumer,
+        tracker: OffsetTracker,
+        ledger: Ledger,
+        metrics: PipelineMetrics,
+        clock: Callable[[], float],
+        pause: Callable[[Sequence[TopicPartitionKey]], None],
+        failure: Failure,
+        observer: Observer | None = None,
+    ) -> None:
+        self._pipeline = settings.pipeline
+        self._dead_letter_topic = settings.topics.dead_letter
+        self._clients = clients
+        self._consumer = consumer
+        self._tracker = tracker
+        self.ledger = ledger
+        self._metrics = metrics
+        self._clock = clock
+        self._pause = pause
+        self._failure = failure
+        self._observer = observer or Observer()
+        self._producer = clients.producer(self._on_producer_error)
+        self._committer = Committer(self._commit_call())
+        # While revoking or stopping: the instant a produce stops waiting for room in the client's queue.
+        self.give_up_at: float | None = None
+        now = clock()
+        self._last_commit = now
+        # A failed commit is retried after a commit interval, not at once (a broker outage fails them all).
+        self._retry_commit_at = now
+
+    # -- the contract ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        pass
+
+    def serve(self, wait_s: float) -> None:
+        """Serve delivery reports. A fatal producer error is raised here too (confluent-kafka raises it from
+        poll)."""
+        try:
+            self._producer.poll(wait_s)
+        except confluent_kafka.KafkaException as problem:
+            self._producer_failed(errors.describe(problem), errors.fenced(problem))
+
+    def advance(self) -> None:
+        self._apply_commit_outcomes()
+        self._maybe_commit()
+
+    @property
+    def committing(self) -> bool:
+        return self._committer.busy
+
+    def wait(self, wait_s: float) -> None:
+        """Nothing at the model: slots come back with the commit on its way or with delivery reports."""
+        if self._committer.busy:
+            self._committer.wait_idle(wait_s)
+        else:
+            self.serve(wait_s)
+
+    @property
+    def producing(self) -> bool:
+        return True
+
+    def settle(self, limit: float) -> None:
+        pass
+
+    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None:
+        pass
+
+    def lost(self, keys: set[TopicPartitionKey]) -> None:
+        pass
+
+    # -- producing and delivery -----------------------------------------------------------------------------
+
+    def _send(self, work: Work, output: Output) -> None:
+        delivery_id = self.ledger.to_broker(work)
+        on_delivery = functools.partial(self._on_delivery, delivery_id, output)
+        try:
+            # A full local queue (the broker is slow or away) is waited out, bounded on revoke and shutdown.
+            produce(
+                self._producer,
+                output.topic,
+                output.value,
+                output.key,
+                output.headers,
+                on_delivery,
+                self.give_up_at,
+            )
+        except BufferError:
+            self._on_delivery(delivery_id, output, confluent_kafka.KafkaError(_QUEUE_FULL), None)
+        except confluent_kafka.KafkaException as refused:
+            # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery,
+            # except that a transaction never saw it.
+            self._on_delivery(delivery_id, output, refused.args[0], None, queued=False)
+        except (TypeError, ValueError) as refused:  # e.g. a topic name with a NUL byte (replay's targets)
+            error = confluent_kafka.KafkaError(_INVALID_ARG, f"{type(refused).__name__}: {refused}")
+            self._on_delivery(delivery_id, output, error, None, queued=False)
+
+    def _on_delivery(
+        self,
+        delivery_id: int,
+        output: Output,
+        error: confluent_kafka.KafkaError | None,
+        _msg: Any,
+        queued: bool = True,
+    ) -> None:
+        work = self.ledger.delivered(delivery_id)
+        if work is None:
+            return
+        self._observer.delivered(work, error)
+        if error is None:
+            self._metrics.produced += 1
+            self._metrics.end_to_end.observe(self._clock() - work.polled_at)
+            work.state.done(work.offset)
+            return
+        self._delivery_error(work, output, error, queued)
+
+    def _delivery_error(
+        self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
+    ) -> None:
+        """A delivery that still fails stops its partition: the commit position never passes the offset, the
+        partition is paused; a restart or rebalance re-reads it. A dead letter too large is written
+        smaller instead (the broker refuses a whole batch for one large record, so a few times)."""
+        if error.code() == _TOO_LARGE and self._shrinkable(output):
+            self._send(work, smaller(work, output, output.shrunk + 1))
+            return
+        work.state.fail(work.offset)
+        self._delivery_failed(work, error, "never committed past this offset until a restart or rebalance")
+        if not work.orphan:
+            self._pause([work.partition_key])
+
+    def _shrinkable(self, output: Output) -> bool:
+        """A dead letter refused as too large is written smaller, a few times. Not results: decoding bounds
+        their size, so a result refused as too large means a misconfigured output topic."""
+        return output.topic == self._dead_letter_topic and output.shrunk < _SHRUNK_DEAD_LETTER_TRIES
+
+    def _delivery_failed(self, work: Work, error: confluent_kafka.KafkaError, stopped: str) -> None:
+        self._metrics.delivery_failed += 1
+        _log.error(
+            "delivery_failed",
+            topic=work.topic,
+            partition=work.partition,
+            offset=work.offset,
+            code=error.name(),
+            reason=error.str(),
+            effect=f"partition stopped: {stopped}",
+        )
+
+    def _on_producer_error(self, error: confluent_kafka.KafkaError) -> None:
+        """error_cb of the producer: transient errors are the client's to retry; fatal ones are handled by
+        `_producer_failed`."""
+        if error.fatal():
+            self._producer_failed(errors.describe(error), errors.fenced(error))
+        else:
+            self._failure.client_error(error)
+
+    def _producer_failed(self, reason: str, fenced: bool) -> None:
+        if self._failure.reason is None:
+            _log.error("kafka_fatal_error", reason=reason)
+        self._failure.set(reason, fenced)
+
+    # -- commits --------------------------------------------------------------------------------------------
+
+    def _commit_call(self) -> Callable[[dict[TopicPartitionKey, int]], CommitOutcome]:
+        raise NotImplementedError
+
+    def _may_commit(self, due: bool) -> bool:
+        """Whether a commit due (or not) may be sent now."""
+        return due
+
+    def _maybe_commit(self) -> None:
+        now = self._clock()
+        if self._committer.busy or now < self._retry_commit_at:
+            return  # one commit at a time: that also caps the rate at one per broker round trip
+        due = now - self._last_commit >= self._pipeline.commit_interval_ms / 1000.0
+        # Done but uncommitted work holds in-flight slots: commit early when it fills half of them.
+        crowded = self._tracker.uncommitted_done() * 2 >= self._pipeline.max_in_flight
+        if not self._may_commit(due or crowded):
+            return
+        positions = self._tracker.commit_positions()
+        self._last_commit = now
+        if not positions:
+            self._nothing_to_commit()
+            return
+        for key, position in positions.items():
+            if (state := self._tracker.get(key)) is not None:
+                state.commit_requested(position)
+        self._committer.submit(positions)
+
+    def _nothing_to_commit(self) -> None:
+        pass
+
+    def _apply_commit_outcomes(self) -> None:
+        """Confirmed positions release their offsets (and in-flight slots); failed ones may be sent again."""
+        for outcome in self._committer.results():
+            self._apply_commit_outcome(outcome)
+
+    def _apply_commit_outcome(self, outcome: CommitOutcome) -> None:
+        for key, position in outcome.confirmed.items():
+            if (state := self._tracker.get(key)) is not None:
+                self._metrics.committed += state.committed(position)
+        if outcome.confirmed:
+            self._observer.committed(outcome.confirmed)
+            _log.debug("commit_confirmed", positions=positions_by_name(outcome.confirmed))
+        for key, position in outcome.failed.items():
+            if (state := self._tracker.get(key)) is not None:
+                state.commit_failed(position)
+        if outcome.failed:
+            self._retry_commit_at = self._clock() + self._pipeline.commit_interval_ms / 1000.0
+            self._metrics.commit_failed += 1
+            _log.warning("commit_failed", reason=outcome.error, partitions=names(set(outcome.failed)))
+
+
+class AtLeastOnce(_Base):
+    """Outputs at once; a partition's done prefix committed to the group (see the module docstring)."""
+
+    def write(self, work: Work, output: Output) -> None:
+        self._send(work, output)
+
+    def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None:
+        """Synchronous commit of the done prefix of `states` on this thread (on revoke and at shutdown).
+
+        Not through the committer: inside a rebalance callback only this thread's commit goes through.
+        """
+        self._apply_commit_outcomes()
+        positions = {state.key: pos for state in states if (pos := state.position) is not None}
+        if not positions:
+            return
+        try:
+            results = self._consumer.commit(offsets=_partitions(positions), asynchronous=False)
+        except confluent_kafka.KafkaException as error:
+            self._metrics.commit_failed += 1
+            _log.warning("commit_failed", reason=str(error), partitions=sorted(positions))
+            return
+        by_key = {state.key: state for state in states}
+        confirmed = {}
+        for tp in results or ():
+            state = by_key.get((tp.topic, tp.partition))
+            if state is not None and tp.error is None and tp.offset >= 0:
+                self._metrics.committed += state.committed(tp.offset)
+                confirmed[state.key] = tp.offset
+        self._observer.committed(confirmed)
+        _log.info("committed", positions=positions_by_name(positions))
+
+    def stop(self, limit: float) -> int:
+        failed = self._failure.reason is not None
+        not_flushed = len(self._producer) if failed else self._producer.flush(max(0.0, limit - self._clock()))
+        # The last background commit must land before the final one, never after it.
+        self._committer.wait_idle(max(0.0, limit - self._clock()))
+        self.commit_now(list(self._tracker), limit)
+        self._committer.close()
+        return int(not_flushed)
+
+    def _commit_call(self) -> Callable[[dict[TopicPartitionKey, int]], CommitOutcome]:
+        return consumer_commit(self._consumer)
+
+
+class ExactlyOnce(_Base):
+    """Transactions holding the outputs of exactly the offsets they commit (see the module docstring).
+
+    A lost partition aborts the open transaction (its outputs would duplicate the new owner's). A record the
+    broker refuses every time cannot be redone forever: a dead letter is redone smaller, anything else stops
+    its partition at its last commit. A fenced producer (another worker with the same transactional id) ends
+    the run; any other fatal producer error, or a commit stuck in librdkafka, is settled by a new producer.
+    """
+
+    in_order = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._transactions: Transactions | None = None
+        super().__init__(*args, **kwargs)
+        # No records go into the transaction (a commit is due or on its way); why it must be aborted, and by
+        # when at the latest; when the commit on its way was sent.
+        self._closing = False
+        self._abort_reason: str | None = None
+        self._abort_by = 0.0
+        self._commit_sent_at = 0.0
+        # Why the producer must be replaced at the next turn (a fatal error it cannot survive); why a new
+        # producer still has to take the transactional id over (its coordinator did not answer yet).
+        self._replace_reason: str | None = None
+        self._taking_over: str | None = None
+        self._taken_over = False
+        # Producers and committers left behind by `_replace_producer`: a thread may still be inside them.
+        self._abandoned: list[object] = []
+        # Dead letters to write smaller when redone (source position → tries); kept until committed, as
+        # librdkafka can fail the next transaction too (measured: after a refused record and an abort, the
+        # next commit fails with OUT_OF_ORDER_SEQUENCE_NUMBER), so a redo may repeat.
+        self._redo_smaller: dict[tuple[str, int, int], int] = {}
+        # Partitions stopped at their last commit because a record of theirs is refused every time.
+        self._poisoned: set[TopicPartitionKey] = set()
+
+    # -- the contract ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        try:
+            self._txn.init()
+        except TransactionFailed as problem:
+            self._committer.close()
+            raise UserError(f"Kafka: cannot start transactions (exactly_once): {problem}") from None
+        self._txn.begin()
+
+    def write(self, work: Work, output: Output) -> None:
+        """In order: held until every earlier record of its partition has been produced."""
+        tries = self._redo_smaller.get((work.topic, work.partition, work.offset), 0)
+        if tries and output.topic == self._dead_letter_topic:
+            output = smaller(work, output, tries)
+        self.ledger.hold(work, output)
+        self._release(work.state)
+
+    def advance(self) -> None:
+        if self._taking_over is not None:
+            self._take_over(self._taking_over)
+            return
+        # All reports of a doomed transaction come first (bounded): they name the records the broker refuses.
+        aborting = self._abort_reason is not None and not self._committer.busy
+        if aborting and (not self.ledger.at_producer or self._clock() >= self._abort_by):
+            self._abort_and_redo()
+        if self._committer.busy and self._clock() - self._commit_sent_at >= _STUCK_COMMIT_S:
+            self._replace_reason = f"commit on its way for {_STUCK_COMMIT_S:.0f} s"
+        if self._replace_reason is not None and self._failure.reason is None:
+            self._replace_producer(self._replace_reason)
+        super().advance()
+
+    @property
+    def producing(self) -> bool:
+        return self._abort_reason is None
+
+    def settle(self, limit: float) -> None:
+        """A transaction commit on its way blocks new records; draining needs them."""
+        self._committer.wait_idle(max(0.0, limit - self._clock()))
+        self._apply_commit_outcomes()
+
+    def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None:
+        """Commit the open transaction on this thread, once every record in it is acknowledged; abort it
+        (and redo its work) when that does not happen by `limit`. The transaction holds records of every
+        owned partition: it commits (or aborts) as a whole."""
+        self.settle(limit)
+        if self._failure.reason is not None or self._committer.busy or self._taking_over is not None:
+            return  # the commit on its way holds the transaction (its outcome is applied later), or none runs
+        self._closing = True
+        while self.ledger.at_producer and self._abort_reason is None and self._clock() < limit:
+            self.serve(_BUSY_WAIT_S)
+        if self.ledger.at_producer or self._abort_reason is not None:
+            self._abort_reason = self._abort_reason or "records not acknowledged in time"
+            self._abort_and_redo()
+            return
+        self._last_commit = self._clock()
+        outcome = self._txn.commit(self._tracker.commit_positions())
+        self._apply_commit_outcome(outcome)
+        if outcome.confirmed:
+            _log.info("committed", positions=positions_by_name(outcome.confirmed))
+
+    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None:
+        self._poisoned.difference_update(keys)  # a new assignment tries its records again
+
+    def lost(self, keys: set[TopicPartitionKey]) -> None:
+        """The open transaction holds outputs of these partitions, which their new owner writes again."""
+        if keys and self._abort_reason is None:
+            self._abort_reason, self._abort_by = "partitions lost", self._clock()
+
+    def stop(self, limit: float) -> int:
+        if self._failure.reason is None:
+            self.commit_now(list(self._tracker), limit)
+        self._committer.close()
+        return len(self._producer)
+
+    # -- transactions ---------------------------------------------------------------------------------------
+
+    @property
+    def _txn(self) -> Transactions:
+        assert self._transactions is not None  # made with the producer, in `_commit_call`
+        return self._transactions
+
+    def _commit_call(self) -> Callable[[dict[TopicPartitionKey, int]], CommitOutcome]:
+        self._transactions = Transactions(self._producer, self._consumer)
+        return self._transactions.commit
+
+    def _release(self, state: PartitionOffsets | None = None) -> None:
+        """Produce the held outputs that may go (of `state`'s partition, or of all), unless the transaction
+        takes no records."""
+        if not self._closing and self._abort_reason is None:
+            for work in self.ledger.release(state):
+                assert work.output is not None
+                self._send(work, work.output)
+
+    def _may_commit(self, due: bool) -> bool:
+        if not (due or self._closing) or self._taking_over is not None:
+            return False
+        # The transaction takes no more records; its offsets are known once all of them are acknowledged.
+        self._closing = True
+        if self.ledger.at_producer or self._abort_reason is not None:
+            return False
+        self._commit_sent_at = self._clock()
+        return True
+
+    def _nothing_to_commit(self) -> None:
+        """Nothing was written (every output goes with its offset): the open transaction goes on."""
+        self._closing = False
+        self._release()
+
+    def _apply_commit_outcome(self, outcome: CommitOutcome) -> None:
+        if outcome.fatal:
+            self._producer_failed(f"transaction failed: {outcome.error}", fenced=True)
+            return
+        if outcome.aborted:
+            self._redo(outcome.error or "commit failed")
+            return
+        if outcome.unsettled:
+            self._replace_producer(outcome.error or "commit failed")
+            return
+        super()._apply_commit_outcome(outcome)
+        if self._redo_smaller and outcome.confirmed:
+            self._redo_smaller = {
+                (t, p, offset): tries
+                for (t, p, offset), tries in self._redo_smaller.items()
+                if offset >= outcome.confirmed.get((t, p), -1)
+            }
+        self._metrics.transactions += 1
+        self._reopen()
+
+    def _reopen(self) -> None:
+        """Begin the next transaction and produce what was held meanwhile."""
+        if self._closing:
+            try:
+                self._txn.begin()
+            except confluent_kafka.KafkaException as problem:  # fenced or fatal meanwhile
+                self._producer_failed(errors.describe(problem), errors.fenced(problem))
+                return
+            self._closing = False
+            self._release()
+
+    # -- failures -------------------------------------------------------------------------------------------
+
+    def _delivery_error(
+        self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
+    ) -> None:
+        """One failed record fails its transaction, which is aborted and redone. A record the broker refuses
+        every time must not be redone forever: a dead letter is redone smaller (a few times); anything else
+        stops its partition at its last commit. The refusal may be reported after the abort (its record is
+        an orphan by then): it still counts for the redo. Refused as too large before queueing, the
+        transaction never saw it: as at-least-once."""
+        if not queued and error.code() == _TOO_LARGE:
+            super()._delivery_error(work, output, error, queued)
+            return
+        _log.debug(
+            "delivery_failed_in_transaction", offset=work.offset, code=error.name(), orphan=work.orphan
+        )
+        if error.code() in errors.REFUSED_RECORD:
+            if error.code() == _TOO_LARGE and self._shrinkable(output):
+                self._redo_smaller[(work.topic, work.partition, work.offset)] = output.shrunk + 1
+            else:
+                self._poisoned.add(work.partition_key)
+                self._delivery_failed(work, error, "at its last commit until a restart or rebalance")
+        if self._abort_reason is None and not work.orphan:
+            self._abort_reason = f"delivery of offset {work.offset} failed: {error.name()}"
+            self._abort_by = self._clock() + _REPORTS_BEFORE_ABORT_S
+
+    def _producer_failed(self, reason: str, fenced: bool) -> None:
+        """The producer is unusable. Fenced (another live worker has our transactional id) or not authorized:
+        stop. Anything else: a new producer takes over at the next turn."""
+        if not fenced:
+            self._replace_reason = self._replace_reason or reason
+        elif self._failure.reason is None:
+            self._failure.set(reason, fenced=True)
+            _log.error(
+                "transactions_failed",
+                reason=reason,
+                effect="stopping: another worker may use the same pipeline.transactional_id",
+            )
+
+    def _abort_and_redo(self) -> None:
+        reason = self._abort_reason or "aborted"
+        failed = self._txn.abort()
+        if failed is None:
+            self._redo(reason)
+        elif failed.fatal:
+            self._producer_failed(f"transaction abort failed: {failed.reason}", fenced=True)
+        else:
+            self._replace_producer(f"{reason}; abort failed: {failed.reason}")
+
+    def _replace_producer(self, reason: str) -> None:
+        """A transaction neither committed nor aborted. Seen here: a commit call that never returns, because
+        librdkafka ignores the call's timeout when its cached group coordinator went away
+        (confluentinc/librdkafka#5456 and #5511), after a broker restart; and an abort that times out after
+        the broker refused records. A new producer with the same transactional id fences the old one and
+        ends its transaction; the work is redone from the group's committed offsets, which say whether that
+        transaction committed after all. The old producer is left alone: a thread may still be in it."""
+        _log.error(
+            "transaction_stuck",
+            reason=reason,
+            effect="a new transactional producer takes over; the work is redone from the committed offsets",
+        )
+        self._replace_reason = None
+        self._abandoned.append((self._producer, self._committer))
+        self._producer = self._clients.producer(self._on_producer_error)
+        self._committer = Committer(self._commit_call())
+        self.ledger.forget_produced()
+        self._closing = True  # nothing is produced until the new producer owns the transactional id
+        self._taken_over = False
+        self._take_over(reason)
+
+    def _take_over(self, reason: str) -> None:
+        """The new producer registers the transactional id (fencing the old one), then the work is redone from
+        the committed offsets. While the coordinator does not answer (seen for a minute after a broker
+        restart on a loaded machine) this is tried again at the next turns, one short call each, so the loop
+        keeps polling and the worker stays in its group; a restart would recover the same way."""
+        states = list(self._tracker)
+        try:
+            if self._taking_over is None or not self._taken_over:
+                self._txn.init(call_timeout_s=_TAKE_OVER_CALL_S, retry_for_s=0.0)
+            self._taken_over = True
+            wanted = [confluent_kafka.TopicPartition(*state.key) for state in states]
+            committed = self._consumer.committed(wanted, timeout=_TAKE_OVER_CALL_S) if wanted else []
+        except (TransactionFailed, confluent_kafka.KafkaException) as problem:
+            if isinstance(problem, TransactionFailed) and problem.fenced:
+                self._producer_failed(f"cannot take the transactional id over: {problem}", fenced=True)
+            elif self._taking_over is None:
+                _log.warning("transaction_take_over_retried", reason=str(problem), effect="tried again")
+            self._taking_over = reason
+            return
+        self._taking_over = None
+        self._redo(reason, {(tp.topic, tp.partition): tp.offset for tp in committed})
+
+    def _redo(self, reason: str, committed: dict[TopicPartitionKey, int] | None = None) -> None:
+        """After an abort: every owned partition starts again at its first uncommitted offset (the aborted
+        transaction's records are never read, so nothing is lost and nothing is written twice), or at the
+        group's `committed` offset where the outcome of the last commit is not known here."""
+        self._abort_reason = None
+        self._metrics.transactions_aborted += 1
+        self._observer.redone()
+        states = list(self._tracker)
+        self.ledger.give_up({state.key for state in states})
+        redo_from: dict[str, int] = {}
+        for state in states:
+            start = state.first_uncommitted
+            if start is None:
+                continue
+            if committed is not None and committed.get(state.key, -1) >= 0:
+                start = committed[state.key]
+            blocked = state.key in self._poisoned
+            self._tracker.restart(state.key, start, blocked)
+            redo_from[f"{state.key[0]}[{state.key[1]}]"] = start
+            try:
+                self._consumer.seek(confluent_kafka.TopicPartition(*state.key, start))
+            except confluent_kafka.KafkaException as problem:
+                # Going on would skip the records between `start` and the fetch position: a restart
+                # re-reads them from the committed offset instead.
+                self._failure.set(f"cannot seek {state.key[0]}[{state.key[1]}] back to {start}: {problem}")
+                _log.error("redo_failed", reason=self._failure.reason)
+                return
+            if blocked:
+                self._pause([state.key])
+        _log.warning("transaction_aborted", reason=reason, redo_from=redo_from)
+        self._closing = True
+        self._last_commit = self._clock()
+        self._reopen()
+
+
+def _partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
+    return [confluent_kafka.TopicPartition(t, p, position) for (t, p), position in positions.items()]
+
+
+def positions_by_name(positions: dict[TopicPartitionKey, int]) -> dict[str, int]:
+    return {f"{topic}[{partition}]": position for (topic, partition), position in sorted(positions.items())}
+
+
+def names(keys: Sequence[TopicPartitionKey] | set[TopicPartitionKey]) -> list[str]:
+    return [f"{topic}[{partition}]" for topic, partition in sorted(keys)]
