@@ -1,5 +1,5 @@
 # triage-worker with the embedded model (models/triage-mini), CPU inference. Configure through environment:
-# TRIAGE_<SECTION>__<KEY> and KAFKA_<OPTION> (see the README's configuration table).
+# TRIAGE_<SECTION>__<KEY> and KAFKA_<OPTION> (docs/configuration.md).
 #   make image                       # = docker/podman build -t triage-worker:local . (deploy/container_engine.py)
 #   docker run --rm -e KAFKA_BOOTSTRAP_SERVERS=broker:9092 -p 9400:9400 triage-worker:local
 # Without Docker Hub (air-gapped): --build-arg BASE_IMAGE=<an internal Debian/Python 3.11+ image> (or one that
