@@ -12,8 +12,9 @@ topic, no dead letter), `/readyz` turns 200 and the HEALTHCHECK passes, and SIGT
 
 compose (`make compose-check`): deploy/docker-compose.yml with the `demo` profile under `docker compose` or
 `podman-compose`, as its own project with the broker on a free host port: the broker, the topics one-shot, two
-workers from the built image sharing the input partitions and the sample producer; results appear on the
-output topic; `down` leaves no container, network or volume of the project behind.
+workers from the built image sharing the input partitions, the lag exporter and the sample producer; results
+appear on the output topic, the exporter serves the group's lag; `down` leaves no container, network or
+volume of the project behind.
 """
 
 from __future__ import annotations
@@ -403,12 +404,12 @@ def check_compose(overrides: list[Path], want: int) -> None:
             hint = "make broker-image" if "kafka" in image else "make image"
             fail(f"image {image} is not built: `{hint}` first")
     project = f"triage-compose-check-{uuid.uuid4().hex[:6]}"
-    port = local_broker.free_port()
+    port, lag_port = local_broker.free_port(), local_broker.free_port()
     files = [arg for path in [COMPOSE_FILE, *overrides] for arg in ("-f", str(path))]
     base = [*compose, "-p", project, *files, "--profile", "demo"]
-    env = {**os.environ, "BROKER_HOST_PORT": str(port)}
+    env = {**os.environ, "BROKER_HOST_PORT": str(port), "LAG_HOST_PORT": str(lag_port)}
     say(f"compose: {' '.join(compose)} with {', '.join(p.name for p in [COMPOSE_FILE, *overrides])}")
-    say(f"  project {project}, broker published on 127.0.0.1:{port} (BROKER_HOST_PORT)")
+    say(f"  project {project}, broker on 127.0.0.1:{port}, lag exporter on 127.0.0.1:{lag_port}")
 
     def compose_run(*args: str, timeout: float = 600) -> None:
         done = subprocess.run([*base, *args], env=env, capture_output=True, text=True, timeout=timeout)
@@ -429,6 +430,7 @@ def check_compose(overrides: list[Path], want: int) -> None:
         say(f"results: {len(results)} tickets on tickets.triaged, {took:.0f}s after `up`")
         say(f"  {describe(results)}")
         _check_group(bootstrap)
+        _check_lag_exporter(f"http://127.0.0.1:{lag_port}/metrics")
         project_label = f"label=com.docker.compose.project={project}"
         worker_label = "label=com.docker.compose.service=worker"
         workers = container_engine.run(
@@ -457,7 +459,7 @@ def check_compose(overrides: list[Path], want: int) -> None:
 
 def _up_in_order(tool: str, project: str, compose_run: Callable[..., None]) -> None:
     """Podman < 5.6: the file's dependency order, one step at a time (see PODMAN_COMPOSE_ORDERS_ITSELF)."""
-    say("  Podman < 5.6: up in dependency order (kafka healthy → topics done → workers and producer)")
+    say("  Podman < 5.6: up in dependency order (kafka healthy → topics done → the rest)")
     compose_run("up", "-d", "kafka")
     kafka = f"{project}_kafka_1"
 
@@ -471,7 +473,7 @@ def _up_in_order(tool: str, project: str, compose_run: Callable[..., None]) -> N
     say(f"  topics: exited {exit_code}")
     if exit_code != "0":
         fail(f"topics create failed:\n{_logs_tail(tool, topics)}")
-    compose_run("up", "-d", "--no-deps", "worker", "producer")
+    compose_run("up", "-d", "--no-deps", "worker", "lag-exporter", "producer")
 
 
 def _check_group(bootstrap: str) -> None:
@@ -490,6 +492,32 @@ def _check_group(bootstrap: str) -> None:
         wait_for("two workers sharing the input partitions", shared, timeout_s=180)
     finally:
         say(f"  group triage-worker: {len(shares)} members, partitions {' | '.join(map(str, shares))}")
+
+
+def _check_lag_exporter(url: str) -> None:
+    """The lag exporter serves the group's lag on every input partition, read from the broker."""
+    samples: dict[str, float] = {}
+
+    def read_ok() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            return False
+        samples.clear()
+        for line in text.splitlines():
+            if line.startswith("triage_group_lag"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return any(
+            name.startswith("triage_group_lag_read_ok") and value == 1 for name, value in samples.items()
+        )
+
+    wait_for("the lag exporter to read the group's lag", read_ok, timeout_s=120)
+    lags = [value for name, value in samples.items() if name.startswith("triage_group_lag{")]
+    if len(lags) != 6:
+        fail(f"lag exporter: the lag of {len(lags)} partitions, not of the 6 input partitions: {samples}")
+    say(f"  lag exporter: group triage-worker on tickets.raw, 6 partitions, lag {sum(lags):.0f} in all")
 
 
 def main() -> int:
