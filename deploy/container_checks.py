@@ -173,13 +173,25 @@ def _logs_tail(tool: str, name: str, lines: int = 25) -> str:
 
 
 def _healthcheck(tool: str, name: str) -> None:
-    """The image's HEALTHCHECK, passing. Podman without systemd schedules no checks: run it on demand."""
+    """The image's HEALTHCHECK, passing. Podman without systemd schedules no checks: run it on demand, and as
+    the engine would, call the container unhealthy only after the image's `--retries` failures in a row."""
     if tool == "podman":
-        checked = container_engine.run(["podman", "healthcheck", "run", name], check=False)
-        if checked.returncode != 0:
-            fail(f"HEALTHCHECK: {checked.stdout.strip()} {checked.stderr.strip()}")
-        say("    HEALTHCHECK: healthy (podman healthcheck run)")
-        return
+        retries = int(
+            container_engine.run(
+                ["podman", "inspect", "--format", "{{.Config.Healthcheck.Retries}}", name]
+            ).stdout.strip()
+            or 1
+        )
+        for attempt in range(1, retries + 1):
+            checked = container_engine.run(["podman", "healthcheck", "run", name], check=False)
+            if checked.returncode == 0:
+                tries = "" if attempt == 1 else f", on try {attempt} of {retries}"
+                say(f"    HEALTHCHECK: healthy (podman healthcheck run{tries})")
+                return
+            output = f"{checked.stdout.strip()} {checked.stderr.strip()}".strip()
+            say(f"    HEALTHCHECK try {attempt} of {retries}: {output}")
+            time.sleep(2)
+        fail(f"HEALTHCHECK: unhealthy after {retries} tries in a row")
 
     def healthy() -> bool:
         state = container_engine.run(
