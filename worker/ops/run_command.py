@@ -138,7 +138,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         metavar="SECONDS",
         help="how often the metrics event is logged (default 10; also logged at shutdown)",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, takes_stop_signals=True)
 
 
 def flag_settings() -> list[tuple[str, str]]:
@@ -190,7 +190,7 @@ def _check_topics(settings: Settings) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, _overrides(args))
     configure_logging(settings.log)
-    stop = _StopOnSignals()
+    stop = _StopOnSignals(args.held_stop_signals.received)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, _ = resolve_taxonomy(settings.inference)
@@ -253,15 +253,20 @@ def _shadow(settings: Settings, shadow_settings: InferenceSettings, pool: Classi
 
 
 class _StopOnSignals:
-    """SIGTERM/SIGINT from the very start: a stop asked for while the model loads (a pod stopped during
-    start-up) is remembered and the pipeline stops as soon as it exists (exit 0), instead of the process
-    dying by the signal's default action. A second signal exits at once."""
+    """SIGTERM/SIGINT from the very start: a stop asked for while the modules import (`held`, see
+    `cli.HeldStopSignals`) or the model loads (a pod stopped during start-up) is remembered and the pipeline
+    stops as soon as it exists (exit 0), instead of the process dying by the signal's default action. A
+    second signal exits at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: list[int]) -> None:
         self._received: list[int] = []
         self._pipeline: Pipeline | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if held:  # held signals count as one: the next one is the one that exits at once
+            self._received.append(held[0])
+            name = signal.Signals(held[0]).name
+            _log.info("stop_requested", signal=name, when="while the modules imported")
 
     def attach(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline
