@@ -58,7 +58,7 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict worker tools
+	$(BIN)/mypy --strict worker tools deploy/*.py
 
 # Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
 # tests/test_docs.py fails when they are stale.

@@ -99,9 +99,9 @@ def read_results(bootstrap: str, topic: str, want: int, timeout_s: float) -> dic
                 say(f"  ... {len(results)}/{want} results so far ({time.monotonic() - started:.0f}s)")
                 last = time.monotonic()
             message = consumer.poll(1.0)
-            if message is None or message.error() is not None:
+            if message is None or message.error() is not None or (value := message.value()) is None:
                 continue
-            result = decoder.decode(message.value())
+            result = decoder.decode(value)
             results[result.ticket_id] = result
     finally:
         consumer.close()
@@ -387,6 +387,7 @@ def _merge_tag(loader: yaml.SafeLoader, _suffix: str, node: yaml.Node) -> Any:
         return loader.construct_sequence(node, deep=True)
     if isinstance(node, yaml.MappingNode):
         return loader.construct_mapping(node, deep=True)
+    assert isinstance(node, yaml.ScalarNode)
     return loader.construct_scalar(node)
 
 

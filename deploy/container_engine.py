@@ -150,7 +150,7 @@ def docker_api_answers(env: dict[str, str], timeout_s: float = 15) -> bool:
     import docker  # the project's venv has it (testcontainers); `engine` and `build` need no venv
 
     try:
-        client = docker.from_env(timeout=timeout_s, environment=env)
+        client = docker.from_env(timeout=round(timeout_s), environment=env)
         try:
             return bool(client.ping())
         finally:
