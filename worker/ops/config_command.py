@@ -23,7 +23,7 @@ from worker.kafka.dead_letters import (
     OPTIONAL_HEADER_DOCS,
     PIPELINE_ERROR_DOCS,
 )
-from worker.messages import ShadowResult, TicketEvent, TriageResult
+from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
 
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -64,6 +64,8 @@ def schema_files() -> dict[str, str]:
         "ticket_event.schema.json": _json_schema(TicketEvent),
         "triage_result.schema.json": _json_schema(TriageResult),
         "shadow_result.schema.json": _json_schema(ShadowResult),
+        "review_record.schema.json": _json_schema(ReviewRecord),
+        "feedback_event.schema.json": _json_schema(FeedbackEvent),
         "dead_letter.md": _dead_letter_doc(),
     }
 

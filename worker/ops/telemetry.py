@@ -46,7 +46,7 @@ from worker.config import InferenceSettings, MetricsSettings, Settings
 from worker.errors import UserError
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.kafka.clients import ClientErrorLog, producer_config
-from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics, ShadowMetrics
+from worker.pipeline.metrics import LatencyHistogram, PipelineMetrics, ReviewMetrics, ShadowMetrics
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
@@ -343,6 +343,8 @@ class PipelineCollector(Collector):
         )  # fmt: skip
         if metrics.shadow is not None:
             yield from _shadow_families(metrics.shadow)
+        if metrics.review is not None:
+            yield from _review_families(metrics.review)
 
 
 def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
@@ -388,6 +390,24 @@ def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
         "triage_shadow_latency_seconds", "Shadow model time per ticket, as its engine reports it.",
         shadow.latency,
     )  # fmt: skip
+
+
+def _review_families(review: ReviewMetrics) -> Iterator[Metric]:
+    """Results sent to the review topic, by intent (the taxonomy bounds the labels) and reason."""
+    sent = CounterMetricFamily(
+        "triage_review_sent", "Results also sent to the review topic.", labels=["intent", "reason"]
+    )
+    for (intent, reason), count in sorted(dict(review.sent).items()):
+        sent.add_metric([intent, reason], count)
+    yield sent
+    yield CounterMetricFamily(
+        "triage_review_produced", "Review records the broker acknowledged.", value=review.produced
+    )
+    yield CounterMetricFamily(
+        "triage_review_delivery_failed",
+        "Review records not sent or not acknowledged.",
+        value=review.delivery_failed,
+    )
 
 
 def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
