@@ -208,3 +208,23 @@ def test_held_out_corrections_are_a_share_of_each_intent() -> None:
     assert len(held) == 4 and {c.intent for c in held} == set(LABELS[:2])
     assert "single" in {c.ticket_id for c in trained}
     assert split_holdout(made, 0.25, seed=1) == (trained, held)
+
+
+def test_what_went_to_review_is_exported_by_intent_and_reason() -> None:
+    from worker.ops.telemetry import _review_families
+    from worker.pipeline.metrics import ReviewMetrics
+
+    metrics = ReviewMetrics()
+    metrics.sent[("card_arrival", "low_confidence")] += 3
+    metrics.sent[("unknown", "fallback")] += 1
+    metrics.produced = 4
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in _review_families(metrics)
+        for sample in family.samples
+    }
+    assert (
+        samples[("triage_review_sent_total", (("intent", "card_arrival"), ("reason", "low_confidence")))] == 3
+    )
+    assert samples[("triage_review_sent_total", (("intent", "unknown"), ("reason", "fallback")))] == 1
+    assert samples[("triage_review_produced_total", ())] == 4

@@ -205,10 +205,6 @@ class Reviewer:
     def run(self) -> int:
         shown = 0
         for message in self.records():
-            if self._limit is not None and shown >= self._limit:
-                self._screen()
-                self._console.print(f"[bold]Stopped after {shown} tickets (--limit).[/bold] {self._tally()}")
-                return 0
             try:
                 record = _DECODER.decode(message.value() or b"")
             except msgspec.DecodeError:
@@ -222,6 +218,10 @@ class Reviewer:
             if not self._review(record, shown):
                 return 0
             self._done(message)
+            if self._limit is not None and shown >= self._limit:
+                self._screen()
+                self._console.print(f"[bold]Stopped after {shown} tickets (--limit).[/bold] {self._tally()}")
+                return 0
         self._screen()
         self._console.print(f"[bold]No more tickets to review.[/bold] {self._tally()}")
         return 0
