@@ -58,7 +58,9 @@ class Recipe:
 
     seed: int = 77
     holdout: float = 0.25  # share of the corrections kept out of training, to measure on
-    replay_per_intent: int = 0  # original training tickets per intent mixed in (0: all of them)
+    # Original training tickets per intent mixed in (0: all of them). 40 of BANKING77's ~130 kept the test
+    # accuracy as well as all of them did in the measured example, in a third of the time.
+    replay_per_intent: int = 40
     steps: int = 300
     learning_rate: float = 0.003
     l2: float = 0.01

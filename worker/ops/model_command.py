@@ -251,9 +251,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     tune.add_argument(
         "--replay-per-intent",
         type=int,
-        default=0,
+        default=40,
         metavar="N",
-        help="original training tickets per intent mixed in (default 0: all)",
+        help="original training tickets per intent mixed in (default 40; 0: all)",
     )
     tune.add_argument("--steps", type=int, default=300, help="optimisation steps (default 300)")
     tune.add_argument(
