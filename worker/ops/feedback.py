@@ -294,5 +294,5 @@ def summarize(corrections: list[Correction]) -> Iterator[str]:
         pair = (correction.model_intent or "?", correction.intent)
         pairs[pair] = pairs.get(pair, 0) + 1
     for (before, after), count in sorted(pairs.items(), key=lambda item: -item[1]):
-        verdict = "accepted" if before == after else f"{before} -> {after}"
+        verdict = f"{before} (accepted)" if before == after else f"{before} -> {after}"
         yield f"  {count:>5}  {verdict}"

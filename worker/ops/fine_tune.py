@@ -268,7 +268,7 @@ class Featurizer:
             decided.append(self.labels[int(np.argmax(logits[self.label_ids]))])
             if progress is not None:
                 progress(done, len(texts))
-        return np.array(states).reshape(len(texts), -1), decided
+        return np.array(states).reshape(len(texts), self.layer.weights.shape[1]), decided
 
 
 def fit_rows(
