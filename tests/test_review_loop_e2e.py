@@ -103,8 +103,8 @@ def _accuracy(intents: dict[str, str], truth: dict[str, str]) -> float:
     return sum(intents[t] == truth[t] for t in intents) / len(intents)
 
 
-# Two worker starts, a fine-tune and a reload: about 4 minutes on an idle 2-core machine, but 16 on the
-# shared one at a load average of 15, past the suite's default 900 s.
+# Two worker starts, a fine-tune and a reload: over 15 minutes on the shared 2-core machine at a load
+# average of 15 (measured), past the suite's default 900 s.
 @pytest.mark.timeout(2400)
 def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
     kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
