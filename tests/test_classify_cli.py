@@ -1,8 +1,10 @@
-"""`triage-worker classify` with the real test model."""
+"""`triage-worker classify` with the real test model, and the argument text checks it shares with `send`."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -64,3 +66,67 @@ def test_classify_needs_text_or_input(capsys: pytest.CaptureFixture[str]) -> Non
 def test_classify_with_cuda_missing_names_the_package(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["classify", "hi", "--model", str(TINY), "--provider", "cuda"]) == 2
     assert "onnxruntime-genai-cuda" in capsys.readouterr().err
+
+
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "worker"]
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t "])
+def test_a_ticket_with_no_text_is_refused_before_the_model(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["classify", text, "--model", str(TINY)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err
+        == "triage-worker: error: classify: the ticket text is empty; there is nothing to classify\n"
+    )
+
+
+def test_text_that_is_not_utf8_is_one_line_without_a_traceback() -> None:
+    done = subprocess.run(
+        [*CLI, "classify", b"caf\xe9", "--model", str(TINY)], capture_output=True, check=False
+    )
+    assert done.returncode == 2 and done.stdout == b""
+    assert done.stderr.decode() == (
+        "triage-worker: error: the ticket text is not valid UTF-8 (byte 0xe9 at character 4); "
+        "pass UTF-8 text, or put the ticket in a --input file\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "detail"),
+    [
+        (b"", "the file has no lines"),
+        (b"just some text\n", "1 line(s) rejected (invalid_json 1)"),
+        (
+            b'\x00\xff\xfe binary\n{"ticket_id": "t", "body": " "}\n{"ticket_id": "u", "body": ""}\n',
+            "3 line(s) rejected (empty_ticket 2, invalid_utf8 1)",
+        ),
+    ],
+)
+def test_an_input_file_without_a_valid_ticket_fails_without_starting_the_pool(
+    tmp_path: Path, content: bytes, detail: str
+) -> None:
+    tickets = tmp_path / "tickets.jsonl"
+    tickets.write_bytes(content)
+    done = subprocess.run(
+        [*CLI, "classify", "--input", str(tickets), "--model", str(TINY)], capture_output=True, check=False
+    )
+    assert done.returncode == 2 and done.stdout == b""
+    err = done.stderr.decode()
+    assert err.splitlines()[-1] == f"triage-worker: error: {tickets}: no ticket to classify: {detail}"
+    assert "classifier pool" not in err and "Traceback" not in err
+
+
+def test_send_refuses_text_that_is_not_utf8_before_contacting_kafka() -> None:
+    done = subprocess.run(
+        [*CLI, "send", b"caf\xe9", "--bootstrap-servers", "127.0.0.1:9"], capture_output=True, check=False
+    )
+    assert done.returncode == 2 and done.stdout == b""
+    assert done.stderr.decode().startswith(
+        "triage-worker: error: the ticket text is not valid UTF-8 (byte 0xe9"
+    )
+    assert b"Kafka" not in done.stderr and len(done.stderr.splitlines()) == 1

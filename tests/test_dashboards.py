@@ -5,6 +5,7 @@ Prometheus' own rule loader and PromQL parser check them too (deploy/promcheck, 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -14,8 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.ops.telemetry import Check, PipelineCollector, WorkerProbes, new_registry
-from worker.pipeline.metrics import PartitionGauges, PipelineMetrics
+from worker.ops.lag_command import GroupLagCollector
+from worker.pipeline.metrics import LATENCY_BUCKETS_S, PartitionGauges, PipelineMetrics
+from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.server import Check, new_registry
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -31,7 +35,8 @@ class _Broker:
 
 
 def exported_names() -> set[str]:
-    """Every sample name a busy worker exports (with _total, _bucket, _count, _sum, _info suffixes)."""
+    """Every sample name a busy worker and the lag exporter export (with _total, _bucket, _count, _sum,
+    _info suffixes)."""
     metrics = PipelineMetrics(consumed=1, loop_turned_at=0.0)
     metrics.fallback["overloaded"] += 1
     metrics.dead_letter("invalid_json")
@@ -40,6 +45,10 @@ def exported_names() -> set[str]:
     probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 1, 1
     registry = new_registry()
     registry.register(PipelineCollector(probes, {"version": "0", "model": "m"}))
+    model_processes = ModelProcessCollector()
+    model_processes.pools["primary"] = lambda: [os.getpid()]
+    registry.register(model_processes)
+    registry.register(GroupLagCollector(lambda: {0: 5}, "g", "t"))
     return {sample.name for family in registry.collect() for sample in family.samples} | {"up"}
 
 
@@ -77,6 +86,30 @@ def test_alert_rules_are_complete_and_query_exported_metrics() -> None:
         assert used, rule["alert"]
         assert used <= names, f"{rule['alert']} queries metrics the worker does not export: {used - names}"
         assert rule["expr"].count("(") == rule["expr"].count(")"), rule["alert"]
+
+
+def test_latency_thresholds_sit_on_bucket_bounds() -> None:
+    """`histogram_quantile(...) > N` interpolates inside a bucket: with N between two bounds the alert fires
+    on a guess. Every latency threshold must be a bound of the exported buckets."""
+    thresholds = [
+        float(match)
+        for rule in _alert_rules()
+        if "histogram_quantile" in rule["expr"]
+        for match in re.findall(r"\)\s*>\s*([0-9.]+)\s*$", rule["expr"].strip())
+    ]
+    assert thresholds, "no latency alert found"
+    assert all(threshold in LATENCY_BUCKETS_S for threshold in thresholds), thresholds
+
+
+def test_lag_comes_from_the_broker_not_from_the_workers() -> None:
+    """The dashboard's lag and the lag alerts read `triage_group_lag` (lag-exporter, from the broker): a
+    worker's own `triage_consumer_lag` vanishes exactly when every worker is down."""
+    queries = _dashboard_queries() + [rule["expr"] for rule in _alert_rules()]
+    lag_queries = [query for query in queries if "_lag" in query]
+    assert lag_queries and all("triage_group_lag" in query for query in lag_queries), lag_queries
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    assert jobs["triage-lag"]["static_configs"][0]["targets"] == ["lag-exporter:9401"]
 
 
 def test_dashboard_is_well_formed_and_queries_exported_metrics() -> None:

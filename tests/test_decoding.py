@@ -32,8 +32,33 @@ def test_valid_ticket_with_optional_and_unknown_fields() -> None:
 
 
 def test_minimal_ticket_and_empty_body_are_valid() -> None:
-    event = decode_ticket(b'{"ticket_id": "T-2", "body": ""}', LIMIT)
+    # An empty body is valid when the subject carries the text (a ticket with no text at all is not: below).
+    event = decode_ticket(b'{"ticket_id": "T-2", "subject": "Card stolen", "body": ""}', LIMIT)
     assert (event.ticket_id, event.body, event.metadata) == ("T-2", "", None)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b'{"ticket_id": "T", "body": ""}',
+        b'{"ticket_id": "T", "body": " \\n\\t", "subject": null}',
+        b'{"ticket_id": "T", "body": "", "subject": "\\u3000 "}',
+    ],
+)
+def test_a_ticket_with_no_text_is_refused_before_the_model(value: bytes) -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(value, LIMIT)
+    assert caught.value.error_type == "empty_ticket"
+    assert caught.value.message == "`body` and `subject` are empty or whitespace: no text to classify"
+
+
+def test_invalid_json_quotes_the_library_words_unchanged() -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode_ticket(b'{"ticket_id": "T", x}', LIMIT)
+    assert (
+        caught.value.message
+        == "value is not valid JSON: JSON is malformed: object keys must be strings (byte 19)"
+    )
 
 
 def test_value_exactly_at_the_limit_is_accepted() -> None:
@@ -48,7 +73,7 @@ def test_value_exactly_at_the_limit_is_accepted() -> None:
         (b'{"ticket_id": "T", "body": "' + b"x" * LIMIT + b'"}', "too_large", "over the 1024-byte limit"),
         (b'{"ticket_id": "T", "body": "caf\xe9"}', "invalid_utf8", "not valid UTF-8: invalid continuation"),
         (b'{"ticket_id": "T", "body": "ok", "extra": "\xff"}', "invalid_utf8", "at byte 43"),
-        (b'{"ticket_id": "T", "body": "ok"', "invalid_json", "not valid JSON: input data was truncated"),
+        (b'{"ticket_id": "T", "body": "ok"', "invalid_json", "not valid JSON: Input data was truncated"),
         (b"", "invalid_json", "not valid JSON"),
         (b'["T", "body"]', "not_an_object", "must be a JSON object, got array"),
         (b'"just text"', "not_an_object", "got string"),
@@ -186,8 +211,8 @@ def test_messages_never_quote_more_than_a_short_excerpt_of_the_input() -> None:
     ("value", "error_type", "message"),
     [
         # Numbers msgspec cannot hold in a known field: out of range, not a crash in int().
-        (b'{"ticket_id": "T", "body": ' + b"9" * 5000 + b"}", "invalid_json", "integer value out of range"),
-        (b'{"ticket_id": "T", "body": 1e999999}', "invalid_json", "number out of range"),
+        (b'{"ticket_id": "T", "body": ' + b"9" * 5000 + b"}", "invalid_json", "Integer value out of range"),
+        (b'{"ticket_id": "T", "body": 1e999999}', "invalid_json", "Number out of range"),
         (b'{"ticket_id": "T", "body": "\\ud800"}', "invalid_json", "not valid JSON"),  # lone surrogate
         (b'{"ticket_id": "T", "body": "b", "x": "\\udc00x"}', "invalid_json", "invalid utf-16 surrogate"),
         # Duplicate keys: the last one counts, and every one must be valid.

@@ -164,4 +164,84 @@ def test_kustomize_builds_the_manifests() -> None:
     built = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=False)
     assert built.returncode == 0, built.stderr
     kinds = sorted(doc["kind"] for doc in yaml.safe_load_all(built.stdout) if doc)
-    assert kinds == ["ConfigMap", "Deployment", "Job", "PodDisruptionBudget", "ScaledObject", "Service"]
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "Job",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "ScaledObject",
+        "Service",
+    ]
+    monitoring = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, check=False
+    )
+    assert monitoring.returncode == 0, monitoring.stderr
+    assert [doc["kind"] for doc in yaml.safe_load_all(monitoring.stdout) if doc] == ["PodMonitor"]
+
+
+def _pod_specs() -> dict[str, dict[str, Any]]:
+    return {kind: _by_kind(kind)["spec"]["template"] for kind in ("Deployment", "Job")}
+
+
+def test_pods_get_no_kubernetes_service_link_variables() -> None:
+    """A Service named `kafka` would otherwise put KAFKA_PORT=tcp://... into the worker's environment."""
+    for kind, template in _pod_specs().items():
+        assert template["spec"]["enableServiceLinks"] is False, kind
+
+
+def test_a_not_ready_pod_never_blocks_a_node_drain() -> None:
+    assert _by_kind("PodDisruptionBudget")["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def _port_allowed(rule: dict[str, Any], port: int | str, protocol: str = "TCP") -> bool:
+    return any(
+        allowed.get("protocol", "TCP") == protocol
+        and (allowed["port"] == port or allowed["port"] <= port <= allowed.get("endPort", allowed["port"]))
+        for allowed in rule.get("ports", [])
+        if isinstance(allowed["port"], int) == isinstance(port, int)
+    )
+
+
+def test_the_network_policy_admits_only_prometheus_on_the_metrics_port_and_lets_out_only_dns_and_kafka() -> (
+    None
+):
+    policy = _by_kind("NetworkPolicy")["spec"]
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+    for kind, template in _pod_specs().items():
+        assert policy["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), kind
+    # In: one rule, the container's metrics port by name (which also serves the unauthenticated POST /reload),
+    # from Prometheus pods only.
+    (ingress,) = policy["ingress"]
+    container_ports = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert [p["port"] for p in ingress["ports"]] == [p["name"] for p in container_ports] == ["metrics"]
+    assert all(source.get("podSelector", {}).get("matchLabels") for source in ingress["from"])
+    # Out: DNS to the cluster's resolver, and the broker port the ConfigMap names; nothing else.
+    dns, kafka = policy["egress"]
+    assert _port_allowed(dns, 53, "UDP") and _port_allowed(dns, 53, "TCP")
+    assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+    bootstrap = load_settings(env=_by_kind("ConfigMap")["data"]).kafka["bootstrap.servers"]
+    assert all(_port_allowed(kafka, int(server.rsplit(":", 1)[1])) for server in bootstrap.split(","))
+    assert not _port_allowed(kafka, 443) and not _port_allowed(kafka, 9400)
+
+
+# PodMonitor fields this project uses, as the Prometheus Operator's CRD (monitoring.coreos.com/v1) defines
+# them; its schema is not vendored here, so a misspelt field must at least not be one of these.
+_PODMONITOR_SPEC = {"selector", "podMetricsEndpoints", "namespaceSelector", "jobLabel"}
+_PODMONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme"}
+
+
+def test_the_pod_monitor_scrapes_the_worker_pods_metrics_port() -> None:
+    (monitor,) = _documents(K8S / "monitoring" / "podmonitor.yaml")
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    spec = monitor["spec"]
+    assert spec.keys() <= _PODMONITOR_SPEC
+    pod = _by_kind("Deployment")["spec"]["template"]
+    assert spec["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint.keys() <= _PODMONITOR_ENDPOINT
+    assert (
+        endpoint["port"] == "metrics"
+        and endpoint["path"] == pod["metadata"]["annotations"]["prometheus.io/path"]
+    )
+    assert int(endpoint["scrapeTimeout"].rstrip("s")) < int(endpoint["interval"].rstrip("s"))

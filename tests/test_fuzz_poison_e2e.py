@@ -9,8 +9,8 @@ from pathlib import Path
 
 import confluent_kafka
 import pytest
-from pipeline_harness import Worker, audit, committed_offsets, end_offsets, make_topics
 
+from tools.harness import Worker, audit, committed_offsets, end_offsets, make_topics
 from worker.ops.samples import KIND_HEADER
 
 pytestmark = pytest.mark.kafka

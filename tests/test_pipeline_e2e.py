@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pipeline_harness import (
+
+from tools.harness import (
     Publisher,
     Worker,
     audit,
@@ -23,7 +24,6 @@ from pipeline_harness import (
     publish,
     wait_until_committed,
 )
-
 from worker.kafka.local_broker import LocalBroker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -395,3 +395,19 @@ def test_exactly_once_a_worker_fenced_by_another_with_its_transactional_id_stops
     _report("fenced", f"{report.summary()}; the fenced worker said: {failed['reason']}")
     assert len(report.inputs) == count
     assert report.lost == [] and report.duplicates == 0
+
+
+def test_a_stop_asked_for_while_the_model_loads_ends_the_worker_cleanly(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """A pod stopped during its start-up (SIGTERM while the pool loads the model) shuts down gracefully with
+    exit 0 once the pipeline exists, instead of dying by the signal (exit -15, seen in the chaos runs)."""
+    topics = make_topics(unique_topic)
+    worker = Worker(kafka_bootstrap, topics, _group(), tmp_path, "stopped-early")
+    try:
+        worker.wait_for("settings", timeout=90)  # logged once the handlers are in place
+        code = worker.stop(timeout=120)
+    finally:
+        worker.kill()
+    assert code == 0, worker.tail()
+    assert worker.events("stop_requested") and worker.events("pipeline_stopped")

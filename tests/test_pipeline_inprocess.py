@@ -14,7 +14,8 @@ import confluent_kafka
 import msgspec
 import pytest
 import slow_model
-from pipeline_harness import (
+
+from tools.harness import (
     TINY_MODEL,
     Topics,
     audit,
@@ -25,7 +26,6 @@ from pipeline_harness import (
     settings_for,
     wait_until_committed,
 )
-
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool
@@ -284,6 +284,35 @@ def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_not
     omitted = _omitted_headers(kafka_bootstrap, topics.dead_letter)
     # Left out: the value and the key (no record here had headers of its own).
     assert omitted == {offset: len(key) + len(value) for offset, (key, value) in enumerate(records[:3])}
+
+
+def test_a_ticket_with_no_text_is_dead_lettered_as_empty_ticket_and_never_reaches_the_model(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start
+) -> None:
+    topics = make_topics(unique_topic, partitions=1)
+    _publish_tickets(kafka_bootstrap, topics, ["", " \n\t", "where is my card?"])
+    classifier = _RecordingClassifier()
+    worker = start(topics, classifier)
+    wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
+    assert worker.stop() == 0
+
+    report = audit(kafka_bootstrap, topics)
+    assert report.dead == {(0, 0): ["empty_ticket"], (0, 1): ["empty_ticket"]}
+    assert list(report.results) == [(0, 2)]
+    assert classifier.texts == ["where is my card?"]
+    assert worker.pipeline.metrics.dead_lettered_by_type == {"empty_ticket": 2}
+
+
+class _RecordingClassifier(_InstantClassifier):
+    """Answers at once and keeps every text it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+    def submit(self, request: ClassifyRequest) -> None:
+        self.texts.append(request.text)
+        super().submit(request)
 
 
 def _omitted_headers(bootstrap: str, topic: str) -> dict[int, int]:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
-from pipeline_harness import TINY_MODEL, Publisher, Worker, audit, make_topics, publish, wait_until_committed
 
+from tools.harness import TINY_MODEL, Publisher, Worker, audit, make_topics, publish, wait_until_committed
 from worker.config import DEFAULT_MODEL_DIR
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from pipeline_harness import TINY_MODEL
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from tools.harness import TINY_MODEL
 from worker.classification import Classification, ClassifyRequest
 from worker.config import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.errors import UserError
@@ -24,14 +24,10 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.ops.reload import Reloader
-from worker.ops.telemetry import (
-    Check,
-    PipelineCollector,
-    TelemetryServer,
-    WorkerProbes,
-    WorkerTelemetry,
-    new_registry,
-)
+from worker.telemetry.collectors import PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.server import Check, TelemetryServer, new_registry
+from worker.telemetry.worker import WorkerTelemetry
 
 
 def _settings(model: Path, **inference: object) -> Settings:
@@ -202,3 +198,14 @@ def test_post_reload_starts_a_reload_and_the_outcome_is_counted() -> None:
         assert families["triage_pool_ready_contexts"].samples[0].value == 1
     finally:
         telemetry.close()
+
+
+def test_a_reload_refuses_a_taxonomy_the_model_was_not_trained_for(tiny_switch: SwitchingClassifier) -> None:
+    foreign = Path(__file__).resolve().parents[1] / "taxonomies" / "default.toml"
+    with capture_logs() as logs:
+        assert not _reloader(_settings(TINY_MODEL), _settings(TINY_MODEL, taxonomy=str(foreign))).reload(
+            tiny_switch
+        )
+    failed = [e for e in logs if e["event"] == "reload_failed"]
+    assert "label(s) the model" in failed[0]["reason"] and "account_access" in failed[0]["reason"], failed
+    assert tiny_switch.model_id == "tiny" and not _classify(tiny_switch).fallback

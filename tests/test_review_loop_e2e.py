@@ -29,8 +29,8 @@ from pathlib import Path
 import confluent_kafka
 import msgspec
 import pytest
-from pipeline_harness import REPO, Topics, Worker, _read_all, audit, make_topics, wait_until_committed
 
+from tools.harness import REPO, Topics, Worker, audit, make_topics, read_topic, wait_until_committed
 from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
@@ -79,7 +79,7 @@ def _configure(config: Path, topics: dict[str, str], model: Path, shadow: Path |
 
 def _decode_all(bootstrap: str, topic: str, kind: type[msgspec.Struct]) -> list[object]:
     decoder = msgspec.json.Decoder(kind)
-    return [decoder.decode(message.value() or b"") for message in _read_all(bootstrap, topic)]
+    return [decoder.decode(message.value() or b"") for message in read_topic(bootstrap, topic)]
 
 
 def _publish_shadowed(bootstrap: str, topic: str, tickets: list[tuple[str, str]], worker: Worker) -> None:
@@ -191,7 +191,7 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
     assert "| BANKING77 test |" in card and "| held-out feedback |" in card
     assert json.loads((tuned / "training.json").read_text())["outcome"]["corrections"] == len(to_review)
     refused = {}
-    for message in _read_all(kafka_bootstrap, feedback_dead_letters):
+    for message in read_topic(kafka_bootstrap, feedback_dead_letters):
         info = dead_letters.read_dead_letter(
             [(k, v) for k, v in (message.headers() or [])]  # type: ignore[misc]
         )
@@ -214,7 +214,7 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
         settings, load_taxonomy(tuned / "taxonomy.toml").labels, False
     )
     assert (len(corrections), len(rejections)) == (len(to_review), 3)
-    assert len(list(_read_all(kafka_bootstrap, feedback_dead_letters))) == 3
+    assert len(list(read_topic(kafka_bootstrap, feedback_dead_letters))) == 3
 
     # 4. The fine-tuned model as the shadow, on new tickets of the same kind.
     _configure(config, side, DEFAULT_MODEL_DIR, shadow=tuned)

@@ -22,8 +22,8 @@ from pathlib import Path
 import confluent_kafka
 import msgspec
 import pytest
-from pipeline_harness import REPO, _read_all
 
+from tools.harness import REPO, read_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
 
 pytestmark = [pytest.mark.kafka]
@@ -169,7 +169,7 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
             terminal.process.kill()
 
     decoder = msgspec.json.Decoder(FeedbackEvent)
-    events = [decoder.decode(m.value() or b"") for m in _read_all(kafka_bootstrap, feedback)]
+    events = [decoder.decode(m.value() or b"") for m in read_topic(kafka_bootstrap, feedback)]
     verdicts = [(e.ticket_id, e.model_intent, e.intent, e.reviewer) for e in events]
     assert verdicts == [
         ("T-accept", "card_arrival", "card_arrival", "alice"),

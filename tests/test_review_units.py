@@ -211,8 +211,8 @@ def test_held_out_corrections_are_a_share_of_each_intent() -> None:
 
 
 def test_what_went_to_review_is_exported_by_intent_and_reason() -> None:
-    from worker.ops.telemetry import _review_families
     from worker.pipeline.metrics import ReviewMetrics
+    from worker.telemetry.collectors import _review_families
 
     metrics = ReviewMetrics()
     metrics.sent[("card_arrival", "low_confidence")] += 3

@@ -14,18 +14,18 @@ from typing import Any
 
 import msgspec
 import pytest
-from pipeline_harness import (
+
+from tools.harness import (
     TINY_MODEL,
     Topics,
     Worker,
-    _read_all,
     audit,
     make_topics,
     publish,
+    read_topic,
     settings_for,
     wait_until_committed,
 )
-
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.pool import open_pool
@@ -56,7 +56,7 @@ def _primary_answers(bootstrap: str, topics: Topics) -> dict[tuple[int, int], tu
 
 def _side_records(bootstrap: str, topic: str) -> list[ShadowResult]:
     decoder = msgspec.json.Decoder(ShadowResult)
-    return [decoder.decode(message.value() or b"") for message in _read_all(bootstrap, topic)]
+    return [decoder.decode(message.value() or b"") for message in read_topic(bootstrap, topic)]
 
 
 def _children_niceness(pid: int) -> list[int]:

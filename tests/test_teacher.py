@@ -2,33 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
 
+from tools import train_triage_mini  # it imports torch only inside its functions
 from worker.errors import UserError
 from worker.ops import evaluation
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@functools.cache
-def _trainer() -> ModuleType:
-    """tools/train_triage_mini.py as a module (it imports torch only inside its functions)."""
-    spec = importlib.util.spec_from_file_location(
-        "train_triage_mini", REPO / "tools" / "train_triage_mini.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_mean_pool_ignores_padding_and_normalises() -> None:
@@ -43,7 +25,7 @@ def test_mean_pool_of_an_all_padding_row_is_zero_not_nan() -> None:
 
 
 def test_augment_drops_and_swaps_words_reproducibly() -> None:
-    augment = _trainer().augment
+    augment = train_triage_mini.augment
     text = "i lost my card on the bus yesterday evening"
     copies = [augment(text, random.Random(seed), 0.15, 0.3) for seed in range(50)]
     assert copies == [augment(text, random.Random(seed), 0.15, 0.3) for seed in range(50)]
@@ -53,7 +35,7 @@ def test_augment_drops_and_swaps_words_reproducibly() -> None:
 
 
 def test_augment_keeps_one_word_when_every_word_is_dropped() -> None:
-    assert _trainer().augment("card declined", random.Random(3), 1.0, 0.0) in {"card", "declined"}
+    assert train_triage_mini.augment("card declined", random.Random(3), 1.0, 0.0) in {"card", "declined"}
 
 
 def test_fetch_teacher_without_maven_says_how_to_get_it(
@@ -88,4 +70,4 @@ def test_fit_temperature_undoes_a_known_overconfidence() -> None:
     calibrated = rng.normal(size=(4000, 5)) * 2
     probabilities = np.exp(calibrated) / np.exp(calibrated).sum(axis=1, keepdims=True)
     labels = np.array([rng.choice(5, p=row) for row in probabilities])
-    assert abs(_trainer().fit_temperature(calibrated * 2.0, labels) - 2.0) < 0.15
+    assert abs(train_triage_mini.fit_temperature(calibrated * 2.0, labels) - 2.0) < 0.15

@@ -15,9 +15,9 @@ from typing import Any
 
 import confluent_kafka
 import pytest
-from pipeline_harness import REPO, Worker, audit, make_topics, publish, wait_until_committed
 from prometheus_client.parser import text_string_to_metric_families
 
+from tools.harness import REPO, Worker, audit, make_topics, publish, wait_until_committed
 from worker.kafka.dead_letters import dead_letter_headers
 from worker.kafka.local_broker import LocalBroker
 
@@ -110,7 +110,9 @@ def test_scraped_counters_account_for_every_record(
         for (name, labels), value in samples.items()
         if name == "triage_dead_letters_total"
     }
-    assert scraped_types == by_type and len(by_type) >= 3
+    # Every known type is exported, at 0 until it happens.
+    assert {t: v for t, v in scraped_types.items() if v} == by_type and len(by_type) >= 3
+    assert set(scraped_types) > set(by_type)
     assert samples[("triage_produced_total", ())] == count
     assert samples[("triage_committed_total", ())] == count
     # Every acknowledged record was timed end to end; every classified ticket went through the model.
@@ -123,6 +125,51 @@ def test_scraped_counters_account_for_every_record(
     assert lags == {"0": 0, "1": 0, "2": 0}
     info = next(dict(labels) for (name, labels), _ in samples.items() if name == "triage_worker_info")
     assert info["model"] and info["mode"] == "score" and info["provider"] == "cpu"
+
+
+def test_a_fresh_worker_exports_what_on_call_needs_before_the_first_ticket(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """Known label values at 0, the configured deadline as a bucket bound, and CPU and memory of each model
+    process, scraped from a worker that has seen no ticket yet."""
+    topics = make_topics(unique_topic)
+    worker = Worker(
+        kafka_bootstrap,
+        topics,
+        f"triage-test-{uuid.uuid4().hex[:8]}",
+        tmp_path,
+        args=("--metrics-port", "0", "--metrics-host", "127.0.0.1", "--deadline-ms", "1500"),
+        settings={"inference.pool": "process", "inference.pool_size": "2"},
+    )
+    try:
+        port = int(worker.wait_for("telemetry_listening", timeout=60)["port"])
+        _wait_status(port, "/readyz", 200, timeout=90)
+        samples = scrape(port)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+
+    def by(name: str, label: str) -> dict[str, float]:
+        return {dict(labels)[label]: value for (n, labels), value in samples.items() if n == name}
+
+    assert by("triage_fallbacks_total", "reason") == dict.fromkeys(
+        ["deadline_exceeded", "invalid_output", "model_error", "overloaded"], 0.0
+    )
+    dead = by("triage_dead_letters_total", "error_type")
+    assert {"invalid_json", "empty_ticket", "internal_error", "key_too_large"} <= set(dead)
+    assert set(dead.values()) == {0.0}
+    assert by("triage_reloads_total", "outcome") == {"failed": 0.0, "succeeded": 0.0}
+    for histogram in ("end_to_end_latency", "model_latency", "queue_wait"):
+        bounds = set(by(f"triage_{histogram}_seconds_bucket", "le"))
+        assert {"1.5", "2.0"} <= bounds, (histogram, bounds)  # the configured and the default deadline
+    cpu = by("triage_model_process_cpu_seconds_total", "context")
+    rss = by("triage_model_process_resident_memory_bytes", "context")
+    assert set(cpu) == set(rss) == {"0", "1"}
+    # Each model process loaded the model and answered its warm-up ticket: it has used CPU and memory.
+    assert all(value > 0 for value in cpu.values()) and all(value > 20e6 for value in rss.values()), (
+        cpu,
+        rss,
+    )
 
 
 def test_readiness_follows_pool_warm_up_and_group_join_and_liveness_holds(

@@ -1,18 +1,36 @@
-"""The exporter and probes without a broker: exposition format, histogram buckets, stall detection, config."""
+"""The exporter and probes without a broker: exposition format, histogram buckets, known labels at 0, model
+processes, stall detection, config."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import typing
 import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from worker.config import MetricsSettings, load_settings
+from worker.decoding import DecodeErrorType
 from worker.errors import UserError
-from worker.ops.telemetry import Check, PipelineCollector, TelemetryServer, WorkerProbes, new_registry
-from worker.pipeline.metrics import LatencyHistogram, PartitionGauges, PipelineMetrics
+from worker.messages import FallbackReason
+from worker.pipeline.metrics import (
+    LATENCY_BUCKETS_S,
+    LatencyHistogram,
+    PartitionGauges,
+    PipelineMetrics,
+    ShadowMetrics,
+)
+from worker.replay.engine import Outcome
+from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.replay import ReplayMetrics
+from worker.telemetry.server import Check, TelemetryServer, new_registry
 
 
 class _Broker:
@@ -117,3 +135,111 @@ def test_metrics_settings_come_from_env_and_a_taken_port_is_one_line() -> None:
     probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
     with _serve(probes) as first, pytest.raises(UserError, match=r"cannot serve metrics on 127\.0\.0\.1:"):
         TelemetryServer(MetricsSettings(port=first.port, host="127.0.0.1"), new_registry(), probes)
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+    }
+
+
+def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None:
+    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes.metrics = PipelineMetrics()
+    probes.metrics.dead_letter("invalid_json")
+    probes.metrics.shadow = ShadowMetrics()
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(probes, {}))
+    samples = _samples(registry)
+
+    def by(name: str, label: str) -> dict[str, float]:
+        return {dict(labels)[label]: v for (n, labels), v in samples.items() if n == name}
+
+    assert by("triage_fallbacks_total", "reason") == dict.fromkeys(
+        ["deadline_exceeded", "invalid_output", "model_error", "overloaded"], 0
+    )
+    dead = by("triage_dead_letters_total", "error_type")
+    assert dead["invalid_json"] == 1 and dead["empty_ticket"] == 0 and dead["internal_error"] == 0
+    assert set(dead) == {*typing.get_args(DecodeErrorType), "internal_error", "key_too_large"}
+    assert by("triage_reloads_total", "outcome") == {"succeeded": 0, "failed": 0}
+    assert by("triage_shadow_dropped_total", "reason") == {"full": 0, "shutdown": 0}
+    assert set(by("triage_shadow_fallbacks_total", "reason")) == set(typing.get_args(FallbackReason))
+
+    class _Inner:
+        def planned(self, plan: object) -> None: ...
+
+        def settled(self, report: object) -> None: ...
+
+    replay = CollectorRegistry()
+    replay.register(ReplayMetrics(_Inner()))  # type: ignore[arg-type]
+    outcomes = {
+        dict(labels)["outcome"]: v for (n, labels), v in _samples(replay).items() if n.endswith("_total")
+    }
+    assert outcomes == dict.fromkeys([outcome.value for outcome in Outcome], 0)
+
+
+def test_latency_buckets_have_the_default_and_the_configured_deadline_as_bounds() -> None:
+    assert 2.0 in LATENCY_BUCKETS_S  # the default deadline_ms, and the latency alert's threshold
+    metrics = PipelineMetrics.for_deadline(1.5)
+    for histogram in (metrics.end_to_end, metrics.model_latency, metrics.queue_wait):
+        assert 1.5 in histogram.bounds and list(histogram.bounds) == sorted(histogram.bounds)
+    metrics.end_to_end.observe(1.5)
+    metrics.end_to_end.observe(1.6)
+    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes.metrics = metrics
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(probes, {}))
+    samples = _samples(registry)
+    assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "1.5"),))] == 1
+    assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "2.0"),))] == 2
+    assert PipelineMetrics.for_deadline(2.0).end_to_end.bounds == LATENCY_BUCKETS_S
+
+
+def test_shadow_disagreement_is_exported_per_primary_intent_only() -> None:
+    shadow = ShadowMetrics()
+    for primary, other in [("a", "x"), ("a", "y"), ("a", "y"), ("b", "x")]:
+        shadow.compared(primary, other)
+    shadow.compared("b", "b")
+    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes.metrics = PipelineMetrics(shadow=shadow)
+    registry = CollectorRegistry()
+    registry.register(PipelineCollector(probes, {}))
+    disagreed = {
+        labels: v for (n, labels), v in _samples(registry).items() if n == "triage_shadow_disagreed_total"
+    }
+    assert disagreed == {(("primary_intent", "a"),): 3, (("primary_intent", "b"),): 1}
+    assert shadow.snapshot()["top_disagreements"]["a->y"] == 2  # the pairs stay in the log event
+
+
+def test_model_processes_are_exported_per_context_with_cpu_and_memory() -> None:
+    # A process that has used 0.3 s of CPU (however long that takes on a loaded machine), then idles.
+    burn = "import time\nwhile time.process_time() < 0.3: pass\nprint('burnt', flush=True)\ntime.sleep(60)"
+    busy = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    try:
+        assert busy.stdout is not None and busy.stdout.readline() == "burnt\n"
+        collector = ModelProcessCollector()
+        collector.pools["primary"] = lambda: [busy.pid, os.getpid()]
+        collector.pools["shadow"] = lambda: [999_999_999]  # gone: no series, no error
+        registry = CollectorRegistry()
+        registry.register(collector)
+        samples = _samples(registry)
+    finally:
+        busy.kill()
+        busy.wait()
+    cpu = {
+        dict(labels)["context"]: v
+        for (n, labels), v in samples.items()
+        if n == "triage_model_process_cpu_seconds_total"
+    }
+    rss = {
+        dict(labels)["context"]: v
+        for (n, labels), v in samples.items()
+        if n == "triage_model_process_resident_memory_bytes"
+    }
+    assert set(cpu) == set(rss) == {"0", "1"}
+    assert cpu["0"] >= 0.29 and rss["0"] > 1_000_000  # clock ticks of 10 ms
+    assert all(
+        dict(labels)["pool"] == "primary" for (n, labels) in samples if n.startswith("triage_model_process")
+    )

@@ -1,13 +1,13 @@
 """Measure the inference engine's design choices; every figure is a ratio against a baseline of the same run.
 
-    .venv/bin/python tools/bench_inference.py [--model tests/models/tiny] [--requests 200] [--json OUT]
+    .venv/bin/python -m tools.bench_inference [--model tests/models/tiny] [--requests 200] [--json OUT]
 
 1. prefix reuse: one prefix-prefilled context (`rewind_to`) vs a new Generator per ticket (full prefill),
    in score and generate mode;
 2. pools: 1 context in this process (baseline) vs the thread pool vs the process pool, N = cores; plus the
    largest gap a 1 ms ticker thread of this process sees meanwhile (what a Kafka poll loop would suffer);
 3. static batches of 1 / 8 / 32 guided generations (generate mode; batch 1 = baseline).
-Absolute req/s depend on the machine and its load; the ratios are what the README quotes.
+Absolute req/s depend on the machine and its load; the ratios are what docs/design.md quotes.
 """
 
 from __future__ import annotations
@@ -15,21 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import msgspec
+import onnxruntime_genai as og
 
-import onnxruntime_genai as og  # noqa: E402
-
-from worker.classification import ClassifyRequest  # noqa: E402
-from worker.config import InferenceSettings  # noqa: E402
-from worker.inference.batch import BatchRunner  # noqa: E402
-from worker.inference.engine import Engine  # noqa: E402
-from worker.inference.pool import open_pool  # noqa: E402
+from tools import REPO
+from worker.classification import ClassifyRequest
+from worker.config import InferenceSettings
+from worker.inference.batch import BatchRunner
+from worker.inference.engine import Engine
+from worker.inference.pool import open_pool
 
 TICKETS = [
     "I am still waiting on my card, it has been two weeks. What should I do?",
@@ -50,7 +48,7 @@ def _rate(count: int, seconds: float) -> float:
 def prefix_reuse(settings: InferenceSettings, requests: int) -> dict[str, float]:
     figures: dict[str, float] = {}
     for mode in ("score", "generate"):
-        engine = Engine(InferenceSettings(**{**_fields(settings), "mode": mode}))
+        engine = Engine(msgspec.structs.replace(settings, mode=mode))
         context = engine.new_context()
         started = time.perf_counter()
         for index in range(requests):
@@ -86,7 +84,7 @@ def pools(settings: InferenceSettings, requests: int) -> dict[str, float]:
     baseline = _rate(requests, time.perf_counter() - started)
     figures: dict[str, float] = {"pool_size": size, "one_context_req_s": baseline}
     for kind in ("thread", "process"):
-        with open_pool(InferenceSettings(**{**_fields(settings), "pool": kind, "pool_size": size})) as pool:
+        with open_pool(msgspec.structs.replace(settings, pool=kind, pool_size=size)) as pool:
             gaps: list[float] = []
             stop = threading.Event()
 
@@ -116,7 +114,7 @@ def pools(settings: InferenceSettings, requests: int) -> dict[str, float]:
 
 
 def batches(settings: InferenceSettings, requests: int) -> dict[str, float]:
-    engine = Engine(InferenceSettings(**{**_fields(settings), "mode": "generate"}))
+    engine = Engine(msgspec.structs.replace(settings, mode="generate"))
     runner = BatchRunner(engine)
     figures: dict[str, float] = {}
     baseline = 0.0
@@ -133,10 +131,6 @@ def batches(settings: InferenceSettings, requests: int) -> dict[str, float]:
         figures[f"batch_{size}_generate_req_s"] = round(rate, 1)
         figures[f"batch_{size}_vs_batch_1"] = round(rate / baseline, 2)
     return figures
-
-
-def _fields(settings: InferenceSettings) -> dict[str, object]:
-    return {name: getattr(settings, name) for name in settings.__struct_fields__}
 
 
 def main() -> None:

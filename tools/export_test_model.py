@@ -1,7 +1,7 @@
 """Build the small random-weight test model committed under tests/models/tiny/.
 
 Run with the export venv (torch, transformers, tokenizers, onnx):
-    /work/venv-export/bin/python tools/export_test_model.py [--out tests/models/tiny]
+    /work/venv-export/bin/python -m tools.export_test_model [--out tests/models/tiny]
 
 It trains a byte-level BPE tokenizer on BANKING77 training text (no normalizers, no prefix space — ORT GenAI
 ignores both), writes a tiny Llama config with seeded random weights and a ChatML chat template, and exports
@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import csv
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from worker.ops.model_command import export_model  # noqa: E402
+from tools import REPO
+from worker.ops.model_command import export_model
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (

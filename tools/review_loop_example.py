@@ -1,7 +1,7 @@
 """The review loop's measured example: corrections of the embedded model's most confused intent pair, and
 what a fine-tune on them does (docs/review-loop.md).
 
-    python tools/review_loop_example.py --out /tmp/review-example
+    .venv/bin/python -m tools.review_loop_example --out /tmp/review-example
 
 1. Classify BANKING77 test.csv with the model; find the pair of intents it confuses most (errors both ways).
 2. Write a feedback file: every test ticket of that pair as a FeedbackEvent with its BANKING77 label, the
@@ -25,12 +25,10 @@ from pathlib import Path
 
 import msgspec
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from worker.messages import FeedbackEvent, utc_timestamp  # noqa: E402
-from worker.ops.evaluation import read_examples  # noqa: E402
-from worker.ops.fine_tune import Featurizer  # noqa: E402
+from tools import REPO
+from worker.messages import FeedbackEvent, utc_timestamp
+from worker.ops.evaluation import read_examples
+from worker.ops.fine_tune import Featurizer
 
 
 def main() -> int:

@@ -49,13 +49,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from worker.inference.prompt import INTENT_OPENING, PromptBuilder, answer_json
+from worker.inference.taxonomy import Taxonomy, load_taxonomy
+from worker.ops.evaluation import expected_calibration_error
+from worker.ops.model_command import export_model
 
-from worker.inference.prompt import INTENT_OPENING, PromptBuilder, answer_json  # noqa: E402
-from worker.inference.taxonomy import Taxonomy, load_taxonomy  # noqa: E402
-from worker.ops.evaluation import expected_calibration_error  # noqa: E402
-from worker.ops.model_command import export_model  # noqa: E402
+# Not `tools.REPO`: `triage-worker model train` runs this file as a script, where only `worker` is importable.
+REPO = Path(__file__).resolve().parent.parent
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|pad|>")
 EOS = "<|im_end|>"
@@ -285,7 +285,7 @@ def batches(examples: list[Example], size: int, rng: random.Random) -> list[list
     order = examples[:]
     rng.shuffle(order)
     chunk = size * 20
-    grouped = []
+    grouped: list[list[Example]] = []
     for start in range(0, len(order), chunk):
         part = sorted(order[start : start + chunk], key=lambda e: len(e.ids))
         grouped.extend(part[i : i + size] for i in range(0, len(part), size))
@@ -423,7 +423,8 @@ class Trainer:
         rng = random.Random(hyper.seed)
         steps_per_epoch = math.ceil(len(train) / hyper.batch_size)
         total = steps_per_epoch * hyper.epochs
-        decay, no_decay = [], []
+        decay: list[Any] = []
+        no_decay: list[Any] = []
         for name, param in self.model.named_parameters():
             (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
         optimizer = torch.optim.AdamW(

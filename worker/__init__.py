@@ -1,14 +1,15 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in five rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in six rooms, one folder each, plus a few shared modules; each room has one contract.
 
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
-  and the transactional producer's life cycle (`commits`), topic admin, the dead-letter header contract,
-  the local development broker. Imports only the shared modules.
-- ``worker/inference`` (inference): loads an ORT GenAI model, builds the prompt from a taxonomy, scores or
-  generates an answer in prefix-reusing contexts, and serves them from a pool. Its contract is a
+  and the transactional producer's life cycle (`commits`), topic admin and the group's lag read from the
+  broker, the dead-letter header contract, the local development broker. Imports only the shared modules.
+- ``worker/inference`` (inference): loads an ORT GenAI model (checking it was trained for the taxonomy's
+  labels, `pairing`), builds the prompt from a taxonomy, scores or generates an answer in prefix-reusing
+  contexts, and serves them from a pool. Its contract is a
   `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`;
   the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. Imports only the shared
   modules.
@@ -19,8 +20,11 @@ The code is in five rooms, one folder each, plus a few shared modules; each room
   shared modules and `worker.kafka`; never ONNX Runtime.
 - ``worker/replay`` (replay): republishing dead letters, through the pipeline's delivery guarantees.
   Imports the shared modules, `worker.kafka` and `worker.pipeline`.
-- ``worker/ops`` (operations): the CLI commands, sample tickets, metrics and health endpoints, hot reload
-  of the model (`reload`), model training and evaluation. May import everything.
+- ``worker/telemetry`` (telemetry): one HTTP port per process: the Prometheus collectors, liveness and
+  readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
+- ``worker/ops`` (operations): the CLI commands, sample tickets, the lag exporter, hot reload of the model
+  (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
+  everything.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `logs`, `errors`.
 

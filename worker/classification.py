@@ -43,6 +43,9 @@ class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     truncated: bool
     fallback: bool = False
     fallback_reason: FallbackReason | None = None
+    # Set only when the model runs a taxonomy it was not trained for (generate mode; see
+    # worker/inference/pairing.py): that taxonomy's version, carried into the record.
+    taxonomy: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,17 @@
 Each layer is flattened into dotted keys (``pipeline.max_in_flight``, ``kafka.bootstrap.servers``) that
 remember where they came from, so a bad value fails at start with one line naming the key, what was expected,
 the value (never a secret one) and its origin. ``[kafka]`` options are librdkafka's own and pass through
-untouched, which is what lets SASL/SSL and every other client option work without code here.
+untouched, which is what lets SASL/SSL and every other client option work without code here; only their names
+are checked at start, so that a typo is one line naming it rather than a client that fails later.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -21,8 +24,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from worker.errors import UserError
+from worker.librdkafka import PROPERTIES as LIBRDKAFKA_PROPERTIES
+from worker.shipped import shipped_path
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "triage-mini"
+DEFAULT_MODEL_DIR = shipped_path("models/triage-mini")
 
 Provider = Literal["cpu", "cuda", "dml"]
 InferenceMode = Literal["score", "generate"]
@@ -215,6 +220,14 @@ _KAFKA_JVM_ENV = frozenset(
         "KAFKA_VERSION",
     }
 )
+# What Kubernetes injects into every pod for each Service of its namespace (service links, on unless the pod
+# sets enableServiceLinks: false): a Service `kafka` gives KAFKA_PORT=tcp://10.0.0.7:9092,
+# KAFKA_PORT_9092_TCP(_PROTO|_PORT|_ADDR), KAFKA_SERVICE_HOST and KAFKA_SERVICE_PORT(_<port name>); one named
+# `kafka-ui` the same with KAFKA_UI_. None of them is a librdkafka option.
+_SERVICE_LINK = re.compile(
+    r"KAFKA(_[A-Z0-9_]+?)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)"
+)
+_warned_service_links: set[str] = set()
 
 
 def is_secret_key(key: str) -> bool:
@@ -301,13 +314,35 @@ def _file_entries(path: Path) -> dict[_Key, _Entry]:
     return entries
 
 
+def _env_option(variable: str) -> str:
+    """KAFKA_BOOTSTRAP_SERVERS → bootstrap.servers."""
+    return variable.removeprefix("KAFKA_").lower().replace("_", ".")
+
+
+def _warn_service_links(variables: list[str]) -> None:
+    """One line on stderr per process (not per reload), before logging is set up: the command goes on."""
+    new = sorted(set(variables) - _warned_service_links)
+    if new:
+        _warned_service_links.update(new)
+        print(
+            f"triage-worker: warning: ignoring {', '.join(new)}: Kubernetes service-link variables, not "
+            "librdkafka options (set enableServiceLinks: false in the pod spec)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def _env_entries(env: Mapping[str, str]) -> dict[_Key, _Entry]:
     entries: dict[_Key, _Entry] = {}
+    service_links: list[str] = []
     for variable, value in env.items():
         if variable.startswith("KAFKA_") and variable not in _KAFKA_JVM_ENV:
-            option = variable.removeprefix("KAFKA_").lower().replace("_", ".")
-            if option and not variable.endswith("_OPTS"):
-                entries[("kafka", option)] = _Entry(value, variable, from_text=True)
+            option = _env_option(variable)
+            if option in LIBRDKAFKA_PROPERTIES or not _SERVICE_LINK.fullmatch(variable):
+                if option and not variable.endswith("_OPTS"):
+                    entries[("kafka", option)] = _Entry(value, variable, from_text=True)
+            else:
+                service_links.append(variable)
             continue
         if not variable.startswith("TRIAGE_"):
             continue
@@ -324,6 +359,7 @@ def _env_entries(env: Mapping[str, str]) -> dict[_Key, _Entry]:
         if parts[0] == "kafka":
             raise UserError(f"config error: {variable}: set librdkafka options as KAFKA_<OPTION>")
         entries[_split_key(".".join(parts), variable)] = _Entry(value, variable, from_text=True)
+    _warn_service_links(service_links)
     return entries
 
 
@@ -372,9 +408,45 @@ def _as_option_string(key: str, entry: _Entry) -> str:
     raise _error(key, f"expected a string, number or boolean, got {type(value).__name__}", entry.source)
 
 
+def _unknown_to_client(option: str) -> bool:
+    """Whether the installed confluent-kafka rejects `option` as no property at all. Asked only for names
+    missing from `LIBRDKAFKA_PROPERTIES`, so that a newer client's new properties and the Python client's own
+    ones still pass. A second, invalid name makes it fail before it would create a client for a known one."""
+    import confluent_kafka
+
+    try:
+        confluent_kafka.Producer({option: "", "triage.worker.probe": ""})
+    except confluent_kafka.KafkaException as error:
+        return f'No such configuration property: "{option}"' in error.args[0].str()
+    except (TypeError, ValueError):  # a Python-level option (callback, typed flag): known
+        return False
+    return False
+
+
+def _check_kafka_option(option: str, entry: _Entry) -> None:
+    """A one-line error for an option librdkafka does not know, with the nearest one it does."""
+    if option in LIBRDKAFKA_PROPERTIES or not _unknown_to_client(option):
+        return
+    nearest = difflib.get_close_matches(option, LIBRDKAFKA_PROPERTIES, n=1)
+    from_env = entry.source.startswith("KAFKA_")
+    if not nearest:
+        hint = ""
+    elif not from_env:
+        hint = f"; did you mean {nearest[0]}?"
+    elif "_" in nearest[0]:  # no variable maps to it: underscores become dots
+        hint = f"; did you mean {nearest[0]} (settable only in a --config file's [kafka] table)?"
+    else:
+        hint = f"; did you mean {nearest[0]} ({'KAFKA_' + nearest[0].upper().replace('.', '_')})?"
+    if from_env:
+        raise _error(entry.source, f"librdkafka has no option {option}{hint}")
+    raise _error(f"kafka.{option}", f"librdkafka has no such option{hint}", entry.source)
+
+
 def _convert(key: _Key, entry: _Entry) -> object:
     section, name = key[0], key[1]
     dotted = ".".join(key)
+    if section == "kafka":
+        _check_kafka_option(name, entry)
     if section == "kafka" or len(key) == 3:
         return _as_option_string(dotted, entry)
     field_type = _FIELD_TYPES[section][name]
@@ -479,6 +551,7 @@ def _toml_value(value: object) -> str:
 
 _UNSET_HINTS = {
     "pipeline.resume_below": "half of max_in_flight",
+    "pipeline.transactional_id": "<group_id>-<host name>",
     "inference.taxonomy": "the model's own taxonomy.toml",
     "inference.pool": "the provider's default pool",
     "inference.pool_size": "chosen from the CPU count",
@@ -488,6 +561,11 @@ _UNSET_HINTS = {
     "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
 }
+
+
+def unset_hint(key: str) -> str:
+    """What an unset (None) setting means, e.g. ``half of max_in_flight`` for ``pipeline.resume_below``."""
+    return _UNSET_HINTS.get(key, "unset")
 
 
 def settings_to_toml(settings: Settings) -> str:
@@ -500,7 +578,7 @@ def settings_to_toml(settings: Settings) -> str:
         tables: list[str] = []
         for name, value in values.items():
             if value is None:
-                hint = _UNSET_HINTS.get(f"{section}.{name}", "unset")
+                hint = unset_hint(f"{section}.{name}")
                 lines.append(f"# {name}: not set ({hint})")
             elif isinstance(value, dict):
                 tables += ["", f"[{section}.{name}]"]

@@ -32,6 +32,7 @@ DecodeErrorType = Literal[
     "null_value",
     "too_deeply_nested",
     "undecodable",
+    "empty_ticket",
 ]
 
 # Tickets need two levels (the object and `metadata`). msgspec recurses once per level and raises
@@ -102,7 +103,15 @@ def _decode(value: bytes | None, max_value_bytes: int) -> TicketEvent:
         raise _diagnose(value, error) from None
     if event.created_at is not None:
         _check_timestamp(event.created_at)
+    if not has_text(event):
+        # Refused here, before the model: a model asked about nothing still names an intent, confidently.
+        raise DecodeError("empty_ticket", "`body` and `subject` are empty or whitespace: no text to classify")
     return event
+
+
+def has_text(event: TicketEvent) -> bool:
+    """Whether the ticket has any text to classify (a body or a subject that is not only whitespace)."""
+    return bool(event.body.strip() or (event.subject or "").strip())
 
 
 def _too_deep(value: bytes) -> bool:
@@ -136,7 +145,8 @@ def _diagnose(value: bytes, error: Exception) -> DecodeError:
     try:
         document = msgspec.json.decode(value)
     except msgspec.DecodeError as bad:
-        return DecodeError("invalid_json", f"value is not valid JSON: {_lower_first(str(bad))}")
+        # The library's own words, as it wrote them: an operator may search for them.
+        return DecodeError("invalid_json", f"value is not valid JSON: {bad}")
     if not isinstance(document, dict):
         return DecodeError("not_an_object", f"value must be a JSON object, got {_json_type(document)}")
     for name in ("ticket_id", "body"):
@@ -169,7 +179,7 @@ def _diagnose(value: bytes, error: Exception) -> DecodeError:
             if not isinstance(item, str):
                 return _wrong_type(f"metadata.{_clip(key, _EXCERPT_CHARS)}", "a string", item)
     # Every rule above mirrors the Struct; reaching here means they drifted apart. Keep msgspec's words.
-    return DecodeError("wrong_type", _lower_first(str(error)).replace("`", ""))
+    return DecodeError("wrong_type", str(error).replace("`", ""))
 
 
 def _wrong_type(field: str, expected: str, got: object) -> DecodeError:
@@ -209,7 +219,3 @@ def _describe(error: Exception) -> str:
     except Exception:
         return "(no description)"
     return _clip(text, _EXCERPT_CHARS * 2).encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]

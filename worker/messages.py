@@ -47,7 +47,13 @@ class TicketEvent(msgspec.Struct, kw_only=True, frozen=True):
             description="Producer's id of the ticket (copied into its triage record, hence the limit).",
         ),
     ]
-    body: Annotated[str, msgspec.Meta(description="Free text of the ticket (may be empty).")]
+    body: Annotated[
+        str,
+        msgspec.Meta(
+            description="Free text of the ticket; may be empty when `subject` has text (a ticket with "
+            "neither is dead-lettered as `empty_ticket`)."
+        ),
+    ]
     subject: str | None = None
     customer_id: str | None = None
     channel: str | None = None
@@ -63,7 +69,7 @@ class SourcePosition(msgspec.Struct, kw_only=True, frozen=True):
     offset: NonNegativeInt
 
 
-class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
+class TriageResult(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """Exactly one per ticket on the output topic: a classification, or a fallback with its reason."""
 
     schema_version: int
@@ -79,6 +85,17 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True):
     classified_at: Annotated[str, _timestamp("RFC 3339 UTC time the record was made.")]
     source: SourcePosition
     truncated: bool
+    # Written only when set (omit_defaults), so records of a model and its own taxonomy are unchanged.
+    taxonomy: (
+        Annotated[
+            str,
+            msgspec.Meta(
+                description="Only when the model ran a taxonomy it was not trained for (generate mode): "
+                "that taxonomy's name@label-fingerprint."
+            ),
+        ]
+        | None
+    ) = None
 
 
 class ShadowResult(TriageResult, kw_only=True, frozen=True):

@@ -14,11 +14,11 @@ import math
 import time
 
 import numpy as np
-import onnxruntime_genai as og
 import structlog
 
 from worker.classification import Classification, ClassifyRequest
 from worker.inference.engine import Engine, InvalidOutput, log_softmax
+from worker.inference.genai import og
 from worker.messages import FallbackReason
 
 log = structlog.get_logger(__name__)
@@ -115,6 +115,7 @@ class BatchRunner:
                     model=engine.model_id,
                     latency_ms=(end - started) * 1000.0,
                     truncated=truncated,
+                    taxonomy=engine.taxonomy_mark,
                 )
             )
         return results

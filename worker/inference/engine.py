@@ -27,13 +27,14 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import onnxruntime_genai as og
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.config import InferenceSettings
 from worker.errors import UserError
+from worker.inference.genai import og
 from worker.inference.loading import load_model, model_dir, model_id, resolve_taxonomy
+from worker.inference.pairing import taxonomy_mark
 from worker.inference.prompt import INTENT_OPENING, PRIORITY_OPENING, PromptBuilder, truncate_ticket
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason, Priority
@@ -82,9 +83,13 @@ class Engine:
         folder = model_dir(settings)
         self.taxonomy: Taxonomy
         self.taxonomy, self.taxonomy_path = resolve_taxonomy(settings)
+        self.taxonomy_mark = taxonomy_mark(settings, self.taxonomy, self.taxonomy_path)
         self.model_id = model_id(folder)
         self.model = load_model(settings)
-        self.tokenizer = og.Tokenizer(self.model)
+        try:
+            self.tokenizer = og.Tokenizer(self.model)
+        except RuntimeError as error:  # e.g. a tokenizer class this ORT GenAI build does not support
+            raise UserError(f"cannot load the tokenizer of {folder}: {str(error).splitlines()[0]}") from None
         self.builder = PromptBuilder(self.taxonomy, self._render)
         budgets = [settings.max_ticket_tokens, self.taxonomy.prompt.max_ticket_tokens]
         self.max_ticket_tokens = min(b for b in budgets if b is not None)
@@ -266,6 +271,7 @@ class Context:
                 model=self.engine.model_id,
                 latency_ms=(time.monotonic() - started) * 1000.0,
                 truncated=truncated,
+                taxonomy=self.engine.taxonomy_mark,
             )
         self._reset()
         return result

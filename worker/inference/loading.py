@@ -10,13 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-import onnxruntime_genai as og
-
 from worker.config import InferenceSettings
 from worker.errors import UserError
+from worker.inference.genai import og, require_runtime
+from worker.inference.pairing import taxonomy_mark
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
+from worker.shipped import shipped_path
 
-DEFAULT_TAXONOMY = Path(__file__).resolve().parents[2] / "taxonomies" / "default.toml"
+DEFAULT_TAXONOMY = shipped_path("taxonomies/default.toml")
 
 # ORT GenAI's name of each provider, and the package that brings its runtime.
 _PROVIDERS = {"cpu": None, "cuda": "cuda", "dml": "dml"}
@@ -42,7 +43,14 @@ def model_id(folder: Path) -> str:
 
 
 def resolve_taxonomy(settings: InferenceSettings) -> tuple[Taxonomy, Path]:
-    """The configured taxonomy, else the model's own `taxonomy.toml`, else the shipped default."""
+    """The configured taxonomy, else the model's own `taxonomy.toml`, else the shipped default; in score mode
+    a UserError when the model was not trained for its labels (see worker/inference/pairing.py)."""
+    taxonomy, path = _find_taxonomy(settings)
+    taxonomy_mark(settings, taxonomy, path)
+    return taxonomy, path
+
+
+def _find_taxonomy(settings: InferenceSettings) -> tuple[Taxonomy, Path]:
     if settings.taxonomy is not None:
         path = Path(settings.taxonomy).expanduser()
     elif (Path(settings.model) / "taxonomy.toml").is_file():
@@ -60,6 +68,7 @@ def load_model(settings: InferenceSettings) -> og.Model:
     Thread count is set explicitly because ORT's default was measured to be effectively single-threaded
     here; with several worker processes, 1 thread each (the default) avoids oversubscribing the cores.
     """
+    require_runtime()
     folder = model_dir(settings)
     config = og.Config(str(folder))
     config.clear_providers()
@@ -83,7 +92,12 @@ def _provider_error(settings: InferenceSettings, error: Exception) -> UserError:
     if settings.provider in _PACKAGES and (
         any(
             marker in message.lower()
-            for marker in ("interface not available", "failed to load library", "not been built with")
+            for marker in (
+                "interface not available",  # 0.18
+                "failed to load library",
+                "not been built with",
+                "not enabled in this build",  # 0.12 (the DirectML extra's version)
+            )
         )
     ):
         package, extra = _PACKAGES[settings.provider]

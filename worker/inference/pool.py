@@ -40,7 +40,9 @@ from worker.classification import Classification, ClassifyRequest, fallback_answ
 from worker.config import InferenceSettings, LogSettings, PoolKind
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine
+from worker.inference.genai import require_runtime
 from worker.inference.loading import resolve_taxonomy
+from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.prompt import max_ticket_chars
 
 log = structlog.get_logger(__name__)
@@ -104,6 +106,11 @@ class ClassifierPool(abc.ABC):
     def close(self) -> None:
         """Stop the workers (idempotent); requests still in flight are not answered."""
 
+    def worker_pids(self) -> list[int]:
+        """The process id of each context's worker process, in context order; none when the contexts run
+        in this process (their cost is this process's own)."""
+        return []
+
     def __enter__(self) -> ClassifierPool:
         return self
 
@@ -122,8 +129,10 @@ def open_pool(
 
     `initializer` (picklable) runs first in each worker process of a process or batch pool (see
     `ProcessPool`); a thread pool has none to run it in."""
+    require_runtime()  # here, not in each of the pool's processes
     kind = default_pool_kind(settings)
     size = default_pool_size(settings, kind)
+    warn_once_if_unpaired(settings, *resolve_taxonomy(settings))
     log.info("starting classifier pool", pool=kind, size=size, model=settings.model, mode=settings.mode)
     started = time.monotonic()
     pool: ClassifierPool
@@ -249,6 +258,10 @@ class ProcessPool(ClassifierPool):
         except BaseException:
             self.close()
             raise
+
+    def worker_pids(self) -> list[int]:
+        with self._lock:
+            return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
 
     def submit(self, request: ClassifyRequest) -> None:
         with self._lock:

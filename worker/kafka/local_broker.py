@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.errors import UserError
+from worker.shipped import checkout_file
 
 KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 9092
@@ -41,9 +42,10 @@ READY_LINE = "Kafka Server started"
 JAVA_MIN_MAJOR = 17  # Kafka 4.x brokers need Java 17+.
 HEAP_OPTS = ("-Xms128m", "-Xmx512m")
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-POM_FILE = _REPO_ROOT / "deploy" / "kafka" / "pom.xml"
-LOG4J_CONFIG = _REPO_ROOT / "deploy" / "kafka" / "log4j2.properties"
+POM_FILE = "deploy/kafka/pom.xml"
+LOG4J_CONFIG = "deploy/kafka/log4j2.properties"
+_CHECKOUT_ONLY = "the local Kafka broker"
+_INSTEAD = "name a Kafka with --bootstrap-servers or KAFKA_BOOTSTRAP_SERVERS"
 
 SCRAM_MECHANISM = "SCRAM-SHA-512"
 SCRAM_ITERATIONS = 8192
@@ -91,11 +93,7 @@ def require_java() -> str:
 
 
 def _pom_digest() -> str:
-    if not POM_FILE.is_file():
-        raise UserError(
-            f"{POM_FILE} is missing; the local broker runs from a source checkout of triage-worker"
-        )
-    return hashlib.sha256(POM_FILE.read_bytes()).hexdigest()
+    return hashlib.sha256(checkout_file(POM_FILE, _CHECKOUT_ONLY, _INSTEAD).read_bytes()).hexdigest()
 
 
 def jars_dir(home: Path | None = None) -> Path:
@@ -129,7 +127,7 @@ def fetch_jars(home: Path | None = None, echo: Echo = _print) -> Path:
         "--batch-mode",
         "-Dstyle.color=never",
         "-f",
-        str(POM_FILE),
+        str(checkout_file(POM_FILE, _CHECKOUT_ONLY, _INSTEAD)),
         "dependency:copy-dependencies",
         f"-DoutputDirectory={staging}",
         "-DincludeScope=runtime",
@@ -400,7 +398,7 @@ class LocalBroker:
             *HEAP_OPTS,
             "-Djava.awt.headless=true",
             f"-Dkafka.logs.dir={self.log_dir}",
-            f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+            f"-Dlog4j2.configurationFile={checkout_file(LOG4J_CONFIG, _CHECKOUT_ONLY, _INSTEAD)}",
             "-cp",
             self._classpath(),
             main_class,

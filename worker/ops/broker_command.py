@@ -72,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         ),
     )
     add_config_argument(create)
+    create.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
     create.set_defaults(handler=_create_topics)
 
 
@@ -146,7 +147,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _create_topics(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
     specs = worker_topics(
         settings.topics,
         shadow=settings.inference.shadow_settings() is not None,

@@ -20,12 +20,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from worker.classification import Classification, ClassifyRequest, ticket_text
 from worker.config import Settings, add_config_argument, settings_from_args
-from worker.decoding import DecodeError, decode_ticket
+from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
 from worker.inference.engine import Engine
+from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
+from worker.ops.arguments import checked_argument_text
 from worker.pipeline.records import encode_result, triage_result
 
 SOURCE_TOPIC = "cli"
@@ -72,10 +74,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _classify_text(settings: Settings, text: str, output: Path | None) -> int:
     """One ticket: an in-process context (starting worker processes would cost more than the ticket)."""
-    context = Engine(settings.inference).new_context()
+    event = TicketEvent(ticket_id="cli-0", body=checked_argument_text(text, "the ticket text"))
+    if not has_text(event):
+        raise UserError("classify: the ticket text is empty; there is nothing to classify")
+    engine = Engine(settings.inference)
+    warn_once_if_unpaired(settings.inference, engine.taxonomy, engine.taxonomy_path)
+    context = engine.new_context()
     deadline = time.monotonic() + settings.pipeline.deadline_ms / 1000.0
     answer = context.classify(ClassifyRequest(0, text, deadline))
-    event = TicketEvent(ticket_id="cli-0", body=text)
     with _open_output(output) as out:
         out.write(encode_result(triage_result(event, answer, _source(0))) + b"\n")
     return 0
@@ -83,9 +89,13 @@ def _classify_text(settings: Settings, text: str, output: Path | None) -> int:
 
 def _classify_file(settings: Settings, path: Path, output: Path | None) -> int:
     console = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
-    events, bad = _read_events(path, console, settings.pipeline.max_value_bytes)
+    events, rejected = _read_events(path, console, settings.pipeline.max_value_bytes)
+    bad = sum(rejected.values())
     if not events:
-        console.print(f"{path}: no tickets to classify")
+        # Before the pool starts: loading the model for nothing would only hide the problem for a while.
+        why = ", ".join(f"{kind} {count}" for kind, count in rejected.most_common())
+        detail = f"{bad} line(s) rejected ({why})" if bad else "the file has no lines"
+        raise UserError(f"{path}: no ticket to classify: {detail}")
     results: dict[int, TriageResult] = {}
     fallbacks: collections.Counter[str] = collections.Counter()
     with open_pool(settings.inference, settings.log) as pool:
@@ -132,12 +142,14 @@ def _run(
             yield line, answer
 
 
-def _read_events(path: Path, console: Console, max_value_bytes: int) -> tuple[dict[int, TicketEvent], int]:
-    """Line index → event for every valid line, and the number of bad lines (each reported with its line
+def _read_events(
+    path: Path, console: Console, max_value_bytes: int
+) -> tuple[dict[int, TicketEvent], collections.Counter[str]]:
+    """Line index → event for every valid line, and the bad lines by reason (each reported with its line
     number and skipped, so one bad line does not cost the whole file). Lines are decoded exactly as the
     worker decodes record values, so a line is skipped here for the reason it would be dead-lettered."""
     events: dict[int, TicketEvent] = {}
-    bad = 0
+    bad: collections.Counter[str] = collections.Counter()
     try:
         handle = path.open("rb")
     except OSError as error:
@@ -149,7 +161,7 @@ def _read_events(path: Path, console: Console, max_value_bytes: int) -> tuple[di
             try:
                 events[index] = decode_ticket(raw, max_value_bytes)
             except DecodeError as error:
-                bad += 1
+                bad[error.error_type] += 1
                 # The message quotes the line's own text: print it as is, never as rich markup.
                 console.print(
                     f"{path}:{index + 1}: skipped, not a TicketEvent: {error}", markup=False, highlight=False

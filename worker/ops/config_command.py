@@ -17,6 +17,7 @@ import msgspec
 
 from worker.config import add_config_argument, settings_from_args, settings_to_toml
 from worker.decoding import DecodeErrorType
+from worker.errors import UserError
 from worker.kafka.dead_letters import (
     HEADER_DOCS,
     MAX_MESSAGE_BYTES,
@@ -24,8 +25,10 @@ from worker.kafka.dead_letters import (
     PIPELINE_ERROR_DOCS,
 )
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
+from worker.ops.feedback import FEEDBACK_ERROR_DOCS
+from worker.shipped import is_source_checkout, shipped_path
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "schemas"
+SCHEMA_DIR = shipped_path("schemas")
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -38,6 +41,7 @@ def _dead_letter_doc() -> str:
     rows = "\n".join(f"| `{name}` | {meaning} |" for name, meaning in (*HEADER_DOCS, *OPTIONAL_HEADER_DOCS))
     error_types = ", ".join(f"`{name}`" for name in typing.get_args(DecodeErrorType))
     pipeline_types = "; ".join(f"`{name}`: {meaning}" for name, meaning in PIPELINE_ERROR_DOCS)
+    feedback_types = "; ".join(f"`{name}`: {meaning}" for name, meaning in FEEDBACK_ERROR_DOCS)
     return f"""# Dead-letter records
 
 <!-- Generated from worker/kafka/dead_letters.py by `triage-worker schemas --write`; do not edit. -->
@@ -52,6 +56,9 @@ default `tickets.dlq`) with its original key, value bytes and headers untouched,
 
 `triage.error.type` values written by the decoder: {error_types}. Written by the pipeline:
 {pipeline_types}.
+
+Feedback records (`topics.feedback`) that `triage-worker model train --feedback-topic` refuses go to the
+same topic, with the feedback topic as `triage.source.topic`: {feedback_types}.
 
 `triage.error.message` is cut to {MAX_MESSAGE_BYTES} bytes. When a replayed record fails again, the
 `triage.*` headers of the earlier failure are replaced, not repeated, and `triage.replay_count` carries on.
@@ -93,7 +100,10 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _schemas(args: argparse.Namespace) -> int:
-    directory: Path = args.dir
+    if args.write and args.dir is None and not is_source_checkout():
+        # The default folder is then the installed package's own copy, which is no place to write to.
+        raise UserError("schemas --write: pass --dir DIR (an installed package, not a source checkout)")
+    directory: Path = args.dir or SCHEMA_DIR
     if args.write:
         directory.mkdir(parents=True, exist_ok=True)
         for name, content in schema_files().items():
@@ -127,5 +137,5 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     mode = schemas.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="exit 1 with a diff if the files drifted")
     mode.add_argument("--write", action="store_true", help="regenerate the files from the code")
-    schemas.add_argument("--dir", type=Path, default=SCHEMA_DIR, help=f"schema folder (default {SCHEMA_DIR})")
+    schemas.add_argument("--dir", type=Path, help=f"schema folder (default {SCHEMA_DIR})")
     schemas.set_defaults(handler=_schemas)

@@ -1,7 +1,8 @@
 """`triage-worker demo` (what `make run` calls): the whole flow on one machine, results shown live.
 
 1. Kafka: `KAFKA_BOOTSTRAP_SERVERS` (or --bootstrap-servers / the config) when given; otherwise the local
-   development broker is started (and stopped again at the end if this command started it).
+   development broker is started (and stopped again at the end if this command started it), on --port, else
+   on 9092, else (9092 taken, e.g. by another Kafka on a laptop) on a free port, which it says.
 2. The input, output and dead-letter topics are created if missing.
 3. The worker runs as a child process (`triage-worker run`, default: the embedded model), its JSON log in a
    file; it is started in its own session so that Ctrl-C reaches only this command, which then stops the
@@ -18,7 +19,6 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -30,11 +30,11 @@ import msgspec
 
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
-from worker.kafka import dead_letters, local_broker
+from worker.kafka import local_broker
 from worker.kafka.admin import create_topics, worker_topics
-from worker.kafka.clients import create_consumer
-from worker.messages import TriageResult
+from worker.ops.launch import run_command
 from worker.ops.samples import Sample, SampleFactory, produce_samples
+from worker.ops.viewer import dead_letter_line, decode_result, open_viewer, result_line
 
 _SUMMARY_EVERY_S = 5.0
 _WORKER_STOP_TIMEOUT_S = 60.0
@@ -53,6 +53,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_config_argument(parser)
     parser.add_argument(
         "--bootstrap-servers", metavar="SERVERS", help="use this Kafka instead of a local one"
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        help=(
+            f"client port of the local broker it starts (default {local_broker.DEFAULT_PORT}, or a free one "
+            "when that is taken)"
+        ),
     )
     parser.add_argument("--model", help="model folder for the worker (default: the embedded model)")
     parser.add_argument("--rate", type=float, default=5.0, help="sample tickets per second (default 5)")
@@ -98,29 +106,24 @@ class _Summary:
         )
 
 
-_TOPIC_READY_TIMEOUT_S = 30.0
-# Errors of a topic created a moment ago, before its partitions have a leader.
-_LEADER_PENDING = frozenset(
-    {
-        confluent_kafka.KafkaError.NOT_LEADER_FOR_PARTITION,
-        confluent_kafka.KafkaError.LEADER_NOT_AVAILABLE,
-        confluent_kafka.KafkaError.UNKNOWN_TOPIC_OR_PART,
-    }
-)
-
-
 def demo(args: argparse.Namespace) -> int:
     given = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     broker: local_broker.LocalBroker | None = None
     if given is None:
-        broker = local_broker.LocalBroker(args.state_dir)
-        if broker.status().running:
-            print(f"using the local broker already running at {broker.bootstrap}", flush=True)
-            broker = None  # not ours to stop
+        running = local_broker.LocalBroker(args.state_dir).status()
+        if running.running and running.bootstrap is not None:
+            ignored = (
+                f" (not --port {args.port}: `broker stop` it first)"
+                if args.port not in (None, running.port)
+                else ""
+            )
+            print(f"using the local broker already running at {running.bootstrap}{ignored}", flush=True)
+            given = running.bootstrap  # not ours to stop
         else:
-            print(f"starting the local Kafka broker ({args.state_dir}) ...", flush=True)
+            broker = local_broker.LocalBroker(args.state_dir, args.port or _free_default_port())
+            print(f"starting the local Kafka broker on port {broker.port} ({args.state_dir}) ...", flush=True)
             broker.start(fresh=False)
-        given = local_broker.LocalBroker(args.state_dir).bootstrap
+            given = broker.bootstrap
     settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
     try:
         return _run(args, settings)
@@ -130,12 +133,21 @@ def demo(args: argparse.Namespace) -> int:
             broker.stop()
 
 
+def _free_default_port() -> int:
+    """The usual Kafka port, unless something (another Kafka, most likely) already listens there."""
+    if not local_broker.port_open(local_broker.DEFAULT_PORT):
+        return local_broker.DEFAULT_PORT
+    port = local_broker.free_port()
+    print(f"port {local_broker.DEFAULT_PORT} is taken (another Kafka?); using port {port}", flush=True)
+    return port
+
+
 def _run(args: argparse.Namespace, settings: Settings) -> int:
     topics = settings.topics
     bootstrap = settings.kafka["bootstrap.servers"]
     for name, outcome in create_topics(settings.kafka, worker_topics(topics)).items():
         print(f"topic {name}: {outcome}", flush=True)
-    viewer = _viewer(settings)
+    viewer = open_viewer(settings, from_beginning=False)  # only this run's records
     log_path = Path(args.state_dir) / f"demo-worker-{uuid.uuid4().hex[:6]}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     worker = _start_worker(args, bootstrap, log_path)
@@ -195,54 +207,12 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if code == 0 else 1
 
 
-def _viewer(settings: Settings) -> confluent_kafka.Consumer:
-    """A consumer of the output and dead-letter topics from their current end: only this run's records."""
-    # Through the worker's client options, so SASL/TLS settings apply here too.
-    consumer = create_consumer(settings, overrides={"group.id": f"triage-demo-viewer-{uuid.uuid4().hex[:8]}"})
-    partitions = []
-    for topic in (settings.topics.output, settings.topics.dead_letter):
-        metadata = consumer.list_topics(topic, timeout=15).topics[topic]
-        for partition in metadata.partitions:
-            high = _end_offset(consumer, confluent_kafka.TopicPartition(topic, partition))
-            partitions.append(confluent_kafka.TopicPartition(topic, partition, high))
-    consumer.assign(partitions)
-    return consumer
-
-
-def _end_offset(consumer: confluent_kafka.Consumer, partition: confluent_kafka.TopicPartition) -> int:
-    """The partition's end offset, retried while a just-created topic has no leader yet."""
-    give_up = time.monotonic() + _TOPIC_READY_TIMEOUT_S
-    while True:
-        try:
-            _, high = consumer.get_watermark_offsets(partition, timeout=5)
-            return int(high)
-        except confluent_kafka.KafkaException as error:
-            if not error.args[0].retriable() and error.args[0].code() not in _LEADER_PENDING:
-                raise
-            if time.monotonic() > give_up:
-                raise UserError(
-                    f"topic {partition.topic} has no leader after {_TOPIC_READY_TIMEOUT_S:.0f} s: "
-                    f"{error.args[0].str()}"
-                ) from None
-            time.sleep(0.2)
-
-
 def _start_worker(args: argparse.Namespace, bootstrap: str, log_path: Path) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable,
-        "-m",
-        "worker",
-        "run",
-        "--bootstrap-servers",
-        bootstrap,
-        "--log-format",
-        "json",
-    ]
-    if args.config is not None:
-        command += ["--config", str(args.config)]
-    command += [f"--set={pair}" for pair in args.config_overrides]
+    options = ["--config", str(args.config)] if args.config is not None else []
+    options += [f"--set={pair}" for pair in args.config_overrides]
     if args.model:
-        command += ["--model", args.model]
+        options += ["--model", args.model]
+    command = run_command(bootstrap, options)
     with log_path.open("ab") as log:
         return subprocess.Popen(
             command,
@@ -268,34 +238,18 @@ def _show(
     message: confluent_kafka.Message, dead_letter_topic: str, texts: dict[str, str], summary: _Summary
 ) -> None:
     if message.topic() == dead_letter_topic:
-        raw = message.headers() or []
-        pairs = raw.items() if isinstance(raw, dict) else raw
-        headers = {k: v.decode(errors="replace") for k, v in pairs if isinstance(v, bytes)}
         summary.dead += 1
-        topic, partition = headers.get(dead_letters.SOURCE_TOPIC), headers.get(dead_letters.SOURCE_PARTITION)
-        where = f"{topic}[{partition}]@{headers.get(dead_letters.SOURCE_OFFSET)}"
-        reason = f"{headers.get(dead_letters.ERROR_TYPE)}: {headers.get(dead_letters.ERROR_MESSAGE, '')[:70]}"
-        print(f"  DEAD LETTER      {where}  {reason}", flush=True)
+        print(dead_letter_line(message), flush=True)
         return
-    value = message.value()
-    if value is None:
-        return
-    try:
-        result = msgspec.json.decode(value, type=TriageResult)
-    except msgspec.DecodeError:
+    result = decode_result(message)
+    if result is None:
         return
     summary.results += 1
     summary.latencies.append(result.latency_ms)
     summary.priorities[result.priority] += 1
     if result.fallback:
         summary.fallbacks[result.fallback_reason or "?"] += 1
-    label = f"FALLBACK:{result.fallback_reason}" if result.fallback else f"{result.confidence:.2f}"
-    text = texts.pop(result.ticket_id, "")
-    print(
-        f"  {result.ticket_id:<16} {result.intent:<28.28} {result.priority:<8} {label:<10} "
-        f"{result.latency_ms:6.0f} ms  {text[:48]!r}",
-        flush=True,
-    )
+    print(result_line(result, texts.pop(result.ticket_id, "")), flush=True)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

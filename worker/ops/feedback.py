@@ -36,6 +36,13 @@ from worker.kafka.dead_letters import dead_letter_headers
 from worker.messages import FeedbackEvent, ReviewRecord
 from worker.ops.shadow_command import read_side_topic
 
+# `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).
+FEEDBACK_ERROR_DOCS: tuple[tuple[str, str], ...] = (
+    ("invalid_feedback", "not a FeedbackEvent (not JSON, a field missing or of the wrong type)"),
+    ("unknown_intent", "the corrected intent is not in the model's taxonomy"),
+    ("unknown_ticket", "no `text`, and no review record at its `source` or with its `ticket_id`"),
+)
+
 _FEEDBACK = msgspec.json.Decoder(FeedbackEvent)
 _REVIEW = msgspec.json.Decoder(ReviewRecord)
 _FLUSH_S = 30.0

@@ -7,7 +7,9 @@ test split next to classical baselines and the teacher (worker/ops/evaluation.py
 `model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
 template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline. It needs torch,
 transformers and onnx, which are never runtime dependencies: they come with the optional `export` extra and
-are imported only by the builder, in a child process, so the worker itself never loads them.
+are imported only by the builder, in a child process, so the worker itself never loads them. A folder with
+a `taxonomy.toml` (a model trained for it) also gets `trained_labels.json`, which every start checks the
+configured taxonomy against (worker/inference/pairing.py).
 
 Each `model` sub-command registers itself in `register` below; more are added there.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
 import os
 import platform
 import shlex
@@ -31,14 +34,16 @@ from rich.console import Console
 
 from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
+from worker.inference.pairing import write_trained_labels
+from worker.inference.taxonomy import load_taxonomy
+from worker.shipped import SOURCE_ROOT, checkout_file
 
 Precision = Literal["int4", "int8", "fp16", "fp32"]
 _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
 # Files the builder does not know about but the worker reads from a model folder.
 _CARRIED_FILES = ("taxonomy.toml",)
-_REPO = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = _REPO / "tools" / "train_triage_mini.py"
-BANKING77 = _REPO / "data" / "banking77"
+TRAIN_SCRIPT = "tools/train_triage_mini.py"
+BANKING77 = SOURCE_ROOT / "data" / "banking77"
 
 
 def export_model(
@@ -67,6 +72,22 @@ def export_model(
     for name in _CARRIED_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out_dir / name)
+    if (out_dir / "taxonomy.toml").is_file():
+        # A model trained for its taxonomy: starts check the configured one against this record.
+        write_trained_labels(out_dir, load_taxonomy(out_dir / "taxonomy.toml"))
+    _portable_tokenizer_class(out_dir / "tokenizer_config.json")
+
+
+def _portable_tokenizer_class(path: Path) -> None:
+    """transformers 5 saves its fast tokenizer's class as TokenizersBackend, which ORT GenAI refuses before
+    0.13 (DirectML's newest installable build is 0.12.2); PreTrainedTokenizerFast names the same
+    tokenizer.json to every version (measured: identical answers under 0.12.2 and 0.18.0)."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -80,8 +101,7 @@ def _train(args: argparse.Namespace) -> int:
     feedback, fine-tune the current model on it instead (worker/ops/fine_tune.py)."""
     if args.feedback_topic is not None or args.feedback is not None:
         return _fine_tune(args)
-    if not TRAIN_SCRIPT.is_file():
-        raise UserError(f"model train needs the repository checkout: {TRAIN_SCRIPT} not found")
+    script = checkout_file(TRAIN_SCRIPT, "model train")
     needed = (*_EXPORT_MODULES, "tokenizers", "sklearn")
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if missing:
@@ -91,7 +111,7 @@ def _train(args: argparse.Namespace) -> int:
         value = getattr(args, option)
         if value is not None:
             forwarded += [f"--{option.replace('_', '-')}", str(value)]
-    return subprocess.run([sys.executable, str(TRAIN_SCRIPT), *forwarded], check=False).returncode
+    return subprocess.run([sys.executable, str(script), *forwarded], check=False).returncode
 
 
 def _fine_tune(args: argparse.Namespace) -> int:
@@ -121,7 +141,7 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
     for line in feedback.summarize(corrections):
         console.print(line, markup=False)
-    data = Path(args.data) if args.data else BANKING77
+    data = Path(args.data) if args.data else _default_data()
     original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
     test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
     if args.test_limit:
@@ -141,6 +161,12 @@ def _fine_tune(args: argparse.Namespace) -> int:
         print(line)
     print(f"wrote {args.out} (model card: {Path(args.out) / 'README.md'})")
     return 0
+
+
+def _default_data() -> Path:
+    """The checkout's BANKING77: the fine-tune mixes in its training split and measures on its test split."""
+    instead = "give --data DIR, a folder with BANKING77's train.csv and test.csv"
+    return checkout_file("data/banking77", "model train --feedback without --data", instead)
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType, ModuleType, TracebackType
 
 import msgspec
 from rich.console import Console
@@ -33,7 +33,6 @@ from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
 from worker.logs import configure_logging
-from worker.ops.telemetry import replay_metrics
 from worker.replay.engine import (
     DEFAULT_MAX_REPLAYS,
     OffsetRange,
@@ -47,6 +46,7 @@ from worker.replay.engine import (
     printable,
     run_replay,
 )
+from worker.telemetry.replay import replay_metrics
 
 EXAMPLES = """\
 examples:
@@ -134,17 +134,16 @@ def load_transform(spec: str) -> Transform:
         raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
     try:
         if module_name.endswith(".py"):
-            path = Path(module_name)
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            if module_spec is None or module_spec.loader is None or not path.is_file():
-                raise UserError(f"--transform: no such file {module_name}")
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            module = _load_file(Path(module_name))
         else:
-            # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
-            if "" not in sys.path and "." not in sys.path:
-                sys.path.append(".")
-            module = importlib.import_module(module_name)
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError:
+                # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
+                local = Path(*module_name.split(".")).with_suffix(".py")
+                if not local.is_file():
+                    raise
+                module = _load_file(local)
     except UserError:
         raise
     except Exception as error:
@@ -154,6 +153,15 @@ def load_transform(spec: str) -> Transform:
         raise UserError(f"--transform: {module_name} has no function {function_name!r}")
     transform: Transform = function
     return transform
+
+
+def _load_file(path: Path) -> ModuleType:
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    if module_spec is None or module_spec.loader is None or not path.is_file():
+        raise UserError(f"--transform: no such file {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def _positive_int(text: str) -> int:
@@ -184,6 +192,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_argument(parser)
+    parser.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
     where = parser.add_argument_group("selection (one required)")
     selection = where.add_mutually_exclusive_group(required=True)
     selection.add_argument(
@@ -332,7 +341,12 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(
-        args, {"topics.dead_letter": args.dlq, "pipeline.guarantee": args.guarantee}
+        args,
+        {
+            "kafka.bootstrap.servers": args.bootstrap_servers,
+            "topics.dead_letter": args.dlq,
+            "pipeline.guarantee": args.guarantee,
+        },
     )
     options = options_from_args(args, settings.topics.dead_letter)
     # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for the

@@ -33,91 +33,93 @@ from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.ops.defaults import with_default
 from worker.ops.reload import Reloader
-from worker.ops.telemetry import WorkerTelemetry
 from worker.pipeline.review import Review
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
+from worker.telemetry.worker import WorkerTelemetry
 
 _log = structlog.get_logger("worker.run")
 # Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU
 # share of a nice-0 one when both want a core).
 SHADOW_NICENESS = 10
 
-# (flag, dotted settings key, type, help). Types are parsed by the settings loader, so flags take text.
+# (flag, dotted settings key, help). Types are parsed by the settings loader, so flags take text; each help
+# gets its default from Settings (worker/ops/defaults.py).
 _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--bootstrap-servers", "kafka.bootstrap.servers", "Kafka bootstrap servers, host:port[,host:port]"),
-    ("--group-id", "pipeline.group_id", "consumer group id (default triage-worker)"),
-    ("--input-topic", "topics.input", "topic of raw tickets (default tickets.raw)"),
-    ("--output-topic", "topics.output", "topic of triage records (default tickets.triaged)"),
-    ("--dead-letter-topic", "topics.dead_letter", "topic of undecodable records (default tickets.dlq)"),
+    ("--group-id", "pipeline.group_id", "consumer group id"),
+    ("--input-topic", "topics.input", "topic of raw tickets"),
+    ("--output-topic", "topics.output", "topic of triage records"),
+    ("--dead-letter-topic", "topics.dead_letter", "topic of undecodable records"),
     (
         "--max-in-flight",
         "pipeline.max_in_flight",
-        "most tickets between poll and commit; also the most a crash can duplicate (default 64)",
+        "most tickets between poll and commit; also the most a crash can duplicate",
     ),
     (
         "--resume-below",
         "pipeline.resume_below",
-        "paused partitions resume once in-flight drops to this (default max-in-flight/2)",
+        "paused partitions resume once in-flight drops to this",
     ),
-    ("--deadline-ms", "pipeline.deadline_ms", "per-ticket budget from poll to answer (default 2000)"),
-    ("--poll-batch-size", "pipeline.poll_batch_size", "most records taken per poll (default 100)"),
-    ("--poll-timeout-ms", "pipeline.poll_timeout_ms", "longest wait of an idle poll (default 100)"),
-    ("--commit-interval-ms", "pipeline.commit_interval_ms", "commit cadence (default 1000)"),
+    ("--deadline-ms", "pipeline.deadline_ms", "per-ticket budget from poll to answer"),
+    ("--poll-batch-size", "pipeline.poll_batch_size", "most records taken per poll"),
+    ("--poll-timeout-ms", "pipeline.poll_timeout_ms", "longest wait of an idle poll"),
+    ("--commit-interval-ms", "pipeline.commit_interval_ms", "commit cadence"),
     (
         "--revoke-timeout-ms",
         "pipeline.revoke_timeout_ms",
-        "how long a rebalance waits for in-flight tickets of revoked partitions (default 10000)",
+        "how long a rebalance waits for in-flight tickets of revoked partitions",
     ),
     (
         "--shutdown-timeout-ms",
         "pipeline.shutdown_timeout_ms",
-        "how long shutdown waits for in-flight tickets (default 15000)",
+        "how long shutdown waits for in-flight tickets",
     ),
-    ("--max-value-bytes", "pipeline.max_value_bytes", "larger records are dead-lettered (default 1048576)"),
+    ("--max-value-bytes", "pipeline.max_value_bytes", "larger records are dead-lettered"),
     (
         "--guarantee",
         "pipeline.guarantee",
-        "at_least_once | exactly_once (transactions; readers need read_committed) (default at_least_once)",
+        "at_least_once | exactly_once (transactions; readers need read_committed)",
     ),
     (
         "--transactional-id",
         "pipeline.transactional_id",
-        "exactly_once: this worker's transactional.id, unique among live workers (default <group>-<host>)",
+        "exactly_once: this worker's transactional.id, unique among live workers",
     ),
     (
         "--scheduling",
         "pipeline.scheduling",
-        "edf | fifo: tickets go to the model earliest deadline first, or in arrival order (default edf)",
+        "edf | fifo: tickets go to the model earliest deadline first, or in arrival order",
     ),
-    ("--model", "inference.model", "ORT GenAI model folder (default models/triage-mini)"),
-    ("--taxonomy", "inference.taxonomy", "taxonomy TOML (default: the model's taxonomy.toml)"),
-    ("--mode", "inference.mode", "score | generate (default score)"),
-    ("--provider", "inference.provider", "cpu | cuda | dml (default cpu)"),
-    ("--pool", "inference.pool", "process | thread | batch (default: per provider)"),
-    ("--pool-size", "inference.pool_size", "contexts/worker processes (default: per CPU count)"),
-    ("--intra-op-threads", "inference.intra_op_num_threads", "ONNX Runtime threads per context (default 1)"),
+    ("--model", "inference.model", "ORT GenAI model folder"),
+    ("--taxonomy", "inference.taxonomy", "taxonomy TOML"),
+    ("--mode", "inference.mode", "score | generate"),
+    ("--provider", "inference.provider", "cpu | cuda | dml"),
+    ("--pool", "inference.pool", "process | thread | batch"),
+    ("--pool-size", "inference.pool_size", "contexts/worker processes"),
+    ("--intra-op-threads", "inference.intra_op_num_threads", "ONNX Runtime threads per context"),
     (
         "--shadow-model",
         "inference.shadow_model",
-        "shadow model folder: also classifies every classified ticket, off the critical path (default off)",
+        "shadow model folder: also classifies every classified ticket, off the critical path",
     ),
-    ("--shadow-taxonomy", "inference.shadow_taxonomy", "shadow taxonomy (default: the shadow model's)"),
-    ("--shadow-mode", "inference.shadow_mode", "shadow's score | generate (default: the primary's)"),
-    ("--shadow-pool-size", "inference.shadow_pool_size", "shadow contexts (default 1)"),
-    ("--shadow-topic", "topics.shadow", "side topic of shadow answers (default tickets.triaged.shadow)"),
+    ("--shadow-taxonomy", "inference.shadow_taxonomy", "shadow taxonomy"),
+    ("--shadow-mode", "inference.shadow_mode", "shadow's score | generate"),
+    ("--shadow-pool-size", "inference.shadow_pool_size", "shadow contexts"),
+    ("--shadow-topic", "topics.shadow", "side topic of shadow answers"),
     (
         "--review-threshold",
         "review.threshold",
-        "results under this confidence also go to the review topic, for `triage-worker review` (default off)",
+        "results under this confidence also go to the review topic, for `triage-worker review`",
     ),
-    ("--review-topic", "topics.review", "side topic of results to review (default tickets.review)"),
-    ("--log-level", "log.level", "debug | info | warning | error (default info)"),
-    ("--log-format", "log.format", "console | json (default console)"),
-    ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here (default off; 0 = any free)"),
-    ("--metrics-host", "metrics.host", "address the metrics port binds (default 0.0.0.0)"),
-    ("--stall-timeout-ms", "metrics.stall_timeout_ms", "/healthz fails after a loop stall this long (60000)"),
+    ("--review-topic", "topics.review", "side topic of results to review"),
+    ("--log-level", "log.level", "debug | info | warning | error"),
+    ("--log-format", "log.format", "console | json"),
+    ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here; 0 = any free port"),
+    ("--metrics-host", "metrics.host", "address the metrics port binds"),
+    ("--stall-timeout-ms", "metrics.stall_timeout_ms", "/healthz fails after a loop stall this long"),
 )
 
 
@@ -133,7 +135,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     add_config_argument(parser)
     for flag, key, help_text in _FLAGS:
-        parser.add_argument(flag, dest=_dest(key), metavar=key.rsplit(".", 1)[-1].upper(), help=help_text)
+        parser.add_argument(
+            flag, dest=_dest(key), metavar=key.rsplit(".", 1)[-1].upper(), help=with_default(help_text, key)
+        )
     parser.add_argument(
         "--metrics-interval",
         type=float,
@@ -142,6 +146,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="how often the metrics event is logged (default 10; also logged at shutdown)",
     )
     parser.set_defaults(handler=run)
+
+
+def flag_settings() -> list[tuple[str, str]]:
+    """Each of `run`'s setting flags and the dotted setting it sets (for the generated reference)."""
+    return [(flag, key) for flag, key, _ in _FLAGS]
 
 
 def _dest(key: str) -> str:
@@ -169,7 +178,10 @@ def _check_topics(settings: Settings) -> None:
     """Fail at start, in one line, when the broker is unreachable, refuses the credentials or certificate,
     or a topic is missing."""
     bootstrap = settings.kafka.get("bootstrap.servers", "")
-    existing = existing_topics(producer_config(settings))
+    # In the configured log format (JSON logs stay JSON), not a bare line on stderr.
+    existing = existing_topics(
+        producer_config(settings), on_wait=lambda line: _log.info("waiting_for_kafka", line=line)
+    )
     topics = settings.topics
     needed = [topics.input, topics.output, topics.dead_letter]
     if settings.inference.shadow_settings() is not None:
@@ -187,9 +199,13 @@ def _check_topics(settings: Settings) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, _overrides(args))
     configure_logging(settings.log)
+    stop = _StopOnSignals()
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
-    _check_topics(settings)
+    # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, _ = resolve_taxonomy(settings.inference)
+    if (shadow_inference := settings.inference.shadow_settings()) is not None:
+        resolve_taxonomy(shadow_inference)
+    _check_topics(settings)
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
     reloader = Reloader(
@@ -223,8 +239,11 @@ def run(args: argparse.Namespace) -> int:
             review=review,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
+        telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
+        if shadow_pool is not None:
+            telemetry.watch_model_processes("shadow", shadow_pool.worker_pids)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
-        _install_signal_handlers(pipeline)
+        stop.attach(pipeline)
         reloader.start(classifier)
         return pipeline.run()
     finally:
@@ -254,16 +273,27 @@ def _review(settings: Settings) -> Review:
     return Review(review, producer, settings.topics.review)
 
 
-def _install_signal_handlers(pipeline: Pipeline) -> None:
-    received: list[int] = []
+class _StopOnSignals:
+    """SIGTERM/SIGINT from the very start: a stop asked for while the model loads (a pod stopped during
+    start-up) is remembered and the pipeline stops as soon as it exists (exit 0), instead of the process
+    dying by the signal's default action. A second signal exits at once."""
 
-    def on_signal(signum: int, _frame: types.FrameType | None) -> None:
-        if received:
+    def __init__(self) -> None:
+        self._received: list[int] = []
+        self._pipeline: Pipeline | None = None
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def attach(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+        if self._received:
+            pipeline.request_stop()
+
+    def _on_signal(self, signum: int, _frame: types.FrameType | None) -> None:
+        if self._received:
             # Second signal: leave now. Nothing uncommitted is lost; the next owner re-reads it.
             os._exit(128 + signum)
-        received.append(signum)
+        self._received.append(signum)
         _log.info("stop_requested", signal=signal.Signals(signum).name, again="exits at once")
-        pipeline.request_stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+        if self._pipeline is not None:
+            self._pipeline.request_stop()

@@ -3,7 +3,7 @@
 They are plain numbers updated by the single consumer thread, so the hot path costs an integer add (a
 histogram adds a bisect). Two readers take them from there: the `metrics` log event at an interval and at
 shutdown (JSON logs feed any collector, and the end-to-end tests read them, e.g. `in_flight_max` and
-`rss_bytes`), and the Prometheus exporter (`worker/ops/telemetry.py`), which reads them at scrape time from
+`rss_bytes`), and the Prometheus exporter (`worker/telemetry/`), which reads them at scrape time from
 its HTTP thread. Values that need the consumer (partition state, lag, group membership) are copied into an
 immutable `PartitionGauges` on the consumer thread about once a second, so a scrape never touches the
 consumer and the consumer never waits for a scrape.
@@ -22,12 +22,21 @@ import confluent_kafka
 
 from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
 
-# Seconds: from a 1 ms model step to a deadline overrun (the default deadline is 2 s).
+# Seconds: from a 1 ms model step to a deadline overrun. 2.0 is the default deadline: an alert on "p99 above
+# the deadline" must sit on a bucket bound, or histogram_quantile interpolates across the deadline and the
+# alert fires (or not) on a guess. `latency_buckets` adds the configured deadline when it is another value.
 LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 # How often the loop copies partition state and lag for the exporter.
 GAUGE_INTERVAL_S = 1.0
+
+
+def latency_buckets(deadline_s: float | None = None) -> tuple[float, ...]:
+    """The latency buckets, with the configured deadline as one of their bounds."""
+    if deadline_s is None:
+        return LATENCY_BUCKETS_S
+    return tuple(sorted({*LATENCY_BUCKETS_S, deadline_s}))
 
 
 def current_rss_bytes() -> int | None:
@@ -73,6 +82,10 @@ class PartitionGauges:
     lag: tuple[tuple[TopicPartitionKey, int], ...] = ()
     # Joined the consumer group (has a member id).
     member: bool = False
+
+
+# Why a ticket offered to the shadow got no shadow answer (the label values of its `dropped` counter).
+SHADOW_DROP_REASONS: tuple[str, ...] = ("full", "shutdown")
 
 
 @dataclass
@@ -217,6 +230,16 @@ class PipelineMetrics:
             blocked=tuple(sorted(state.key for state in states if state.blocked_at is not None)),
             lag=tuple(lag),
             member=bool(consumer.memberid()),
+        )
+
+    @classmethod
+    def for_deadline(cls, deadline_s: float) -> PipelineMetrics:
+        """Metrics whose latency histograms have the ticket deadline as a bucket bound."""
+        bounds = latency_buckets(deadline_s)
+        return cls(
+            end_to_end=LatencyHistogram(bounds),
+            model_latency=LatencyHistogram(bounds),
+            queue_wait=LatencyHistogram(bounds),
         )
 
     def snapshot(self) -> dict[str, Any]:

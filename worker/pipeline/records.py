@@ -33,6 +33,7 @@ def triage_result(
         classified_at=classified_at or utc_timestamp(),
         source=source,
         truncated=answer.truncated,
+        taxonomy=answer.taxonomy,
     )
 
 

@@ -125,7 +125,7 @@ class Pipeline:
         self._gate = InFlightGate(
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
-        self.metrics = PipelineMetrics()
+        self.metrics = PipelineMetrics.for_deadline(settings.pipeline.deadline_ms / 1000.0)
         self._shadow = shadow
         if shadow is not None:
             self.metrics.shadow = shadow.metrics

@@ -37,7 +37,7 @@ import structlog
 from worker.classification import Classification, Classifier, ClassifyRequest, ticket_text
 from worker.messages import ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.ledger import Headers
-from worker.pipeline.metrics import ShadowMetrics
+from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
 from worker.pipeline.records import encode_result, triage_result
 from worker.pipeline.side_topic import SideTopic
 
@@ -74,7 +74,7 @@ class Shadow:
         self._clock = clock
         self._outstanding: dict[int, _Offer] = {}
         self._ids = itertools.count()
-        self.metrics = ShadowMetrics()
+        self.metrics = ShadowMetrics(latency=LatencyHistogram(latency_buckets(budget_s)))
         self._side = SideTopic(producer, topic, self.metrics, "shadow")
 
     def offer(

@@ -12,14 +12,15 @@ three guarantees:
 * **Exactly once, when asked.** With ``pipeline.guarantee = "exactly_once"`` the republished records and
   the progress past them are committed in one Kafka transaction (a transactional producer of its own, see
   `replay_transactional_id`), so readers with ``isolation.level=read_committed`` see each selected dead
-  letter once, even across a ``kill -9`` and a rerun. The two modes differ only in where progress goes:
-  `_GroupOffsets` or `_Transactions`.
+  letter once, even across a ``kill -9`` and a rerun. Both modes are the pipeline's own delivery
+  guarantees (`worker/pipeline/guarantees.py`): the replay differs from the worker only in what it reads
+  and writes.
 * **A finite run.** The end offsets are captured at start; dead letters that arrive meanwhile (perhaps
   replayed records failing again) wait for the next run instead of being chased.
 
 Everything the group passes over counts as done *for that group*: records skipped by a filter or by the
 max-replay bound are behind its committed position. A replay with a different selection therefore needs its
-own ``--group`` (the README's ops section shows the workflow).
+own ``--group`` (docs/operations.md shows the workflow).
 
 The time window (``--since``/``--until``) applies to when a record was dead-lettered, i.e. the dead-letter
 record's Kafka timestamp: ``--since`` seeks with the broker's time index and ``--until`` ends each partition

@@ -1,5 +1,5 @@
-"""tools/bench.py's output: bench.json (everything measured), bench.md (the table of figures against their
-goals, the machine and the command) and two PNG plots."""
+"""`python -m tools.bench`'s output: bench.json (everything measured), bench.md (the table of figures against
+their goals, the machine and the command) and two PNG plots."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
-"""End-to-end harness: the worker as a real subprocess (`python -m worker run`), and an audit of the topics.
+"""The worker under test as a real subprocess (`python -m worker run`), and an audit of its topics: shared by
+the tests (`from tools.harness import ...`), the benchmarks, soak and chaos.
 
-The audit reads every input record, every output record and every dead letter and maps each input offset to
-what the worker wrote for it (by `source` in a result, by `triage.source.*` headers in a dead letter). That is
-the whole promise of the pipeline in one table: nothing lost, duplicates counted.
+`worker_command` is the one place the launch command is written. The audit reads every input record, every
+output record and every dead letter and maps each input offset to what the worker wrote for it (by `source`
+in a result, by `triage.source.*` headers in a dead letter). That is the whole promise of the pipeline in one
+table: nothing lost, duplicates counted.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,13 @@ from typing import Any
 import confluent_kafka
 import msgspec
 
+from tools import REPO
 from worker.config import Settings, load_settings
 from worker.kafka import dead_letters
 from worker.messages import TriageResult
+from worker.ops.launch import run_command
 from worker.ops.samples import KIND_HEADER, SampleFactory, produce_samples
 
-REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "tests" / "models" / "tiny"
 SLOW_MODEL_SCRIPT = REPO / "tests" / "slow_model.py"
 # The broker's minimum; a killed worker's partitions move on after this long.
@@ -99,52 +101,57 @@ class Publisher(threading.Thread):
             raise self.error
 
 
-class Worker:
-    """One `triage-worker run` subprocess with JSON logs in a file."""
+def worker_command(
+    bootstrap: str,
+    topics: Topics,
+    group: str,
+    options: Sequence[str] = (),
+    entry: Sequence[str] = ("-m", "worker"),
+) -> list[str]:
+    """`triage-worker run` on `topics` in `group` with JSON logs and a metrics event every second, then
+    `options`. `entry` replaces `-m worker` with a script that runs the same CLI (tests/slow_model.py)."""
+    topic_options = ["--input-topic", topics.input, "--output-topic", topics.output]
+    topic_options += [
+        "--dead-letter-topic",
+        topics.dead_letter,
+        "--group-id",
+        group,
+        "--metrics-interval",
+        "1",
+    ]
+    return run_command(bootstrap, [*topic_options, *options], entry)
+
+
+class WorkerProcess:
+    """A `worker_command` subprocess with its output (JSON log lines) in a file.
+
+    No `TRIAGE_*` or `KAFKA_*` variable of the caller's shell reaches it: its settings are the command's (and
+    `env`'s, added on top).
+    """
 
     def __init__(
         self,
-        bootstrap: str,
-        topics: Topics,
-        group: str,
-        log_dir: Path,
-        name: str = "worker",
-        settings: dict[str, str] | None = None,
-        args: tuple[str, ...] = (),
-        slow_model_s: float = 0.0,
-        model: Path | None = TINY_MODEL,
+        command: Sequence[str],
+        log_path: Path,
+        own_session: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`)."""
-        self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
-        self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
-        sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
-        # A slowed model runs the same CLI through tests/slow_model.py.
-        entry = ["-m", "worker"] if not slow_model_s else [str(SLOW_MODEL_SCRIPT), str(slow_model_s)]
-        command = [
-            sys.executable,
-            *entry,
-            "run",
-            "--bootstrap-servers",
-            bootstrap,
-            "--input-topic",
-            topics.input,
-            "--output-topic",
-            topics.output,
-            "--dead-letter-topic",
-            topics.dead_letter,
-            "--group-id",
-            group,
-            *(["--model", str(model)] if model is not None else []),
-            "--log-format",
-            "json",
-            "--metrics-interval",
-            "1",
-            *(f"--set={key}={value}" for key, value in sets.items()),
-            *args,
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
+        """`own_session`: a Ctrl-C of the caller does not reach the worker (the caller stops it)."""
+        self.log_path = log_path
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**clean, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_session,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         found = []
@@ -158,6 +165,41 @@ class Worker:
             if name is None or event.get("event") == name:
                 found.append(event)
         return found
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Worker(WorkerProcess):
+    """The worker as the tests and chaos run it: the test model and fast group timeouts unless told
+    otherwise, logs in `log_dir`."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        group: str,
+        log_dir: Path,
+        name: str = "worker",
+        settings: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
+        slow_model_s: float = 0.0,
+        model: Path | None = TINY_MODEL,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`); `env` is added
+        to the worker's environment."""
+        self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
+        sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
+        options = [
+            *(["--model", str(model)] if model is not None else []),
+            *(f"--set={key}={value}" for key, value in sets.items()),
+            *args,
+        ]
+        # A slowed model runs the same CLI through tests/slow_model.py.
+        entry = ["-m", "worker"] if not slow_model_s else [str(SLOW_MODEL_SCRIPT), str(slow_model_s)]
+        command = worker_command(bootstrap, topics, group, options, entry)
+        super().__init__(command, log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log", env=env)
 
     def wait_for(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -203,13 +245,10 @@ class Worker:
         # The pool's worker processes notice the closed pipe and exit by themselves.
         self._log.close()
 
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-
-def _read_all(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
-    """Every committed record of `topic` (read_committed, as downstream readers of exactly-once output
-    must), from the beginning to the end offsets as of now."""
+def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> Iterator[confluent_kafka.Message]:
+    """Every record of `topic` up to its end offsets as of now, as a downstream reader of exactly-once output
+    must read it (read_committed: records of aborted transactions are skipped)."""
     consumer = confluent_kafka.Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -221,8 +260,7 @@ def _read_all(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
         }
     )
     try:
-        metadata = consumer.list_topics(topic, timeout=10)
-        partitions = sorted(metadata.topics[topic].partitions)
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         ends = {
             p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
             for p in partitions
@@ -231,23 +269,23 @@ def _read_all(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
         consumer.assign(
             [confluent_kafka.TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in todo]
         )
-        deadline = time.monotonic() + 60
-        while todo and time.monotonic() < deadline:
-            for message in consumer.consume(500, 1.0):
-                error = message.error()
+        deadline = time.monotonic() + timeout
+        while todo:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {topic} to its end offsets {ends}")
+            for message in consumer.consume(1000, 0.5):
+                partition, offset, error = message.partition(), message.offset(), message.error()
+                if partition is None or offset is None:
+                    continue
                 if error is not None:
                     at_end = error.code() == confluent_kafka.KafkaError._PARTITION_EOF
-                    if at_end and (message.offset() or 0) >= ends.get(message.partition() or 0, 0):
-                        todo.discard(message.partition() or 0)
+                    if at_end and offset >= ends[partition]:
+                        todo.discard(partition)
                     continue
-                partition, offset = message.partition(), message.offset()
-                assert partition is not None and offset is not None
-                if offset >= ends[partition]:
-                    continue
-                yield message
-                if offset == ends[partition] - 1:
+                if offset < ends[partition]:
+                    yield message
+                if offset >= ends[partition] - 1:
                     todo.discard(partition)
-        assert not todo, f"could not read {topic} to its end"
     finally:
         consumer.close()
 
@@ -346,7 +384,7 @@ class Audit:
         )
 
 
-def _headers(message: confluent_kafka.Message) -> dict[str, str]:
+def headers_of(message: confluent_kafka.Message) -> dict[str, str]:
     raw = message.headers() or []
     pairs = raw.items() if isinstance(raw, dict) else raw
     return {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in pairs}
@@ -354,20 +392,20 @@ def _headers(message: confluent_kafka.Message) -> dict[str, str]:
 
 def audit(bootstrap: str, topics: Topics) -> Audit:
     report = Audit()
-    for message in _read_all(bootstrap, topics.input):
-        kind = _headers(message).get(KIND_HEADER, "?")
+    for message in read_topic(bootstrap, topics.input):
+        kind = headers_of(message).get(KIND_HEADER, "?")
         report.inputs[(message.partition() or 0, message.offset() or 0)] = kind
     decoder = msgspec.json.Decoder(TriageResult)
-    for message in _read_all(bootstrap, topics.output):
+    for message in read_topic(bootstrap, topics.output):
         value = message.value()
         assert isinstance(value, bytes)
         result = decoder.decode(value)
         assert result.source.topic == topics.input
         report.results[(result.source.partition, result.source.offset)].append(result)
-        if KIND_HEADER in _headers(message):
+        if KIND_HEADER in headers_of(message):
             report.headers_kept += 1
-    for message in _read_all(bootstrap, topics.dead_letter):
-        headers = _headers(message)
+    for message in read_topic(bootstrap, topics.dead_letter):
+        headers = headers_of(message)
         position = (int(headers[dead_letters.SOURCE_PARTITION]), int(headers[dead_letters.SOURCE_OFFSET]))
         report.dead[position].append(headers[dead_letters.ERROR_TYPE])
     return report

@@ -1,5 +1,6 @@
-"""What tools/bench.py needs around the code it measures: a broker, topics, tickets, offsets, the worker as a
-subprocess, the CPU and memory of a process tree, and an audit of what came out.
+"""What the benchmarks and the soak need around the code they measure: a broker, topics, tickets, offsets,
+the worker as a subprocess with default settings, the CPU and memory of a process tree, and an audit of what
+came out against what the group committed.
 
 Every helper owns what it starts and stops it in a `finally` (or a context manager), so an error or Ctrl-C
 in the middle of a phase leaves no broker, worker or pool process behind.
@@ -10,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime
-import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,21 +21,21 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import confluent_kafka
 import msgspec
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from worker.kafka import dead_letters  # noqa: E402
-from worker.kafka.admin import TopicSpec, create_topics  # noqa: E402
-from worker.kafka.local_broker import LocalBroker, free_port  # noqa: E402
-from worker.messages import TriageResult  # noqa: E402
+from tools import REPO
+from tools.harness import Position, Topics, WorkerProcess, headers_of, read_topic, worker_command
+from worker.kafka import dead_letters
+from worker.kafka.admin import TopicSpec, create_topics
+from worker.kafka.local_broker import LocalBroker, free_port
+from worker.messages import TriageResult
 
 BANKING77 = REPO / "data" / "banking77"
 INPUT_PARTITIONS = 3
+# A phase's topics hold up to a few hundred thousand records; reading one back may take this long.
+AUDIT_TIMEOUT_S = 120.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -67,13 +66,6 @@ def kafka(echo: Echo) -> Iterator[str]:
             yield status.bootstrap
         finally:
             broker.stop()
-
-
-@dataclass(frozen=True)
-class Topics:
-    input: str
-    output: str
-    dead_letter: str
 
 
 def new_topics(bootstrap: str, phase: str, outputs: int = 1) -> list[Topics]:
@@ -295,7 +287,7 @@ def rss_bytes(pid: int) -> int:
 # -- the worker -------------------------------------------------------------------------------------------
 
 
-class Worker:
+class BenchWorker(WorkerProcess):
     """`triage-worker run` with default settings (only bootstrap, topics, group and `args` set), JSON logs in
     a file.
 
@@ -306,48 +298,7 @@ class Worker:
     def __init__(
         self, bootstrap: str, topics: Topics, group: str, log_path: Path, args: Sequence[str] = ()
     ) -> None:
-        self.log_path = log_path
-        command = [
-            sys.executable,
-            "-m",
-            "worker",
-            "run",
-            "--bootstrap-servers",
-            bootstrap,
-            "--input-topic",
-            topics.input,
-            "--output-topic",
-            topics.output,
-            "--dead-letter-topic",
-            topics.dead_letter,
-            "--group-id",
-            group,
-            "--log-format",
-            "json",
-            "--metrics-interval",
-            "1",
-            *args,
-        ]
-        # Defaults mean defaults: no TRIAGE_* or KAFKA_* variable of the caller's shell reaches the worker.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        found = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                with contextlib.suppress(json.JSONDecodeError):
-                    event = json.loads(line)
-                    if event.get("event") == name:
-                        found.append(event)
-        return found
+        super().__init__(worker_command(bootstrap, topics, group, args), log_path, own_session=True)
 
     def alive(self) -> None:
         if self.process.poll() is not None:
@@ -380,58 +331,8 @@ class Worker:
             self.process.wait()
             self._log.close()
 
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
 
 # -- audit ------------------------------------------------------------------------------------------------
-
-
-def read_topic(bootstrap: str, topic: str) -> Iterator[confluent_kafka.Message]:
-    """Every record of `topic` up to its end offsets as of now, as a downstream reader of exactly-once output
-    must read it (read_committed: records of aborted transactions are skipped)."""
-    consumer = confluent_kafka.Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-audit-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            # A transaction's last offset is its commit marker, never handed out: the end shows as an event.
-            "enable.partition.eof": True,
-        }
-    )
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {
-            p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
-            for p in partitions
-        }
-        todo = {p for p, end in ends.items() if end > 0}
-        consumer.assign(
-            [confluent_kafka.TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in todo]
-        )
-        deadline = time.monotonic() + 120
-        while todo:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"could not read {topic} to its end offsets {ends}")
-            for message in consumer.consume(1000, 0.5):
-                partition, offset, error = message.partition(), message.offset(), message.error()
-                if partition is None or offset is None:
-                    continue
-                if error is not None:
-                    at_end = error.code() == confluent_kafka.KafkaError._PARTITION_EOF
-                    if at_end and offset >= ends[partition]:
-                        todo.discard(partition)
-                    continue
-                if offset < ends[partition]:
-                    yield message
-                if offset >= ends[partition] - 1:
-                    todo.discard(partition)
-    finally:
-        consumer.close()
-
-
-Position = tuple[int, int]
 
 
 @dataclass
@@ -467,17 +368,17 @@ class Audit:
 
 def audit(bootstrap: str, topics: Topics, committed: dict[int, int]) -> Audit:
     report = Audit(committed=committed)
-    for message in read_topic(bootstrap, topics.input):
+    for message in read_topic(bootstrap, topics.input, AUDIT_TIMEOUT_S):
         report.inputs[(message.partition() or 0, message.offset() or 0)] = message.timestamp()[1]
     decode = msgspec.json.Decoder(TriageResult).decode
-    for message in read_topic(bootstrap, topics.output):
+    for message in read_topic(bootstrap, topics.output, AUDIT_TIMEOUT_S):
         value = message.value()
         assert isinstance(value, bytes)
         result = decode(value)
         position = (result.source.partition, result.source.offset)
         report.results.setdefault(position, []).append((message.timestamp()[1], result.fallback_reason))
-    for message in read_topic(bootstrap, topics.dead_letter):
-        headers = {k: v for k, v in message.headers() or [] if isinstance(v, bytes)}
+    for message in read_topic(bootstrap, topics.dead_letter, AUDIT_TIMEOUT_S):
+        headers = headers_of(message)
         position = (int(headers[dead_letters.SOURCE_PARTITION]), int(headers[dead_letters.SOURCE_OFFSET]))
         report.dead[position] = report.dead.get(position, 0) + 1
     return report
@@ -528,21 +429,3 @@ class Visible:
         self._halt.set()
         self._thread.join(10)
         self._consumer.close()
-
-
-def end_offsets(bootstrap: str, topics: Sequence[str]) -> dict[str, dict[int, int]]:
-    """topic → partition → high watermark, now."""
-    consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-ends"})
-    try:
-        found: dict[str, dict[int, int]] = {}
-        for topic in topics:
-            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-            found[topic] = {
-                p: consumer.get_watermark_offsets(
-                    confluent_kafka.TopicPartition(topic, p), timeout=10, cached=False
-                )[1]
-                for p in sorted(partitions)
-            }
-        return found
-    finally:
-        consumer.close()

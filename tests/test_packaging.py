@@ -1,0 +1,267 @@
+"""The package as users get it: a wheel built from a copy of this checkout, installed into a clean venv
+outside it and used from another folder; and each ONNX Runtime GenAI extra resolving to exactly one build
+(pip's own resolver, `--dry-run --report`, against PyPI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tools.harness import Topics, audit, make_topics
+from worker.inference.genai import MISSING_RUNTIME
+
+REPO = Path(__file__).resolve().parents[1]
+# Every distribution that installs the `onnxruntime_genai` package, and every one that installs `onnxruntime`.
+GENAI_BUILDS = {"onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml"}
+ORT_BUILDS = {"onnxruntime", "onnxruntime-gpu", "onnxruntime-directml"}
+LINUX = ["--platform", "manylinux_2_28_x86_64"]
+WINDOWS = ["--platform", "win_amd64"]
+# PyPI and a wheel build: minutes on a busy 2-core machine, not seconds.
+PIP_TIMEOUT_S = 900
+
+
+def _pip(python: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [str(python), "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=PIP_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, f"pip {' '.join(args)}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pip wheel` of the files git would commit, copied out first: nothing ignored (venv, build/) gets in,
+    and the checkout gets no build/ folder."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    source = tmp_path_factory.mktemp("source")
+    for name in filter(None, listed.split("\0")):
+        if (REPO / name).is_file():  # a file deleted but not yet committed is still listed
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
+    dist = tmp_path_factory.mktemp("dist")
+    _pip(sys.executable, "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(source))
+    (built,) = dist.glob("triage_worker-*.whl")
+    return built
+
+
+def _resolved(wheel: Path, extra: str, platform: list[str], target: Path) -> set[str]:
+    """Names of every distribution pip would install for `wheel[extra]` on `platform` (Python 3.11)."""
+    report = target / "report.json"
+    requirement = f"{wheel}[{extra}]" if extra else str(wheel)
+    _pip(
+        sys.executable,
+        *("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)),
+        *("--only-binary=:all:", "--python-version", "3.11", *platform, "--target", str(target / "t")),
+        requirement,
+    )
+    return {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("extra", "platform", "genai", "runtime"),
+    [
+        ("", LINUX, set(), set()),
+        ("cpu", LINUX, {"onnxruntime-genai"}, {"onnxruntime"}),
+        ("cpu", WINDOWS, {"onnxruntime-genai"}, {"onnxruntime"}),
+        ("cuda", LINUX, {"onnxruntime-genai-cuda"}, {"onnxruntime-gpu"}),
+        ("cuda", WINDOWS, {"onnxruntime-genai-cuda"}, {"onnxruntime-gpu"}),
+        ("directml", WINDOWS, {"onnxruntime-genai-directml"}, {"onnxruntime-directml"}),
+    ],
+    ids=["bare", "cpu-linux", "cpu-windows", "cuda-linux", "cuda-windows", "directml-windows"],
+)
+def test_each_extra_installs_exactly_one_onnxruntime_build(
+    wheel: Path, extra: str, platform: list[str], genai: set[str], runtime: set[str], tmp_path: Path
+) -> None:
+    names = _resolved(wheel, extra, platform, tmp_path)
+    assert names & GENAI_BUILDS == genai
+    assert names & ORT_BUILDS == runtime
+    assert "triage-worker" in names and "confluent-kafka" in names
+
+
+@dataclass
+class Installed:
+    """A clean venv (no access to this checkout) with the wheel installed, commands run from `workdir`."""
+
+    bin: Path
+    workdir: Path
+    bare: dict[str, subprocess.CompletedProcess[str]]
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        # Nothing of this checkout or session leaks in: no PYTHONPATH, no KAFKA_*/TRIAGE_* settings.
+        keep = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_", "PYTHON"))}
+        return {**keep, "PATH": f"{self.bin}:{keep.get('PATH', '')}", **(extra or {})}
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.bin / "triage-worker"), *args],
+            cwd=self.workdir,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Installed:
+    """First the bare wheel (its answers kept in `bare`), then the same with the `cpu` extra."""
+    root = tmp_path_factory.mktemp("installed")
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    workdir = root / "elsewhere"
+    workdir.mkdir()
+    python = venv / "bin" / "python"
+    _pip(python, "install", "--quiet", str(wheel))
+    bare = Installed(venv / "bin", workdir, {})
+    bare.bare = {
+        "classify": bare.cli("classify", "my card was stolen"),
+        "config": bare.cli("config", "show"),
+    }
+    _pip(python, "install", "--quiet", f"{wheel}[cpu]")
+    return bare
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_the_bare_install_names_the_extras_and_still_shows_its_config(installed: Installed) -> None:
+    line = _one_line_error(installed.bare["classify"])
+    assert line == f"triage-worker: error: {MISSING_RUNTIME}"
+    assert "triage-worker[cpu]" in line and "[cuda]" in line and "[directml]" in line
+    assert installed.bare["config"].returncode == 0
+    assert '"bootstrap.servers" = "127.0.0.1:9092"' in installed.bare["config"].stdout
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_classifies_with_its_embedded_model_from_any_folder(installed: Installed) -> None:
+    done = installed.cli("classify", "my card was stolen yesterday, please block it")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["model"] == "triage-mini" and not result["fallback"]
+    assert result["intent"] == "lost_or_stolen_card" and result["priority"] == "Critical"
+
+    shown = installed.cli("config", "show")
+    assert shown.returncode == 0, shown.stderr
+    model = next(line for line in shown.stdout.splitlines() if line.startswith("model = "))
+    # The package's own copy, not this checkout's.
+    assert "site-packages/worker/_shipped/models/triage-mini" in model and str(REPO) not in model
+
+    assert installed.cli("schemas", "--check").returncode == 0
+    written = installed.workdir / "contracts"
+    assert installed.cli("schemas", "--write", "--dir", str(written)).returncode == 0
+    assert (written / "triage_result.schema.json").is_file()
+    assert "pass --dir" in _one_line_error(installed.cli("schemas", "--write"))
+
+
+@pytest.mark.slow
+def test_checkout_only_commands_say_so_in_one_line(installed: Installed) -> None:
+    broker = _one_line_error(installed.cli("broker", "start"))
+    assert "runs only from a source checkout" in broker and "--bootstrap-servers" in broker
+    assert "runs only from a source checkout" in _one_line_error(installed.cli("model", "train"))
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_the_installed_wheel_runs_and_replays_against_a_real_broker(
+    installed: Installed, kafka_bootstrap: str, unique_topic: Callable[..., str]
+) -> None:
+    """topics create, produce-samples, run and replay from the installed scripts, each told the broker with
+    --bootstrap-servers (no KAFKA_* in their environment)."""
+    topics = make_topics(unique_topic)
+    bootstrap = ["--bootstrap-servers", kafka_bootstrap]
+    names = _topic_flags(topics)
+    created = installed.cli("topics", "create", *bootstrap, *names)
+    assert created.returncode == 0 and "already exists" in created.stdout, created.stderr
+
+    log = installed.workdir / f"worker-{uuid.uuid4().hex[:6]}.log"
+    with log.open("wb") as sink:
+        worker = subprocess.Popen(
+            [
+                str(installed.bin / "triage-worker"),
+                "run",
+                *bootstrap,
+                *_run_flags(topics),
+                "--log-format=json",
+            ],
+            cwd=installed.workdir,
+            env=installed.env(),
+            stdout=sink,
+            stderr=sink,
+        )
+    try:
+        produced = installed.cli(
+            "produce-samples", *bootstrap, *names, "--count", "30", "--rate", "0", "--malformed-ratio", "0.2"
+        )
+        assert produced.returncode == 0, produced.stderr
+        result = _wait_for_audit(kafka_bootstrap, topics, 30, worker, log)
+        assert result.lost == [] and result.dead_lettered > 0
+        replayed = installed.cli(
+            "replay", *bootstrap, f"--dlq={topics.dead_letter}", "--from-beginning", "--json"
+        )
+        assert replayed.returncode == 0, replayed.stderr
+        assert json.loads(replayed.stdout)["counts"]["replayed"] == result.dead_lettered
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(120)
+    assert code == 0, log.read_text(errors="replace")[-3000:]
+
+
+def _topic_flags(topics: Topics) -> list[str]:
+    return [
+        *("--set", f"topics.input={topics.input}"),
+        *("--set", f"topics.output={topics.output}"),
+        *("--set", f"topics.dead_letter={topics.dead_letter}"),
+    ]
+
+
+def _run_flags(topics: Topics) -> list[str]:
+    return [
+        *("--input-topic", topics.input, "--output-topic", topics.output),
+        *("--dead-letter-topic", topics.dead_letter, "--group-id", f"installed-{uuid.uuid4().hex[:8]}"),
+    ]
+
+
+@dataclass
+class _Outcome:
+    lost: list[tuple[int, int]]
+    dead_lettered: int
+
+
+def _wait_for_audit(
+    bootstrap: str, topics: Topics, count: int, worker: subprocess.Popen[bytes], log: Path
+) -> _Outcome:
+    deadline = time.monotonic() + 240
+    while True:
+        found = audit(bootstrap, topics)
+        if len(found.inputs) == count and not found.lost:
+            return _Outcome(found.lost, sum(map(len, found.dead.values())))
+        assert worker.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, f"{len(found.lost)} tickets without an answer"
+        time.sleep(2)

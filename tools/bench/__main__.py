@@ -1,0 +1,164 @@
+"""End-to-end benchmark of the worker (`make bench`): every figure a ratio against a baseline of the same run.
+
+    .venv/bin/python -m tools.bench [--quick] [--out results]
+
+Against a real broker (a fresh local one on a free port, or KAFKA_BOOTSTRAP_SERVERS), with the same BANKING77
+tickets `{"ticket_id", "body"}` everywhere and an input topic of 3 partitions:
+
+- P1 Kafka overhead: the real `Pipeline`, built here with a classifier that answers at once, vs a bare
+  confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records;
+- P2 inference overhead: `triage-worker run` with default settings vs the raw classifier pool;
+- P3 beyond the seed design: the worker vs one ticket at a time, a new Generator with the whole prompt per
+  ticket, schema-guided generation, batch 1, same model;
+- P4 latency under load: 25..200 % of P2's capacity, each for a fixed time, against one worker;
+- P5 EDF vs FIFO: two workers, `--scheduling fifo` and `edf`, at 100 and 150 % of P2's capacity with half
+  the tickets due 1 s after they are produced and half much later (`metadata.deadline_at`): deadline misses;
+- P6 exactly-once vs at-least-once: two workers, `--guarantee at_least_once` and `exactly_once`: throughput
+  of a burst, and latency at 70 % of P2's capacity as a read_committed reader sees the results;
+- CPU cost: CPU-ms per ticket of the worker's process tree vs the pool's.
+
+Writes bench.json, bench.md, bench-latency.png and bench-timeline.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tools.bench import (
+    p1_kafka_overhead,
+    p2_inference_overhead,
+    p3_seed_design,
+    p4_latency,
+    p5_edf_vs_fifo,
+    p6_exactly_once,
+    report,
+)
+from tools.bench.measure import bracket, progress
+from tools.load import Tickets, kafka
+from worker.config import LogSettings
+from worker.logs import configure_logging
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` (broker, worker, pool) still runs."""
+
+    def interrupt(_signum: int, _frame: types.FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="small counts and 8 s load levels (< 5 min)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("results"), help="folder for bench.* (default results)"
+    )
+    args = parser.parse_args()
+    sizes = (
+        {
+            "p1": 100_000,
+            "p1_budget_s": 20,
+            "p2": 3_000,
+            "p2_budget_s": 60,
+            "p3": 300,
+            "p4_level_s": 8,
+            "p5_level_s": 6,
+            "p6": 1_500,
+            "p6_budget_s": 60,
+            "p6_level_s": 8,
+        }
+        if args.quick
+        else {
+            "p1": 500_000,
+            "p1_budget_s": 120,
+            "p2": 20_000,
+            "p2_budget_s": 600,
+            "p3": 1000,
+            "p4_level_s": 60,
+            "p5_level_s": 15,
+            "p6": 10_000,
+            "p6_budget_s": 300,
+            "p6_level_s": 30,
+        }
+    )
+    # The bench's own process logs warnings only (the in-process Pipeline and pool); the workers log JSON.
+    configure_logging(LogSettings(level="warning"))
+    figures: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "command": " ".join(["python", "-m", "tools.bench", *sys.argv[1:]]),
+        "machine": report.machine(),
+        "sizes": sizes,
+        "broker": os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or "local broker started by the bench",
+    }
+    tickets = Tickets()
+    with (
+        _sigterm_as_interrupt(),
+        tempfile.TemporaryDirectory(prefix="triage-bench-logs-") as tmp,
+        kafka(progress) as bootstrap,
+    ):
+        logs = Path(tmp)
+        try:
+            figures["p1"] = p1_kafka_overhead.measure(bootstrap, tickets, sizes["p1"], sizes["p1_budget_s"])
+            progress(f"P1 ratio {figures['p1']['ratio']}")
+            pool_before = p2_inference_overhead.measure_pool(tickets, sizes["p2"])
+            worker = p2_inference_overhead.measure_worker(
+                bootstrap, tickets, sizes["p2"], sizes["p2_budget_s"], logs
+            )
+            p2 = figures["p2"] = {
+                "pool": bracket(pool_before, p2_inference_overhead.measure_pool(tickets, sizes["p2"]))
+            }
+            p2["worker"] = worker
+            p2["ratio"] = round(p2["worker"]["rate"] / p2["pool"]["rate"], 3)
+            progress(f"P2 ratio {p2['ratio']}")
+            figures["p3"] = {"seed": p3_seed_design.measure(tickets, sizes["p3"])}
+            figures["p3"]["ratio"] = round(p2["worker"]["rate"] / figures["p3"]["seed"]["rate"], 2)
+            progress(f"P3 ratio {figures['p3']['ratio']}")
+            figures["p4"] = p4_latency.measure(
+                bootstrap, tickets, p2["worker"]["rate"], sizes["p4_level_s"], logs
+            )
+            figures["p5"] = p5_edf_vs_fifo.measure(bootstrap, p2["worker"]["rate"], sizes["p5_level_s"], logs)
+            figures["p6"] = p6 = p6_exactly_once.measure(
+                bootstrap,
+                tickets,
+                p2["worker"]["rate"],
+                sizes["p6"],
+                sizes["p6_budget_s"],
+                sizes["p6_level_s"],
+                logs,
+            )
+            ratios = (p6["throughput_ratio"], p6["p50_ratio"], p6["p99_ratio"])
+            progress("P6 ratios EOS/ALO: throughput {}, p50 {}, p99 {}".format(*ratios))
+        except BaseException:
+            for log in sorted(logs.glob("*.log")):
+                print(
+                    f"--- tail of {log.name}\n" + "\n".join(log.read_text().splitlines()[-15:]),
+                    file=sys.stderr,
+                )
+            raise
+    report.write(figures, args.out)
+    progress(f"wrote {args.out}/bench.md, bench.json, bench-latency.png, bench-timeline.png")
+    print((args.out / "bench.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The worker's endpoint: its probes (the loop turning, the pool warm, the broker answering, the group
+joined), the collectors registered on one port, and the reload hook."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from worker import __version__
+from worker.config import InferenceSettings, Settings
+from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
+from worker.pipeline.metrics import PipelineMetrics
+from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
+from worker.telemetry.probes import BrokerProbe, WorkerProbes
+from worker.telemetry.server import TelemetryServer, new_registry
+
+_log = structlog.get_logger("worker.telemetry")
+
+
+@dataclass
+class WorkerTelemetry:
+    """The worker's endpoint, or nothing when `metrics.port` is unset; `attach` as the pieces come up."""
+
+    probes: WorkerProbes | None = None
+    server: TelemetryServer | None = None
+    broker: BrokerProbe | None = None
+    info: dict[str, str] = field(default_factory=dict)
+    model_processes: ModelProcessCollector | None = None
+
+    @classmethod
+    def start(cls, settings: Settings, logger: Any = None) -> WorkerTelemetry:
+        """Serve from now on (before the model loads, so probes answer during start-up)."""
+        if settings.metrics.port is None:
+            return cls()
+        broker = BrokerProbe(settings, logger)
+        probes = WorkerProbes(settings.metrics.stall_timeout_ms / 1000.0, broker, time.monotonic)
+        inference = settings.inference
+        probes.pool_contexts = default_pool_size(inference, default_pool_kind(inference))
+        info = {
+            "version": __version__,
+            "model": "",
+            "mode": inference.mode,
+            "provider": inference.provider,
+            "pool": default_pool_kind(inference),
+        }
+        registry = new_registry()
+        registry.register(PipelineCollector(probes, info))
+        model_processes = ModelProcessCollector()
+        registry.register(model_processes)
+        try:
+            server = TelemetryServer(settings.metrics, registry, probes)
+        except BaseException:
+            broker.close()
+            raise
+        _log.info("telemetry_listening", host=settings.metrics.host, port=server.port)
+        return cls(probes, server, broker, info, model_processes)
+
+    def attach(self, metrics: PipelineMetrics, model_id: str, pool_contexts: int) -> None:
+        """The pool is warm and the pipeline built: from now on its numbers are exported."""
+        if self.probes is None:
+            return
+        self.info["model"] = model_id
+        self.probes.pool_contexts = self.probes.warm_contexts = pool_contexts
+        self.probes.metrics = metrics
+
+    def watch_model_processes(self, role: str, pids: Callable[[], list[int]]) -> None:
+        """Export the CPU and memory of the processes `pids` names, as pool `role` (primary, shadow)."""
+        if self.model_processes is not None:
+            self.model_processes.pools[role] = pids
+
+    def serve_reload(self, request: Callable[[], None]) -> None:
+        """Answer `POST /reload` by calling `request` (which must return at once)."""
+        if self.server is not None:
+            self.server.reload = request
+
+    def reloaded(
+        self, outcome: str, inference: InferenceSettings | None, pool: ClassifierPool | None
+    ) -> None:
+        """Count a reload; a new pool's model and contexts are what runs from now on."""
+        if self.probes is None:
+            return
+        self.probes.reloads[outcome] += 1
+        if inference is not None and pool is not None:
+            kind = default_pool_kind(inference)
+            self.info.update(model=pool.model_id, mode=inference.mode, provider=inference.provider, pool=kind)
+            self.probes.pool_contexts = self.probes.warm_contexts = pool.size
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.broker is not None:
+            self.broker.close()
