@@ -1,7 +1,9 @@
 """`triage-worker review` as a reviewer meets it: in a terminal (a pseudo-terminal here), keyboard only,
 against the real broker. Accept, correct through the searchable intent list, skip, a key it does not know,
 Esc out of the list, quit; a record that is not a ReviewRecord is skipped; the next session goes on where
-the last one stopped, and `--limit` ends it. The verdicts are FeedbackEvents on the feedback topic."""
+the last one stopped, and `--limit` ends it. The verdicts are FeedbackEvents on the feedback topic, which
+the trainer's reader takes as corrections, while bad feedback on the same topic (malformed, an unknown
+intent, an unknown ticket) goes to the dead-letter topic with its reason."""
 
 from __future__ import annotations
 
@@ -24,7 +26,11 @@ import msgspec
 import pytest
 
 from tools.harness import REPO, read_topic
+from worker.config import DEFAULT_MODEL_DIR, load_settings
+from worker.inference.taxonomy import load_taxonomy
+from worker.kafka import dead_letters
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
+from worker.ops.feedback import read_feedback_topic
 
 pytestmark = [pytest.mark.kafka]
 
@@ -98,6 +104,13 @@ def _record(ticket_id: str, offset: int, intent: str, body: str) -> bytes:
     return msgspec.json.encode(record)
 
 
+def _feedback(ticket_id: str, intent: str, text: str | None = None) -> bytes:
+    event = FeedbackEvent(
+        ticket_id=ticket_id, intent=intent, text=text, reviewer="bob", reviewed_at="2026-11-02T10:00:00Z"
+    )
+    return msgspec.json.encode(event)
+
+
 def _review(bootstrap: str, review: str, feedback: str, group: str, *extra: str) -> Terminal:
     command = [sys.executable, "-m", "worker", "review", "--bootstrap-servers", bootstrap]
     command += ["--topic", review, "--feedback-topic", feedback, "--group", group, "--reviewer", "alice"]
@@ -155,6 +168,17 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
         if terminal.process.poll() is None:
             terminal.process.kill()
 
+    # Bad feedback from elsewhere lands on the same topic between sessions: review only writes there, so
+    # the next session is not disturbed; the trainer's reader dead-letters each with its reason (below).
+    bad_feedback = [
+        b'{"ticket_id": "T-accept", "intent": "card_arrival"',
+        _feedback("T-skip", "no_such_intent", text="When do cards usually come?"),
+        _feedback("T-nowhere", "card_arrival"),
+    ]
+    for value in bad_feedback:
+        producer.produce(feedback, value=value)
+    assert producer.flush(30) == 0
+
     # The next session goes on at the ticket the last one quit on; --limit 1 ends it after that one.
     terminal = _review(kafka_bootstrap, review, feedback, group, "--limit", "1")
     try:
@@ -169,7 +193,8 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
             terminal.process.kill()
 
     decoder = msgspec.json.Decoder(FeedbackEvent)
-    events = [decoder.decode(m.value() or b"") for m in read_topic(kafka_bootstrap, feedback)]
+    written = [m.value() or b"" for m in read_topic(kafka_bootstrap, feedback)]
+    events = [decoder.decode(value) for value in written if value not in bad_feedback]
     verdicts = [(e.ticket_id, e.model_intent, e.intent, e.reviewer) for e in events]
     assert verdicts == [
         ("T-accept", "card_arrival", "card_arrival", "alice"),
@@ -179,6 +204,37 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
     corrected = events[1]
     assert corrected.text == "Someone took my card from my bag this morning"
     assert corrected.source == SourcePosition(topic="tickets.raw", partition=0, offset=11)
+
+    # What `model train --feedback-topic` reads: the reviewer's three verdicts are corrections, and each bad
+    # record is a dead letter naming its reason and its place on the feedback topic.
+    dead_letter_topic = unique_topic("feedback-dlq", partitions=1)
+    settings = load_settings(
+        env={},
+        overrides={
+            "kafka.bootstrap.servers": kafka_bootstrap,
+            "topics.review": review,
+            "topics.feedback": feedback,
+            "topics.dead_letter": dead_letter_topic,
+            "pipeline.group_id": group,
+        },
+    )
+    labels = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml").labels
+    corrections, refused = read_feedback_topic(settings, labels, progress=False)
+    assert [(c.ticket_id, c.intent) for c in corrections] == [
+        ("T-accept", "card_arrival"),
+        ("T-correct", "lost_or_stolen_card"),
+        ("T-last", "card_arrival"),
+    ]
+    assert [r.error_type for r in refused] == ["invalid_feedback", "unknown_intent", "unknown_ticket"]
+    dead = list(read_topic(kafka_bootstrap, dead_letter_topic))
+    assert [m.value() for m in dead] == bad_feedback
+    infos = [dead_letters.read_dead_letter(m.headers()) for m in dead]
+    assert [(i.error_type, i.topic, i.offset) for i in infos] == [
+        ("invalid_feedback", feedback, 2),
+        ("unknown_intent", feedback, 3),
+        ("unknown_ticket", feedback, 4),
+    ]
+    assert "no_such_intent" in infos[1].error_message and "T-nowhere" in infos[2].error_message
 
 
 def test_review_without_a_terminal_says_so_in_one_line(kafka_bootstrap: str) -> None:
