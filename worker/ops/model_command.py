@@ -121,6 +121,7 @@ def _fine_tune(args: argparse.Namespace) -> int:
         raise UserError("give --feedback-topic or --feedback, not both")
     if args.out is None:
         raise UserError("--out DIR is needed: the folder the fine-tuned model is written to")
+    data = Path(args.data) if args.data else _default_data()
     settings = settings_from_args(
         args,
         {
@@ -141,7 +142,6 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
     for line in feedback.summarize(corrections):
         console.print(line, markup=False)
-    data = Path(args.data) if args.data else _default_data()
     original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
     test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
     if args.test_limit:
