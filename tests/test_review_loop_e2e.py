@@ -178,9 +178,8 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
     # 3. A quick fine-tune (a small replay sample and test slice, to fit the suite's time).
     command = [
         sys.executable, "-m", "worker", "model", "train", "--feedback-topic", side["feedback"],
-        "--bootstrap-servers", kafka_bootstrap, "--out", str(tuned), "--replay-per-intent", "8",
-        "--holdout", "0",
-        "--test-limit", "200", "--set", f"topics.review={side['review']}",
+        "--bootstrap-servers", kafka_bootstrap, "--out", str(tuned), "--replay-per-intent", "4",
+        "--holdout", "0", "--test-limit", "100", "--set", f"topics.review={side['review']}",
         "--set", f"topics.dead_letter={feedback_dead_letters}", "--set", f"pipeline.group_id={group}",
     ]  # fmt: skip
     trained = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
@@ -257,10 +256,12 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
         # 5. Promote: the fine-tuned model becomes the primary without a restart.
         _configure(config, side, tuned, shadow=tuned)
         worker.process.send_signal(signal.SIGHUP)
-        switched = worker.wait_for("model_switched", timeout=300)
-        assert (switched["previous"], switched["model"]) == ("triage-mini", TUNED)
+        # Loaded, warmed and staged: the next ticket goes to it (the loop switches on its next hand-over).
+        assert worker.wait_for("reload_succeeded", timeout=300)["model"] == TUNED
         _publish(kafka_bootstrap, topics.input, [(t.replace("C1-", "C2-"), text) for t, text in again])
         wait_until_committed(kafka_bootstrap, group, topics.input, timeout=600, worker=worker)
+        switched = worker.events("model_switched")
+        assert [(e["previous"], e["model"]) for e in switched] == [("triage-mini", TUNED)]
         assert worker.stop() == 0
     finally:
         worker.kill()
