@@ -44,7 +44,7 @@ def main() -> int:
     featurizer = Featurizer(args.model)
     test = [(e.text, e.intent) for e in read_examples(args.data / "test.csv", featurizer.engine.taxonomy)]
     started = time.monotonic()
-    _, decided = featurizer.run([text for text, _ in test])
+    decided = featurizer.decide([text for text, _ in test])
     print(f"classified {len(test)} test tickets in {time.monotonic() - started:.0f} s", flush=True)
     if args.pair:
         pair = tuple(args.pair.split(","))

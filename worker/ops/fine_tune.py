@@ -22,6 +22,7 @@ beyond the runtime dependencies (no torch).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -177,7 +178,11 @@ class OutputLayer:
                 "(symmetric) or fp32; this model's is neither"
             )
         self.weights = self.weights.astype(np.float64)
-        self._pseudo_inverse = np.linalg.pinv(self.weights)
+
+    @functools.cached_property
+    def _pseudo_inverse(self) -> FloatArray:
+        """Computed once, and only by a featurizer that needs hidden states (an SVD of the whole layer)."""
+        return np.linalg.pinv(self.weights).astype(np.float64)
 
     def _read(self, name: str, dtype: type[np.generic]) -> npt.NDArray[Any]:
         tensor = self._tensors[name]
@@ -261,14 +266,29 @@ class Featurizer:
         self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None
     ) -> tuple[FloatArray, list[str]]:
         """(hidden states, intents the model decides) for `texts`."""
-        states, decided = [], []
+        states: list[FloatArray] = []
+        decided = self._score(texts, progress, states)
+        return np.array(states).reshape(len(texts), self.layer.weights.shape[1]), decided
+
+    def decide(self, texts: Sequence[str], progress: Callable[[int, int], None] | None = None) -> list[str]:
+        """The intents the model decides for `texts` (no hidden states: only measuring)."""
+        return self._score(texts, progress, None)
+
+    def _score(
+        self,
+        texts: Sequence[str],
+        progress: Callable[[int, int], None] | None,
+        states: list[FloatArray] | None,
+    ) -> list[str]:
+        decided = []
         for done, text in enumerate(texts, 1):
             logits = self._context.answer_logits(text)
-            states.append(self.layer.hidden(logits))
+            if states is not None:
+                states.append(self.layer.hidden(logits))
             decided.append(self.labels[int(np.argmax(logits[self.label_ids]))])
             if progress is not None:
                 progress(done, len(texts))
-        return np.array(states).reshape(len(texts), self.layer.weights.shape[1]), decided
+        return decided
 
 
 def fit_rows(
@@ -390,8 +410,8 @@ def fine_tune(
 
     replay_states, _ = featurizer.run([t for t, _ in replayed], progress("original tickets"))
     trained_states, trained_before = featurizer.run([c.text for c in trained], progress("corrections"))
-    _, held_before = featurizer.run([c.text for c in held], progress("held-out corrections"))
-    _, test_before = featurizer.run([t for t, _ in test], progress("test tickets"))
+    held_before = featurizer.decide([c.text for c in held], progress("held-out corrections"))
+    test_before = featurizer.decide([t for t, _ in test], progress("test tickets"))
     start = featurizer.layer.weights[featurizer.label_ids]
     rows = fit_rows(
         start,
@@ -406,9 +426,9 @@ def fine_tune(
     featurizer.layer.write_rows(out, featurizer.label_ids, rows)
     say(f"wrote {out}; measuring it")
     tuned = Featurizer(out)
-    _, held_after = tuned.run([c.text for c in held])
-    _, trained_after = tuned.run([c.text for c in trained])
-    _, test_after = tuned.run([t for t, _ in test], progress("test tickets (fine-tuned)"))
+    held_after = tuned.decide([c.text for c in held])
+    trained_after = tuned.decide([c.text for c in trained])
+    test_after = tuned.decide([t for t, _ in test], progress("test tickets (fine-tuned)"))
     expected_test = [i for _, i in test]
     outcome = Outcome(
         corrections=len(corrections),
