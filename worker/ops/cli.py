@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.classify_command",
     "worker.ops.replay_command",
     "worker.ops.shadow_command",
+    "worker.ops.review_command",
     "worker.ops.lag_command",
     "worker.ops.broker_command",
     "worker.ops.config_command",

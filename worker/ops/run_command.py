@@ -35,6 +35,7 @@ from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, 
 from worker.logs import configure_logging, librdkafka_logger
 from worker.ops.defaults import with_default
 from worker.ops.reload import Reloader
+from worker.pipeline.review import Review
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
 from worker.telemetry.worker import WorkerTelemetry
@@ -108,6 +109,12 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--shadow-mode", "inference.shadow_mode", "shadow's score | generate"),
     ("--shadow-pool-size", "inference.shadow_pool_size", "shadow contexts"),
     ("--shadow-topic", "topics.shadow", "side topic of shadow answers"),
+    (
+        "--review-threshold",
+        "review.threshold",
+        "results under this confidence also go to the review topic, for `triage-worker review`",
+    ),
+    ("--review-topic", "topics.review", "side topic of results to review"),
     ("--log-level", "log.level", "debug | info | warning | error"),
     ("--log-format", "log.format", "console | json"),
     ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here; 0 = any free port"),
@@ -179,6 +186,8 @@ def _check_topics(settings: Settings) -> None:
     needed = [topics.input, topics.output, topics.dead_letter]
     if settings.inference.shadow_settings() is not None:
         needed.append(topics.shadow)
+    if settings.review.enabled:
+        needed.append(topics.review)
     missing = [t for t in needed if t not in existing]
     if missing:
         raise UserError(
@@ -218,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             lower_priority = cast("Callable[[], None]", functools.partial(os.nice, SHADOW_NICENESS))
             shadow_pool = open_pool(shadow_settings, settings.log, lower_priority)
             shadow = _shadow(settings, shadow_settings, shadow_pool)
+        review = _review(settings) if settings.review.enabled else None
         pipeline = Pipeline(
             settings,
             classifier,
@@ -226,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             metrics_interval_s=args.metrics_interval,
             clients=KafkaClients(settings, librdkafka_logger()),
             shadow=shadow,
+            review=review,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
@@ -250,6 +261,16 @@ def _shadow(settings: Settings, shadow_settings: InferenceSettings, pool: Classi
     producer = create_producer(settings, ClientErrorLog("shadow-producer"), librdkafka_logger())
     _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)
     return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
+
+
+def _review(settings: Settings) -> Review:
+    """Results to review go through a producer of their own, as the shadow's side records do."""
+    producer = create_producer(settings, ClientErrorLog("review-producer"), librdkafka_logger())
+    review = settings.review
+    _log.info(
+        "review_started", topic=settings.topics.review, threshold=review.threshold, fallbacks=review.fallbacks
+    )
+    return Review(review, producer, settings.topics.review)
 
 
 class _StopOnSignals:

@@ -132,6 +132,28 @@ class ShadowMetrics:
 
 
 @dataclass
+class ReviewMetrics:
+    """Results sent to the review topic (see worker/pipeline/review.py); written by the consumer thread."""
+
+    # By (intent, reason): `low_confidence` or `fallback`.
+    sent: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    # Review records the broker acknowledged, and those it did not (or that were never sent).
+    produced: int = 0
+    delivery_failed: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        by_intent: collections.Counter[str] = collections.Counter()
+        for (intent, _), count in self.sent.items():
+            by_intent[intent] += count
+        return {
+            "sent": sum(self.sent.values()),
+            "top_intents": dict(by_intent.most_common(5)),
+            "produced": self.produced,
+            "delivery_failed": self.delivery_failed,
+        }
+
+
+@dataclass
 class PipelineMetrics:
     consumed: int = 0
     # Records re-delivered for an offset already being processed (after a seek back); skipped.
@@ -164,8 +186,9 @@ class PipelineMetrics:
     # time.monotonic() of the loop's last turn (None before the first): what /healthz watches.
     loop_turned_at: float | None = None
     partitions: PartitionGauges = field(default_factory=PartitionGauges)
-    # Set when a shadow model runs.
+    # Set when a shadow model runs, and when results go to review.
     shadow: ShadowMetrics | None = None
+    review: ReviewMetrics | None = None
     _gauges_at: float = float("-inf")
 
     def dead_letter(self, error_type: str) -> None:
@@ -241,4 +264,5 @@ class PipelineMetrics:
             "paused": self.paused,
             "rss_bytes": current_rss_bytes(),
             **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {}),
+            **({"review": self.review.snapshot()} if self.review is not None else {}),
         }

@@ -63,6 +63,7 @@ from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.records import encode_result, result_key, triage_result
+from worker.pipeline.review import Review
 from worker.pipeline.shadow import Shadow
 
 _log = structlog.get_logger("worker.pipeline")
@@ -88,7 +89,9 @@ class Pipeline:
     the `Classifier` contract); `fallback` is the label of records the model did not answer; at most
     `dispatch_window` tickets are at the classifier at once. `clients` builds the Kafka consumer and
     producer (default: from `settings`). `shadow`, when given, is offered every classified ticket (see
-    worker/pipeline/shadow.py: it never holds back a result or a commit).
+    worker/pipeline/shadow.py: it never holds back a result or a commit); `review`, when given, sees every
+    result written and sends those a person should check to the review topic (worker/pipeline/review.py;
+    it never holds one back either).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class Pipeline:
         metrics_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         shadow: Shadow | None = None,
+        review: Review | None = None,
     ) -> None:
         self._pipeline = settings.pipeline
         self._topics = settings.topics
@@ -125,6 +129,9 @@ class Pipeline:
         self._shadow = shadow
         if shadow is not None:
             self.metrics.shadow = shadow.metrics
+        self._review = review
+        if review is not None:
+            self.metrics.review = review.metrics
         self._paused = PausedPartitions(self._consumer)
         consumer, pause = self._consumer, self._paused.pause
         self._guarantee = guarantee_for(
@@ -227,6 +234,8 @@ class Pipeline:
         self._dispatch()
         if self._shadow is not None:
             self._shadow.serve()
+        if self._review is not None:
+            self._review.serve()
 
     def _poll_records(self, limit: int, timeout: float) -> None:
         """Take up to `limit` records, waiting up to `timeout` for the first, each one before the next poll.
@@ -350,9 +359,10 @@ class Pipeline:
         event = work.event
         assert event is not None
         value = encode_result(triage_result(event, answer, work.source, made_at or None))
-        self._guarantee.write(
-            work, Output(self._topics.output, result_key(work.key, event), value, work.headers)
-        )
+        key = result_key(work.key, event)
+        self._guarantee.write(work, Output(self._topics.output, key, value, work.headers))
+        if self._review is not None:
+            self._review.consider(event, answer, work.source, key, work.headers, made_at or None)
 
     def _dead_letter(self, work: Work, value: bytes | None, error_type: str, message: str) -> None:
         self.metrics.dead_letter(error_type)
@@ -465,8 +475,11 @@ class Pipeline:
         unfinished = self._ledger.waiting + self._ledger.at_model
         not_flushed = self._guarantee.stop(limit)
         self._consumer.close()
-        if self._shadow is not None:  # after the last commit: the shadow never holds one back
+        # After the last commit: side topics never hold one back.
+        if self._shadow is not None:
             self._shadow.close(max(0.0, limit - self._clock()))
+        if self._review is not None:
+            self._review.close(max(0.0, limit - self._clock()))
         self._log_metrics("final")
         if self._failure.reason is not None:
             _log.error("pipeline_failed", reason=self._failure.reason)

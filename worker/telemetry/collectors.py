@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from worker.decoding import DecodeErrorType
 from worker.kafka.dead_letters import PIPELINE_ERROR_DOCS
 from worker.messages import FallbackReason
-from worker.pipeline.metrics import SHADOW_DROP_REASONS, LatencyHistogram, ShadowMetrics
+from worker.pipeline.metrics import SHADOW_DROP_REASONS, LatencyHistogram, ReviewMetrics, ShadowMetrics
 from worker.telemetry.probes import WorkerProbes
 
 # Label values known in advance: exported at 0 from the first scrape.
@@ -136,6 +136,8 @@ class PipelineCollector(Collector):
         )  # fmt: skip
         if metrics.shadow is not None:
             yield from _shadow_families(metrics.shadow)
+        if metrics.review is not None:
+            yield from _review_families(metrics.review)
 
 
 def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
@@ -183,6 +185,23 @@ def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
     yield histogram(
         "triage_shadow_latency_seconds", "Shadow model time per ticket, as its engine reports it.",
         shadow.latency,
+    )  # fmt: skip
+
+
+def _review_families(review: ReviewMetrics) -> Iterator[Metric]:
+    """Results sent to the review topic, by intent (the taxonomy bounds the labels) and reason."""
+    sent = CounterMetricFamily(
+        "triage_review_sent", "Results also sent to the review topic.", labels=["intent", "reason"]
+    )
+    for (intent, reason), count in sorted(dict(review.sent).items()):
+        sent.add_metric([intent, reason], count)
+    yield sent
+    yield CounterMetricFamily(
+        "triage_review_produced", "Review records the broker acknowledged.", value=review.produced
+    )
+    yield CounterMetricFamily(
+        "triage_review_delivery_failed", "Review records not sent or not acknowledged.",
+        value=review.delivery_failed,
     )  # fmt: skip
 
 
