@@ -88,10 +88,8 @@ class Pipeline:
     `settings` gives the topics and the pipeline's limits; `classifier` answers the tickets (any object with
     the `Classifier` contract); `fallback` is the label of records the model did not answer; at most
     `dispatch_window` tickets are at the classifier at once. `clients` builds the Kafka consumer and
-    producer (default: from `settings`). `shadow`, when given, is offered every classified ticket (see
-    worker/pipeline/shadow.py: it never holds back a result or a commit); `review`, when given, sees every
-    result written and sends those a person should check to the review topic (worker/pipeline/review.py;
-    it never holds one back either).
+    producer (default: from `settings`). The side topics, when given, never hold back a result or a commit:
+    `shadow` is offered every classified ticket (shadow.py), `review` every result written (review.py).
     """
 
     def __init__(
@@ -126,12 +124,10 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics.for_deadline(settings.pipeline.deadline_ms / 1000.0)
-        self._shadow = shadow
-        if shadow is not None:
-            self.metrics.shadow = shadow.metrics
-        self._review = review
-        if review is not None:
-            self.metrics.review = review.metrics
+        self._shadow, self._review = shadow, review
+        self._side_topics: list[Shadow | Review] = [side for side in (shadow, review) if side is not None]
+        self.metrics.shadow = shadow.metrics if shadow is not None else None
+        self.metrics.review = review.metrics if review is not None else None
         self._paused = PausedPartitions(self._consumer)
         consumer, pause = self._consumer, self._paused.pause
         self._guarantee = guarantee_for(
@@ -232,10 +228,8 @@ class Pipeline:
         for work in self._ledger.expired(self._clock()):
             self._write_result(work, self._fallback_for(work, "overloaded"))
         self._dispatch()
-        if self._shadow is not None:
-            self._shadow.serve()
-        if self._review is not None:
-            self._review.serve()
+        for side in self._side_topics:
+            side.serve()
 
     def _poll_records(self, limit: int, timeout: float) -> None:
         """Take up to `limit` records, waiting up to `timeout` for the first, each one before the next poll.
@@ -340,15 +334,11 @@ class Pipeline:
             if work.orphan:
                 self.metrics.discarded_after_revoke += 1
                 continue
-            assert work.event is not None
             if answer.fallback:
                 self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
             else:
                 self.metrics.classified += 1
             self._write_result(work, answer, made_at)
-            if self._shadow is not None and not answer.fallback:
-                key = result_key(work.key, work.event)
-                self._shadow.offer(work.event, work.source, key, work.headers, answer)
 
     def _fallback_for(self, work: Work, reason: FallbackReason) -> Classification:
         self.metrics.fallback[reason] += 1
@@ -361,6 +351,8 @@ class Pipeline:
         value = encode_result(triage_result(event, answer, work.source, made_at or None))
         key = result_key(work.key, event)
         self._guarantee.write(work, Output(self._topics.output, key, value, work.headers))
+        if self._shadow is not None and not answer.fallback:
+            self._shadow.offer(event, work.source, key, work.headers, answer)
         if self._review is not None:
             self._review.consider(event, answer, work.source, key, work.headers, made_at or None)
 
@@ -475,11 +467,8 @@ class Pipeline:
         unfinished = self._ledger.waiting + self._ledger.at_model
         not_flushed = self._guarantee.stop(limit)
         self._consumer.close()
-        # After the last commit: side topics never hold one back.
-        if self._shadow is not None:
-            self._shadow.close(max(0.0, limit - self._clock()))
-        if self._review is not None:
-            self._review.close(max(0.0, limit - self._clock()))
+        for side in self._side_topics:  # after the last commit: side topics never hold one back
+            side.close(max(0.0, limit - self._clock()))
         self._log_metrics("final")
         if self._failure.reason is not None:
             _log.error("pipeline_failed", reason=self._failure.reason)
