@@ -12,7 +12,7 @@ from confluent_kafka import Consumer, Message, Producer
 from confluent_kafka.admin import AdminClient
 
 from worker.errors import UserError
-from worker.kafka.admin import TopicSpec, create_topics
+from worker.kafka.admin import METADATA_ONLY, TopicSpec, create_topics
 from worker.ops.cli import main
 
 pytestmark = pytest.mark.kafka
@@ -37,8 +37,15 @@ def _consume_one(kafka_config: dict[str, str], topic: str, timeout_s: float = 30
 
 
 def _partition_count(kafka_config: dict[str, str], topic: str) -> int:
-    metadata = AdminClient(kafka_config).list_topics(topic, timeout=10)
-    return len(metadata.topics[topic].partitions)
+    """The topic's partitions once the broker serves them: under load its metadata can lag the creation by
+    seconds (0 partitions listed meanwhile)."""
+    admin = AdminClient({**kafka_config, **METADATA_ONLY})
+    deadline = time.monotonic() + 30
+    while True:
+        partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
+        if partitions or time.monotonic() > deadline:
+            return len(partitions)
+        time.sleep(0.2)
 
 
 def test_round_trip_keeps_key_value_and_headers(
