@@ -20,10 +20,10 @@ from pathlib import Path
 import kafka_source
 import pytest
 import yaml
-from confluent_kafka.admin import AdminClient
 from testcontainers.core.container import DockerContainer
 from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
+from tools.harness import wait_until_served
 from worker.kafka import local_broker
 from worker.kafka.admin import TopicSpec, create_topics
 
@@ -178,24 +178,10 @@ def unique_topic(kafka_bootstrap: str, request: pytest.FixtureRequest) -> Callab
     def create(name: str, partitions: int = 3) -> str:
         topic = f"test.{test_name}.{name}.{uuid.uuid4().hex[:8]}"
         create_topics({"bootstrap.servers": kafka_bootstrap}, [TopicSpec(topic, partitions, 1)])
-        _wait_until_served(kafka_bootstrap, topic, partitions)
+        wait_until_served(kafka_bootstrap, topic, partitions)
         return topic
 
     return create
-
-
-def _wait_until_served(bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:
-    """The controller has created the topic when create_topics returns; the broker's metadata catches up a
-    moment later (seconds on a loaded machine), and until then it answers UNKNOWN_TOPIC_OR_PART."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = admin.list_topics(topic, timeout=10).topics.get(topic)
-        served = found is not None and found.error is None and len(found.partitions) == partitions
-        if served and all(partition.leader >= 0 for partition in found.partitions.values()):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"topic {topic} not served with {partitions} partitions within {timeout_s:.0f}s")
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
