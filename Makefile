@@ -20,7 +20,8 @@ RUN_ARGS ?=
 BENCH_ARGS ?=
 
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-inference eval model \
-	fuzz soak chaos
+	fuzz soak chaos image broker-image base-images base-image-python base-image-java image-check compose-check \
+	test-containers
 
 setup: $(STAMP) $(ENCODER)
 
@@ -55,14 +56,16 @@ broker-status: setup
 run: setup kafka-jars
 	$(BIN)/triage-worker demo $(if $(filter-out default file,$(origin PORT)),--port $(PORT)) $(RUN_ARGS)
 
-# The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one.
-test: setup kafka-jars
+# The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one or a Docker API
+# answers (testcontainers then starts one; tests/kafka_source.py decides): Java and Maven only for the former.
+test: setup
+	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict worker tools
+	$(BIN)/mypy --strict worker tools deploy/*.py
 
 # Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
 # tests/test_docs.py fails when they are stale.
@@ -117,3 +120,46 @@ eval: $(VENV)/.extra-eval
 # training (one thread), a few minutes of exports; needs torch and Maven.
 model: $(VENV)/.extra-export $(VENV)/.extra-eval
 	$(BIN)/triage-worker model train
+
+# -- Containers (docs/containers.md): Podman or Docker, whichever answers (CONTAINER_ENGINE=docker|podman picks
+# one); these targets install neither. Without a registry: `make base-images` (root, debootstrap), then
+# BASE_IMAGE=localhost/triage-base:bookworm-python for `image`, KAFKA_BASE_IMAGE=...:bookworm-java for
+# `broker-image`, and MAVEN_BROKER=1 for compose-check and test-containers (the broker image from the Maven jars
+# instead of apache/kafka). Under a restricted sandbox Podman needs CONTAINERS_CONF=deploy/podman/containers.conf.
+IMAGE ?= triage-worker:local
+BROKER_IMAGE ?= localhost/triage-kafka:4.1.1
+BASE_IMAGE ?=
+KAFKA_BASE_IMAGE ?=
+MAVEN_BROKER ?=
+# More `build` flags, e.g. `--network host` where the engine's bridge network is unavailable.
+IMAGE_BUILD_FLAGS ?=
+# The broker-backed tests (every test marked `kafka`), run by test-containers against a testcontainers broker.
+CONTAINER_TESTS ?= -m kafka
+
+image:
+	$(or $(PYTHON),python3) deploy/container_engine.py build --tag $(IMAGE) \
+		$(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(IMAGE_BUILD_FLAGS),-- $(IMAGE_BUILD_FLAGS))
+
+broker-image: kafka-jars
+	$(BIN)/python deploy/container_engine.py build-broker --tag $(BROKER_IMAGE) \
+		--jars "$$($(BIN)/python -c 'from worker.kafka.local_broker import jars_dir; print(jars_dir())')" \
+		$(if $(KAFKA_BASE_IMAGE),--base-image $(KAFKA_BASE_IMAGE)) $(if $(IMAGE_BUILD_FLAGS),-- $(IMAGE_BUILD_FLAGS))
+
+# Base images from Debian packages (bookworm, debootstrap; needs root): one with Python for the worker, one with
+# Java for the broker image (`make -j2 base-images` builds both at once).
+base-images: base-image-python base-image-java
+
+base-image-python base-image-java: base-image-%:
+	deploy/offline-base.sh $*
+
+# The built image (`make image` first) against the local broker, or KAFKA_BOOTSTRAP_SERVERS.
+image-check: setup $(if $(KAFKA_BOOTSTRAP_SERVERS),,kafka-jars)
+	$(BIN)/python deploy/container_checks.py image --image $(IMAGE)
+
+# deploy/docker-compose.yml up (broker, topics, 2 workers from the built image, sample producer) and down.
+compose-check: setup
+	$(BIN)/python deploy/container_checks.py compose $(if $(MAVEN_BROKER),--override deploy/compose.maven-broker.yml)
+
+test-containers: setup
+	TRIAGE_TEST_BROKER=container $(if $(MAVEN_BROKER),TRIAGE_KAFKA_IMAGE=$(BROKER_IMAGE)) \
+		$(BIN)/python deploy/container_engine.py with-docker-api -- $(BIN)/pytest $(CONTAINER_TESTS) $(PYTEST_ARGS)

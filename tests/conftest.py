@@ -1,9 +1,10 @@
 """Shared fixtures: one real Kafka broker per test session, and uniquely named topics per test.
 
-The broker comes from, in order: `KAFKA_BOOTSTRAP_SERVERS` (a broker you already run), testcontainers'
-Kafka when a Docker engine answers, else the project's own local broker (`worker/kafka/local_broker.py`:
-Apache Kafka from Maven-resolved jars) on a free port with a fresh log dir, stopped when the session ends.
-The same tests run against any of the three.
+The broker comes from, in order (tests/kafka_source.py decides; `TRIAGE_TEST_BROKER` insists on one):
+`KAFKA_BOOTSTRAP_SERVERS` (a broker you already run), a container that testcontainers starts when a Docker
+API answers (`TRIAGE_KAFKA_IMAGE`, default apache/kafka:4.1.1, set up like the compose file's broker), else
+the project's own local broker (`worker/kafka/local_broker.py`: Apache Kafka from Maven-resolved jars) on a
+free port with a fresh log dir, stopped when the session ends. The same tests run against any of the three.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import kafka_source
 import pytest
+import yaml
+from testcontainers.core.container import DockerContainer
+from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
+from tools.harness import wait_until_served
 from worker.kafka import local_broker
 from worker.kafka.admin import TopicSpec, create_topics
 
@@ -29,20 +35,24 @@ class _BrokerSource:
 
 
 _SOURCE = _BrokerSource()
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _docker_engine_answers() -> bool:
-    """A quick ping: on machines with only the docker client (or nothing), this fails within ~2 s."""
-    try:
-        import docker
-
-        client = docker.from_env(timeout=2)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
+def _start_kafka_container(image: str) -> tuple[DockerContainer, str]:
+    """One KRaft node in a container, with the compose file's broker settings (apache/kafka's KAFKA_*
+    environment) and its client listener published on a free host port, advertised as such."""
+    compose = yaml.safe_load((REPO / "deploy" / "docker-compose.yml").read_text())
+    environment = {key: str(value) for key, value in compose["services"]["kafka"]["environment"].items()}
+    container = DockerContainer(image)
+    host, port = container.get_docker_client().host(), local_broker.free_port()
+    # Clients reach PLAINTEXT through the published port; the broker reaches itself on INTERNAL.
+    environment["KAFKA_ADVERTISED_LISTENERS"] = f"PLAINTEXT://{host}:{port},INTERNAL://localhost:19092"
+    for key, value in environment.items():
+        container.with_env(key, value)
+    container.with_bind_ports(9092, port)
+    container.waiting_for(LogMessageWaitStrategy(local_broker.READY_LINE).with_startup_timeout(180))
+    container.start()
+    return container, f"{host}:{port}"
 
 
 def _announce(config: pytest.Config, line: str) -> None:
@@ -59,25 +69,21 @@ def kafka_bootstrap(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """Bootstrap servers (`host:port`) of a real Kafka broker shared by the whole session."""
-    given = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if given:
+    source = kafka_source.choose()
+    if source == "given":
+        given = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
         _announce(request.config, f"using the broker given by KAFKA_BOOTSTRAP_SERVERS={given}")
         yield given
         return
 
-    if _docker_engine_answers():
-        try:
-            from testcontainers.community.kafka import KafkaContainer
-        except ImportError:  # testcontainers < 4.15 kept the module here
-            from testcontainers.kafka import KafkaContainer
-
+    if source == "container":
+        image = kafka_source.kafka_image()
         started = time.monotonic()
-        container = KafkaContainer().with_kraft().start(timeout=120)
+        container, bootstrap = _start_kafka_container(image)
         try:
-            bootstrap: str = container.get_bootstrap_server()
             _announce(
                 request.config,
-                f"broker came up in Docker via testcontainers ({container.image}) at {bootstrap} "
+                f"broker came up in a container via testcontainers ({image}) at {bootstrap} "
                 f"in {time.monotonic() - started:.1f}s",
             )
             yield bootstrap
@@ -105,10 +111,10 @@ def kafka_bootstrap(
 def local_kafka_broker(kafka_bootstrap: str) -> local_broker.LocalBroker:
     """The session's broker when it is the project's local one, for tests that stop and restart it.
 
-    Skips when the session uses an external or Docker broker, which tests must not stop.
+    Skips when the session uses an external broker or a container, which tests must not stop.
     """
     if _SOURCE.local is None:
-        pytest.skip("needs the project's local broker (the session uses an external or Docker broker)")
+        pytest.skip("needs the project's local broker (the session uses an external broker or a container)")
     return _SOURCE.local
 
 
@@ -137,11 +143,11 @@ class SecureBroker:
 def secure_broker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBroker]:
     """SASL_SSL on the project's local broker (certificates made at start, gone with the temp dir).
 
-    Skips where the session's broker is given or runs in Docker: starting a second, local one needs the
+    Skips where the session's broker is given or runs in a container: starting a second, local one needs the
     Java runtime and Maven-resolved jars those machines may not have.
     """
     if _SOURCE.local is None:
-        pytest.skip("SASL/TLS tests start a second local broker; this session uses an external or Docker one")
+        pytest.skip("SASL/TLS tests start a second local broker; this session uses another broker")
     from worker.ops import broker_command
     from worker.ops.cli import main
 
@@ -172,6 +178,7 @@ def unique_topic(kafka_bootstrap: str, request: pytest.FixtureRequest) -> Callab
     def create(name: str, partitions: int = 3) -> str:
         topic = f"test.{test_name}.{name}.{uuid.uuid4().hex[:8]}"
         create_topics({"bootstrap.servers": kafka_bootstrap}, [TopicSpec(topic, partitions, 1)])
+        wait_until_served(kafka_bootstrap, topic, partitions)
         return topic
 
     return create

@@ -22,9 +22,6 @@ from worker.ops.run_command import flag_settings
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
-# Pages the README's map links to that other branches write (ship-package: install.md, ship-containers:
-# containers.md); checked like any other link once they exist.
-WRITTEN_ELSEWHERE = {DOCS / "install.md", DOCS / "containers.md"}
 _LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
@@ -32,7 +29,7 @@ def test_the_readme_is_short_and_every_docs_page_is_linked_from_it() -> None:
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 200
     linked = {(REPO / target).resolve() for target in _LINK.findall(text)}
-    pages = set(DOCS.glob("*.md")) | WRITTEN_ELSEWHERE
+    pages = set(DOCS.glob("*.md"))
     assert {page.resolve() for page in pages} <= linked, sorted(map(str, pages - linked))
 
 
@@ -44,8 +41,6 @@ def test_relative_links_and_anchors_resolve(page: Path) -> None:
         if target.startswith(("http://", "https://", "mailto:")):
             continue
         path = (page.parent / target).resolve() if target else page
-        if path in {p.resolve() for p in WRITTEN_ELSEWHERE} and not path.exists():
-            continue
         assert path.exists(), f"{page.name}: broken link {match.group(1)}"
         if anchor and path.suffix == ".md":
             assert anchor in _anchors(path.read_text(encoding="utf-8")), (

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 from confluent_kafka import Consumer, Message, Producer
-from confluent_kafka.admin import AdminClient
 
+from tools.harness import wait_until_served
 from worker.errors import UserError
 from worker.kafka.admin import TopicSpec, create_topics
 from worker.ops.cli import main
@@ -36,11 +36,6 @@ def _consume_one(kafka_config: dict[str, str], topic: str, timeout_s: float = 30
         consumer.close()
 
 
-def _partition_count(kafka_config: dict[str, str], topic: str) -> int:
-    metadata = AdminClient(kafka_config).list_topics(topic, timeout=10)
-    return len(metadata.topics[topic].partitions)
-
-
 def test_round_trip_keeps_key_value_and_headers(
     kafka_config: dict[str, str], unique_topic: Callable[..., str]
 ) -> None:
@@ -64,8 +59,8 @@ def test_unique_topic_creates_the_requested_partitions(
     first, second = unique_topic("same"), unique_topic("same", partitions=2)
 
     assert first != second
-    assert _partition_count(kafka_config, first) == 3
-    assert _partition_count(kafka_config, second) == 2
+    wait_until_served(kafka_config["bootstrap.servers"], first, 3)
+    wait_until_served(kafka_config["bootstrap.servers"], second, 2)
 
 
 def test_create_topics_twice_reports_existing_topics_and_keeps_them(kafka_config: dict[str, str]) -> None:
@@ -73,7 +68,7 @@ def test_create_topics_twice_reports_existing_topics_and_keeps_them(kafka_config
 
     assert create_topics(kafka_config, [TopicSpec(name, 2, 1)]) == {name: "created"}
     assert create_topics(kafka_config, [TopicSpec(name, 5, 1)]) == {name: "exists"}
-    assert _partition_count(kafka_config, name) == 2
+    wait_until_served(kafka_config["bootstrap.servers"], name, 2)
 
 
 def test_topics_create_command_uses_configured_names_and_layout(
@@ -101,7 +96,7 @@ def test_topics_create_command_uses_configured_names_and_layout(
     for name in names.values():
         assert f"{name}: created (partitions=4, replication_factor=1)" in first
         assert f"{name}: already exists" in second
-        assert _partition_count({"bootstrap.servers": kafka_bootstrap}, name) == 4
+        wait_until_served(kafka_bootstrap, name, 4)
 
 
 def test_unreachable_cluster_gives_one_line_naming_the_address_and_reason() -> None:

@@ -16,32 +16,18 @@ from test_telemetry_e2e import scrape
 from tools import REPO
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader, TopicSpec, create_topics
+from worker.kafka.clients import kafka_call
 from worker.ops.lag_command import GroupLagCollector
 
 pytestmark = pytest.mark.kafka
 
 
-_COORDINATOR_NOT_READY = {
-    confluent_kafka.KafkaError.NOT_COORDINATOR,
-    confluent_kafka.KafkaError.COORDINATOR_NOT_AVAILABLE,
-    confluent_kafka.KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-}
-
-
 def _commit(bootstrap: str, group: str, offsets: dict[tuple[str, int], int]) -> None:
     consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": group})
     positions = [confluent_kafka.TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-    deadline = time.monotonic() + 30
     try:
-        while True:
-            try:
-                consumer.commit(offsets=positions, asynchronous=False)
-                return
-            except confluent_kafka.KafkaException as error:
-                # A broker that just started may not have elected the group's coordinator yet.
-                if error.args[0].code() not in _COORDINATOR_NOT_READY or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        # Retried while a new broker's group coordinator is still being elected (NOT_COORDINATOR).
+        kafka_call("commit", lambda: consumer.commit(offsets=positions, asynchronous=False))
     finally:
         consumer.close()
 

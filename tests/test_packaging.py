@@ -185,6 +185,8 @@ def test_checkout_only_commands_say_so_in_one_line(installed: Installed) -> None
     broker = _one_line_error(installed.cli("broker", "start"))
     assert "runs only from a source checkout" in broker and "--bootstrap-servers" in broker
     assert "runs only from a source checkout" in _one_line_error(installed.cli("model", "train"))
+    feedback = _one_line_error(installed.cli("model", "train", "--feedback", "f.jsonl", "--out", "tuned"))
+    assert "runs only from a source checkout" in feedback and "give --data DIR" in feedback
 
 
 @pytest.mark.kafka

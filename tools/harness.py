@@ -24,10 +24,12 @@ from typing import Any
 
 import confluent_kafka
 import msgspec
+from confluent_kafka.admin import AdminClient
 
 from tools import REPO
 from worker.config import Settings, load_settings
 from worker.kafka import dead_letters
+from worker.kafka.admin import METADATA_ONLY
 from worker.messages import TriageResult
 from worker.ops.launch import run_command
 from worker.ops.samples import KIND_HEADER, SampleFactory, produce_samples
@@ -302,6 +304,25 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
         }
     finally:
         consumer.close()
+
+
+def wait_until_served(bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:
+    """The controller has created the topic when create_topics returns; the broker's metadata catches up a
+    moment later (seconds on a loaded machine), and until then it answers UNKNOWN_TOPIC_OR_PART or lists no
+    partitions. AssertionError unless it serves `partitions` partitions, each led, in `timeout_s`."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, **METADATA_ONLY})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = admin.list_topics(topic, timeout=10).topics.get(topic)
+        if (
+            found is not None
+            and found.error is None
+            and len(found.partitions) == partitions
+            and all(partition.leader >= 0 for partition in found.partitions.values())
+        ):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"topic {topic} not served with {partitions} partitions within {timeout_s:.0f}s")
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:

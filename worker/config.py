@@ -56,6 +56,9 @@ class TopicSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     dead_letter: TopicName = "tickets.dlq"
     # Side topic of the shadow model's answers (see `InferenceSettings.shadow_settings`).
     shadow: TopicName = "tickets.triaged.shadow"
+    # Side topic of results a person should check (see `ReviewSettings`), and the reviewers' verdicts.
+    review: TopicName = "tickets.review"
+    feedback: TopicName = "tickets.feedback"
     partitions: PositiveInt = 3
     replication_factor: PositiveInt = 1
 
@@ -178,6 +181,20 @@ def escalation_dir(value: str) -> Path:
     return folder
 
 
+class ReviewSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Which results also go to the review side topic (`topics.review`) for a person to accept or correct
+    (`triage-worker review`); off unless one of the two is set."""
+
+    # Classified results whose confidence is under this go to review; None: none do.
+    threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    # Fallbacks (no model answer) go to review too.
+    fallbacks: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold is not None or self.fallbacks
+
+
 class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     level: LogLevel = "info"
     format: LogFormat = "console"
@@ -206,6 +223,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     topics: TopicSettings = msgspec.field(default_factory=TopicSettings)
     pipeline: PipelineSettings = msgspec.field(default_factory=PipelineSettings)
     inference: InferenceSettings = msgspec.field(default_factory=InferenceSettings)
+    review: ReviewSettings = msgspec.field(default_factory=ReviewSettings)
     log: LogSettings = msgspec.field(default_factory=LogSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
 
@@ -214,6 +232,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "topics": TopicSettings,
     "pipeline": PipelineSettings,
     "inference": InferenceSettings,
+    "review": ReviewSettings,
     "log": LogSettings,
     "metrics": MetricsSettings,
 }
@@ -579,6 +598,7 @@ _UNSET_HINTS = {
     "inference.shadow_taxonomy": "the shadow model's taxonomy.toml",
     "inference.shadow_mode": "the primary's mode",
     "inference.escalation": 'no cascade; the shipped stage is "triage-encoder"',
+    "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
 }
 

@@ -149,6 +149,41 @@ class ShadowResult(TriageResult, kw_only=True, frozen=True):
     primary_model: Annotated[str, msgspec.Meta(description="Id of the primary model.")]
 
 
+ReviewReason = Literal["low_confidence", "fallback"]
+
+
+class ReviewRecord(TriageResult, kw_only=True, frozen=True):
+    """On the review side topic: a TriageResult a person should check (its confidence was under
+    `review.threshold`, or it was a fallback), with the ticket's text so that a reviewer needs nothing else.
+    A subclass, like ShadowResult: the primary's output contract stays as it was."""
+
+    review_reason: ReviewReason
+    body: Annotated[str, msgspec.Meta(description="The ticket's body, as the producer sent it.")]
+    subject: Annotated[str | None, msgspec.Meta(description="The ticket's subject, if it had one.")] = None
+
+
+class FeedbackEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """A reviewer's verdict on one ticket, on the feedback topic: the intent it should have had.
+
+    The ticket is named by `ticket_id` and found by its `source` position (the review record's) or, for
+    tickets that never went to review, carried as `text`; one of the two is required. When a ticket gets
+    several, the latest `reviewed_at` wins (the later record on a tie)."""
+
+    schema_version: int = SCHEMA_VERSION
+    ticket_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TICKET_ID_CHARS)]
+    intent: Annotated[NonEmptyStr, msgspec.Meta(description="The correct intent (a taxonomy label).")]
+    priority: Priority | None = None
+    source: SourcePosition | None = None
+    text: Annotated[str | None, msgspec.Meta(description="The ticket's text, when there is no source.")] = (
+        None
+    )
+    model_intent: Annotated[
+        str | None, msgspec.Meta(description="What the model had said; equal to intent for an accept.")
+    ] = None
+    reviewer: NonEmptyStr
+    reviewed_at: Annotated[str, _timestamp("RFC 3339 UTC time of the verdict.")]
+
+
 def utc_timestamp(moment: datetime.datetime | None = None) -> str:
     """RFC 3339 UTC with milliseconds, e.g. ``2024-05-01T12:30:00.123Z``: every time the worker writes."""
     when = moment or datetime.datetime.now(datetime.UTC)

@@ -284,6 +284,18 @@ class Context:
         finally:
             self._reset()
 
+    def answer_logits(self, text: str) -> FloatArray:
+        """The logits over the whole vocabulary where `score` mode reads the intent (right after
+        `{"intent": "`): what fine-tuning the output layer's intent rows starts from (ops/fine_tune.py)."""
+        score_ids, _, _ = self.engine.prepare(text)
+        try:
+            generator = self._require()
+            generator.append_tokens(score_ids)
+            logits: FloatArray = np.asarray(generator.get_logits()[0, -1], dtype=np.float64)
+            return logits
+        finally:
+            self._reset()
+
     # -- score mode ---------------------------------------------------------------------------------------
 
     def _score(self, ids: list[int], deadline: float) -> tuple[str, Priority, float, dict[str, float]]:

@@ -92,10 +92,16 @@ class TopicSpec:
     replication_factor: int
 
 
-def worker_topics(topics: TopicSettings, shadow: bool = False) -> list[TopicSpec]:
-    """The input, output and dead-letter topics (and with `shadow`, the shadow's side topic), all with the
-    configured layout."""
-    names = (topics.input, topics.output, topics.dead_letter, *((topics.shadow,) if shadow else ()))
+def worker_topics(topics: TopicSettings, shadow: bool = False, review: bool = False) -> list[TopicSpec]:
+    """The input, output and dead-letter topics (with `shadow`, the shadow's side topic; with `review`, the
+    review side topic and the feedback topic), all with the configured layout."""
+    names = (
+        topics.input,
+        topics.output,
+        topics.dead_letter,
+        *((topics.shadow,) if shadow else ()),
+        *((topics.review, topics.feedback) if review else ()),
+    )
     return [TopicSpec(name, topics.partitions, topics.replication_factor) for name in dict.fromkeys(names)]
 
 

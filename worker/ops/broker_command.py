@@ -67,8 +67,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     create = topic_actions.add_parser(
         "create",
         help=(
-            "create the input, output and dead-letter topics, and the shadow's side topic when a shadow is "
-            "configured (existing ones are left alone)"
+            "create the input, output and dead-letter topics, the shadow's side topic when a shadow is "
+            "configured, and the review and feedback topics when review is on (existing ones are left alone)"
         ),
     )
     add_config_argument(create)
@@ -148,7 +148,11 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def _create_topics(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
-    specs = worker_topics(settings.topics, shadow=settings.inference.shadow_settings() is not None)
+    specs = worker_topics(
+        settings.topics,
+        shadow=settings.inference.shadow_settings() is not None,
+        review=settings.review.enabled,
+    )
     outcomes = create_topics(settings.kafka, specs)
     for spec in specs:
         if outcomes[spec.name] == "created":

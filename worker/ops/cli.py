@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import types
 from collections.abc import Sequence
 
 from worker import __version__
@@ -25,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.classify_command",
     "worker.ops.replay_command",
     "worker.ops.shadow_command",
+    "worker.ops.review_command",
     "worker.ops.lag_command",
     "worker.ops.broker_command",
     "worker.ops.config_command",
@@ -44,8 +47,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class HeldStopSignals:
+    """SIGTERM/SIGINT held while the command modules import (ONNX Runtime, librdkafka: seconds on a loaded
+    machine, long enough for a supervisor's stop to arrive), then handed to the command: a command that
+    sets `takes_stop_signals` gets this object as `args.held_stop_signals` and installs its own handlers
+    (`run` stops gracefully); for any other, `release` restores the defaults and a held signal acts then."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._hold)
+
+    def _hold(self, signum: int, _frame: types.FrameType | None) -> None:
+        self.received.append(signum)
+
+    def release(self) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in self.received:
+            signal.raise_signal(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    held = HeldStopSignals()
+    try:
+        args = build_parser().parse_args(argv)
+    except BaseException:  # --help, --version, a usage error: no command takes the held signals
+        held.release()
+        raise
+    if getattr(args, "takes_stop_signals", False):
+        args.held_stop_signals = held
+    else:
+        held.release()
     try:
         code: int = args.handler(args)
     except UserError as error:

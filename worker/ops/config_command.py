@@ -24,7 +24,8 @@ from worker.kafka.dead_letters import (
     OPTIONAL_HEADER_DOCS,
     PIPELINE_ERROR_DOCS,
 )
-from worker.messages import ShadowResult, TicketEvent, TriageResult
+from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
+from worker.ops.feedback import FEEDBACK_ERROR_DOCS
 from worker.shipped import is_source_checkout, shipped_path
 
 SCHEMA_DIR = shipped_path("schemas")
@@ -40,6 +41,7 @@ def _dead_letter_doc() -> str:
     rows = "\n".join(f"| `{name}` | {meaning} |" for name, meaning in (*HEADER_DOCS, *OPTIONAL_HEADER_DOCS))
     error_types = ", ".join(f"`{name}`" for name in typing.get_args(DecodeErrorType))
     pipeline_types = "; ".join(f"`{name}`: {meaning}" for name, meaning in PIPELINE_ERROR_DOCS)
+    feedback_types = "; ".join(f"`{name}`: {meaning}" for name, meaning in FEEDBACK_ERROR_DOCS)
     return f"""# Dead-letter records
 
 <!-- Generated from worker/kafka/dead_letters.py by `triage-worker schemas --write`; do not edit. -->
@@ -55,6 +57,9 @@ default `tickets.dlq`) with its original key, value bytes and headers untouched,
 `triage.error.type` values written by the decoder: {error_types}. Written by the pipeline:
 {pipeline_types}.
 
+Feedback records (`topics.feedback`) that `triage-worker model train --feedback-topic` refuses go to the
+same topic, with the feedback topic as `triage.source.topic`: {feedback_types}.
+
 `triage.error.message` is cut to {MAX_MESSAGE_BYTES} bytes. When a replayed record fails again, the
 `triage.*` headers of the earlier failure are replaced, not repeated, and `triage.replay_count` carries on.
 """
@@ -66,6 +71,8 @@ def schema_files() -> dict[str, str]:
         "ticket_event.schema.json": _json_schema(TicketEvent),
         "triage_result.schema.json": _json_schema(TriageResult),
         "shadow_result.schema.json": _json_schema(ShadowResult),
+        "review_record.schema.json": _json_schema(ReviewRecord),
+        "feedback_event.schema.json": _json_schema(FeedbackEvent),
         "dead_letter.md": _dead_letter_doc(),
     }
 

@@ -115,7 +115,12 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Run a training script with this interpreter; it needs the repository checkout (data, tools)."""
+    """Run a training script with this interpreter; it needs the repository checkout (data, tools). With
+    feedback, fine-tune the current model on it instead (worker/ops/fine_tune.py)."""
+    if args.feedback_topic is not None or args.feedback is not None:
+        if args.encoder:
+            raise UserError("model train --encoder does not learn from feedback: drop --feedback(-topic)")
+        return _fine_tune(args)
     script = checkout_file(TRAIN_ENCODER_SCRIPT if args.encoder else TRAIN_SCRIPT, "model train")
     needed = (
         ("onnx", "tokenizers", "sklearn") if args.encoder else (*_EXPORT_MODULES, "tokenizers", "sklearn")
@@ -137,6 +142,61 @@ def _train(args: argparse.Namespace) -> int:
         if value is not None:
             forwarded += [f"--{option.replace('_', '-')}", str(value)]
     return subprocess.run([sys.executable, str(script), *forwarded], check=False).returncode
+
+
+def _fine_tune(args: argparse.Namespace) -> int:
+    from worker.ops import evaluation, feedback, fine_tune
+
+    if args.feedback_topic is not None and args.feedback is not None:
+        raise UserError("give --feedback-topic or --feedback, not both")
+    if args.out is None:
+        raise UserError("--out DIR is needed: the folder the fine-tuned model is written to")
+    data = Path(args.data) if args.data else _default_data()
+    settings = settings_from_args(
+        args,
+        {
+            "kafka.bootstrap.servers": args.bootstrap_servers,
+            "topics.feedback": args.feedback_topic,
+            "inference.model": args.model,
+        },
+    )
+    base = Path(settings.inference.model)
+    taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
+    console = Console(stderr=True, soft_wrap=True)
+    if args.feedback is not None:
+        corrections, rejections = feedback.read_feedback_file(Path(args.feedback), taxonomy.labels)
+    else:
+        corrections, rejections = feedback.read_feedback_topic(settings, taxonomy.labels)
+    for rejection in rejections:
+        console.print(f"skipped {rejection.where}: {rejection.error_type}: {rejection.message}", markup=False)
+    console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
+    for line in feedback.summarize(corrections):
+        console.print(line, markup=False)
+    original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
+    test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
+    if args.test_limit:
+        test = test[:: max(1, len(test) // args.test_limit)][: args.test_limit]
+    defaults = fine_tune.Recipe()
+    recipe = fine_tune.Recipe(
+        seed=args.seed if args.seed is not None else defaults.seed,
+        holdout=args.holdout,
+        replay_per_intent=args.replay_per_intent,
+        steps=args.steps,
+    )
+    command = shlex.join(["triage-worker", *sys.argv[1:]]) if sys.argv[1:3] == ["model", "train"] else ""
+    outcome = fine_tune.fine_tune(
+        base, Path(args.out), corrections, original, test, recipe, console.print, command
+    )
+    for line in fine_tune.outcome_lines(outcome):
+        print(line)
+    print(f"wrote {args.out} (model card: {Path(args.out) / 'README.md'})")
+    return 0
+
+
+def _default_data() -> Path:
+    """The checkout's BANKING77: the fine-tune mixes in its training split and measures on its test split."""
+    instead = "give --data DIR, a folder with BANKING77's train.csv and test.csv"
+    return checkout_file("data/banking77", "model train --feedback without --data", instead)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -343,6 +403,28 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="build the cascade's escalation stage models/triage-encoder instead "
         "(tools/train_triage_encoder.py: bge-small-en-v1.5 int8 + a linear head; needs the `eval` extra)",
     )
+    tune = train.add_argument_group(
+        "learning from feedback (minutes): fine-tune the current model on reviewers' corrections"
+    )
+    tune.add_argument("--feedback-topic", metavar="TOPIC", help="read FeedbackEvents from this topic")
+    tune.add_argument("--feedback", metavar="FILE", help="read FeedbackEvents from a JSON-lines file")
+    tune.add_argument("--model", metavar="DIR", help="model to start from (default inference.model)")
+    tune.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
+    tune.add_argument(
+        "--holdout", type=float, default=0.25, help="share of the corrections held out to measure (0.25)"
+    )
+    tune.add_argument(
+        "--replay-per-intent",
+        type=int,
+        default=40,
+        metavar="N",
+        help="original training tickets per intent mixed in (default 40; 0: all)",
+    )
+    tune.add_argument("--steps", type=int, default=300, help="optimisation steps (default 300)")
+    tune.add_argument(
+        "--test-limit", type=int, metavar="N", help="measure on an evenly spaced N of the test tickets"
+    )
+    add_config_argument(train)
     train.set_defaults(handler=_train)
 
     evaluate = commands.add_parser(

@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 import sys
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,10 +24,17 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from worker.config import Settings
+from worker.messages import ReviewReason
 from worker.ops.defaults import default_of
 from worker.ops.lag_command import GroupLagCollector
 from worker.ops.run_command import flag_settings
-from worker.pipeline.metrics import EscalationMetrics, PartitionGauges, PipelineMetrics, ShadowMetrics
+from worker.pipeline.metrics import (
+    EscalationMetrics,
+    PartitionGauges,
+    PipelineMetrics,
+    ReviewMetrics,
+    ShadowMetrics,
+)
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics
@@ -41,6 +49,10 @@ SETTING_DOCS: dict[str, str] = {
     "topics.output": "topic of triage records",
     "topics.dead_letter": "topic of records that are not tickets, each with the reason",
     "topics.shadow": "side topic of the shadow model's answers (only with a shadow model)",
+    "topics.review": "side topic of results for a person to check, with the ticket's text (only with "
+    "`review.*` set; [review loop](review-loop.md))",
+    "topics.feedback": "topic of the reviewers' verdicts (`FeedbackEvent`s) that `triage-worker review` "
+    "writes and `model train --feedback-topic` learns from",
     "topics.partitions": "partitions `triage-worker topics create` gives each topic (the most workers that "
     "share the load)",
     "topics.replication_factor": "replication factor `topics create` uses",
@@ -86,6 +98,8 @@ SETTING_DOCS: dict[str, str] = {
     "inference.escalate_below": "tickets whose first answer's confidence is under this go to the escalation "
     "stage when their deadline leaves time (chosen on the validation split)",
     "inference.escalation_pool_size": "the escalation stage's processes",
+    "review.threshold": "classified results whose confidence is under this also go to `topics.review`",
+    "review.fallbacks": "fallbacks (no model answer) also go to `topics.review`",
     "log.level": "`debug`, `info`, `warning` or `error`",
     "log.format": "`console`, or `json` for log shippers",
     "metrics.port": "HTTP port of `/metrics`, `/healthz`, `/readyz`, `POST /reload`; `0` = any free port "
@@ -135,12 +149,15 @@ class _AnsweringBroker:
 
 
 def exporters() -> dict[str, CollectorRegistry]:
-    """A registry per process kind, with every family present: the worker (with a shadow, the cascade and one
-    model process), the lag exporter and replay."""
-    metrics = PipelineMetrics(shadow=ShadowMetrics(), escalation=EscalationMetrics.starting(("a",)))
+    """A registry per process kind, with every family present: the worker (with a shadow, review, the cascade
+    and one model process), the lag exporter and replay."""
+    metrics = PipelineMetrics(
+        shadow=ShadowMetrics(), review=ReviewMetrics(), escalation=EscalationMetrics.starting(("a",))
+    )
     metrics.partitions = PartitionGauges(assigned=(("t", 0),), lag=((("t", 0), 0),), member=True)
-    assert metrics.shadow is not None
+    assert metrics.shadow is not None and metrics.review is not None
     metrics.shadow.compared("a", "b")
+    metrics.review.sent.update({("a", reason): 1 for reason in typing.get_args(ReviewReason)})
     probes = WorkerProbes(60.0, _AnsweringBroker(), lambda: 0.0)  # type: ignore[arg-type]
     probes.metrics, probes.pool_contexts = metrics, 1
     model_processes = ModelProcessCollector()

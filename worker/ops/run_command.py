@@ -44,6 +44,7 @@ from worker.ops.artifacts import fetch_stage_files
 from worker.ops.defaults import with_default
 from worker.ops.reload import Reloader
 from worker.pipeline.cascade import Cascade
+from worker.pipeline.review import Review
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
 from worker.telemetry.worker import WorkerTelemetry
@@ -125,6 +126,12 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ),
     ("--escalate-below", "inference.escalate_below", "escalate tickets whose first confidence is under this"),
     ("--escalation-pool-size", "inference.escalation_pool_size", "escalation stage processes"),
+    (
+        "--review-threshold",
+        "review.threshold",
+        "results under this confidence also go to the review topic, for `triage-worker review`",
+    ),
+    ("--review-topic", "topics.review", "side topic of results to review"),
     ("--log-level", "log.level", "debug | info | warning | error"),
     ("--log-format", "log.format", "console | json"),
     ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here; 0 = any free port"),
@@ -155,7 +162,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         metavar="SECONDS",
         help="how often the metrics event is logged (default 10; also logged at shutdown)",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, takes_stop_signals=True)
 
 
 def flag_settings() -> list[tuple[str, str]]:
@@ -196,6 +203,8 @@ def _check_topics(settings: Settings) -> None:
     needed = [topics.input, topics.output, topics.dead_letter]
     if settings.inference.shadow_settings() is not None:
         needed.append(topics.shadow)
+    if settings.review.enabled:
+        needed.append(topics.review)
     missing = [t for t in needed if t not in existing]
     if missing:
         raise UserError(
@@ -207,7 +216,7 @@ def _check_topics(settings: Settings) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, _overrides(args))
     configure_logging(settings.log)
-    stop = _StopOnSignals()
+    stop = _StopOnSignals(args.held_stop_signals.received)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
@@ -242,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             lower_priority = cast("Callable[[], None]", functools.partial(os.nice, SHADOW_NICENESS))
             shadow_pool = open_pool(shadow_settings, settings.log, lower_priority)
             shadow = _shadow(settings, shadow_settings, shadow_pool)
+        review = _review(settings) if settings.review.enabled else None
         pipeline = Pipeline(
             settings,
             classifier,
@@ -251,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
             clients=KafkaClients(settings, librdkafka_logger()),
             shadow=shadow,
             cascade=cascade,
+            review=review,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
@@ -303,16 +314,31 @@ def _cascade(
     return Cascade(pool, escalate_below, window, prior_s, first_contexts, taxonomy.labels)
 
 
-class _StopOnSignals:
-    """SIGTERM/SIGINT from the very start: a stop asked for while the model loads (a pod stopped during
-    start-up) is remembered and the pipeline stops as soon as it exists (exit 0), instead of the process
-    dying by the signal's default action. A second signal exits at once."""
+def _review(settings: Settings) -> Review:
+    """Results to review go through a producer of their own, as the shadow's side records do."""
+    producer = create_producer(settings, ClientErrorLog("review-producer"), librdkafka_logger())
+    review = settings.review
+    _log.info(
+        "review_started", topic=settings.topics.review, threshold=review.threshold, fallbacks=review.fallbacks
+    )
+    return Review(review, producer, settings.topics.review)
 
-    def __init__(self) -> None:
+
+class _StopOnSignals:
+    """SIGTERM/SIGINT from the very start: a stop asked for while the modules import (`held`, see
+    `cli.HeldStopSignals`) or the model loads (a pod stopped during start-up) is remembered and the pipeline
+    stops as soon as it exists (exit 0), instead of the process dying by the signal's default action. A
+    second signal exits at once."""
+
+    def __init__(self, held: list[int]) -> None:
         self._received: list[int] = []
         self._pipeline: Pipeline | None = None
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if held:  # held signals count as one: the next one is the one that exits at once
+            self._received.append(held[0])
+            name = signal.Signals(held[0]).name
+            _log.info("stop_requested", signal=name, when="while the modules imported")
 
     def attach(self, pipeline: Pipeline) -> None:
         self._pipeline = pipeline

@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 import msgspec
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
@@ -172,17 +172,21 @@ def render(summary: dict[str, Any], top: int) -> str:
 
 
 def read_side_topic(
-    settings: Settings, topic: str, add: Callable[[bytes | None], None], progress: Callable[[int, int], None]
+    settings: Settings,
+    topic: str,
+    add: Callable[[Message], None],
+    progress: Callable[[int, int], None],
+    what: str = "side topic",
+    hint: str = "set it with --topic or topics.shadow",
 ) -> None:
-    """Feed every record of `topic`, from its beginning to its end offsets as of now, to `add`."""
+    """Feed every record of `topic`, from its beginning to its end offsets as of now, to `add`; `what` and
+    `hint` name the topic in the error when it does not exist."""
     bootstrap = settings.kafka.get("bootstrap.servers", "?")
     if topic not in existing_topics(producer_config(settings)):
-        raise UserError(
-            f"side topic {topic!r} does not exist on {bootstrap} (set it with --topic or topics.shadow)"
-        )
+        raise UserError(f"{what} {topic!r} does not exist on {bootstrap} ({hint})")
     # The user's connection options; a group id only because librdkafka wants one (assign joins no group).
     # End-of-partition events end a partition whose last offsets hold no record (compaction, markers).
-    overrides = {"group.id": f"{settings.pipeline.group_id}.shadow-report", "enable.partition.eof": "true"}
+    overrides = {"group.id": f"{settings.pipeline.group_id}.side-reader", "enable.partition.eof": "true"}
     consumer = kafka_call(
         "create a consumer", lambda: create_consumer(settings, overrides=overrides), settings.kafka
     )
@@ -217,7 +221,7 @@ def _consume_until(
     consumer: Any,
     ends: dict[int, int],
     total: int,
-    add: Callable[[bytes | None], None],
+    add: Callable[[Message], None],
     progress: Callable[[int, int], None],
 ) -> None:
     read = 0
@@ -235,7 +239,7 @@ def _consume_until(
             partition, offset = message.partition(), message.offset()
             if partition not in ends or offset >= ends[partition]:
                 continue
-            add(message.value())
+            add(message)
             read += 1
             last_record = time.monotonic()
             if offset >= ends[partition] - 1:
@@ -276,7 +280,7 @@ def _report(args: argparse.Namespace) -> int:
     def progress(read: int, total: int) -> None:
         print(f"read {read} of at most {total} records from {topic}", file=sys.stderr, flush=True)
 
-    read_side_topic(settings, topic, tally.add, progress)
+    read_side_topic(settings, topic, lambda message: tally.add(message.value()), progress)
     summary = summarize(tally, topic)
     if args.json:
         print(json.dumps(summary, indent=2))

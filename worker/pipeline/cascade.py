@@ -33,6 +33,9 @@ from worker.pipeline.metrics import EscalationMetrics
 
 Result = tuple[int, Classification]
 
+# After the first stage shed a ticket (`overloaded`), escalations stay shed this long.
+SHED_MEMORY_S = 1.0
+
 
 class StageLatency:
     """p95 of the escalation stage's recent turnarounds (submit → answer seen by the loop), in seconds.
@@ -87,7 +90,8 @@ class Cascade:
         self._classifier = classifier
         self.escalate_below = escalate_below
         self._window = max(1, window)
-        self.first_contexts = max(1, first_contexts)
+        self._first_contexts = max(1, first_contexts)
+        self._first_shed_at = float("-inf")
         self.latency = StageLatency(prior_latency_s)
         self._submitted: dict[int, float] = {}  # request id -> when it was submitted
         self.metrics = EscalationMetrics.starting(labels)
@@ -112,6 +116,25 @@ class Cascade:
         if first_stage_pressed or len(self._submitted) >= self._window:
             return "overloaded"
         return None
+
+    def first_stage_shed(self, now: float) -> None:
+        """The first stage answered a ticket `overloaded`: escalations are shed for `SHED_MEMORY_S`."""
+        self._first_shed_at = now
+
+    def first_stage_pressed(
+        self, now: float, waiting: int, earliest_deadline: float | None, first_expected_s: float
+    ) -> bool:
+        """Whether the first stage is under pressure, so that escalations must wait: it shed a ticket within
+        `SHED_MEMORY_S`, or the `waiting` tickets (each `first_expected_s` on one of its contexts) would not
+        all have started, with an escalation's time added, before the earliest of their deadlines.
+        Deliberately pessimistic (EDF serves that earliest one first): a second opinion never costs a first
+        answer its deadline."""
+        if now - self._first_shed_at < SHED_MEMORY_S:
+            return True
+        if earliest_deadline is None:
+            return False
+        drain_s = waiting * first_expected_s / self._first_contexts
+        return now + drain_s + self.latency.p95(now) >= earliest_deadline
 
     def submit(self, request: ClassifyRequest, now: float) -> None:
         self._submitted[request.request_id] = now

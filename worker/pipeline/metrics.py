@@ -173,6 +173,28 @@ class EscalationMetrics:
 
 
 @dataclass
+class ReviewMetrics:
+    """Results sent to the review topic (see worker/pipeline/review.py); written by the consumer thread."""
+
+    # By (intent, reason): `low_confidence` or `fallback`.
+    sent: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    # Review records the broker acknowledged, and those it did not (or that were never sent).
+    produced: int = 0
+    delivery_failed: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        by_intent: collections.Counter[str] = collections.Counter()
+        for (intent, _), count in self.sent.items():
+            by_intent[intent] += count
+        return {
+            "sent": sum(self.sent.values()),
+            "top_intents": dict(by_intent.most_common(5)),
+            "produced": self.produced,
+            "delivery_failed": self.delivery_failed,
+        }
+
+
+@dataclass
 class PipelineMetrics:
     consumed: int = 0
     # Records re-delivered for an offset already being processed (after a seek back); skipped.
@@ -205,8 +227,9 @@ class PipelineMetrics:
     # time.monotonic() of the loop's last turn (None before the first): what /healthz watches.
     loop_turned_at: float | None = None
     partitions: PartitionGauges = field(default_factory=PartitionGauges)
-    # Set when a shadow model runs; when the cascade runs.
+    # Set when a shadow model runs, when results go to review, and when the cascade runs.
     shadow: ShadowMetrics | None = None
+    review: ReviewMetrics | None = None
     escalation: EscalationMetrics | None = None
     _gauges_at: float = float("-inf")
 
@@ -284,4 +307,5 @@ class PipelineMetrics:
             "rss_bytes": current_rss_bytes(),
             **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {}),
             **({"escalation": self.escalation.snapshot()} if self.escalation is not None else {}),
+            **({"review": self.review.snapshot()} if self.review is not None else {}),
         }

@@ -56,7 +56,7 @@ from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
 from worker.kafka.dead_letters import dead_letter_headers
-from worker.messages import EscalationSkip, FallbackReason, utc_timestamp
+from worker.messages import FallbackReason, utc_timestamp
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.guarantees import Failure, guarantee_for, names
@@ -66,6 +66,7 @@ from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.records import encode_result, result_key, triage_result
+from worker.pipeline.review import Review
 from worker.pipeline.shadow import Shadow
 
 _log = structlog.get_logger("worker.pipeline")
@@ -82,8 +83,6 @@ MAX_KEY_BYTES = 4096
 _LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
-# After the first stage shed a ticket (`overloaded`), escalations stay shed this long (see `_pressed`).
-_SHED_MEMORY_S = 1.0
 
 
 class Pipeline:
@@ -92,8 +91,8 @@ class Pipeline:
     `settings` gives the topics and the pipeline's limits; `classifier` answers the tickets (any object with
     the `Classifier` contract); `fallback` is the label of records the model did not answer; at most
     `dispatch_window` tickets are at the classifier at once. `clients` builds the Kafka consumer and
-    producer (default: from `settings`). `shadow`, when given, is offered every classified ticket (see
-    worker/pipeline/shadow.py: it never holds back a result or a commit).
+    producer (default: from `settings`). The side topics, when given, never hold back a result or a commit:
+    `shadow` is offered every classified ticket (shadow.py), `review` every result written (review.py).
     """
 
     def __init__(
@@ -107,6 +106,7 @@ class Pipeline:
         clock: Callable[[], float] = time.monotonic,
         shadow: Shadow | None = None,
         cascade: Cascade | None = None,
+        review: Review | None = None,
     ) -> None:
         self._pipeline = settings.pipeline
         self._topics = settings.topics
@@ -128,13 +128,11 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics.for_deadline(settings.pipeline.deadline_ms / 1000.0)
-        self._shadow = shadow
-        if shadow is not None:
-            self.metrics.shadow = shadow.metrics
-        self._cascade = cascade
-        if cascade is not None:
-            self.metrics.escalation = cascade.metrics
-        self._shed_at = float("-inf")  # when the first stage last answered a ticket `overloaded`
+        self._shadow, self._review, self._cascade = shadow, review, cascade
+        self._side_topics: list[Shadow | Review] = [side for side in (shadow, review) if side is not None]
+        self.metrics.shadow = shadow.metrics if shadow is not None else None
+        self.metrics.review = review.metrics if review is not None else None
+        self.metrics.escalation = cascade.metrics if cascade is not None else None
         self._paused = PausedPartitions(self._consumer)
         consumer, pause = self._consumer, self._paused.pause
         self._guarantee = guarantee_for(
@@ -236,10 +234,9 @@ class Pipeline:
         # Tickets whose deadline passed while they waited for the model get `overloaded`, without it.
         for work in self._ledger.expired(self._clock()):
             self._write_result(work, self._fallback_for(work, "overloaded"))
-            self._shed_at = self._clock()
         self._dispatch()
-        if self._shadow is not None:
-            self._shadow.serve()
+        for side in self._side_topics:
+            side.serve()
 
     def _poll_records(self, limit: int, timeout: float) -> None:
         """Take up to `limit` records, waiting up to `timeout` for the first, each one before the next poll.
@@ -325,7 +322,6 @@ class Pipeline:
             expected_s = self._latency.expected_s if self._ledger.at_model else 0.0
             if self._clock() + expected_s >= work.deadline:
                 self._write_result(work, self._fallback_for(work, "overloaded"))
-                self._shed_at = self._clock()
                 continue
             self.metrics.queue_wait.observe(self._clock() - work.polled_at)
             request_id = self._ledger.to_model(work)
@@ -350,22 +346,30 @@ class Pipeline:
             if work.orphan:
                 self.metrics.discarded_after_revoke += 1
                 continue
-            assert work.event is not None
             if answer.fallback:
                 self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
             else:
                 self.metrics.classified += 1
-            if self._cascade is not None:
-                if not self._cascade.unsure(answer):
-                    answer = self._cascade.first_stands(answer)
-                elif (skipped := self._escalation_gate(work)) is not None:
-                    answer = self._cascade.first_stands(answer, skipped)
-                else:
-                    request_id = self._ledger.to_escalation(work, answer)
-                    request = ClassifyRequest(request_id, ticket_text(work.event), work.deadline)
-                    self._cascade.submit(request, self._clock())
-                    continue
-            self._answered(work, answer, made_at)
+            written = answer if self._cascade is None else self._escalate_or_stand(work, answer)
+            if written is not None:  # None: at the escalation stage, its record waits for that answer
+                self._write_result(work, written, made_at)
+
+    def _escalate_or_stand(self, work: Work, first: Classification) -> Classification | None:
+        """The cascade's gate for a ticket the first stage answered (see worker/pipeline/cascade.py): the
+        answer to write now, or None when the ticket went to the escalation stage (its record waits)."""
+        assert self._cascade is not None and work.event is not None
+        if not self._cascade.unsure(first):
+            return self._cascade.first_stands(first)
+        now = self._clock()
+        ledger = self._ledger
+        pressed = self._cascade.first_stage_pressed(
+            now, ledger.waiting, ledger.earliest_waiting_deadline(), self._latency.expected_s
+        )
+        if (skipped := self._cascade.gate(work.deadline - now, now, pressed)) is not None:
+            return self._cascade.first_stands(first, skipped)
+        request_id = ledger.to_escalation(work, first)
+        self._cascade.submit(ClassifyRequest(request_id, ticket_text(work.event), work.deadline), now)
+        return None
 
     def _take_escalations(self, answers: Sequence[tuple[int, Classification]]) -> None:
         assert self._cascade is not None
@@ -378,38 +382,12 @@ class Pipeline:
                 self.metrics.discarded_after_revoke += 1
                 continue
             assert work.first is not None
-            self._answered(work, self._cascade.escalated(work.first, answer), made_at)
-
-    def _answered(self, work: Work, answer: Classification, made_at: str) -> None:
-        """Write the record of a ticket a model answered, and offer it to the shadow."""
-        assert work.event is not None
-        self._write_result(work, answer, made_at)
-        if self._shadow is not None and not answer.fallback:
-            key = result_key(work.key, work.event)
-            self._shadow.offer(work.event, work.source, key, work.headers, answer)
-
-    def _escalation_gate(self, work: Work) -> EscalationSkip | None:
-        """The cascade's gate for one unsure ticket (see worker/pipeline/cascade.py)."""
-        assert self._cascade is not None
-        now = self._clock()
-        return self._cascade.gate(work.deadline - now, now, self._pressed(now))
-
-    def _pressed(self, now: float) -> bool:
-        """Whether the first stage is under pressure, so that escalations must wait: it shed a ticket within
-        `_SHED_MEMORY_S`, or the tickets waiting for it would not all have started, with an escalation's
-        time added, before the earliest of their deadlines. Deliberately pessimistic (EDF serves that
-        earliest one first): a second opinion never costs a first answer its deadline."""
-        assert self._cascade is not None
-        if now - self._shed_at < _SHED_MEMORY_S:
-            return True
-        earliest = self._ledger.earliest_waiting_deadline()
-        if earliest is None:
-            return False
-        drain_s = self._ledger.waiting * self._latency.expected_s / self._cascade.first_contexts
-        return now + drain_s + self._cascade.latency.p95(now) >= earliest
+            self._write_result(work, self._cascade.escalated(work.first, answer), made_at)
 
     def _fallback_for(self, work: Work, reason: FallbackReason) -> Classification:
         self.metrics.fallback[reason] += 1
+        if reason == "overloaded" and self._cascade is not None:
+            self._cascade.first_stage_shed(self._clock())
         latency_ms = (self._clock() - work.polled_at) * 1000.0
         return fallback_answer(reason, self._fallback, self._classifier.model_id, latency_ms)
 
@@ -417,9 +395,12 @@ class Pipeline:
         event = work.event
         assert event is not None
         value = encode_result(triage_result(event, answer, work.source, made_at or None))
-        self._guarantee.write(
-            work, Output(self._topics.output, result_key(work.key, event), value, work.headers)
-        )
+        key = result_key(work.key, event)
+        self._guarantee.write(work, Output(self._topics.output, key, value, work.headers))
+        if self._shadow is not None and not answer.fallback:
+            self._shadow.offer(event, work.source, key, work.headers, answer)
+        if self._review is not None:
+            self._review.consider(event, answer, work.source, key, work.headers, made_at or None)
 
     def _dead_letter(self, work: Work, value: bytes | None, error_type: str, message: str) -> None:
         self.metrics.dead_letter(error_type)
@@ -532,8 +513,8 @@ class Pipeline:
         unfinished = self._ledger.waiting + self._ledger.at_model + self._ledger.at_escalation
         not_flushed = self._guarantee.stop(limit)
         self._consumer.close()
-        if self._shadow is not None:  # after the last commit: the shadow never holds one back
-            self._shadow.close(max(0.0, limit - self._clock()))
+        for side in self._side_topics:  # after the last commit: side topics never hold one back
+            side.close(max(0.0, limit - self._clock()))
         self._log_metrics("final")
         if self._failure.reason is not None:
             _log.error("pipeline_failed", reason=self._failure.reason)

@@ -5,8 +5,9 @@ It is off the critical path: the shadow never delays, changes or blocks a primar
 
 - Its model runs in its own pool (its own processes): `submit` never waits for the model, and answers are
   taken with a zero timeout once per turn of the loop.
-- Side records go through their own producer and are tracked neither in the ledger nor in the offsets: no
-  commit ever waits for one, and they never take part in the primary's transactions or flushes.
+- Side records go through their own producer (`side_topic.SideTopic`, as the review topic's do) and are
+  tracked neither in the ledger nor in the offsets: no commit ever waits for one, and they never take part
+  in the primary's transactions or flushes.
 - Drop rule: at most `window` shadow requests are outstanding. A ticket offered while the shadow is at that
   bound is not classified by the shadow (counted as dropped, `full`): under load the shadow gives way, never
   the primary. Requests still outstanding when the worker stops are dropped too (`shutdown`), and side records
@@ -28,18 +29,17 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import confluent_kafka
 import msgspec
 import structlog
 
 from worker.classification import Classification, Classifier, ClassifyRequest, ticket_text
-from worker.kafka.clients import produce
 from worker.messages import ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.ledger import Headers
 from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
 from worker.pipeline.records import encode_result, triage_result
+from worker.pipeline.side_topic import SideTopic
 
 _log = structlog.get_logger("worker.shadow")
 
@@ -70,13 +70,12 @@ class Shadow:
     ) -> None:
         self._classifier = classifier
         self._window = max(1, window)
-        self._producer = producer
-        self._topic = topic
         self._budget_s = budget_s
         self._clock = clock
         self._outstanding: dict[int, _Offer] = {}
         self._ids = itertools.count()
         self.metrics = ShadowMetrics(latency=LatencyHistogram(latency_buckets(budget_s)))
+        self._side = SideTopic(producer, topic, self.metrics, "shadow")
 
     def offer(
         self,
@@ -107,7 +106,7 @@ class Shadow:
                 if offer is not None:
                     self._answered(offer, answer, made_at)
             self.metrics.outstanding = len(self._outstanding)
-        self._producer.poll(0)
+        self._side.serve()
 
     def close(self, flush_s: float) -> None:
         """At shutdown, after the primary's last commit: drop what is still at the model, and give the side
@@ -116,8 +115,7 @@ class Shadow:
             self.metrics.dropped["shutdown"] += len(self._outstanding)
             self._outstanding.clear()
             self.metrics.outstanding = 0
-        not_flushed = self._producer.flush(flush_s)
-        self.metrics.delivery_failed += not_flushed
+        not_flushed = self._side.close(flush_s)
         _log.info("shadow_stopped", not_flushed=not_flushed, **self.metrics.snapshot())
 
     def _answered(self, offer: _Offer, answer: Classification, made_at: str | None) -> None:
@@ -127,27 +125,7 @@ class Shadow:
         else:
             self.metrics.compared(offer.primary.intent, answer.intent)
         record = shadow_record(offer.event, answer, offer.source, offer.primary, made_at)
-        try:
-            # Never waits for room in a full local queue: a record that cannot be queued now is dropped.
-            produce(
-                self._producer,
-                self._topic,
-                encode_result(record),
-                offer.key,
-                offer.headers,
-                self._on_delivery,
-                give_up_at=0.0,
-            )
-        except (BufferError, confluent_kafka.KafkaException) as error:
-            self.metrics.delivery_failed += 1
-            _log.debug("shadow_record_not_sent", reason=str(error))
-
-    def _on_delivery(self, error: confluent_kafka.KafkaError | None, _message: Any) -> None:
-        if error is None:
-            self.metrics.produced += 1
-        else:
-            self.metrics.delivery_failed += 1
-            _log.debug("shadow_delivery_failed", code=error.name(), reason=error.str())
+        self._side.write(encode_result(record), offer.key, offer.headers)
 
 
 def shadow_record(

@@ -26,6 +26,7 @@ from worker.pipeline.metrics import (
     SKIP_REASONS,
     EscalationMetrics,
     LatencyHistogram,
+    ReviewMetrics,
     ShadowMetrics,
 )
 from worker.telemetry.probes import WorkerProbes
@@ -144,6 +145,8 @@ class PipelineCollector(Collector):
             yield from _shadow_families(metrics.shadow)
         if metrics.escalation is not None:
             yield from _escalation_families(metrics.escalation)
+        if metrics.review is not None:
+            yield from _review_families(metrics.review)
 
 
 def _escalation_families(escalation: EscalationMetrics) -> Iterator[Metric]:
@@ -227,6 +230,23 @@ def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
     yield histogram(
         "triage_shadow_latency_seconds", "Shadow model time per ticket, as its engine reports it.",
         shadow.latency,
+    )  # fmt: skip
+
+
+def _review_families(review: ReviewMetrics) -> Iterator[Metric]:
+    """Results sent to the review topic, by intent (the taxonomy bounds the labels) and reason."""
+    sent = CounterMetricFamily(
+        "triage_review_sent", "Results also sent to the review topic.", labels=["intent", "reason"]
+    )
+    for (intent, reason), count in sorted(dict(review.sent).items()):
+        sent.add_metric([intent, reason], count)
+    yield sent
+    yield CounterMetricFamily(
+        "triage_review_produced", "Review records the broker acknowledged.", value=review.produced
+    )
+    yield CounterMetricFamily(
+        "triage_review_delivery_failed", "Review records not sent or not acknowledged.",
+        value=review.delivery_failed,
     )  # fmt: skip
 
 

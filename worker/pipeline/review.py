@@ -1,0 +1,80 @@
+"""The review topic: results a person should check are also written, with the ticket's text, to a side
+topic (`topics.review`), where `triage-worker review` shows them to a reviewer.
+
+A classified result goes there when its confidence is under `review.threshold`; a fallback (no model answer)
+when `review.fallbacks` is on. The primary output is untouched: the record on the review topic is the same
+TriageResult plus the ticket's subject and body (`ReviewRecord`), written at least once through its own
+producer, off the critical path, exactly as the shadow's side records are (see `side_topic.py`).
+"""
+
+from __future__ import annotations
+
+import confluent_kafka
+import msgspec
+import structlog
+
+from worker.classification import Classification
+from worker.config import ReviewSettings
+from worker.messages import ReviewReason, ReviewRecord, SourcePosition, TicketEvent
+from worker.pipeline.ledger import Headers
+from worker.pipeline.metrics import ReviewMetrics
+from worker.pipeline.records import encode_result, triage_result
+from worker.pipeline.side_topic import SideTopic
+
+_log = structlog.get_logger("worker.review")
+
+
+def review_reason(settings: ReviewSettings, answer: Classification) -> ReviewReason | None:
+    """Why `answer` goes to review, or None when it does not."""
+    if answer.fallback:
+        return "fallback" if settings.fallbacks else None
+    if settings.threshold is not None and answer.confidence < settings.threshold:
+        return "low_confidence"
+    return None
+
+
+def review_record(
+    event: TicketEvent,
+    answer: Classification,
+    source: SourcePosition,
+    reason: ReviewReason,
+    classified_at: str | None = None,
+) -> ReviewRecord:
+    result = triage_result(event, answer, source, classified_at)
+    return ReviewRecord(
+        **msgspec.structs.asdict(result), review_reason=reason, subject=event.subject, body=event.body
+    )
+
+
+class Review:
+    """Writes the results that `settings` send to review to `topic` with `producer` (its own)."""
+
+    def __init__(self, settings: ReviewSettings, producer: confluent_kafka.Producer, topic: str) -> None:
+        self._settings = settings
+        self.metrics = ReviewMetrics()
+        self._side = SideTopic(producer, topic, self.metrics, "review")
+
+    def consider(
+        self,
+        event: TicketEvent,
+        answer: Classification,
+        source: SourcePosition,
+        key: bytes,
+        headers: Headers | None,
+        classified_at: str | None = None,
+    ) -> None:
+        """A result the pipeline wrote: sent to review too when it should be."""
+        reason = review_reason(self._settings, answer)
+        if reason is None:
+            return
+        self.metrics.sent[(answer.intent, reason)] += 1
+        record = review_record(event, answer, source, reason, classified_at)
+        self._side.write(encode_result(record), key, headers)
+
+    def serve(self) -> None:
+        self._side.serve()
+
+    def close(self, flush_s: float) -> None:
+        """At shutdown, after the primary's last commit: `flush_s` for the records not yet acknowledged."""
+        not_flushed = self._side.close(flush_s)
+        _log.info("review_stopped", not_flushed=not_flushed, **self.metrics.snapshot())
