@@ -75,26 +75,43 @@ def settings_for(bootstrap: str, topics: Topics, **overrides: object) -> Setting
 
 
 def publish(
-    bootstrap: str, topics: Topics, count: int, rate: float = 0.0, malformed_ratio: float = 0.1, seed: int = 1
-) -> None:
+    bootstrap: str,
+    topics: Topics,
+    count: int,
+    rate: float = 0.0,
+    malformed_ratio: float = 0.1,
+    seed: int = 1,
+    until: threading.Event | None = None,
+) -> int:
+    """Publish `count` tickets (0: until `until` is set) at `rate` per second; returns how many."""
     factory = SampleFactory(seed=seed, malformed_ratio=malformed_ratio, prefix=f"T{seed}")
-    stats = produce_samples(settings_for(bootstrap, topics), topics.input, count, rate, factory)
-    assert stats.sent == count and stats.failed == 0, stats
+    stats = produce_samples(settings_for(bootstrap, topics), topics.input, count, rate, factory, until)
+    assert (count == 0 or stats.sent == count) and stats.failed == 0, stats
+    return stats.sent
 
 
 class Publisher(threading.Thread):
-    """`publish` in the background, for streams that run while the test disturbs the worker or broker."""
+    """`publish` in the background, for streams that run while the test disturbs the worker or broker.
+
+    `count` 0: the stream flows until `end()`, so it lasts as long as the disturbance however slowly the
+    workers start on a loaded machine; `sent` says how many it published."""
 
     def __init__(self, bootstrap: str, topics: Topics, count: int, rate: float, seed: int) -> None:
         super().__init__(daemon=True)
-        self._args = (bootstrap, topics, count, rate, 0.1, seed)
+        self._ended = threading.Event()
+        self._args = (bootstrap, topics, count, rate, 0.1, seed, self._ended)
+        self.sent = 0
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            publish(*self._args)
+            self.sent = publish(*self._args)
         except BaseException as error:
             self.error = error
+
+    def end(self) -> None:
+        """Stop publishing (a stream of `count` 0), then `finish`."""
+        self._ended.set()
 
     def finish(self, timeout: float) -> None:
         self.join(timeout)
