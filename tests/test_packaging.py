@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Every distribution that installs the `onnxruntime_genai` package, and every one that installs `onnxruntime`.
 GENAI_BUILDS = {"onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml"}
 ORT_BUILDS = {"onnxruntime", "onnxruntime-gpu", "onnxruntime-directml"}
-LINUX = ["--platform", "manylinux_2_28_x86_64"]
+# pip takes a --platform tag literally (no older manylinux tags implied): a glibc 2.28 machine also installs
+# manylinux_2_17 wheels (tokenizers publishes only those).
+LINUX = ["--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64"]
 WINDOWS = ["--platform", "win_amd64"]
 # PyPI and a wheel build: minutes on a busy 2-core machine, not seconds.
 PIP_TIMEOUT_S = 900
