@@ -107,7 +107,8 @@ def test_sighup_switches_the_model_mid_stream_without_loss_duplicates_or_rebalan
     assert report.fallback_reasons == {}
     assert still_streaming, "the switch came after the stream ended: not a mid-stream reload"
     assert (switched["previous"], switched["model"]) == (OLD, NEW)
-    assert switched["previous_in_flight"] > 0  # those finished at the old pool (0 lost, 0 duplicates)
+    # Not asserted: that tickets were still at the old pool at the instant of the switch (it depends on where
+    # the loop's turn is; 0 once on a quiet machine). The old pool finishing its own is test_switch.py's.
     # No rebalance: one assignment, nothing lost, and nothing revoked before the stop (closing revokes).
     events = [event["event"] for event in worker.events()]
     assert events.count("partitions_assigned") == 1 and "partitions_lost" not in events
