@@ -29,6 +29,7 @@ from worker.pipeline.metrics import (
     ReviewMetrics,
     ShadowMetrics,
 )
+from worker.pipeline.side_topic import DeliveryCounts
 from worker.telemetry.probes import WorkerProbes
 
 # Label values known in advance: exported at 0 from the first scrape.
@@ -219,13 +220,7 @@ def _shadow_families(shadow: ShadowMetrics) -> Iterator[Metric]:
         FALLBACK_REASONS,
         shadow.fallback,
     )
-    yield CounterMetricFamily(
-        "triage_shadow_produced", "Side records the broker acknowledged.", value=shadow.produced
-    )
-    yield CounterMetricFamily(
-        "triage_shadow_delivery_failed", "Side records not sent or not acknowledged.",
-        value=shadow.delivery_failed,
-    )  # fmt: skip
+    yield from _side_topic_deliveries("shadow", "Side records", shadow)
     yield gauge("triage_shadow_outstanding", "Tickets at the shadow model now.", shadow.outstanding)
     yield histogram(
         "triage_shadow_latency_seconds", "Shadow model time per ticket, as its engine reports it.",
@@ -241,12 +236,17 @@ def _review_families(review: ReviewMetrics) -> Iterator[Metric]:
     for (intent, reason), count in sorted(dict(review.sent).items()):
         sent.add_metric([intent, reason], count)
     yield sent
+    yield from _side_topic_deliveries("review", "Review records", review)
+
+
+def _side_topic_deliveries(name: str, records: str, counts: DeliveryCounts) -> Iterator[Metric]:
+    """The two delivery counters every side topic keeps (worker/pipeline/side_topic.py)."""
     yield CounterMetricFamily(
-        "triage_review_produced", "Review records the broker acknowledged.", value=review.produced
+        f"triage_{name}_produced", f"{records} the broker acknowledged.", value=counts.produced
     )
     yield CounterMetricFamily(
-        "triage_review_delivery_failed", "Review records not sent or not acknowledged.",
-        value=review.delivery_failed,
+        f"triage_{name}_delivery_failed", f"{records} not sent or not acknowledged.",
+        value=counts.delivery_failed,
     )  # fmt: skip
 
 
