@@ -8,7 +8,8 @@ confidence under `escalate_below` (a fallback is never escalated):
 - `deadline`: the ticket's time left is under the stage's recent p95 turnaround (`StageLatency`): the
   answer would most likely come too late, so the first answer stands;
 - `overloaded`: the stage already holds `window` tickets (its bound), or the first stage is under pressure
-  (the caller says so: tickets waiting for it would not all start before the earliest of their deadlines).
+  (`first_stage_pressed`, from the ledger's figures the pipeline passes: it shed a ticket in the last
+  `SHED_MEMORY_S`, or the tickets waiting for it would not all start before the earliest of their deadlines).
   Escalations are the first thing shed: never a first-stage ticket's deadline for a second opinion.
 
 Otherwise the ticket goes to the stage and its record waits for the answer. The record then carries the
