@@ -1,4 +1,5 @@
-# triage-worker with the embedded model (models/triage-mini), CPU inference. Configure through environment:
+# triage-worker with the embedded model (models/triage-mini) and the cascade's escalation stage
+# (models/triage-encoder, its encoder copied in by `make setup`), CPU inference. Configure through environment:
 # TRIAGE_<SECTION>__<KEY> and KAFKA_<OPTION> (docs/configuration.md).
 #   make image                       # = docker/podman build -t triage-worker:local . (deploy/container_engine.py)
 #   docker run --rm -e KAFKA_BOOTSTRAP_SERVERS=broker:9092 -p 9400:9400 triage-worker:local

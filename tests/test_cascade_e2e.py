@@ -1,5 +1,6 @@
 """The cascade end to end: the embedded model (triage-mini) answers first, the shipped encoder stage
-(models/triage-encoder) takes the tickets it is unsure of; a real broker, the worker as a process.
+(models/triage-encoder) takes the tickets it is unsure of; a real broker, the worker as a process, the
+escalation stage as configured by default (`inference.escalation = "auto"`).
 
 `escalate_below = 1.0` makes every classified ticket one the cascade wants to escalate, so each record must
 show either the escalation stage's answer or why the gate kept the first one.
@@ -20,7 +21,7 @@ from worker.messages import TriageResult
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-CASCADE = {"inference.escalation": "triage-encoder", "inference.escalate_below": "1.0"}
+CASCADE = {"inference.escalate_below": "1.0"}
 
 
 def _group() -> str:

@@ -6,6 +6,8 @@ import csv
 import functools
 import hashlib
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,14 +19,16 @@ from worker.classification import ClassifyRequest
 from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_dir, load_settings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderEngine, labels_fingerprint, read_manifest
+from worker.inference.escalation import EscalationChoice, choose_escalation
 from worker.inference.pool import measure_turnaround, open_pool
-from worker.inference.taxonomy import load_taxonomy
+from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.ops.artifacts import fetch_encoder
 from worker.ops.evaluation import canonical_label, stratified_split
 
 REPO = Path(__file__).resolve().parents[1]
 BANKING77 = REPO / "taxonomies" / "banking77.toml"
 TINY_TAXONOMY = REPO / "tests" / "models" / "tiny" / "taxonomy.toml"
+ENCODER = "models/triage-encoder/model.onnx"
 
 
 def _settings(**overrides: object) -> InferenceSettings:
@@ -53,18 +57,73 @@ def test_the_folder_records_the_labels_it_was_trained_for_and_its_encoder_is_the
     assert manifest.labels == load_taxonomy(DEFAULT_ESCALATION_DIR / "taxonomy.toml").labels
     assert manifest.labels == load_taxonomy(BANKING77).labels
     assert manifest.labels_sha256 == labels_fingerprint(manifest.labels)
-    # Too large for the repository: in the user cache, where `make setup` put it, with the recorded digest.
-    assert not (DEFAULT_ESCALATION_DIR / manifest.encoder).exists()
+    # Too large for git: in the folder, where `make setup` copied it from the user cache, with its digest.
+    ignored = subprocess.run(["git", "check-ignore", "-q", ENCODER], cwd=REPO, check=False)
+    assert ignored.returncode == 0, f"{ENCODER} must stay out of git"
     encoder = fetch_encoder(DEFAULT_ESCALATION_DIR)
+    assert encoder == DEFAULT_ESCALATION_DIR / manifest.encoder
     assert hashlib.sha256(encoder.read_bytes()).hexdigest() == manifest.encoder_sha256
 
 
-def test_without_its_encoder_in_the_cache_the_stage_says_how_to_get_it(
+def _stage_without_encoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the shipped stage without its encoder, and an empty user cache."""
+    folder = tmp_path / "triage-encoder"
+    shutil.copytree(DEFAULT_ESCALATION_DIR, folder, ignore=shutil.ignore_patterns("model.onnx"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return folder
+
+
+def test_without_its_encoder_the_stage_says_how_to_get_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    folder = _stage_without_encoder(tmp_path, monkeypatch)
     with pytest.raises(UserError, match=r"not downloaded yet: run `triage-worker model fetch`"):
-        EncoderEngine(_settings())
+        EncoderEngine(_settings(model=str(folder)))
+
+
+def _first_stage(taxonomy: Path, escalation: str = "auto") -> tuple[InferenceSettings, Taxonomy]:
+    settings = load_settings(env={}, overrides={"inference.escalation": escalation}).inference
+    return settings, load_taxonomy(taxonomy)
+
+
+def test_by_default_the_shipped_stage_escalates_for_the_banking77_taxonomy() -> None:
+    assert load_settings(env={}).inference.escalation == "auto"
+    first, taxonomy = _first_stage(BANKING77)
+    choice = choose_escalation(first, taxonomy, BANKING77)
+    assert choice.why_off is None and choice.settings is not None
+    assert Path(choice.settings.model) == DEFAULT_ESCALATION_DIR
+    assert choice.settings.taxonomy == str(BANKING77) and choice.settings.pool_size == 1
+
+
+def test_by_default_another_taxonomy_runs_without_a_cascade_and_says_why() -> None:
+    """The tests' tiny taxonomy has 8 BANKING77 intents: the shipped head would run (it knows them), but its
+    threshold and figures were measured on all 77, so "auto" does not guess."""
+    first, taxonomy = _first_stage(TINY_TAXONOMY)
+    choice = choose_escalation(first, taxonomy, TINY_TAXONOMY)
+    assert choice.settings is None
+    assert choice.why_off is not None and "77 BANKING77 intents, not the 8 of taxonomy 'test-banking'" in (
+        choice.why_off
+    )
+    # Asked for by name, it runs for those labels all the same.
+    named = choose_escalation(_first_stage(TINY_TAXONOMY, "triage-encoder")[0], taxonomy, TINY_TAXONOMY)
+    assert named.settings is not None and named.why_off is None
+
+
+def test_by_default_a_missing_encoder_means_no_cascade_rather_than_a_fetch_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = _stage_without_encoder(tmp_path, monkeypatch)
+    monkeypatch.setattr("worker.inference.escalation.DEFAULT_ESCALATION_DIR", folder)
+    first, taxonomy = _first_stage(BANKING77)
+    choice = choose_escalation(first, taxonomy, BANKING77)
+    assert choice.settings is None
+    assert choice.why_off is not None and "`triage-worker model fetch`" in choice.why_off
+
+
+@pytest.mark.parametrize("off", ["off", ""])
+def test_off_or_empty_runs_no_cascade(off: str) -> None:
+    first, taxonomy = _first_stage(BANKING77, off)
+    assert choose_escalation(first, taxonomy, BANKING77) == EscalationChoice(None)
 
 
 def test_it_answers_validation_tickets_as_its_training_measured() -> None:

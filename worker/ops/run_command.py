@@ -27,6 +27,7 @@ from worker.config import (
     settings_from_args,
 )
 from worker.errors import UserError
+from worker.inference.escalation import choose_escalation
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import (
     ClassifierPool,
@@ -121,8 +122,9 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     (
         "--escalation",
         "inference.escalation",
-        "escalation stage folder (encoder stage or ORT GenAI model; the shipped one: triage-encoder): "
-        "tickets the model is unsure of go to it when their deadline allows",
+        "escalation stage folder (encoder stage or ORT GenAI model; the shipped one: triage-encoder), auto "
+        "(that one where it fits the taxonomy) or off: tickets the model is unsure of go to it when their "
+        "deadline allows",
     ),
     ("--escalate-below", "inference.escalate_below", "escalate tickets whose first confidence is under this"),
     ("--escalation-pool-size", "inference.escalation_pool_size", "escalation stage processes"),
@@ -222,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
     taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
     if (shadow_inference := settings.inference.shadow_settings()) is not None:
         resolve_taxonomy(shadow_inference)
+    escalation = choose_escalation(settings.inference, taxonomy, taxonomy_path)
+    if escalation.why_off is not None:
+        _log.info("cascade_off", reason=escalation.why_off)
     _check_topics(settings)
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
@@ -230,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
         lambda: settings_from_args(args, _overrides(args)),
         taxonomy.fallback_label,
         telemetry.reloaded,
-        escalation_labels=None if settings.inference.escalation is None else taxonomy.labels,
+        escalation_labels=None if escalation.settings is None else taxonomy.labels,
     )
     if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
         # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
@@ -240,10 +245,12 @@ def run(args: argparse.Namespace) -> int:
     escalation_pool: ClassifierPool | None = None
     try:
         cascade = None
-        if (escalation := settings.inference.escalation_settings(str(taxonomy_path))) is not None:
-            fetch_stage_files(escalation, lambda line: _log.info("fetching", what=line))
-            escalation_pool = open_pool(escalation, settings.log)
-            cascade = _cascade(settings, escalation, escalation_pool, taxonomy, classifier.current.size)
+        if escalation.settings is not None:
+            fetch_stage_files(escalation.settings, lambda line: _log.info("fetching", what=line))
+            escalation_pool = open_pool(escalation.settings, settings.log)
+            cascade = start_cascade(
+                settings, escalation.settings, escalation_pool, taxonomy, classifier.current.size
+            )
         shadow = None
         if (shadow_settings := settings.inference.shadow_settings()) is not None:
             # Its processes run at a lower CPU priority: on shared cores the primary's contexts come first.
@@ -292,16 +299,18 @@ def _shadow(settings: Settings, shadow_settings: InferenceSettings, pool: Classi
     return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
 
 
-def _cascade(
+def start_cascade(
     settings: Settings,
     escalation: InferenceSettings,
     pool: ClassifierPool,
     taxonomy: Taxonomy,
     first_contexts: int,
+    window: int | None = None,
 ) -> Cascade:
-    """The cascade over the escalation stage's own pool: at most its dispatch window outstanding (beyond it,
-    escalations are shed), with its turnaround on warm-up tickets as the gate's first p95."""
-    window = dispatch_window(msgspec.structs.replace(settings, inference=escalation))
+    """The cascade over the escalation stage's own pool: at most `window` (default: its dispatch window)
+    outstanding, beyond which escalations are shed, with its turnaround on warm-up tickets as the gate's
+    first p95."""
+    window = window or dispatch_window(msgspec.structs.replace(settings, inference=escalation))
     prior_s = measure_turnaround(pool)
     escalate_below = settings.inference.escalate_below
     _log.info(

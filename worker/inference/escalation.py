@@ -1,0 +1,45 @@
+"""Which escalation stage the cascade gets (worker/pipeline/cascade.py).
+
+A configured folder runs as configured (and refuses to start when it cannot). "auto", the default, runs the
+shipped triage-encoder only where its measured figures hold: the first stage's taxonomy has exactly the labels
+its head was trained and calibrated for, and its encoder file is at hand (the wheel and the image carry it; a
+checkout gets it at `make setup`). Otherwise the worker runs without a cascade and says why, rather than
+refusing to start or fetching 34 MB on a worker's start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.config import DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
+from worker.errors import UserError
+from worker.inference.encoder import encoder_file, read_manifest
+from worker.inference.taxonomy import Taxonomy
+
+
+@dataclass(frozen=True)
+class EscalationChoice:
+    settings: InferenceSettings | None  # the stage's settings; None: no cascade
+    why_off: str | None = None  # why "auto" runs no cascade
+
+
+def choose_escalation(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> EscalationChoice:
+    """The escalation stage for a first stage of settings `first`, whose taxonomy (as resolved) is
+    `taxonomy` from `taxonomy_path`."""
+    settings = first.escalation_settings(str(taxonomy_path))
+    if settings is None or first.escalation != ESCALATION_AUTO:
+        return EscalationChoice(settings)
+    manifest = read_manifest(DEFAULT_ESCALATION_DIR)
+    if set(manifest.labels) != set(taxonomy.labels):
+        return EscalationChoice(
+            None,
+            f"the shipped {DEFAULT_ESCALATION_DIR.name} knows {len(manifest.labels)} BANKING77 intents, "
+            f"not the {len(taxonomy.labels)} of taxonomy {taxonomy.name!r}; set inference.escalation to a "
+            "stage trained for it (`triage-worker model train --encoder`)",
+        )
+    try:
+        encoder_file(DEFAULT_ESCALATION_DIR, manifest)
+    except UserError as missing:
+        return EscalationChoice(None, str(missing))
+    return EscalationChoice(settings)
