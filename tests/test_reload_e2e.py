@@ -113,10 +113,15 @@ def test_sighup_switches_the_model_mid_stream_without_loss_duplicates_or_rebalan
     events = [event["event"] for event in worker.events()]
     assert events.count("partitions_assigned") == 1 and "partitions_lost" not in events
     assert "partitions_revoked" not in events[: events.index("pipeline_stopping")]
-    # Per partition, the old model's records come first, then only the new model's.
+    # Per partition, the old model's records come first, then only the new model's. The old one ran with
+    # the default cascade (an escalated record is the old model's ticket); the new one has the tiny
+    # taxonomy, which the escalation stage does not fit, so the cascade stood aside from the switch on.
+    assert events.count("cascade_stands_aside") == 1
     by_partition: dict[int, list[tuple[int, str]]] = collections.defaultdict(list)
     for (partition, offset), results in report.results.items():
-        by_partition[partition].append((offset, results[0].model))
+        by_partition[partition].append(
+            (offset, OLD if results[0].stage == "escalation" else results[0].model)
+        )
     for partition, records in by_partition.items():
         models = [model for _, model in sorted(records)]
         first_new = models.index(NEW) if NEW in models else len(models)

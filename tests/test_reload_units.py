@@ -24,6 +24,7 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.ops.reload import Reloader
+from worker.pipeline.cascade import Cascade
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check, TelemetryServer, new_registry
@@ -71,6 +72,60 @@ def test_a_reload_switches_to_the_configured_model(tiny_switch: SwitchingClassif
     assert tiny_switch.model_id == "triage-mini"
     answer = _classify(tiny_switch)
     assert answer.model == "triage-mini" and not answer.fallback
+
+
+def _cascade_over(switch: SwitchingClassifier) -> Cascade:
+    """The running cascade as the pipeline holds it (its stage is not called here)."""
+    return Cascade(switch, escalate_below=0.8, window=2, prior_latency_s=0.01, first_contexts=1)
+
+
+def test_with_the_auto_stage_a_reload_to_other_labels_switches_and_the_cascade_stands_aside(
+    tiny_switch: SwitchingClassifier,
+) -> None:
+    """Running triage-mini (BANKING77) with the default cascade, then the tiny model (8 labels): the new
+    model runs, and its unsure answers stand instead of going to a stage that knows other labels; a reload
+    back to BANKING77 brings the cascade back."""
+    banking77 = resolve_taxonomy(_settings(DEFAULT_MODEL_DIR).inference)[0].labels
+    running, tiny = _settings(DEFAULT_MODEL_DIR), _settings(TINY_MODEL)
+    reloader = Reloader(running, lambda: tiny, resolve_taxonomy(tiny.inference)[0].fallback_label,
+                        escalation_labels=banking77)  # fmt: skip
+    cascade = _cascade_over(tiny_switch)
+    reloader.start(tiny_switch, cascade)
+    try:
+        unsure = Classification(
+            intent="card_arrival",
+            priority="Low",
+            confidence=0.3,
+            scores={},
+            model="tiny",
+            latency_ms=1.0,
+            truncated=False,
+        )
+        assert cascade.unsure(unsure)
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+        assert [e["event"] for e in logs if e["event"].startswith("cascade_")] == ["cascade_stands_aside"]
+        assert not cascade.unsure(unsure)
+        reloader._load = lambda: running  # the configuration edited back (a private seam, for the test)
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+        assert [e["event"] for e in logs if e["event"].startswith("cascade_")] == ["cascade_resumed"]
+        assert cascade.unsure(unsure) and tiny_switch.model_id == "triage-mini"
+    finally:
+        reloader.close()
+
+
+def test_with_a_named_stage_a_reload_to_other_labels_is_refused(tiny_switch: SwitchingClassifier) -> None:
+    banking77 = resolve_taxonomy(_settings(DEFAULT_MODEL_DIR).inference)[0].labels
+    running = _settings(DEFAULT_MODEL_DIR, escalation="triage-encoder")
+    tiny = _settings(TINY_MODEL, escalation="triage-encoder")
+    reloader = Reloader(running, lambda: tiny, resolve_taxonomy(tiny.inference)[0].fallback_label,
+                        escalation_labels=banking77)  # fmt: skip
+    with capture_logs() as logs:
+        assert not reloader.reload(tiny_switch)
+    failed = [e for e in logs if e["event"] == "reload_failed"]
+    assert "changes the label set the running escalation stage was checked against" in failed[0]["reason"]
+    assert tiny_switch.model_id == "tiny"
 
 
 def test_a_broken_model_folder_keeps_the_running_model(

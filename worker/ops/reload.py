@@ -7,13 +7,15 @@ worker; any other change is logged as ignored (it needs a restart).
 
 A reload runs on a thread of its own: loading and warming a pool takes seconds, and the consumer loop must
 keep polling meanwhile. The cascade's escalation stage is not reloaded: changes to its settings are logged as
-ignored (they need a restart), and a new taxonomy must keep the label set the running stage was checked
-against. Before the switch the new pool must pass what the running one passed at start: it
-loads (each context checks at load that the prompt's shared prefix tokenises the same alone as inside the
-whole prompt, or prefix reuse would be wrong), and a canary ticket gets an intent of the new taxonomy
-without a fallback. A reload that fails logs `reload_failed` with the reason, closes what it started and
-leaves the running pool as it was. Requests that arrive while one loads are coalesced into one more reload
-after it (it reads the settings again, so the last edit wins).
+ignored (they need a restart). A new taxonomy must keep the label set the running stage was checked against;
+where the stage was chosen by "auto" (the default), one that does not is switched to all the same and the
+cascade stands aside (every first answer stands) until a reload brings that label set back. Before the
+switch the new pool must pass what the running one passed at start: it loads (each context checks at load
+that the prompt's shared prefix tokenises the same alone as inside the whole prompt, or prefix reuse would be
+wrong), and a canary ticket gets an intent of the new taxonomy without a fallback. A reload that fails logs
+`reload_failed` with the reason, closes what it started and leaves the running pool as it was. Requests that
+arrive while one loads are coalesced into one more reload after it (it reads the settings again, so the last
+edit wins).
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import msgspec
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
-from worker.config import InferenceSettings, Settings
+from worker.config import ESCALATION_AUTO, InferenceSettings, Settings
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
+from worker.pipeline.cascade import Cascade
 
 _log = structlog.get_logger("worker.reload")
 
@@ -71,14 +74,17 @@ class Reloader:
         self._sources: list[str] = []  # who asked since the last reload began
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._cascade: Cascade | None = None
 
     def request(self, source: str) -> None:
         """Ask for a reload. Safe in a signal handler: one atomic append, no lock, no logging (a handler
         runs on the main thread between any two bytecodes, maybe while that thread holds a lock)."""
         self._sources.append(source)
 
-    def start(self, switch: SwitchingClassifier) -> None:
-        """Serve requests (including any made before this) by staging new pools on `switch`."""
+    def start(self, switch: SwitchingClassifier, cascade: Cascade | None = None) -> None:
+        """Serve requests (including any made before this) by staging new pools on `switch`; `cascade`, the
+        running one, stands aside while an "auto" stage does not fit the taxonomy."""
+        self._cascade = cascade
         self._thread = threading.Thread(target=self._serve, args=(switch,), name="reloader", daemon=True)
         self._thread.start()
 
@@ -109,10 +115,11 @@ class Reloader:
                     f"the taxonomy's fallback label {_label(taxonomy.fallback_label)} differs from the "
                     f"running {_label(self._fallback)}, used by the pipeline's own fallbacks: needs a restart"
                 )
-            if self._labels is not None and set(taxonomy.labels) != set(self._labels):
+            stage_fits = self._labels is None or set(taxonomy.labels) == set(self._labels)
+            if not stage_fits and self._running.inference.escalation != ESCALATION_AUTO:
                 raise ReloadError(
                     f"{taxonomy_path} changes the label set the running escalation stage was checked "
-                    "against: needs a restart"
+                    'against: needs a restart (or inference.escalation = "auto", which stands aside)'
                 )
             pool = open_pool(settings.inference, settings.log)
             answer = _canary(pool)
@@ -135,7 +142,7 @@ class Reloader:
         self._running = msgspec.structs.replace(
             self._running, inference=msgspec.structs.replace(settings.inference, **kept)
         )
-        switch.stage(pool)
+        self._fit_cascade(stage_fits, str(taxonomy_path), switch, pool)
         _log.info(
             "reload_succeeded",
             model=pool.model_id,
@@ -148,6 +155,24 @@ class Reloader:
         if self._on_outcome is not None:
             self._on_outcome("succeeded", settings.inference, pool)
         return True
+
+    def _fit_cascade(
+        self, fits: bool, taxonomy: str, switch: SwitchingClassifier, pool: ClassifierPool
+    ) -> None:
+        """Stage `pool`, the cascade standing aside before the switch when the stage does not fit its
+        taxonomy (no answer of its labels may reach the stage) and resuming after it when it does."""
+        cascade = self._cascade
+        if cascade is not None and not fits and cascade.fits_first_stage:
+            cascade.fits_first_stage = False
+            _log.warning(
+                "cascade_stands_aside",
+                taxonomy=taxonomy,
+                reason="the escalation stage was started for another label set; a restart chooses again",
+            )
+        switch.stage(pool)
+        if cascade is not None and fits and not cascade.fits_first_stage:
+            cascade.fits_first_stage = True
+            _log.info("cascade_resumed", taxonomy=taxonomy)
 
     def _log_ignored(self, settings: Settings) -> None:
         """Name (never show: they may be secrets) the changed settings a reload does not apply."""

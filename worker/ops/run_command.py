@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
             telemetry.watch_model_processes("escalation", escalation_pool.worker_pids)
         telemetry.serve_reload(lambda: reloader.request("POST /reload"))
         stop.attach(pipeline)
-        reloader.start(classifier)
+        reloader.start(classifier, cascade)
         return pipeline.run()
     finally:
         reloader.close()

@@ -96,6 +96,9 @@ class Cascade:
         self.latency = StageLatency(prior_latency_s)
         self._submitted: dict[int, float] = {}  # request id -> when it was submitted
         self.metrics = EscalationMetrics.starting(labels)
+        # False while a hot reload runs a first stage whose labels the stage was not started for (the
+        # reloader sets it, see worker/ops/reload.py): every first answer stands meanwhile.
+        self.fits_first_stage = True
 
     @property
     def model_id(self) -> str:
@@ -107,7 +110,7 @@ class Cascade:
 
     def unsure(self, answer: Classification) -> bool:
         """Whether the first stage's answer is one the cascade would escalate (fallbacks never are)."""
-        return not answer.fallback and answer.confidence < self.escalate_below
+        return self.fits_first_stage and not answer.fallback and answer.confidence < self.escalate_below
 
     def gate(self, time_left_s: float, now: float, first_stage_pressed: bool) -> EscalationSkip | None:
         """Why an unsure ticket with `time_left_s` before its deadline keeps its first answer, or None
