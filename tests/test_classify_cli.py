@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -130,3 +131,40 @@ def test_send_refuses_text_that_is_not_utf8_before_contacting_kafka() -> None:
         "triage-worker: error: the ticket text is not valid UTF-8 (byte 0xe9"
     )
     assert b"Kafka" not in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+def _banking77_test_texts(count: int) -> list[str]:
+    with (Path(__file__).parents[1] / "data" / "banking77" / "test.csv").open(encoding="utf-8") as handle:
+        return [row["text"] for row in list(csv.DictReader(handle))[:count]]
+
+
+def test_classify_runs_the_cascade_as_the_worker_does_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the embedded model (the default), unsure answers come from the escalation stage and say so, as
+    the worker's records would; `--set inference.escalation=off` gives the first stage's answers alone."""
+    tickets = tmp_path / "tickets.jsonl"
+    texts = _banking77_test_texts(200)
+    tickets.write_text(
+        "".join(json.dumps({"ticket_id": str(i), "body": text}) + "\n" for i, text in enumerate(texts)),
+        encoding="utf-8",
+    )
+    results = {}
+    for name, extra in (("cascade", []), ("off", ["--set", "inference.escalation=off"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["classify", "--input", str(tickets), "--output", str(out), *extra]) == 0
+        lines = out.read_text(encoding="utf-8").splitlines()
+        results[name] = [msgspec.json.decode(line, type=TriageResult) for line in lines]
+    cascade, first_alone = results["cascade"], results["off"]
+    assert len(cascade) == len(first_alone) == len(texts)
+    escalated = [r for r in cascade if r.stage == "escalation"]
+    assert all(r.stage in ("first", "escalation") for r in cascade) and escalated
+    assert all(r.stage is None for r in first_alone)
+    by_id = {r.ticket_id: r for r in first_alone}
+    for record in escalated:  # the first stage's answer is kept beside the stage's, and was unsure
+        first = by_id[record.ticket_id]
+        assert record.model == "triage-encoder" and record.first_intent == first.intent
+        assert record.first_confidence is not None and record.first_confidence < 0.8
+    kept = [r for r in cascade if r.stage == "first" and not r.fallback and not by_id[r.ticket_id].fallback]
+    assert all(r.intent == by_id[r.ticket_id].intent for r in kept)
+    capsys.readouterr()

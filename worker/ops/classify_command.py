@@ -1,7 +1,10 @@
 """`triage-worker classify`: classify one ticket text, or a JSONL file of TicketEvents, without Kafka.
 
 Prints TriageResult JSON lines, exactly what the worker would publish (source topic `cli`, partition 0,
-offset = the ticket's line index), so a model or taxonomy can be tried and compared offline.
+offset = the ticket's line index), so a model or taxonomy can be tried and compared offline. The cascade
+runs as in the worker (`inference.escalation`): an unsure first answer goes to the escalation stage when the
+ticket's deadline leaves time; offline nothing else competes for the cores, so the first stage is never
+under pressure and the stage's own bound is the file's size.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import collections
 import contextlib
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
+import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -23,11 +27,17 @@ from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
 from worker.inference.engine import Engine
+from worker.inference.escalation import choose_escalation
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.pool import ClassifierPool, open_pool
+from worker.inference.taxonomy import Taxonomy
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.ops.arguments import checked_argument_text
+from worker.ops.artifacts import fetch_stage_files
+from worker.ops.run_command import start_cascade
+from worker.pipeline.cascade import Cascade
 from worker.pipeline.records import encode_result, triage_result
 
 SOURCE_TOPIC = "cli"
@@ -80,8 +90,13 @@ def _classify_text(settings: Settings, text: str, output: Path | None) -> int:
     engine = Engine(settings.inference)
     warn_once_if_unpaired(settings.inference, engine.taxonomy, engine.taxonomy_path)
     context = engine.new_context()
-    deadline = time.monotonic() + settings.pipeline.deadline_ms / 1000.0
-    answer = context.classify(ClassifyRequest(0, text, deadline))
+    request = ClassifyRequest(0, text, time.monotonic() + settings.pipeline.deadline_ms / 1000.0)
+    answers: Iterator[tuple[int, Classification]] = iter([(0, context.classify(request))])
+    with contextlib.ExitStack() as stack:
+        stage = _escalation_stage(settings, engine.taxonomy, engine.taxonomy_path, stack, window=1)
+        if stage is not None:
+            answers = _cascaded(answers, {0: request}, settings.inference.escalate_below, stage)
+        ((_, answer),) = answers
     with _open_output(output) as out:
         out.write(encode_result(triage_result(event, answer, _source(0))) + b"\n")
     return 0
@@ -98,14 +113,22 @@ def _classify_file(settings: Settings, path: Path, output: Path | None) -> int:
         raise UserError(f"{path}: no ticket to classify: {detail}")
     results: dict[int, TriageResult] = {}
     fallbacks: collections.Counter[str] = collections.Counter()
-    with open_pool(settings.inference, settings.log) as pool:
+    taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(open_pool(settings.inference, settings.log))
         started = time.monotonic()  # throughput of the model, not of loading it
+        requests: dict[int, ClassifyRequest] = {}
+        answers = _run(pool, settings, events, requests)
+        # Offline the stage waits rather than sheds: its bound is the whole file.
+        stage = _escalation_stage(settings, taxonomy, taxonomy_path, stack, window=len(events))
+        if stage is not None:
+            answers = _cascaded(answers, requests, settings.inference.escalate_below, stage)
         progress = Progress(
             TextColumn("classifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
         )
         with progress:
             task = progress.add_task("classify", total=len(events))
-            for line, answer in _run(pool, settings, events):
+            for line, answer in answers:
                 results[line] = triage_result(events[line], answer, _source(line))
                 if answer.fallback_reason is not None:
                     fallbacks[answer.fallback_reason] += 1
@@ -124,10 +147,13 @@ def _classify_file(settings: Settings, path: Path, output: Path | None) -> int:
 
 
 def _run(
-    pool: ClassifierPool, settings: Settings, events: dict[int, TicketEvent]
+    pool: ClassifierPool,
+    settings: Settings,
+    events: dict[int, TicketEvent],
+    requests: dict[int, ClassifyRequest],
 ) -> Iterator[tuple[int, Classification]]:
     """Submit with a small in-flight window so each ticket's deadline starts when it is sent, not when the
-    file was read; yield results as they complete."""
+    file was read (each request kept in `requests`); yield results as they complete."""
     window = max(2, 2 * pool.size)
     pending = collections.deque(sorted(events))
     in_flight = 0
@@ -135,11 +161,64 @@ def _run(
         while pending and in_flight < window:
             line = pending.popleft()
             deadline = time.monotonic() + settings.pipeline.deadline_ms / 1000.0
-            pool.submit(ClassifyRequest(line, ticket_text(events[line]), deadline))
+            requests[line] = ClassifyRequest(line, ticket_text(events[line]), deadline)
+            pool.submit(requests[line])
             in_flight += 1
         for line, answer in pool.poll(0.1):
             in_flight -= 1
             yield line, answer
+
+
+def _escalation_stage(
+    settings: Settings, taxonomy: Taxonomy, taxonomy_path: Path, stack: contextlib.ExitStack, window: int
+) -> Callable[[], Cascade] | None:
+    """Starts the cascade's escalation stage (closed with `stack`) when called; None when there is no
+    cascade. Started on the first unsure answer only: most tickets need none."""
+    escalation = choose_escalation(settings.inference, taxonomy, taxonomy_path).settings
+    if escalation is None:
+        return None
+
+    def start() -> Cascade:
+        fetch_stage_files(escalation, lambda line: print(line, file=sys.stderr))
+        pool = stack.enter_context(open_pool(escalation, settings.log))
+        return start_cascade(settings, escalation, pool, taxonomy, first_contexts=1, window=window)
+
+    return start
+
+
+def _cascaded(
+    firsts: Iterator[tuple[int, Classification]],
+    requests: Mapping[int, ClassifyRequest],
+    escalate_below: float,
+    start_stage: Callable[[], Cascade],
+) -> Iterator[tuple[int, Classification]]:
+    """`firsts` through the cascade: an unsure answer goes to the escalation stage when its ticket's time
+    left allows (the gate, as in the worker), and its line's result is the stage's answer."""
+    stage: Cascade | None = None
+    waiting: dict[int, Classification] = {}
+    for line, first in firsts:
+        if first.fallback or first.confidence >= escalate_below:
+            yield line, msgspec.structs.replace(first, stage="first")
+        else:
+            stage = stage or start_stage()
+            now = time.monotonic()
+            skipped = stage.gate(requests[line].deadline - now, now, first_stage_pressed=False)
+            if skipped is None:
+                stage.submit(requests[line], now)
+                waiting[line] = first
+            else:
+                yield line, stage.first_stands(first, skipped)
+        if stage is not None:
+            yield from _second_answers(stage, waiting, 0.0)
+    while stage is not None and waiting:
+        yield from _second_answers(stage, waiting, 0.5)
+
+
+def _second_answers(
+    stage: Cascade, waiting: dict[int, Classification], timeout: float
+) -> Iterator[tuple[int, Classification]]:
+    for line, second in stage.poll(timeout, time.monotonic):
+        yield line, stage.escalated(waiting.pop(line), second)
 
 
 def _read_events(
