@@ -62,9 +62,10 @@ def measure_pool(tickets: Tickets, count: int) -> dict[str, Any]:
 def measure_worker(bootstrap: str, tickets: Tickets, count: int, budget: float, logs: Path) -> dict[str, Any]:
     (topics,) = new_topics(bootstrap, "p2")
     group = group_name("p2")
-    progress("P2 starting `triage-worker run` (default settings)")
+    progress("P2 starting `triage-worker run` (default settings, the first stage alone)")
     with contextlib.ExitStack() as cleanup:
-        worker = BenchWorker(bootstrap, topics, group, logs / "p2-worker.log")
+        # Against the first stage's own pool: the cascade's share is P7's to measure.
+        worker = BenchWorker(bootstrap, topics, group, logs / "p2-worker.log", ["--escalation", "off"])
         cleanup.callback(worker.stop)
         offsets = Offsets(bootstrap, group, topics.input)
         cleanup.callback(offsets.close)

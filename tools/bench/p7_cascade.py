@@ -16,10 +16,9 @@ from tools.harness import read_topic
 from tools.load import BenchWorker, LabelledTickets, Offsets, new_topics, produce_tickets
 from worker.messages import TriageResult
 
-_RUNS = {
-    # The first stage alone, whatever the default: no escalation stage.
-    "first_stage": ["--set", "inference.escalation="],
-    "cascade": ["--escalation", "triage-encoder"],
+_RUNS: dict[str, list[str]] = {
+    "first_stage": ["--escalation", "off"],
+    "cascade": [],  # the default: the shipped escalation stage ("auto" with the embedded model's taxonomy)
 }
 
 

@@ -18,9 +18,10 @@ HOW = """How: P1 and P2 time from the first record taken (P1) or the first produ
 assigned) until the group's committed offsets equal the input's end offsets, or until the time budget runs
 out (then the rate is over what was committed). P1 runs the real `Pipeline` in-process with a classifier
 that answers at once; its baseline is a bare consume/decode/produce/commit loop with the same client
-options. P2's baseline is `open_pool` with default inference settings, every text submitted at once and
-drained with poll. P3's baseline is one process, a new Generator with the whole prompt per ticket,
-schema-guided generation, batch 1. CPU is user+system time of the process tree (/proc) over the same
+options. P2's worker runs the first stage alone (`--escalation off`; P7 measures the cascade); its baseline
+is `open_pool` with default inference settings, every text submitted at once and drained with poll. P3's
+baseline is one process, a new Generator with the whole prompt per ticket, schema-guided generation, batch
+1. CPU is user+system time of the process tree (/proc) over the same
 window. P4 offers each load for a fixed time against one worker with default settings and lets the backlog
 drain before the next level; "deadline fallbacks" are `deadline_exceeded` + `overloaded`. P5 runs two workers
 that differ only in `--scheduling` (both with `--max-in-flight` sized to hold a level's backlog at 150 % and
@@ -169,13 +170,13 @@ def _p6_rows(p6: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     ]
 
 
-P7_HOW = """How (P7): two workers with default settings except the escalation stage (`--set
-inference.escalation=` for the first stage alone, `--escalation triage-encoder` for the cascade at its
-default threshold), each on its own topics, the same BANKING77 test tickets (`{"ticket_id", "body"}`, test.csv
-in file order): throughput is timed as in P2 (the first stage alone before and after the cascade); accuracy
-is the intent of each worker's records against the tickets' labels. Under a burst the gate sheds escalations
-only when the tickets waiting for the first stage are at risk of missing their deadline (the 64 in flight
-at 2 s each are not): the cascade's throughput is what its escalations cost."""
+P7_HOW = """How (P7): two workers, one with default settings (the cascade, on by default with the embedded
+model, at its default threshold) and one with `--escalation off` (the first stage alone), each on its own
+topics, the same BANKING77 test tickets (`{"ticket_id", "body"}`, test.csv in file order): throughput is
+timed as in P2 (the first stage alone before and after the cascade); accuracy is the intent of each worker's
+records against the tickets' labels. Under a burst the gate sheds escalations only when the tickets waiting
+for the first stage are at risk of missing their deadline (the 64 in flight at 2 s each are not): the
+cascade's throughput is what its escalations cost."""
 
 
 def _p7_rows(p7: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
