@@ -86,7 +86,9 @@ def test_generate_mode_answers_valid_json_and_agrees_with_the_labels(engine: Eng
 def test_classify_with_no_flags_escalates_a_stolen_card(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["classify", "my card was stolen yesterday"]) == 0
     result = msgspec.json.decode(capsys.readouterr().out.strip(), type=TriageResult)
-    assert result.model == "triage-mini"
+    # No flags: the embedded model answers first, and the default cascade may ask its stage for a second
+    # opinion (this ticket's first confidence is close to the 0.8 threshold).
+    assert result.model == ("triage-encoder" if result.stage == "escalation" else "triage-mini")
     assert result.intent in {"lost_or_stolen_card", "compromised_card"}
     assert result.priority in {"High", "Critical"}
     assert not result.fallback and result.confidence > 0.5

@@ -143,12 +143,12 @@ COMMANDS = {
 
 
 def _the_one_error_line(result: subprocess.CompletedProcess[str]) -> str:
-    """stderr without the worker's start-up `settings` event and the notice of a slow connection (printed
-    when the broker has not answered within half a second) must be exactly one line."""
+    """stderr without the worker's start-up `settings` and `cascade_off` events and the notice of a slow
+    connection (printed when the broker has not answered within half a second) must be exactly one line."""
     lines = [
         line
         for line in result.stderr.splitlines()
-        if not re.search(r"\] settings |\] waiting_for_kafka |^waiting for Kafka at ", line)
+        if not re.search(r"\] (settings|cascade_off|waiting_for_kafka) |^waiting for Kafka at ", line)
     ]
     assert len(lines) == 1, result.stderr
     return lines[0]
