@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO
 
-import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -37,7 +36,7 @@ from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.ops.arguments import checked_argument_text
 from worker.ops.artifacts import fetch_stage_files
 from worker.ops.run_command import start_cascade
-from worker.pipeline.cascade import Cascade
+from worker.pipeline.cascade import Cascade, first_standing, is_unsure
 from worker.pipeline.records import encode_result, triage_result
 
 SOURCE_TOPIC = "cli"
@@ -197,8 +196,8 @@ def _cascaded(
     stage: Cascade | None = None
     waiting: dict[int, Classification] = {}
     for line, first in firsts:
-        if first.fallback or first.confidence >= escalate_below:
-            yield line, msgspec.structs.replace(first, stage="first")
+        if not is_unsure(first, escalate_below):
+            yield line, first_standing(first)
         else:
             stage = stage or start_stage()
             now = time.monotonic()

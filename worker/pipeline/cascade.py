@@ -38,6 +38,16 @@ Result = tuple[int, Classification]
 SHED_MEMORY_S = 1.0
 
 
+def is_unsure(answer: Classification, escalate_below: float) -> bool:
+    """Whether a first-stage answer is one a cascade escalates (fallbacks never are)."""
+    return not answer.fallback and answer.confidence < escalate_below
+
+
+def first_standing(first: Classification, skipped: EscalationSkip | None = None) -> Classification:
+    """The record's answer when the first stage's stands (`skipped`: why the gate kept it)."""
+    return msgspec.structs.replace(first, stage="first", escalation_skipped=skipped)
+
+
 class StageLatency:
     """p95 of the escalation stage's recent turnarounds (submit → answer seen by the loop), in seconds.
 
@@ -110,7 +120,7 @@ class Cascade:
 
     def unsure(self, answer: Classification) -> bool:
         """Whether the first stage's answer is one the cascade would escalate (fallbacks never are)."""
-        return self.fits_first_stage and not answer.fallback and answer.confidence < self.escalate_below
+        return self.fits_first_stage and is_unsure(answer, self.escalate_below)
 
     def gate(self, time_left_s: float, now: float, first_stage_pressed: bool) -> EscalationSkip | None:
         """Why an unsure ticket with `time_left_s` before its deadline keeps its first answer, or None
@@ -166,7 +176,7 @@ class Cascade:
         gate."""
         if skipped is not None:
             self.metrics.skipped[skipped] += 1
-        return msgspec.structs.replace(first, stage="first", escalation_skipped=skipped)
+        return first_standing(first, skipped)
 
     def escalated(self, first: Classification, answer: Classification) -> Classification:
         """The record's answer once the stage answered an escalated ticket."""
@@ -175,7 +185,7 @@ class Cascade:
                 "deadline" if answer.fallback_reason in ("deadline_exceeded", "overloaded") else "error"
             )
             self.metrics.outcome(first.intent, "failed")
-            return msgspec.structs.replace(first, stage="first", escalation_skipped=skipped)
+            return first_standing(first, skipped)
         self.metrics.outcome(first.intent, "confirmed" if answer.intent == first.intent else "changed")
         return msgspec.structs.replace(
             answer,
