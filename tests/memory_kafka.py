@@ -24,6 +24,7 @@ Not modelled: several brokers, leaders, compaction, control records' offsets, ti
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import zlib
@@ -146,9 +147,15 @@ class MemoryKafka:
             return len(log) - 1
 
     def read_committed(self, topic: str) -> list[tuple[int, Record]]:
-        """Every record a read_committed reader sees, as (partition, record)."""
+        """Every record a read_committed reader sees, as (partition, record): as on a real broker, nothing
+        past a partition's last stable offset (its first record of a transaction still open)."""
         with self.lock:
-            return [(p, r) for p, log in enumerate(self.logs[topic]) for r in log if r.visible]
+            seen = []
+            for p, log in enumerate(self.logs[topic]):
+                for record in itertools.takewhile(lambda r: r.settled, log):
+                    if record.visible:
+                        seen.append((p, record))
+            return seen
 
     def end_offsets(self, topic: str) -> dict[int, int]:
         return {p: len(log) for p, log in enumerate(self.logs[topic])}

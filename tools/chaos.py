@@ -268,7 +268,10 @@ def chaos(args: argparse.Namespace) -> bool:
             progress(f"chaos: draining, committed {now.records}/{count}")
         drain_s = time.monotonic() - drain_started
         group.stop_all()
+        progress("chaos: auditing (read_committed, once every open transaction has ended)")
         report = harness.audit(bootstrap, topics)
+        for seen in report.visibility:
+            progress(f"chaos: {seen.describe()}")
         ends = harness.end_offsets(bootstrap, topics.input)
         committed = harness.committed_offsets(bootstrap, group.group, topics.input)
         lost_events = group.events("partitions_lost")
@@ -321,6 +324,10 @@ def chaos(args: argparse.Namespace) -> bool:
             for e in lost_events + overruns
         ],
         max_poll_overrun_lead_up=overrun_lead_up,
+        visibility=[
+            {"topic": seen.topic, "waited_s": round(seen.waited_s, 1), "hidden": seen.hidden}
+            for seen in report.visibility
+        ],
         lost=lost,
         lost_positions=lost_positions,
         duplicates=report.duplicates,
@@ -335,6 +342,9 @@ def chaos(args: argparse.Namespace) -> bool:
     figures["promises"] = {
         "inputs accounted": promise(len(report.inputs), f"== {count}", len(report.inputs) == count),
         "lost": promise(lost, "0", lost == 0),
+        f"outputs visible to read_committed within {harness.VISIBLE_WITHIN_S:.0f} s": promise(
+            report.hidden, "0 offsets hidden", report.hidden == 0
+        ),
         "duplicates": promise(
             report.duplicates,
             "0 (exactly_once, read_committed)"
@@ -367,6 +377,10 @@ def chaos(args: argparse.Namespace) -> bool:
         ),
         ("max.poll.interval overruns", str(evictions)),
         ("final drain", f"{drain_s:.0f} s"),
+        (
+            "wait until read_committed saw each topic whole",
+            ", ".join(f"{seen.topic.rsplit('.', 1)[-1]} {seen.waited_s:.1f} s" for seen in report.visibility),
+        ),
         ("model, settings", f"{figures['model']}; {json.dumps(figures['settings'])}"),
     ]
     return promises.write(args.out, "chaos" if not exactly_once else "chaos-exactly-once", figures, table)

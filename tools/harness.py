@@ -265,9 +265,79 @@ class Worker(WorkerProcess):
         self._log.close()
 
 
-def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> Iterator[confluent_kafka.Message]:
-    """Every record of `topic` up to its end offsets as of now, as a downstream reader of exactly-once output
-    must read it (read_committed: records of aborted transactions are skipped)."""
+# A read_committed reader sees a partition only up to its last stable offset (LSO): the first offset of the
+# oldest transaction still open on it. A killed exactly-once worker's open transaction holds the LSO back
+# until the broker aborts it (its transaction.timeout.ms, 10 s here, then the broker's scan for timed-out
+# transactions, every 10 s by default; measured 14-17 s: docs/guarantees.md), and every later record of that
+# partition, committed or not, stays out of sight until then. So an audit waits, bounded, until the LSO has
+# reached the high watermark: a promise is judged on what a downstream reader will actually see, not on how
+# early it looked.
+VISIBLE_WITHIN_S = 90.0
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """What a read_committed reader could see of `topic`: its high watermarks when the audit began (`ends`),
+    its last stable offsets when the wait for them ended (`stable`), and how long that wait took."""
+
+    topic: str
+    ends: dict[int, int]
+    stable: dict[int, int]
+    waited_s: float
+
+    @property
+    def hidden(self) -> int:
+        """Records (and transaction markers) written but not visible to a read_committed reader."""
+        return sum(end - self.stable.get(p, 0) for p, end in self.ends.items())
+
+    def describe(self) -> str:
+        if not self.hidden:
+            return f"{self.topic}: visible to read_committed after {self.waited_s:.1f} s"
+        behind = {p: self.ends[p] - self.stable[p] for p in self.ends if self.ends[p] > self.stable[p]}
+        return (
+            f"{self.topic}: {self.hidden} offsets still hidden from read_committed after "
+            f"{self.waited_s:.1f} s (open transactions hold back partitions {behind})"
+        )
+
+
+def _watermarks(bootstrap: str, topic: str, isolation: str) -> dict[int, int]:
+    consumer = confluent_kafka.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"audit-{uuid.uuid4().hex}",
+            "isolation.level": isolation,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        # cached=False asks the broker; under read_committed the "high" offset it answers is the LSO.
+        return {
+            p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
+            for p in partitions
+        }
+    finally:
+        consumer.close()
+
+
+def visibility(bootstrap: str, topic: str, within_s: float = VISIBLE_WITHIN_S) -> Visibility:
+    """Waits up to `within_s` until a read_committed reader sees `topic` up to its current high watermarks."""
+    ends = end_offsets(bootstrap, topic)
+    started = time.monotonic()
+    while True:
+        stable = _watermarks(bootstrap, topic, "read_committed")
+        waited = time.monotonic() - started
+        if all(stable.get(p, 0) >= end for p, end in ends.items()) or waited >= within_s:
+            return Visibility(topic, ends, {p: min(stable.get(p, 0), end) for p, end in ends.items()}, waited)
+        time.sleep(0.5)
+
+
+def read_topic(
+    bootstrap: str, topic: str, timeout: float = 60.0, seen: Visibility | None = None
+) -> Iterator[confluent_kafka.Message]:
+    """Every record of `topic` a downstream reader of exactly-once output sees (read_committed: records of
+    aborted transactions are skipped), up to the high watermark once the last stable offset has caught up with
+    it (`visibility`, bounded; pass `seen` to read up to a visibility already waited for)."""
+    ends = (seen or visibility(bootstrap, topic)).stable
     consumer = confluent_kafka.Consumer(
         {
             "bootstrap.servers": bootstrap,
@@ -279,11 +349,6 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> Iterator[co
         }
     )
     try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        ends = {
-            p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
-            for p in partitions
-        }
         todo = {p for p, end in ends.items() if end > 0}
         consumer.assign(
             [confluent_kafka.TopicPartition(topic, p, confluent_kafka.OFFSET_BEGINNING) for p in todo]
@@ -310,17 +375,9 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> Iterator[co
 
 
 def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    consumer = confluent_kafka.Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"audit-{uuid.uuid4().hex}"}
-    )
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        return {
-            p: consumer.get_watermark_offsets(confluent_kafka.TopicPartition(topic, p), timeout=10)[1]
-            for p in partitions
-        }
-    finally:
-        consumer.close()
+    """High watermarks: everything written, visible or not (librdkafka's default isolation, read_committed,
+    would answer last stable offsets)."""
+    return _watermarks(bootstrap, topic, "read_uncommitted")
 
 
 def wait_until_served(bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:
@@ -384,6 +441,13 @@ class Audit:
     results: dict[Position, list[TriageResult]] = field(default_factory=lambda: collections.defaultdict(list))
     dead: dict[Position, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
     headers_kept: int = 0
+    # Per topic read: how long the wait for read_committed to see it whole took, and what stayed hidden.
+    visibility: list[Visibility] = field(default_factory=list)
+
+    @property
+    def hidden(self) -> int:
+        """Offsets of output topics a read_committed reader could still not see when the audit read them."""
+        return sum(seen.hidden for seen in self.visibility)
 
     @property
     def lost(self) -> list[Position]:
@@ -433,13 +497,21 @@ def headers_of(message: confluent_kafka.Message) -> dict[str, str]:
     return {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in pairs}
 
 
-def audit(bootstrap: str, topics: Topics) -> Audit:
+def audit(bootstrap: str, topics: Topics, visible_within_s: float = VISIBLE_WITHIN_S) -> Audit:
+    """Every input offset mapped to its outputs, as a read_committed reader sees the outputs once every open
+    transaction has ended (waiting up to `visible_within_s` per topic, said in `visibility`)."""
     report = Audit()
-    for message in read_topic(bootstrap, topics.input):
+
+    def read(topic: str) -> Iterator[confluent_kafka.Message]:
+        seen = visibility(bootstrap, topic, visible_within_s)
+        report.visibility.append(seen)
+        return read_topic(bootstrap, topic, seen=seen)
+
+    for message in read(topics.input):
         kind = headers_of(message).get(KIND_HEADER, "?")
         report.inputs[(message.partition() or 0, message.offset() or 0)] = kind
     decoder = msgspec.json.Decoder(TriageResult)
-    for message in read_topic(bootstrap, topics.output):
+    for message in read(topics.output):
         value = message.value()
         assert isinstance(value, bytes)
         result = decoder.decode(value)
@@ -447,7 +519,7 @@ def audit(bootstrap: str, topics: Topics) -> Audit:
         report.results[(result.source.partition, result.source.offset)].append(result)
         if KIND_HEADER in headers_of(message):
             report.headers_kept += 1
-    for message in read_topic(bootstrap, topics.dead_letter):
+    for message in read(topics.dead_letter):
         headers = headers_of(message)
         position = (int(headers[dead_letters.SOURCE_PARTITION]), int(headers[dead_letters.SOURCE_OFFSET]))
         report.dead[position].append(headers[dead_letters.ERROR_TYPE])
