@@ -54,6 +54,7 @@ class Chaos:
         self.refused_at_start: list[str] = []
         self.bad_exits: list[str] = []
         self.serial = 0
+        self.killed: list[tuple[str, str]] = []  # (UTC timestamp, worker log name) of each kill -9
 
     def start(self, role: str) -> harness.Worker:
         self.serial += 1
@@ -102,6 +103,9 @@ class Chaos:
         victim = self.rng.choice(self.working())
         self.live.remove(victim)
         victim.kill()
+        self.killed.append(
+            (datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"), victim.log_path.name)
+        )
         self.start("restart")
         return victim.log_path.name
 
@@ -166,6 +170,20 @@ class Chaos:
             }
 
         return explain
+
+    def ownership(self, topic: str, partition: int) -> list[tuple[str, str, str]]:
+        """Who took and gave up `partition` when: (timestamp, worker, event), in time order; with the copies'
+        `classified_at`, it names the workers that wrote a duplicate."""
+        name = f"{topic}[{partition}]"
+        found = [
+            (e["timestamp"], w.log_path.name, str(e["event"]))
+            for w in self.all
+            for kind in ("partitions_assigned", "partitions_revoked", "partitions_lost")
+            for e in w.events(kind)
+            if name in (e.get("partitions") or [])
+        ]
+        kills = [(at, victim, "killed") for at, victim in self.killed if victim in {w for _, w, _ in found}]
+        return sorted(found + kills)
 
     def lead_up(self, name: str, lines: int = 6) -> list[list[str]]:
         """For each `name` event, the worker's log lines up to it (metrics left out): the evidence."""
@@ -283,11 +301,21 @@ def chaos(args: argparse.Namespace) -> bool:
         overrun_lead_up = group.lead_up("max_poll_interval_exceeded")
         explain = group.explainer(topics.input)
         lost_positions = [explain(position, report.inputs[position]) for position in report.lost]
-        if report.lost:
+        # Exactly-once promises no duplicate: each one with where its copies are and which commits passed it.
+        duplicated = report.duplicated if args.guarantee == "exactly_once" else []
+        duplicate_positions = [
+            {
+                **explain(position, report.inputs[position]),
+                "copies": report.copies[position],
+                "ownership": group.ownership(topics.input, position[0]),
+            }
+            for position in duplicated[:20]
+        ]
+        if report.lost or duplicated:
             kept = args.out / f"{'chaos-exactly-once' if args.guarantee == 'exactly_once' else 'chaos'}-logs"
             shutil.rmtree(kept, ignore_errors=True)
             shutil.copytree(state / "logs", kept)
-            progress(f"chaos: tickets lost; the workers' logs are kept in {kept}")
+            progress(f"chaos: tickets lost or duplicated; the workers' logs are kept in {kept}")
 
     bound = MAX_IN_FLIGHT * (done["kill"] + len(lost_events)) + unfinished
     exactly_once = args.guarantee == "exactly_once"
@@ -331,6 +359,7 @@ def chaos(args: argparse.Namespace) -> bool:
         lost=lost,
         lost_positions=lost_positions,
         duplicates=report.duplicates,
+        duplicate_positions=duplicate_positions,
         duplicate_bound=bound,
         misrouted=len(report.misrouted),
         committed=committed,

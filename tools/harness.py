@@ -441,6 +441,8 @@ class Audit:
     results: dict[Position, list[TriageResult]] = field(default_factory=lambda: collections.defaultdict(list))
     dead: dict[Position, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
     headers_kept: int = 0
+    # Where each output of an input position sits ("out[3]@120"): the evidence for a duplicate.
+    copies: dict[Position, list[str]] = field(default_factory=lambda: collections.defaultdict(list))
     # Per topic read: how long the wait for read_committed to see it whole took, and what stayed hidden.
     visibility: list[Visibility] = field(default_factory=list)
 
@@ -452,6 +454,11 @@ class Audit:
     @property
     def lost(self) -> list[Position]:
         return sorted(p for p in self.inputs if not self.results.get(p) and not self.dead.get(p))
+
+    @property
+    def duplicated(self) -> list[Position]:
+        """Input positions with more than one output."""
+        return sorted(p for p in self.inputs if len(self.results.get(p, [])) + len(self.dead.get(p, [])) > 1)
 
     @property
     def duplicates(self) -> int:
@@ -517,10 +524,14 @@ def audit(bootstrap: str, topics: Topics, visible_within_s: float = VISIBLE_WITH
         result = decoder.decode(value)
         assert result.source.topic == topics.input
         report.results[(result.source.partition, result.source.offset)].append(result)
+        report.copies[(result.source.partition, result.source.offset)].append(
+            f"out[{message.partition()}]@{message.offset()} {result.classified_at}"
+        )
         if KIND_HEADER in headers_of(message):
             report.headers_kept += 1
     for message in read(topics.dead_letter):
         headers = headers_of(message)
         position = (int(headers[dead_letters.SOURCE_PARTITION]), int(headers[dead_letters.SOURCE_OFFSET]))
         report.dead[position].append(headers[dead_letters.ERROR_TYPE])
+        report.copies[position].append(f"dlq[{message.partition()}]@{message.offset()}")
     return report
