@@ -17,6 +17,11 @@ What it models, because the pipeline's correctness depends on it:
   commits; `send_offsets_to_transaction` checks the consumer's generation (a zombie cannot commit offsets);
   `init_transactions` under the same id fences the older producer and aborts its open transaction. A failed
   delivery makes the transaction abortable. `hooks` let a test fail deliveries or hold a commit.
+- **Start offsets**: `incremental_assign` starts a partition at the offset it is given (absolute, beginning or
+  end); without one, at the group's committed offset, as librdkafka looks it up. While an open transaction
+  holds offsets of the group for the partition (UNSTABLE_OFFSET_COMMIT) `committed()` times out and such a
+  lookup waits; if the assignment changes meanwhile, the partition starts at the beginning
+  (`auto.offset.reset=earliest`), as librdkafka 2.16 does (see worker/kafka/starts.py).
 
 Not modelled: several brokers, leaders, compaction, control records' offsets, timing of the network.
 """
@@ -160,6 +165,11 @@ class MemoryKafka:
     def end_offsets(self, topic: str) -> dict[int, int]:
         return {p: len(log) for p, log in enumerate(self.logs[topic])}
 
+    def unstable(self, group: str, key: Key) -> bool:
+        """An open transaction holds offsets of `group` for `key` (UNSTABLE_OFFSET_COMMIT from the broker)."""
+        with self.lock:
+            return any(key in txn.offsets.get(group, {}) for txn in self._open.values())
+
     # -- clients ------------------------------------------------------------------------------------------
 
     def clients(self, group: str, transactional_id: str | None = None) -> MemoryClients:
@@ -214,6 +224,8 @@ class MemoryConsumer:
         self.version: dict[Key, int] = collections.defaultdict(int)
         self.fetch_at: dict[Key, int] = {}
         self.app_at: dict[Key, int] = {}
+        # Assigned without a start offset while the group's committed one is unstable: not fetching yet.
+        self.looking_up: set[Key] = set()
         self.callbacks: dict[str, Callable[..., None]] = {}
         self.closed = False
 
@@ -231,10 +243,34 @@ class MemoryConsumer:
     def incremental_assign(self, partitions: list[Any]) -> None:
         for tp in partitions:
             key = (tp.topic, tp.partition)
-            start = self.kafka.committed[self.group].get(key, 0)
             self.assigned.add(key)
             self._bump(key)
-            self.fetch_at[key] = self.app_at[key] = start
+            if tp.offset >= 0 or tp.offset in (confluent_kafka.OFFSET_BEGINNING, confluent_kafka.OFFSET_END):
+                self._start(key, self._absolute(key, tp.offset))
+            elif self.kafka.unstable(self.group, key):
+                self.looking_up.add(key)
+            else:
+                self._start(key, self.kafka.committed[self.group].get(key, 0))
+
+    def _absolute(self, key: Key, offset: int) -> int:
+        if offset == confluent_kafka.OFFSET_BEGINNING:
+            return 0
+        if offset == confluent_kafka.OFFSET_END:
+            return len(self.kafka.logs[key[0]][key[1]])
+        return offset
+
+    def _start(self, key: Key, offset: int) -> None:
+        self.looking_up.discard(key)
+        self.fetch_at[key] = self.app_at[key] = offset
+
+    def _serve_lookups(self, changed: set[Key]) -> None:
+        """librdkafka's committed-offset lookups: answered once stable; those in `changed` (in flight when
+        the assignment changed) start at the beginning: their answer is dropped, auto.offset.reset applies."""
+        for key in sorted(self.looking_up):
+            if not self.kafka.unstable(self.group, key):
+                self._start(key, self.kafka.committed[self.group].get(key, 0))
+            elif key in changed:
+                self._start(key, 0)
 
     assign = incremental_assign
 
@@ -243,6 +279,7 @@ class MemoryConsumer:
             if key in self.assigned:
                 self.assigned.discard(key)
                 self.paused.discard(key)
+                self.looking_up.discard(key)
                 self._bump(key)
 
     def memberid(self) -> str:
@@ -255,10 +292,11 @@ class MemoryConsumer:
 
     def seek(self, tp: Any) -> None:
         key = (tp.topic, tp.partition)
-        if key not in self.assigned:
-            raise KafkaException(KafkaError(KafkaError._STATE, f"{key} is not assigned"))
+        if key not in self.assigned or key in self.looking_up:
+            raise KafkaException(KafkaError(KafkaError._STATE, f"{key} is not fetching"))
         self._bump(key)
-        self.fetch_at[key] = tp.offset
+        # librdkafka forgets the application's position on a seek: a resume then fetches from the seek's.
+        self.fetch_at[key] = self.app_at[key] = self._absolute(key, tp.offset)
 
     def pause(self, partitions: list[Any]) -> None:
         for tp in partitions:
@@ -273,7 +311,8 @@ class MemoryConsumer:
             if key in self.assigned:
                 self.paused.discard(key)
                 self._bump(key)
-                self.fetch_at[key] = self.app_at[key]  # librdkafka refetches from the app position
+                if key not in self.looking_up:  # librdkafka refetches from the app position
+                    self.fetch_at[key] = self.app_at[key]
 
     def _bump(self, key: Key) -> None:
         self.version[key] += 1
@@ -285,7 +324,7 @@ class MemoryConsumer:
         """Fill the queue up to `prefetch` records per fetching partition (read_committed: up to the first
         record of an open transaction; aborted records are skipped)."""
         queued = collections.Counter(item[1][0] for item in self.queue if item[0] == "record")
-        for key in sorted(self.assigned - self.paused):
+        for key in sorted(self.assigned - self.paused - self.looking_up):
             log = self.kafka.logs[key[0]][key[1]]
             while queued[key] < self.kafka.prefetch and self.fetch_at[key] < len(log):
                 record = log[self.fetch_at[key]]
@@ -310,18 +349,21 @@ class MemoryConsumer:
 
     def _rebalance(self, kind: str, keys: list[Key]) -> None:
         tps = [confluent_kafka.TopicPartition(t, p) for t, p in keys]
+        waiting = set(self.looking_up)
         self.callbacks[kind](self, tps)
         if kind == "assign":
             if not set(keys) <= self.assigned:
                 self.incremental_assign(tps)
         else:
             self._unassign(keys)
+        self._serve_lookups(changed=waiting)
 
     def _start_call(self) -> None:
         with self.kafka.lock:
             self.kafka.hooks.consumer_call(self)
             self.queue.extend(self.events)
             self.events.clear()
+            self._serve_lookups(changed=set())
             self._prefetch()
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Message]:
@@ -374,6 +416,9 @@ class MemoryConsumer:
     # -- offsets ---------------------------------------------------------------------------------------
 
     def committed(self, partitions: list[Any], timeout: float = -1) -> list[Any]:
+        if any(self.kafka.unstable(self.group, (tp.topic, tp.partition)) for tp in partitions):
+            # librdkafka retries UNSTABLE_OFFSET_COMMIT until the call's timeout.
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to get committed offsets"))
         offsets = self.kafka.committed[self.group]
         return [
             confluent_kafka.TopicPartition(
