@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import confluent_kafka
 import msgspec
 import pytest
-from memory_kafka import MemoryConsumer, MemoryKafka
+from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka
 
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import load_settings
@@ -434,3 +434,35 @@ def test_a_new_producer_whose_coordinator_does_not_answer_yet_tries_again_and_th
     assert len(refusals) == 5
     assert running.stop() == 0
     assert_exactly_once(kafka, "memory-group")
+
+
+@BOTH_GUARANTEES
+def test_a_partition_whose_committed_offset_an_open_transaction_holds_starts_there_once_it_ends(
+    kafka: MemoryKafka, guarantee: str
+) -> None:
+    """Issue #30 (exactly-once chaos, seed 29: 8,478 duplicates). A worker killed between sending its offsets
+    to a transaction and committing it leaves the group's committed offsets of its partitions unstable until
+    the broker aborts that transaction. librdkafka's own lookup of a new partition's start waits meanwhile,
+    but starts it at the beginning when the assignment changes first. The worker looks the offsets up
+    itself: the partitions wait, paused, and start at their committed offsets once the transaction ends."""
+    for partition in (0, 1):
+        fill_texts(kafka, partition, ["where is my card"] * 20)
+        kafka.committed["memory-group"][(INPUT, partition)] = 10  # done by an earlier worker
+    dead = kafka.clients("memory-group", "dead-worker").producer(lambda _error: None)
+    dead.init_transactions()
+    dead.begin_transaction()
+    held = [confluent_kafka.TopicPartition(INPUT, p, 15) for p in (0, 1)]
+    dead.send_offsets_to_transaction(held, GroupMetadata("memory-group", kafka.generation, "dead"))
+    worker = pipeline(kafka, guarantee, **{"pipeline.commit_interval_ms": 100})
+    running = Running(worker)
+    wait_until(lambda: bool(kafka.members) and kafka.members[0].assigned, "the assignment")
+    consumer = kafka.members[0]
+    kafka.revoke(consumer, [(INPUT, 1)])  # the assignment changes while the offsets are unstable
+    wait_until(lambda: (INPUT, 1) not in consumer.assigned, "the revoke")
+    time.sleep(0.3)
+    assert worker.metrics.consumed == 0  # nothing is read before the start is known
+    dead.abort_transaction()  # the broker aborts the dead worker's transaction at its timeout
+    wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 20, "partition 0 read to its end")
+    assert running.stop() == 0
+    assert sorted(outputs_by_source(kafka)) == [(0, offset) for offset in range(10, 20)]
+    assert worker.metrics.consumed == 10

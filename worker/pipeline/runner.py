@@ -56,6 +56,7 @@ from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
 from worker.kafka.dead_letters import dead_letter_headers
+from worker.kafka.starts import StartPositions
 from worker.messages import FallbackReason, utc_timestamp
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.deadlines import ticket_deadline
@@ -134,6 +135,8 @@ class Pipeline:
         self.metrics.review = review.metrics if review is not None else None
         self.metrics.escalation = cascade.metrics if cascade is not None else None
         self._paused = PausedPartitions(self._consumer)
+        # Every assigned partition starts at an offset the worker looked up itself (worker/kafka/starts.py).
+        self._starts = StartPositions(self._consumer, consumer_options["auto.offset.reset"], clock)
         consumer, pause = self._consumer, self._paused.pause
         self._guarantee = guarantee_for(
             settings, clients, consumer, self._tracker, self.metrics, clock, pause, self._failure
@@ -217,11 +220,12 @@ class Pipeline:
         """Everything but polling the consumer: the records' progress, commits, flow control."""
         self._serve_work(wait_s)
         self._guarantee.advance()
+        self._starts.resolve()
         self._update_gauge()
         if self._gate.paused or self._stopping:
             self._paused.pause(state.key for state in self._tracker)
         else:
-            self._paused.resume_all_but(self._tracker.blocked())
+            self._paused.resume_all_but(self._tracker.blocked().keys() | self._starts.held)
 
     def _serve_work(self, wait_s: float) -> None:
         """Move taken records forward: delivery reports, model answers, expiry, dispatch. Waits up to
@@ -437,17 +441,22 @@ class Pipeline:
         _log.info("partitions_assigned", partitions=names(keys))
         if not partitions:
             return
-        # Assign here rather than after the callback, so the partitions' pause state is set before the first
-        # fetch: librdkafka keeps a partition paused across unassign/assign (seen after a lost assignment),
-        # so one that comes back is resumed explicitly unless the gate wants it paused.
+        # Assign here rather than after the callback, each partition with its start, so that its pause
+        # state is set before the first fetch: librdkafka keeps a partition paused across unassign/assign
+        # (seen after a lost assignment), so one that comes back is resumed explicitly unless the gate
+        # wants it paused or its start is not known yet (held).
+        starts = self._starts.assignment(partitions)
         if self._cooperative:
-            consumer.incremental_assign(partitions)
+            consumer.incremental_assign(starts)
         else:
-            consumer.assign(partitions)
+            consumer.assign(starts)
+        held = [key for key in keys if key in self._starts.held]
         if self._gate.paused or self._stopping:
             self._paused.pause(keys)
         else:
-            consumer.resume(partitions)
+            self._paused.pause(held)
+            if resumed := [tp for tp in partitions if (tp.topic, tp.partition) not in self._starts.held]:
+                consumer.resume(resumed)
 
     def _on_revoke(self, consumer: confluent_kafka.Consumer, partitions: list[Any]) -> None:
         keys = {(tp.topic, tp.partition) for tp in partitions}
@@ -475,6 +484,7 @@ class Pipeline:
         self._guarantee.commit_now(states, limit)
         self._tracker.revoke(keys)
         self._paused.forget(keys)
+        self._starts.forget(keys)
         self._update_gauge()
         _log.info(
             "partitions_revoked",
@@ -490,6 +500,7 @@ class Pipeline:
         self._ledger.give_up(keys)
         self._tracker.revoke(keys)
         self._paused.forget(keys)
+        self._starts.forget(keys)
         self._update_gauge()
         _log.warning(
             "partitions_lost", partitions=names(keys), effect="not committed; the new owner redoes them"
