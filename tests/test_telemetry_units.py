@@ -182,7 +182,7 @@ def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None
         return {dict(labels)[label]: v for (n, labels), v in samples.items() if n == name}
 
     assert by("triage_fallbacks_total", "reason") == dict.fromkeys(
-        ["deadline_exceeded", "invalid_output", "model_error", "overloaded"], 0
+        ["deadline_exceeded", "expired_on_arrival", "invalid_output", "model_error", "overloaded"], 0
     )
     dead = by("triage_dead_letters_total", "error_type")
     assert dead["invalid_json"] == 1 and dead["empty_ticket"] == 0 and dead["internal_error"] == 0

@@ -312,6 +312,9 @@ class Pipeline:
             return
         work.event = event
         work.deadline = deadline
+        if deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
+            self._write_result(work, self._fallback_for(work, "expired_on_arrival"))
+            return
         self._ledger.wait(work)
 
     # -- classification -------------------------------------------------------------------------------------
