@@ -40,7 +40,9 @@ def exported_names() -> set[str]:
     metrics = PipelineMetrics(consumed=1, loop_turned_at=0.0)
     metrics.fallback["overloaded"] += 1
     metrics.dead_letter("invalid_json")
-    metrics.partitions = PartitionGauges(assigned=(("t", 0),), lag=((("t", 0), 1),), member=True)
+    metrics.partitions = PartitionGauges(
+        assigned=(("t", 0),), blocked=(("t", 0),), lag=((("t", 0), 1),), member=True
+    )
     probes = WorkerProbes(60.0, _Broker(), lambda: 1.0)  # type: ignore[arg-type]
     probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 1, 1
     registry = new_registry()

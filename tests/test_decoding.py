@@ -74,7 +74,7 @@ def test_value_exactly_at_the_limit_is_accepted() -> None:
         (b'{"ticket_id": "T", "body": "caf\xe9"}', "invalid_utf8", "not valid UTF-8: invalid continuation"),
         (b'{"ticket_id": "T", "body": "ok", "extra": "\xff"}', "invalid_utf8", "at byte 43"),
         (b'{"ticket_id": "T", "body": "ok"', "invalid_json", "not valid JSON: Input data was truncated"),
-        (b"", "invalid_json", "not valid JSON"),
+        (b"", "invalid_json", "value is empty (0 bytes), expected a JSON ticket"),
         (b'["T", "body"]', "not_an_object", "must be a JSON object, got array"),
         (b'"just text"', "not_an_object", "got string"),
         (b"null", "not_an_object", "got null"),
@@ -111,6 +111,11 @@ def test_value_exactly_at_the_limit_is_accepted() -> None:
             "invalid_timestamp",
             "02-30",
         ),
+        (  # issue #31: a deadline the producer asked for is never silently ignored
+            b'{"ticket_id": "T", "body": "b", "metadata": {"deadline_at": "garbage"}}',
+            "invalid_timestamp",
+            '`metadata.deadline_at` must be an RFC 3339 timestamp like 2024-05-01T12:30:00Z, got "garbage"',
+        ),
     ],
 )
 def test_bad_input_is_rejected_with_a_precise_reason(
@@ -120,6 +125,13 @@ def test_bad_input_is_rejected_with_a_precise_reason(
         decode_ticket(value, LIMIT)
     assert caught.value.error_type == error_type
     assert message in caught.value.message
+
+
+def test_a_utf8_byte_order_mark_before_the_json_is_ignored() -> None:
+    """RFC 8259 lets a parser ignore a BOM (some Windows tools write one); it was reported as `invalid
+    character (byte 0)` (issue #31)."""
+    event = decode_ticket(b'\xef\xbb\xbf{"ticket_id": "T-BOM", "body": "card blocked"}', LIMIT)
+    assert (event.ticket_id, event.body) == ("T-BOM", "card blocked")
 
 
 def test_size_limit_is_checked_before_parsing() -> None:

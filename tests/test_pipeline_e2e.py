@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import confluent_kafka
 import pytest
 
 from tools.harness import (
@@ -27,6 +28,7 @@ from tools.harness import (
     wait_until_committed,
 )
 from worker.kafka.local_broker import LocalBroker
+from worker.ops.samples import KIND_HEADER
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -347,20 +349,28 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
 
 
 @BOTH_GUARANTEES
-def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committed_past(
+def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_committed_past(
     kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
     from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
     topics = make_topics(unique_topic)
-    # An output topic whose size limit no triage record fits: every produce fails for good (not retriable).
-    # 120 bytes still fits a transaction's commit or abort marker, which exactly-once writes there too.
+    # Output and dead-letter topics whose size limit no record fits: a result refused for its size would be
+    # dead-lettered, but the dead letter fails too, even written smaller: nothing can be written for the
+    # ticket, and its partition stops. 120 bytes still fits a transaction's commit or abort marker, which
+    # exactly-once writes there too.
     topics.output = f"triaged-tiny-{uuid.uuid4().hex[:8]}"
+    topics.dead_letter = f"dlq-tiny-{uuid.uuid4().hex[:8]}"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    small = NewTopic(
-        topics.output, num_partitions=3, replication_factor=1, config={"max.message.bytes": "120"}
+    tiny = {"max.message.bytes": "120"}
+    created = admin.create_topics(
+        [
+            NewTopic(topics.output, num_partitions=3, replication_factor=1, config=tiny),
+            NewTopic(topics.dead_letter, num_partitions=1, replication_factor=1, config=tiny),
+        ]
     )
-    admin.create_topics([small])[topics.output].result(30)
+    for future in created.values():
+        future.result(30)
     count = 60
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.0, seed=31)
     group = _group()
@@ -381,13 +391,95 @@ def test_a_delivery_that_fails_for_good_stops_its_partition_and_is_never_committ
 
     # The cause fixed, a restarted worker delivers every ticket: nothing was lost.
     raise_limit = ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)
-    resource = ConfigResource("topic", topics.output, incremental_configs=[raise_limit])
-    admin.incremental_alter_configs([resource])[resource].result(30)
+    for topic in (topics.output, topics.dead_letter):
+        resource = ConfigResource("topic", topic, incremental_configs=[raise_limit])
+        admin.incremental_alter_configs([resource])[resource].result(30)
     worker = Worker(kafka_bootstrap, topics, group, tmp_path, name="fixed", settings=_mode(guarantee, group))
     worker.run_to_completion(timeout=120)
     report = audit(kafka_bootstrap, topics)
     assert len(report.inputs) == count
     assert report.lost == []
+
+
+def _header_bomb(bootstrap: str, topic: str, headers: int, size: int) -> None:
+    """One valid ticket with `headers` headers of `size` bytes each (the producer's limit raised for it)."""
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "message.max.bytes": 4_000_000})
+    value = b'{"ticket_id": "t-bomb", "body": "my card was stolen"}'
+    bomb = [(f"x-bomb-{index}", b"h" * size) for index in range(headers)]
+    producer.produce(topic, value, key=b"t-bomb", headers=[(KIND_HEADER, b"ticket"), *bomb])
+    assert producer.flush(30) == 0
+
+
+@BOTH_GUARANTEES
+def test_a_ticket_with_a_megabyte_of_headers_never_stops_its_partition(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
+) -> None:
+    """Issue #31, item 1: a 46-byte ticket with 1,030 headers of 1,000 bytes (its topic accepts it) stopped
+    its partition for good, because its triage record carried every header and its topic refused it; each
+    restart blocked again and wrote the tickets after it twice. The record now carries at most
+    `pipeline.max_header_bytes` of them: the ticket and the ordinary ones after it on the same partition
+    each get one record, committed reaches the end, and a restart writes nothing again."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topics = make_topics(unique_topic, partitions=1)
+    topics.input = f"raw-large-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    large = NewTopic(
+        topics.input, num_partitions=1, replication_factor=1, config={"max.message.bytes": "4000000"}
+    )
+    admin.create_topics([large])[topics.input].result(30)
+    publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=41)
+    _header_bomb(kafka_bootstrap, topics.input, headers=1030, size=1000)
+    publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=42)
+    group = _group()
+    for name in ("first", "restarted"):
+        worker = Worker(kafka_bootstrap, topics, group, tmp_path, name=name, settings=_mode(guarantee, group))
+        worker.run_to_completion(timeout=120)
+        final = worker.metrics()[-1]
+        assert final["delivery_failed"] == 0 and final["blocked_partitions"] == {}
+    report = audit(kafka_bootstrap, topics)
+    assert len(report.inputs) == 21
+    assert report.lost == [] and report.duplicates == 0 and report.misrouted == []
+    assert committed_offsets(kafka_bootstrap, group, topics.input) == end_offsets(
+        kafka_bootstrap, topics.input
+    )
+    bomb = next(r for records in report.results.values() for r in records if r.ticket_id == "t-bomb")
+    assert not bomb.fallback
+
+
+@BOTH_GUARANTEES
+def test_a_result_its_topic_refuses_is_dead_lettered_and_the_partition_goes_on(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
+) -> None:
+    """A triage record Kafka refuses for what it is (here: over the output topic's 64 KB limit, with 100 KB
+    of headers a team allowed with `pipeline.max_header_bytes`) can never be written: its ticket becomes a
+    dead letter of type `result_refused` naming Kafka's error, and the tickets after it are classified."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    topics = make_topics(unique_topic, partitions=1)
+    topics.output = f"triaged-64k-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    limited = NewTopic(
+        topics.output, num_partitions=1, replication_factor=1, config={"max.message.bytes": "65536"}
+    )
+    admin.create_topics([limited])[topics.output].result(30)
+    publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=43)
+    _header_bomb(kafka_bootstrap, topics.input, headers=100, size=1000)
+    publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=44)
+    group = _group()
+    settings = {**_mode(guarantee, group), "pipeline.max_header_bytes": "1048576"}
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, settings=settings)
+    worker.run_to_completion(timeout=120)
+    refused = worker.events("result_refused")
+    assert [event["code"] for event in refused][:1] == ["MSG_SIZE_TOO_LARGE"]
+    report = audit(kafka_bootstrap, topics)
+    assert report.lost == [] and report.duplicates == 0
+    assert committed_offsets(kafka_bootstrap, group, topics.input) == end_offsets(
+        kafka_bootstrap, topics.input
+    )
+    dead = {position: types for position, types in report.dead.items() if types}
+    assert list(dead.values()) == [["result_refused"]], dead
+    assert sum(len(records) for records in report.results.values()) == 20
 
 
 def test_exactly_once_a_worker_fenced_by_another_with_its_transactional_id_stops_cleanly(

@@ -7,6 +7,7 @@ end-to-end and chaos tests cover the same promises under real timing; these pin 
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -466,3 +467,29 @@ def test_a_partition_whose_committed_offset_an_open_transaction_holds_starts_the
     assert running.stop() == 0
     assert sorted(outputs_by_source(kafka)) == [(0, offset) for offset in range(10, 20)]
     assert worker.metrics.consumed == 10
+
+
+@BOTH_GUARANTEES
+def test_a_ticket_whose_deadline_had_passed_on_arrival_is_answered_expired_on_arrival_not_overloaded(
+    kafka: MemoryKafka, guarantee: str
+) -> None:
+    """Issue #31: on an idle worker a ticket whose producer deadline (`metadata.deadline_at`) had already
+    passed was answered `overloaded`, which operators read as a capacity problem. It has its own reason now,
+    and costs no model time; a ticket due later is classified as usual."""
+    past = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)).isoformat()
+    later = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)).isoformat()
+    for index, due in enumerate([past, later]):
+        ticket = {"ticket_id": f"T-{index}", "body": "my card is blocked", "metadata": {"deadline_at": due}}
+        kafka.append(INPUT, 0, msgspec.json.encode(ticket), f"customer-{index}".encode())
+    classifier = InstantClassifier()
+    worker = pipeline(kafka, guarantee, classifier=classifier, **{"pipeline.commit_interval_ms": 100})
+    running = Running(worker)
+    wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 2, "both tickets committed")
+    assert running.stop() == 0
+    decoder = msgspec.json.Decoder(TriageResult)
+    results = {
+        r.ticket_id: r for r in (decoder.decode(rec.value or b"") for _, rec in kafka.read_committed(OUTPUT))
+    }
+    assert results["T-0"].fallback and results["T-0"].fallback_reason == "expired_on_arrival"
+    assert not results["T-1"].fallback
+    assert worker.metrics.fallback == {"expired_on_arrival": 1}

@@ -124,6 +124,30 @@ def test_healthz_fails_once_the_loop_stalls_and_readyz_names_what_is_missing() -
         assert _get(server, "/nope")[0] == 404
 
 
+def test_a_stopped_partition_makes_the_worker_not_ready_and_is_named_by_readyz_and_a_metric() -> None:
+    """Issue #31: a partition stopped by a delivery no retry fixes (its topic deleted or not writable) left
+    /readyz at 200. It is now a failed check naming the partition, and a labelled series the
+    TriagePartitionBlocked alert names it by."""
+    clock = _Clock()
+    probes = WorkerProbes(60.0, _Broker(), clock)  # type: ignore[arg-type]
+    metrics = PipelineMetrics(loop_turned_at=clock.now)
+    metrics.partitions = PartitionGauges(assigned=(("in", 0), ("in", 1)), blocked=(("in", 1),), member=True)
+    probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 2, 2
+    with _serve(probes) as server:
+        status, body = _get(server, "/readyz")
+        _, text = _get(server, "/metrics")
+    check = json.loads(body)["checks"]["partitions"]
+    assert status == 503 and not check["ok"] and "in[1]" in check["detail"]
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("triage_partition_blocked", (("partition", "1"), ("topic", "in")))] == 1
+    assert ("triage_partition_blocked", (("partition", "0"), ("topic", "in"))) not in samples
+    assert samples[("triage_blocked_partitions", ())] == 1
+
+
 def test_metrics_settings_come_from_env_and_a_taken_port_is_one_line() -> None:
     settings = load_settings(
         env={"TRIAGE_METRICS__PORT": "9400", "TRIAGE_METRICS__STALL_TIMEOUT_MS": "30000"}
@@ -158,11 +182,16 @@ def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None
         return {dict(labels)[label]: v for (n, labels), v in samples.items() if n == name}
 
     assert by("triage_fallbacks_total", "reason") == dict.fromkeys(
-        ["deadline_exceeded", "invalid_output", "model_error", "overloaded"], 0
+        ["deadline_exceeded", "expired_on_arrival", "invalid_output", "model_error", "overloaded"], 0
     )
     dead = by("triage_dead_letters_total", "error_type")
     assert dead["invalid_json"] == 1 and dead["empty_ticket"] == 0 and dead["internal_error"] == 0
-    assert set(dead) == {*typing.get_args(DecodeErrorType), "internal_error", "key_too_large"}
+    assert set(dead) == {
+        *typing.get_args(DecodeErrorType),
+        "internal_error",
+        "key_too_large",
+        "result_refused",
+    }
     assert by("triage_reloads_total", "outcome") == {"succeeded": 0, "failed": 0}
     assert by("triage_shadow_dropped_total", "reason") == {"full": 0, "shutdown": 0}
     assert set(by("triage_shadow_fallbacks_total", "reason")) == set(typing.get_args(FallbackReason))

@@ -82,6 +82,9 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     revoke_timeout_ms: PositiveMs = 10000
     shutdown_timeout_ms: PositiveMs = 15000
     max_value_bytes: PositiveInt = 1048576
+    # Input headers (trace context, ...) a triage record carries, in order, up to this many bytes of names
+    # and values; the rest are left off, so that no input can make a result its topic refuses.
+    max_header_bytes: PositiveInt = 16384
     # exactly_once: results, dead letters and input offsets are written in Kafka transactions (see
     # worker/pipeline/guarantees.py); downstream consumers then need isolation.level=read_committed.
     guarantee: Guarantee = "at_least_once"

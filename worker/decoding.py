@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from worker.messages import MAX_TICKET_ID_CHARS, RFC3339_PATTERN, TicketEvent
+from worker.messages import DEADLINE_METADATA_KEY, MAX_TICKET_ID_CHARS, RFC3339_PATTERN, TicketEvent
 
 DecodeErrorType = Literal[
     "too_large",
@@ -48,6 +48,8 @@ _OPTIONAL_STRINGS = ("subject", "customer_id", "channel")
 _RFC3339 = re.compile(RFC3339_PATTERN)
 # A JSON string, or an unterminated one running to the end: brackets inside strings do not nest.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.DOTALL)
+# RFC 8259 §8.1: a parser may ignore a byte order mark; some Windows tools write one.
+_UTF8_BOM = b"\xef\xbb\xbf"
 _NOT_BRACKET = bytes(byte for byte in range(256) if byte not in b"[]{}")
 _OPENERS = frozenset(b"[{")
 
@@ -78,6 +80,9 @@ def decode_ticket(value: bytes | None, max_value_bytes: int) -> TicketEvent:
 def _decode(value: bytes | None, max_value_bytes: int) -> TicketEvent:
     if value is None:
         raise DecodeError("null_value", "value is null (a tombstone), expected a JSON ticket")
+    if not value:
+        raise DecodeError("invalid_json", "value is empty (0 bytes), expected a JSON ticket")
+    value = value.removeprefix(_UTF8_BOM)
     if len(value) > max_value_bytes:
         raise DecodeError(
             "too_large",
@@ -103,6 +108,8 @@ def _decode(value: bytes | None, max_value_bytes: int) -> TicketEvent:
         raise _diagnose(value, error) from None
     if event.created_at is not None:
         _check_timestamp(event.created_at)
+    if event.metadata and DEADLINE_METADATA_KEY in event.metadata:
+        _check_timestamp(event.metadata[DEADLINE_METADATA_KEY], f"metadata.{DEADLINE_METADATA_KEY}")
     if not has_text(event):
         # Refused here, before the model: a model asked about nothing still names an intent, confidently.
         raise DecodeError("empty_ticket", "`body` and `subject` are empty or whitespace: no text to classify")
@@ -127,7 +134,7 @@ def _too_deep(value: bytes) -> bool:
     return False
 
 
-def _check_timestamp(text: str) -> None:
+def _check_timestamp(text: str, field: str = "created_at") -> None:
     """The Struct's pattern checks the shape (offset required); msgspec's parser then checks the calendar."""
     try:
         if not _RFC3339.match(text):
@@ -136,7 +143,7 @@ def _check_timestamp(text: str) -> None:
     except (ValueError, msgspec.ValidationError):
         raise DecodeError(
             "invalid_timestamp",
-            f"`created_at` must be an RFC 3339 timestamp like 2024-05-01T12:30:00Z, got {_show(text)}",
+            f"`{field}` must be an RFC 3339 timestamp like 2024-05-01T12:30:00Z, got {_show(text)}",
         ) from None
 
 

@@ -16,7 +16,11 @@ SCHEMA_VERSION = 1
 Priority = Literal["Low", "Medium", "High", "Critical"]
 PRIORITIES: tuple[Priority, ...] = ("Low", "Medium", "High", "Critical")
 
-FallbackReason = Literal["deadline_exceeded", "model_error", "invalid_output", "overloaded"]
+# `expired_on_arrival`: the producer's `metadata.deadline_at` had passed when the worker took the ticket (not
+# a capacity problem, unlike `overloaded`).
+FallbackReason = Literal[
+    "deadline_exceeded", "model_error", "invalid_output", "overloaded", "expired_on_arrival"
+]
 # The cascade (worker/pipeline/cascade.py): which stage answered a ticket, and why a ticket the first stage
 # was unsure of kept its first answer.
 Stage = Literal["first", "escalation"]
@@ -35,6 +39,10 @@ def _timestamp(description: str) -> msgspec.Meta:
         pattern=RFC3339_PATTERN, description=description, extra_json_schema={"format": "date-time"}
     )
 
+
+# The metadata key with which a producer asks for an earlier deadline (worker/pipeline/deadlines.py): an RFC
+# 3339 timestamp; a value that is not one makes the record a dead letter (`invalid_timestamp`).
+DEADLINE_METADATA_KEY = "deadline_at"
 
 # Ids are copied into every triage record: a bound keeps each record small enough for any sane topic limit.
 MAX_TICKET_ID_CHARS = 256

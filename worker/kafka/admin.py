@@ -25,7 +25,9 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._config import ConfigResource  # re-exported untyped by confluent_kafka.admin
 from confluent_kafka.admin._listoffsets import OffsetSpec  # re-exported untyped by confluent_kafka.admin
+from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
 from worker.config import TopicSettings, mask_secrets
@@ -154,6 +156,23 @@ def existing_topics(
     """The cluster's topic names; UserError with librdkafka's reason when the cluster cannot be reached."""
     with _reachable_admin(kafka_config, timeout_s, on_wait) as (_, metadata):
         return set(metadata.topics)
+
+
+def record_size_limits(
+    kafka_config: Mapping[str, str], topics: Iterable[str], timeout_s: float = 10.0
+) -> dict[str, int]:
+    """Each topic's `max.message.bytes` (the largest record batch its broker accepts), where the broker
+    answers: describing configs needs the DescribeConfigs permission, which a worker may not have, so the
+    topics it could not learn are left out rather than failing the caller."""
+    admin = AdminClient({**kafka_config, **METADATA_ONLY})
+    resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in dict.fromkeys(topics)]
+    limits: dict[str, int] = {}
+    for resource, future in admin.describe_configs(resources, request_timeout=timeout_s).items():
+        with contextlib.suppress(KafkaException, ValueError):
+            entry = future.result(timeout_s).get("max.message.bytes")
+            if entry is not None and entry.value is not None:
+                limits[resource.name] = int(entry.value)
+    return limits
 
 
 def check_cluster(

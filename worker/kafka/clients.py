@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import confluent_kafka
+import msgspec
 import structlog
 
 from worker.config import Settings, mask_secrets, masked_kafka_config
@@ -98,6 +99,9 @@ _PRODUCER_ONLY_PREFIXES = (
     "sticky.partitioning.linger.ms",
     "partitioner",
     "request.timeout.ms",
+    # The largest record the producer sends (and its batches): `producer_record_limit` may lower it to
+    # what the written topics accept; a consumer's fetches are bounded by their own options.
+    "message.max.bytes",
 )
 
 ErrorCallback = Callable[[confluent_kafka.KafkaError], None]
@@ -148,6 +152,29 @@ def producer_config(settings: Settings) -> dict[str, str]:
     config = {**_PRODUCER_DEFAULTS, **_without(settings.kafka, _CONSUMER_ONLY_PREFIXES)}
     config.update({option: value for option, (value, _) in _PRODUCER_REQUIRED.items()})
     return config
+
+
+# librdkafka's default message.max.bytes, and the least it takes.
+_LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
+_LIBRDKAFKA_MESSAGE_MAX_BYTES_MIN = 1000
+
+
+def producer_record_limit(settings: Settings, topic_limits: Mapping[str, int]) -> Settings:
+    """`settings` with the producer's `message.max.bytes` lowered to the smallest `max.message.bytes` of the
+    topics it writes (`topic_limits`), when that is smaller. librdkafka caps each record and each batch at
+    it, so a record no topic would take is refused before it is queued (its ticket is dead-lettered, see
+    worker/pipeline/guarantees.py), and a batch never exceeds a topic's limit: the broker refuses a whole
+    batch for one record over it, with the other tickets in that batch."""
+    configured = int(settings.kafka.get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
+    smallest = max(min(topic_limits.values(), default=configured), _LIBRDKAFKA_MESSAGE_MAX_BYTES_MIN)
+    if smallest >= configured:
+        return settings
+    _log.info(
+        "producer_record_limit",
+        message_max_bytes=smallest,
+        reason=f"the smallest max.message.bytes of {sorted(topic_limits)} is below {configured}",
+    )
+    return msgspec.structs.replace(settings, kafka={**settings.kafka, "message.max.bytes": str(smallest)})
 
 
 def transactional_id(settings: Settings) -> str:

@@ -53,7 +53,13 @@ OPTIONAL_HEADER_DOCS: tuple[tuple[str, str], ...] = (
 PIPELINE_ERROR_DOCS: tuple[tuple[str, str], ...] = (
     ("internal_error", "an unexpected exception while decoding the record; the message names it"),
     ("key_too_large", "a record key over 4096 bytes (results are keyed by it)"),
+    (
+        "result_refused",
+        "Kafka refused the ticket's triage record itself (e.g. too large for the output topic); the message "
+        "names Kafka's error",
+    ),
 )
+RESULT_REFUSED = "result_refused"
 
 # Kafka headers travel in every fetch of the record; cap the one free-text header.
 MAX_MESSAGE_BYTES = 1024

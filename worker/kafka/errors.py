@@ -9,7 +9,9 @@ flags leave out, as seen here:
   or the id is not allowed. Any other fatal producer error (seen here: INVALID_TXN_STATE from an abort after
   a broker restart) is survived by a new producer with the same id, as a restart would;
 - *purged*: how records queued or in flight when their transaction was aborted fail;
-- *refused record*: delivery errors that sending the same record again would meet again.
+- *refused record*: delivery errors that sending the same record again would meet again; of those, the
+  *refused content* ones are about the record itself (its size or form): another record to the same topic
+  goes through, so the pipeline dead-letters the ticket instead of stopping its partition.
 """
 
 from __future__ import annotations
@@ -35,15 +37,15 @@ FENCED = frozenset(
     }
 )
 PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
-REFUSED_RECORD = frozenset(
+REFUSED_CONTENT = frozenset(
     {
-        KafkaError._INVALID_ARG,  # refused by the client itself (e.g. a topic name with a NUL byte)
-        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError._INVALID_ARG,  # refused by the client itself (e.g. a header it cannot encode)
+        KafkaError.MSG_SIZE_TOO_LARGE,  # over message.max.bytes (before queueing) or the topic's limit
         KafkaError.INVALID_MSG,
         KafkaError.INVALID_RECORD,
-        KafkaError.TOPIC_AUTHORIZATION_FAILED,
     }
 )
+REFUSED_RECORD = REFUSED_CONTENT | {KafkaError.TOPIC_AUTHORIZATION_FAILED}
 
 
 def kafka_error(problem: confluent_kafka.KafkaException | KafkaError) -> KafkaError | None:

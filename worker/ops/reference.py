@@ -70,6 +70,8 @@ SETTING_DOCS: dict[str, str] = {
     "most half of `max.poll.interval.ms`: the wait happens inside a poll)",
     "pipeline.shutdown_timeout_ms": "how long shutdown waits for in-flight tickets",
     "pipeline.max_value_bytes": "larger values are dead-lettered as `too_large`",
+    "pipeline.max_header_bytes": "input headers a triage record carries, in order, up to this many bytes "
+    "(names and values); the rest are left off (dead letters keep all)",
     "pipeline.guarantee": "`at_least_once`, or `exactly_once`: results, dead letters and input offsets in "
     "Kafka transactions; readers need `isolation.level=read_committed` ([guarantees](guarantees.md))",
     "pipeline.transactional_id": "exactly-once only: this worker's `transactional.id`; unique among live "
@@ -155,7 +157,9 @@ def exporters() -> dict[str, CollectorRegistry]:
     metrics = PipelineMetrics(
         shadow=ShadowMetrics(), review=ReviewMetrics(), escalation=EscalationMetrics.starting(("a",))
     )
-    metrics.partitions = PartitionGauges(assigned=(("t", 0),), lag=((("t", 0), 0),), member=True)
+    metrics.partitions = PartitionGauges(
+        assigned=(("t", 0),), blocked=(("t", 0),), lag=((("t", 0), 0),), member=True
+    )
     assert metrics.shadow is not None and metrics.review is not None
     metrics.shadow.compared("a", "b")
     metrics.review.sent.update({("a", reason): 1 for reason in typing.get_args(ReviewReason)})

@@ -38,8 +38,14 @@ from worker.inference.pool import (
 )
 from worker.inference.switch import SwitchingClassifier
 from worker.inference.taxonomy import Taxonomy
-from worker.kafka.admin import existing_topics
-from worker.kafka.clients import ClientErrorLog, KafkaClients, create_producer, producer_config
+from worker.kafka.admin import existing_topics, record_size_limits
+from worker.kafka.clients import (
+    ClientErrorLog,
+    KafkaClients,
+    create_producer,
+    producer_config,
+    producer_record_limit,
+)
 from worker.logs import configure_logging, librdkafka_logger
 from worker.ops.artifacts import fetch_stage_files
 from worker.ops.defaults import with_default
@@ -193,9 +199,10 @@ def dispatch_window(settings: Settings) -> int:
     return 2 * default_pool_size(inference, kind)
 
 
-def _check_topics(settings: Settings) -> None:
+def _check_topics(settings: Settings) -> Settings:
     """Fail at start, in one line, when the broker is unreachable, refuses the credentials or certificate,
-    or a topic is missing."""
+    or a topic is missing; returns `settings` with the producer's record limit fitted to the topics it
+    writes (`producer_record_limit`)."""
     bootstrap = settings.kafka.get("bootstrap.servers", "")
     # In the configured log format (JSON logs stay JSON), not a bare line on stderr.
     existing = existing_topics(
@@ -213,6 +220,8 @@ def _check_topics(settings: Settings) -> None:
             f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with "
             "`triage-worker topics create` (same settings)"
         )
+    written = [topic for topic in needed if topic != topics.input]
+    return producer_record_limit(settings, record_size_limits(producer_config(settings), written))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     escalation = choose_escalation(settings.inference, taxonomy, taxonomy_path)
     if escalation.why_off is not None:
         _log.info("cascade_off", reason=escalation.why_off)
-    _check_topics(settings)
+    settings = _check_topics(settings)
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
     reloader = Reloader(

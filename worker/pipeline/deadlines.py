@@ -2,9 +2,10 @@
 
 A ticket's deadline is the moment it was polled plus `pipeline.deadline_ms`. A producer may ask for an earlier
 one with the metadata key ``deadline_at`` (an RFC 3339 timestamp, e.g. a chat session's SLA); a later one is
-ignored, so a producer cannot make the worker hold a slot longer than configured, and an unparsable one is
-ignored too (the ticket is still valid). Deadlines are kept on the monotonic clock so that a wall-clock jump
-cannot expire or prolong every ticket at once.
+ignored, so a producer cannot make the worker hold a slot longer than configured. The decoder dead-letters a
+``deadline_at`` that is not an RFC 3339 timestamp (`invalid_timestamp`), so one is never silently ignored; one
+already past when the ticket is taken is answered `expired_on_arrival`. Deadlines are kept on the monotonic
+clock so that a wall-clock jump cannot expire or prolong every ticket at once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping
 
-DEADLINE_METADATA_KEY = "deadline_at"
+from worker.messages import DEADLINE_METADATA_KEY
 
 
 def ticket_deadline(

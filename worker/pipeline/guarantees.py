@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import confluent_kafka
 import structlog
@@ -46,13 +46,15 @@ from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import ClientErrorLog, ClientFactory, produce
 from worker.kafka.commits import CommitOutcome, TransactionFailed, Transactions, consumer_commit
-from worker.kafka.dead_letters import OMITTED_BYTES
+from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
 from worker.pipeline.committer import Committer
 from worker.pipeline.ledger import Ledger, Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
+from worker.pipeline.records import dead_letter
 
 _log = structlog.get_logger("worker.pipeline")
+_T = TypeVar("_T")
 
 _QUEUE_FULL = confluent_kafka.KafkaError._QUEUE_FULL
 _INVALID_ARG = confluent_kafka.KafkaError._INVALID_ARG
@@ -289,11 +291,15 @@ class _Base:
     def _delivery_error(
         self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
     ) -> None:
-        """A delivery that still fails stops its partition: the commit position never passes the offset, the
-        partition is paused; a restart or rebalance re-reads it. A dead letter too large is written
-        smaller instead (the broker refuses a whole batch for one large record, so a few times)."""
+        """A result Kafka refuses for what it is (its size, its form) is replaced by the ticket's dead letter.
+        A dead letter too large is written smaller instead (the broker refuses a whole batch for one large
+        record, so a few times). Any other delivery that still fails stops its partition: the commit
+        position never passes the offset, the partition is paused; a restart or rebalance re-reads it."""
         if error.code() == _TOO_LARGE and self._shrinkable(output):
             self._send(work, smaller(work, output, output.shrunk + 1))
+            return
+        if not work.orphan and self._refused_for_content(output, error):  # an orphan's new owner writes it
+            self._send(work, self._refused_result(work, error))
             return
         work.state.fail(work.offset)
         self._delivery_failed(work, error, "never committed past this offset until a restart or rebalance")
@@ -301,9 +307,31 @@ class _Base:
             self._pause([work.partition_key])
 
     def _shrinkable(self, output: Output) -> bool:
-        """A dead letter refused as too large is written smaller, a few times. Not results: decoding bounds
-        their size, so a result refused as too large means a misconfigured output topic."""
+        """A dead letter refused as too large is written smaller, a few times."""
         return output.topic == self._dead_letter_topic and output.shrunk < _SHRUNK_DEAD_LETTER_TRIES
+
+    def _refused_for_content(self, output: Output, error: confluent_kafka.KafkaError) -> bool:
+        """Whether a refused output is a result whose ticket goes to the dead-letter topic instead: refused
+        for its content (another record to the topic would go through), so no single ticket can stop its
+        partition. Not without a dead-letter topic (replay's outputs go back where they came from)."""
+        return (
+            bool(self._dead_letter_topic)
+            and output.topic != self._dead_letter_topic
+            and error.code() in errors.REFUSED_CONTENT
+        )
+
+    def _refused_result(self, work: Work, error: confluent_kafka.KafkaError) -> Output:
+        self._metrics.dead_letter(RESULT_REFUSED)
+        _log.warning(
+            "result_refused",
+            topic=work.topic,
+            partition=work.partition,
+            offset=work.offset,
+            code=error.name(),
+            effect="the ticket is dead-lettered",
+        )
+        reason = f"the triage record was refused: {error.name()}: {error.str()}"
+        return dead_letter(work, self._dead_letter_topic, RESULT_REFUSED, reason)
 
     def _delivery_failed(self, work: Work, error: confluent_kafka.KafkaError, stopped: str) -> None:
         self._metrics.delivery_failed += 1
@@ -453,10 +481,12 @@ class ExactlyOnce(_Base):
         self._taken_over = False
         # Producers and committers left behind by `_replace_producer`: a thread may still be inside them.
         self._abandoned: list[object] = []
-        # Dead letters to write smaller when redone (source position → tries); kept until committed, as
-        # librdkafka can fail the next transaction too (measured: after a refused record and an abort, the
-        # next commit fails with OUT_OF_ORDER_SEQUENCE_NUMBER), so a redo may repeat.
+        # Dead letters to write smaller when redone (source position → tries), and tickets whose result
+        # was refused, to dead-letter when redone (source position → Kafka's error); kept until committed,
+        # as librdkafka can fail the next transaction too (measured: after a refused record and an abort,
+        # the next commit fails with OUT_OF_ORDER_SEQUENCE_NUMBER), so a redo may repeat.
         self._redo_smaller: dict[tuple[str, int, int], int] = {}
+        self._redo_refused: dict[tuple[str, int, int], confluent_kafka.KafkaError] = {}
         # Partitions stopped at their last commit because a record of theirs is refused every time.
         self._poisoned: set[TopicPartitionKey] = set()
 
@@ -472,7 +502,11 @@ class ExactlyOnce(_Base):
 
     def write(self, work: Work, output: Output) -> None:
         """In order: held until every earlier record of its partition has been produced."""
-        tries = self._redo_smaller.get((work.topic, work.partition, work.offset), 0)
+        position = (work.topic, work.partition, work.offset)
+        refused = self._redo_refused.get(position)
+        if refused is not None and output.topic != self._dead_letter_topic:
+            output = self._refused_result(work, refused)
+        tries = self._redo_smaller.get(position, 0)
         if tries and output.topic == self._dead_letter_topic:
             output = smaller(work, output, tries)
         self.ledger.hold(work, output)
@@ -580,12 +614,9 @@ class ExactlyOnce(_Base):
             self._replace_producer(outcome.error or "commit failed")
             return
         super()._apply_commit_outcome(outcome)
-        if self._redo_smaller and outcome.confirmed:
-            self._redo_smaller = {
-                (t, p, offset): tries
-                for (t, p, offset), tries in self._redo_smaller.items()
-                if offset >= outcome.confirmed.get((t, p), -1)
-            }
+        if outcome.confirmed:
+            self._redo_smaller = _not_committed(self._redo_smaller, outcome.confirmed)
+            self._redo_refused = _not_committed(self._redo_refused, outcome.confirmed)
         self._metrics.transactions += 1
         self._reopen()
 
@@ -606,19 +637,24 @@ class ExactlyOnce(_Base):
         self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
     ) -> None:
         """One failed record fails its transaction, which is aborted and redone. A record the broker refuses
-        every time must not be redone forever: a dead letter is redone smaller (a few times); anything else
-        stops its partition at its last commit. The refusal may be reported after the abort (its record is
-        an orphan by then): it still counts for the redo. Refused as too large before queueing, the
-        transaction never saw it: as at-least-once."""
-        if not queued and error.code() == _TOO_LARGE:
+        every time must not be redone forever: a dead letter is redone smaller (a few times), a refused
+        result is redone as its ticket's dead letter; anything else stops its partition at its last commit.
+        The refusal may be reported after the abort (its record is an orphan by then): it still counts for
+        the redo. Refused before queueing for its content, the transaction never saw it: as at-least-once.
+        (Refused before queueing for another reason, e.g. the transaction already failed, it is part of the
+        doomed transaction: redone.)"""
+        if not queued and error.code() in errors.REFUSED_CONTENT:
             super()._delivery_error(work, output, error, queued)
             return
         _log.debug(
             "delivery_failed_in_transaction", offset=work.offset, code=error.name(), orphan=work.orphan
         )
         if error.code() in errors.REFUSED_RECORD:
+            position = (work.topic, work.partition, work.offset)
             if error.code() == _TOO_LARGE and self._shrinkable(output):
-                self._redo_smaller[(work.topic, work.partition, work.offset)] = output.shrunk + 1
+                self._redo_smaller[position] = output.shrunk + 1
+            elif self._refused_for_content(output, error):
+                self._redo_refused[position] = error
             else:
                 self._poisoned.add(work.partition_key)
                 self._delivery_failed(work, error, "at its last commit until a restart or rebalance")
@@ -725,6 +761,13 @@ class ExactlyOnce(_Base):
         self._closing = True
         self._last_commit = self._clock()
         self._reopen()
+
+
+def _not_committed(
+    redo: dict[tuple[str, int, int], _T], confirmed: dict[TopicPartitionKey, int]
+) -> dict[tuple[str, int, int], _T]:
+    """The entries of a redo map whose source offset a confirmed commit has not passed yet."""
+    return {(t, p, offset): v for (t, p, offset), v in redo.items() if offset >= confirmed.get((t, p), -1)}
 
 
 def _partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:

@@ -64,6 +64,8 @@ class Work:
     headers: Headers | None
     polled_at: float
     deadline: float
+    # The record's value as taken: a ticket whose result the broker refuses is dead-lettered with it.
+    value: bytes | None = None
     event: TicketEvent | None = None
     # Its partition was revoked or lost while it was at the model or at the producer.
     orphan: bool = False

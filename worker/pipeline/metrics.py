@@ -214,6 +214,8 @@ class PipelineMetrics:
     transactions_aborted: int = 0
     # Results of partitions revoked or lost while their ticket was at the model: the new owner redoes them.
     discarded_after_revoke: int = 0
+    # Input headers left off triage records (over `pipeline.max_header_bytes`).
+    headers_left_off: int = 0
     revoked: int = 0
     lost: int = 0
     max_poll_exceeded: int = 0

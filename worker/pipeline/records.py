@@ -1,4 +1,5 @@
-"""What the pipeline writes: one TriageResult per ticket (classified or fallback), and its Kafka key.
+"""What the pipeline writes: one TriageResult per ticket (classified or fallback), its Kafka key and the
+input headers it carries; or a dead letter: the record as taken, with the `triage.*` headers.
 
 Results are keyed by the input record's key (or, when it has none, the ticket id), so every record about one
 ticket — and, with a customer key, about one customer — lands in the same output partition, in order.
@@ -9,7 +10,9 @@ from __future__ import annotations
 import msgspec
 
 from worker.classification import Classification
+from worker.kafka.dead_letters import dead_letter_headers
 from worker.messages import SCHEMA_VERSION, SourcePosition, TicketEvent, TriageResult, utc_timestamp
+from worker.pipeline.ledger import Headers, Output, Work
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -48,3 +51,28 @@ def encode_result(result: TriageResult) -> bytes:
 def result_key(input_key: bytes | None, event: TicketEvent) -> bytes:
     """The input record's key, or the ticket id when the input had none."""
     return input_key if input_key is not None else event.ticket_id.encode("utf-8")
+
+
+def carried_headers(headers: Headers | None, budget: int) -> tuple[Headers | None, int]:
+    """The input headers a triage record (and its shadow and review copies) carries: in order, as long as
+    their names and values fit in `budget` bytes (`pipeline.max_header_bytes`); the rest are left off, and
+    their count is returned. Without a bound one ticket with a megabyte of headers made a record its topic
+    refused, and its partition stopped (issue #31). Dead letters keep every header: replay needs them."""
+    if not headers:
+        return headers, 0
+    kept: Headers = []
+    used = 0
+    for name, value in headers:
+        size = len(name.encode("utf-8", errors="replace")) + len(value or b"")
+        if used + size > budget:
+            break
+        kept.append((name, value))
+        used += size
+    return kept, len(headers) - len(kept)
+
+
+def dead_letter(work: Work, topic: str, error_type: str, message: str) -> Output:
+    """The dead letter of `work`'s record: its key, value and headers as taken, plus the `triage.*` headers
+    that say why (`error_type`, `message`) and where it came from."""
+    headers = dead_letter_headers(work.headers, error_type, message, work.topic, work.partition, work.offset)
+    return Output(topic, work.key, work.value, headers)

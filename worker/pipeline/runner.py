@@ -55,7 +55,6 @@ from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
-from worker.kafka.dead_letters import dead_letter_headers
 from worker.kafka.starts import StartPositions
 from worker.messages import FallbackReason, utc_timestamp
 from worker.pipeline.cascade import Cascade
@@ -66,7 +65,7 @@ from worker.pipeline.latency import LatencyEstimate
 from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker
-from worker.pipeline.records import encode_result, result_key, triage_result
+from worker.pipeline.records import carried_headers, dead_letter, encode_result, result_key, triage_result
 from worker.pipeline.review import Review
 from worker.pipeline.shadow import Shadow
 
@@ -294,25 +293,28 @@ class Pipeline:
             headers=record_headers(message),
             polled_at=now,
             deadline=now + self._pipeline.deadline_ms / 1000.0,
+            value=message.value(),
         )
         self._ledger.taken(work)
-        value = message.value()
         if work.key is not None and len(work.key) > MAX_KEY_BYTES:
             reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
-            self._dead_letter(work, value, "key_too_large", reason)
+            self._dead_letter(work, "key_too_large", reason)
             return
         try:
-            event = decode_ticket(value, self._pipeline.max_value_bytes)
+            event = decode_ticket(work.value, self._pipeline.max_value_bytes)
             deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
         except DecodeError as problem:
-            self._dead_letter(work, value, problem.error_type, problem.message)
+            self._dead_letter(work, problem.error_type, problem.message)
             return
         except Exception as error:  # no record may stop the worker, whatever a library raises
             _log.exception("record_failed", topic=topic, partition=partition, offset=offset)
-            self._dead_letter(work, value, "internal_error", f"{type(error).__name__}: {error}")
+            self._dead_letter(work, "internal_error", f"{type(error).__name__}: {error}")
             return
         work.event = event
         work.deadline = deadline
+        if deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
+            self._write_result(work, self._fallback_for(work, "expired_on_arrival"))
+            return
         self._ledger.wait(work)
 
     # -- classification -------------------------------------------------------------------------------------
@@ -400,17 +402,18 @@ class Pipeline:
         assert event is not None
         value = encode_result(triage_result(event, answer, work.source, made_at or None))
         key = result_key(work.key, event)
-        self._guarantee.write(work, Output(self._topics.output, key, value, work.headers))
+        headers, left_off = carried_headers(work.headers, self._pipeline.max_header_bytes)
+        if left_off:
+            self.metrics.headers_left_off += left_off
+            _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
+        self._guarantee.write(work, Output(self._topics.output, key, value, headers))
         if self._shadow is not None and not answer.fallback:
-            self._shadow.offer(event, work.source, key, work.headers, answer)
+            self._shadow.offer(event, work.source, key, headers, answer)
         if self._review is not None:
-            self._review.consider(event, answer, work.source, key, work.headers, made_at or None)
+            self._review.consider(event, answer, work.source, key, headers, made_at or None)
 
-    def _dead_letter(self, work: Work, value: bytes | None, error_type: str, message: str) -> None:
+    def _dead_letter(self, work: Work, error_type: str, message: str) -> None:
         self.metrics.dead_letter(error_type)
-        headers = dead_letter_headers(
-            work.headers, error_type, message, work.topic, work.partition, work.offset
-        )
         _log.debug(
             "dead_lettered",
             topic=work.topic,
@@ -418,7 +421,7 @@ class Pipeline:
             offset=work.offset,
             error_type=error_type,
         )
-        self._guarantee.write(work, Output(self._topics.dead_letter, work.key, value, headers))
+        self._guarantee.write(work, dead_letter(work, self._topics.dead_letter, error_type, message))
 
     # -- flow control ---------------------------------------------------------------------------------------
 

@@ -55,6 +55,11 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("triage_transactions", "transactions", "Exactly-once: transactions committed."),
     ("triage_transactions_aborted", "transactions_aborted", "Exactly-once: transactions aborted and redone."),
     ("triage_discarded_after_revoke", "discarded_after_revoke", "Answers dropped: their partition moved."),
+    (
+        "triage_headers_left_off",
+        "headers_left_off",
+        "Input headers left off triage records (over pipeline.max_header_bytes).",
+    ),
     ("triage_partitions_revoked", "revoked", "Partitions revoked by rebalances."),
     ("triage_partitions_lost", "lost", "Partitions lost (the group moved on without this worker)."),
     ("triage_max_poll_exceeded", "max_poll_exceeded", "Times the consumer left the group for not polling."),
@@ -129,6 +134,14 @@ class PipelineCollector(Collector):
             "triage_blocked_partitions", "Partitions stopped by a failed delivery (need a restart).",
             len(gauges.blocked),
         )  # fmt: skip
+        blocked = GaugeMetricFamily(
+            "triage_partition_blocked",
+            "1 for each partition stopped by a failed delivery, by name (what TriagePartitionBlocked names).",
+            labels=["topic", "partition"],
+        )
+        for topic, partition in gauges.blocked:
+            blocked.add_metric([topic, str(partition)], 1)
+        yield blocked
         yield gauge("triage_group_member", "1 once the consumer has joined its group.", int(gauges.member))
         lag = GaugeMetricFamily(
             "triage_consumer_lag",

@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient
 from worker.config import Settings
 from worker.kafka.admin import METADATA_ONLY
 from worker.kafka.clients import ClientErrorLog, producer_config
-from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.metrics import PartitionGauges, PipelineMetrics
 from worker.telemetry.server import Check, Probes, report
 
 _log = structlog.get_logger("worker.telemetry")
@@ -95,8 +95,18 @@ class WorkerProbes(Probes):
                     else Check(False, "not joined yet")
                 ),
                 "loop": self._loop() if self.loop_age() is not None else Check(False, "not started"),
+                "partitions": self._partitions(gauges),
             }
         )
+
+    @staticmethod
+    def _partitions(gauges: PartitionGauges | None) -> Check:
+        """Not ready while a partition is stopped: a delivery failed for a reason no retry fixes (its topic
+        gone or not writable). The worker takes nothing more from it until a restart or rebalance."""
+        if gauges is None or not gauges.blocked:
+            return Check(True, "none stopped")
+        stopped = ", ".join(f"{topic}[{partition}]" for topic, partition in gauges.blocked)
+        return Check(False, f"stopped by a failed delivery (see delivery_failed in the log): {stopped}")
 
 
 # (Prometheus name without _total, PipelineMetrics attribute, help)
