@@ -20,6 +20,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
 from worker.ops.cli import main
+from worker.pipeline.guarantees import smaller
+from worker.pipeline.ledger import Output, Work
+from worker.pipeline.offsets import PartitionOffsets
 
 pytestmark = pytest.mark.kafka
 
@@ -44,6 +47,8 @@ class DeadLetter:
     replay_count: int = 0
     source_topic: str | None = None  # None: the test's source topic
     timestamp_ms: int = 0  # when it was dead-lettered; 0: now
+    # Too large for the dead-letter topic: written as the pipeline then writes it, `triage.*` headers only.
+    shrunk: bool = False
 
 
 def _seed(
@@ -59,12 +64,11 @@ def _seed(
 
     for index, letter in enumerate(letters):
         original = [("trace-id", f"trace-{index}".encode()), ("producer", b"shop")]
-        producer.produce(
+        output = Output(
             dlq,
-            key=f"key-{index}".encode(),
-            value=letter.value,
-            partition=letter.source_partition,
-            headers=dead_letter_headers(
+            f"key-{index}".encode(),
+            letter.value,
+            dead_letter_headers(
                 original,
                 letter.error_type,
                 f"{letter.error_type}: at $.ticket_id",
@@ -73,6 +77,17 @@ def _seed(
                 100 + index,
                 replay_count=letter.replay_count,
             ),
+        )
+        if letter.shrunk:
+            where = PartitionOffsets((source, letter.source_partition))
+            work = Work(where, source, letter.source_partition, 100 + index, output.key, original, 0.0, 0.0)
+            output = smaller(work, output, shrunk=1)
+        producer.produce(
+            dlq,
+            key=output.key,
+            value=output.value,
+            partition=letter.source_partition,
+            headers=output.headers,
             timestamp=letter.timestamp_ms,
             on_delivery=delivered,
         )
@@ -203,6 +218,7 @@ def test_filtered_replay_with_transform_repairs_exactly_the_selected_records(
         "replayed": 6,
         "skipped_filter": 4,
         "skipped_max_replays": 1,
+        "shrunk": 0,
         "transform_skipped": 1,
         "transform_failed": 1,
         "publish_failed": 0,
@@ -560,3 +576,36 @@ def test_a_record_its_topic_always_refuses_is_reported_once_and_the_rest_is_repl
     )
     assert _read_all(kafka_bootstrap, small) == []
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 2) == {0: 10}
+
+
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+def test_a_shrunk_dead_letter_is_never_republished_and_needs_attention_with_its_reason_and_size(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str], guarantee: str
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=1), unique_topic("source")
+    big = b'{"ticket_id": "big", "body": "' + b"x" * 5000
+    _seed(
+        kafka_bootstrap,
+        dlq,
+        source,
+        [DeadLetter(b"v0"), DeadLetter(big, "too_large", shrunk=True), DeadLetter(b"v2")],
+    )
+    args = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee, "--json")
+
+    dry = _replay_json(capsys, [*args, "--dry-run"])
+    real = _replay_json(capsys, args)
+
+    for run in (dry, real):
+        assert (run["counts"]["replayed"], run["counts"]["shrunk"]) == (2, 1)
+        (attention,) = run["attention"]
+        # Its original reason and size, and where the original is.
+        assert (attention["offset"], attention["outcome"], attention["error_type"]) == (
+            1,
+            "shrunk",
+            "too_large",
+        )
+        assert attention["omitted_bytes"] == len(b"key-1") + len(big) + len(b"trace-idtrace-1producershop")
+        assert f"{source} [0] offset 101" in attention["detail"]
+    assert [item["offset"] for item in dry["would_replay"]] == [0, 2]
+    # Nothing went out for it: no null value that the worker would dead-letter again as null_value.
+    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0", b"v2"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
@@ -108,6 +109,8 @@ def test_filters_select_and_max_replays_stop_loops() -> None:
     assert classify(_info(partition=2), options) is Outcome.SKIPPED_FILTER
     assert classify(_info(partition=1, count=2), options) is None
     assert classify(_info(partition=1, count=3), options) is Outcome.SKIPPED_MAX_REPLAYS
+    shrunk = msgspec.structs.replace(_info(partition=1, count=3), omitted_bytes=5000)
+    assert classify(shrunk, options) is Outcome.SHRUNK  # whatever its count: it can never be replayed
 
 
 def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:

@@ -46,7 +46,8 @@ OPTIONAL_HEADER_DOCS: tuple[tuple[str, str], ...] = (
         OMITTED_BYTES,
         "Only when the record did not fit in the dead-letter topic: it was written with no key, no value "
         "and only the `triage.*` headers, and this is the size in bytes of what was left out. The original "
-        "is still at `triage.source.*` within the source topic's retention.",
+        "is still at `triage.source.*` within the source topic's retention. `replay` never republishes "
+        "such a dead letter: it reports it as `shrunk`.",
     ),
 )
 # Error types the pipeline writes itself (the decoder's are `worker.decoding.DecodeErrorType`).
@@ -78,6 +79,9 @@ class DeadLetterInfo(msgspec.Struct, kw_only=True, frozen=True):
     offset: int
     failed_at: str
     replay_count: int
+    # `triage.omitted.bytes`: the dead letter was written without its key, value and own headers, which were
+    # this large; None for a whole one. Such a record cannot be replayed: there is nothing left to send.
+    omitted_bytes: int | None = None
 
 
 class DeadLetterHeaderError(ValueError):
@@ -163,6 +167,13 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         if number is None:
             raise DeadLetterHeaderError(f"header {name} must be a decimal number, got {text[name][:40]!r}")
         numbers[name] = number
+    omitted: int | None = None
+    if (omitted_text := _last(present, OMITTED_BYTES)) is not None:
+        omitted = _decimal(_text(omitted_text))
+        if omitted is None:
+            raise DeadLetterHeaderError(
+                f"header {OMITTED_BYTES} must be a decimal number, got {_text(omitted_text)[:40]!r}"
+            )
     if not _TOPIC_NAME.fullmatch(text[SOURCE_TOPIC]):
         raise DeadLetterHeaderError(
             f"header {SOURCE_TOPIC} must be a Kafka topic name, got {text[SOURCE_TOPIC][:40]!r}"
@@ -175,6 +186,7 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         offset=numbers[SOURCE_OFFSET],
         failed_at=text[FAILED_AT],
         replay_count=numbers[REPLAY_COUNT],
+        omitted_bytes=omitted,
     )
 
 

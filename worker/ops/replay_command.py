@@ -62,6 +62,7 @@ _COLUMNS: tuple[tuple[Outcome, str], ...] = (
     (Outcome.REPLAYED, "replayed"),
     (Outcome.SKIPPED_FILTER, "filtered out"),
     (Outcome.SKIPPED_MAX_REPLAYS, "at max replays"),
+    (Outcome.SHRUNK, "value not kept"),
     (Outcome.TRANSFORM_SKIPPED, "transform skipped"),
     (Outcome.TRANSFORM_FAILED, "transform failed"),
     (Outcome.PUBLISH_FAILED, "publish failed"),
@@ -399,6 +400,11 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
         console.print(
             f"Note: {summary.counts[Outcome.SKIPPED_FILTER]} records skipped by the filters are behind the "
             "committed position of this group: replay them with another --group."
+        )
+    if summary.counts[Outcome.SHRUNK]:
+        console.print(
+            f"Note: {summary.counts[Outcome.SHRUNK]} dead letters were too large to keep whole and carry no "
+            "value: they are never republished; the detail names each original in its source topic."
         )
     if summary.counts[Outcome.TRANSFORM_FAILED] and not summary.dry_run:
         console.print(

@@ -70,6 +70,8 @@ class Outcome(StrEnum):
     REPLAYED = "replayed"
     SKIPPED_FILTER = "skipped_filter"
     SKIPPED_MAX_REPLAYS = "skipped_max_replays"
+    # Written without its key, value and headers (too large for the dead-letter topic): nothing to republish.
+    SHRUNK = "shrunk"
     TRANSFORM_SKIPPED = "transform_skipped"
     TRANSFORM_FAILED = "transform_failed"
     PUBLISH_FAILED = "publish_failed"
@@ -82,7 +84,13 @@ SELECTED = frozenset(
 )
 # Outcomes listed record by record in the report: each one needs a person to look at it.
 ATTENTION = frozenset(
-    {Outcome.SKIPPED_MAX_REPLAYS, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED, Outcome.UNREADABLE}
+    {
+        Outcome.SKIPPED_MAX_REPLAYS,
+        Outcome.SHRUNK,
+        Outcome.TRANSFORM_FAILED,
+        Outcome.PUBLISH_FAILED,
+        Outcome.UNREADABLE,
+    }
 )
 
 
@@ -137,6 +145,8 @@ class RecordReport:
     target: str | None
     key: bytes | None
     detail: str | None = None
+    # A shrunk dead letter's `triage.omitted.bytes`: how large the original was that it no longer carries.
+    omitted_bytes: int | None = None
 
 
 @dataclass
@@ -184,6 +194,7 @@ class ReplaySummary:
                 "target": report.target,
                 "key": printable(report.key),
                 "detail": report.detail,
+                "omitted_bytes": report.omitted_bytes,
             }
 
         return {
@@ -240,16 +251,30 @@ def replay_transactional_id(settings: Settings, group: str) -> str:
 
 
 def classify(info: DeadLetterInfo, options: ReplayOptions) -> Outcome | None:
-    """Why this dead letter is not replayed (a filter, the max-replay bound), or None if it is selected."""
+    """Why this dead letter is not replayed (a filter, a shrunk dead letter, the max-replay bound), or None
+    if it is selected.
+
+    A shrunk dead letter (`triage.omitted.bytes`) has no key and no value left: republishing it would send a
+    null that the worker dead-letters again as `null_value`, and its real cause would be gone."""
     if options.error_types and info.error_type not in options.error_types:
         return Outcome.SKIPPED_FILTER
     if options.source_topic is not None and info.topic != options.source_topic:
         return Outcome.SKIPPED_FILTER
     if options.source_partition is not None and info.partition != options.source_partition:
         return Outcome.SKIPPED_FILTER
+    if info.omitted_bytes is not None:
+        return Outcome.SHRUNK
     if info.replay_count >= options.max_replays:
         return Outcome.SKIPPED_MAX_REPLAYS
     return None
+
+
+def not_kept(info: DeadLetterInfo) -> str:
+    """What a person needs for a shrunk dead letter: how much was left out and where the original is."""
+    return (
+        f"{info.omitted_bytes} bytes were too large to keep in the dead-letter topic; the original is "
+        f"{info.topic} [{info.partition}] offset {info.offset}, within that topic's retention"
+    )
 
 
 def describe_failure(problem: BaseException, limit: int = 200) -> str:
@@ -551,7 +576,7 @@ class _Replay(Observer):
             return
         skipped = classify(info, self.options)
         if skipped is not None:
-            self._settle(message, skipped, info)
+            self._settle(message, skipped, info, detail=not_kept(info) if skipped is Outcome.SHRUNK else None)
             return
         if self.options.limit is not None and self.selected >= self.options.limit:
             self.active.clear()
@@ -663,6 +688,7 @@ class _Replay(Observer):
                 None,
                 message.key(),
                 detail,
+                info.omitted_bytes if info else None,
             )
         )
 
