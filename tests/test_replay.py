@@ -609,3 +609,59 @@ def test_a_shrunk_dead_letter_is_never_republished_and_needs_attention_with_its_
     assert [item["offset"] for item in dry["would_replay"]] == [0, 2]
     # Nothing went out for it: no null value that the worker would dead-letter again as null_value.
     assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0", b"v2"]
+
+
+def test_a_mistyped_filter_is_refused_before_anything_is_read_and_the_corrected_one_finds_everything(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    _seed(
+        kafka_bootstrap, dlq, source, [DeadLetter(f"v{i}".encode(), source_partition=i % 3) for i in range(6)]
+    )
+    typos = [
+        (
+            ["--error-type", "invalid-json"],
+            "--error-type 'invalid-json' is not an error type",
+            "invalid_json",
+        ),
+        (["--source-topic", source[:-1]], "is not a topic of the cluster", source),
+        (["--source-topic", source, "--source-partition", "3"], f"{source} has partitions 0 to 2", None),
+    ]
+
+    for typo, problem, suggestion in typos:
+        code = main(_replay_args(kafka_bootstrap, dlq, "--from-beginning", *typo))
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", err
+        (line,) = err.splitlines()  # one line, no traceback
+        assert line.startswith("triage-worker: error: ") and problem in line
+        if suggestion is not None:
+            assert f"did you mean {suggestion}?" in line
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3) == {}
+
+    summary = _replay_json(
+        capsys,
+        _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--error-type", "invalid_json", "--json"),
+    )
+    assert summary["counts"]["replayed"] == 6
+
+
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+def test_a_replay_that_matched_nothing_commits_nothing(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str], guarantee: str
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    _seed(
+        kafka_bootstrap, dlq, source, [DeadLetter(f"v{i}".encode(), source_partition=i % 3) for i in range(6)]
+    )
+    args = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee)
+
+    # A known type none of them has; a source partition none came from (no --source-topic to check it by).
+    for selection in (["--error-type", "missing_field"], ["--source-partition", "7"]):
+        summary = _replay_json(capsys, [*args, *selection, "--json"])
+        assert summary["counts"]["skipped_filter"] == 6 and summary["committed"] == {}
+    code = main([*args, "--error-type", "missing_field"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "matched none of the records read, so nothing was committed" in out
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3) == {}
+
+    assert _replay_json(capsys, [*args, "--json"])["counts"]["replayed"] == 6

@@ -14,6 +14,7 @@ from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
+from worker.ops.cli import main
 from worker.ops.replay_command import load_transform, parse_offset_ranges, parse_rate, parse_time
 from worker.replay.engine import (
     OffsetRange,
@@ -23,6 +24,7 @@ from worker.replay.engine import (
     ReplaySummary,
     TokenBucket,
     apply_transform,
+    check_source,
     classify,
     fatal_reason,
     replay_transactional_id,
@@ -93,6 +95,44 @@ def _info(
         failed_at="2024-05-01T12:00:00.000Z",
         replay_count=count,
     )
+
+
+def test_a_mistyped_error_type_is_one_line_naming_the_nearest_before_kafka_is_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # No broker at that address: the check comes before any connection.
+    args = [
+        "replay",
+        "--from-beginning",
+        "--bootstrap-servers",
+        "127.0.0.1:1",
+        "--error-type",
+        "invalid-json",
+    ]
+
+    code = main(args)
+
+    err = capsys.readouterr().err
+    assert code == 2
+    (line,) = err.splitlines()
+    assert line.startswith("triage-worker: error: --error-type 'invalid-json' is not an error type")
+    assert "did you mean invalid_json?" in line and "missing_field" in line  # the known ones, listed
+
+
+def test_source_filters_are_checked_against_the_cluster() -> None:
+    topics = {"tickets.raw": 3, "tickets.dlq": 3, "__consumer_offsets": 50}
+
+    check_source(
+        topics, ReplayOptions(dlq_topic="d", group="g", source_topic="tickets.raw", source_partition=2)
+    )
+    with pytest.raises(
+        UserError, match=r"'tickets\.rwa' is not a topic of the cluster \(did you mean tickets\.raw"
+    ):
+        check_source(topics, ReplayOptions(dlq_topic="d", group="g", source_topic="tickets.rwa"))
+    with pytest.raises(UserError, match=r"tickets\.raw has partitions 0 to 2"):
+        check_source(
+            topics, ReplayOptions(dlq_topic="d", group="g", source_topic="tickets.raw", source_partition=3)
+        )
 
 
 def test_filters_select_and_max_replays_stop_loops() -> None:

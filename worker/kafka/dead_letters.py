@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import datetime
 import re
+import typing
 from collections.abc import Sequence
 
 import msgspec
 
+from worker.decoding import DecodeErrorType
 from worker.messages import utc_timestamp
 
 ERROR_TYPE = "triage.error.type"
@@ -55,6 +57,8 @@ PIPELINE_ERROR_DOCS: tuple[tuple[str, str], ...] = (
     ("internal_error", "an unexpected exception while decoding the record; the message names it"),
     ("key_too_large", "a record key over 4096 bytes (results are keyed by it)"),
 )
+# Every `triage.error.type` this worker writes: what `replay --error-type` can select.
+ERROR_TYPES: tuple[str, ...] = (*typing.get_args(DecodeErrorType), *(name for name, _ in PIPELINE_ERROR_DOCS))
 
 # Kafka headers travel in every fetch of the record; cap the one free-text header.
 MAX_MESSAGE_BYTES = 1024

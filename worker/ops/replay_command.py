@@ -207,16 +207,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="P:START-END,...",
         help="dead-letter offsets per partition, END inclusive (P:START- = to the end, P:OFFSET = one)",
     )
-    filters = parser.add_argument_group("filters")
+    filters = parser.add_argument_group("filters (each checked before anything is read)")
     filters.add_argument("--until", metavar="TIME", help="stop at records dead-lettered after TIME")
     filters.add_argument(
         "--error-type",
         action="append",
         default=[],
         metavar="TYPE",
-        help="only this triage.error.type (repeatable)",
+        help="only this triage.error.type (repeatable; one this worker writes, see schemas/dead_letter.md)",
     )
-    filters.add_argument("--source-topic", metavar="TOPIC", help="only records that came from TOPIC")
+    filters.add_argument(
+        "--source-topic", metavar="TOPIC", help="only records that came from TOPIC (a topic of the cluster)"
+    )
     filters.add_argument(
         "--source-partition", type=_non_negative_int, metavar="P", help="only records from source partition P"
     )
@@ -260,7 +262,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def options_from_args(args: argparse.Namespace, dlq_topic: str) -> ReplayOptions:
-    """The flags as ReplayOptions; UserError for values argparse cannot check (times, ranges, transform)."""
+    """The flags as ReplayOptions; UserError for values argparse cannot check (times, ranges, error types,
+    transform)."""
     since = parse_time(args.since) if args.since else None
     until = parse_time(args.until) if args.until else None
     if since is not None and until is not None and until <= since:
@@ -396,7 +399,12 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
     if summary.committed:
         positions = ", ".join(f"{p}→{offset}" for p, offset in sorted(summary.committed.items()))
         console.print(f"Committed for group {summary.group}: partition→next offset {positions}")
-    if summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
+    if summary.matched_nothing:
+        console.print(
+            "Note: the selection matched none of the records read, so nothing was committed: the group can "
+            "run again with other filters."
+        )
+    elif summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
         console.print(
             f"Note: {summary.counts[Outcome.SKIPPED_FILTER]} records skipped by the filters are behind the "
             "committed position of this group: replay them with another --group."

@@ -29,9 +29,10 @@ at its first later record, which is then left for a later run rather than commit
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -44,7 +45,7 @@ from confluent_kafka import KafkaError, TopicPartition
 from worker.config import Settings, mask_secrets
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
-from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
+from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
 from worker.kafka.errors import PURGED
 from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_for
 from worker.pipeline.ledger import Output, Work
@@ -82,6 +83,9 @@ class Outcome(StrEnum):
 SELECTED = frozenset(
     {Outcome.REPLAYED, Outcome.TRANSFORM_SKIPPED, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED}
 )
+# Outcomes of records the selection did not match. Until a record matches, the run commits past none of them:
+# a run that matched nothing commits nothing, so a filter that was wrong costs a rerun, not the records.
+UNMATCHED = frozenset({Outcome.SKIPPED_FILTER, Outcome.UNREADABLE})
 # Outcomes listed record by record in the report: each one needs a person to look at it.
 ATTENTION = frozenset(
     {
@@ -121,6 +125,9 @@ class ReplayOptions:
     rate: float | None = None
     transform: Transform | None = None
     dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        check_error_types(self.error_types)
 
 
 @dataclass(frozen=True)
@@ -180,6 +187,11 @@ class ReplaySummary:
     @property
     def failed(self) -> bool:
         return self.counts[Outcome.PUBLISH_FAILED] > 0
+
+    @property
+    def matched_nothing(self) -> bool:
+        """Records were read and the selection matched none of them: nothing was committed."""
+        return bool(self.counts) and all(outcome in UNMATCHED for outcome in +self.counts)
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json``: stable keys, every outcome present (0 when none)."""
@@ -248,6 +260,43 @@ def replay_transactional_id(settings: Settings, group: str) -> str:
 
 
 # --- pure pieces of the replay -----------------------------------------------------------------------------
+
+
+def check_error_types(error_types: Iterable[str]) -> None:
+    """UserError unless every name is a `triage.error.type` this worker writes: a mistyped one would match no
+    dead letter, and is named with the nearest known one."""
+    for name in sorted(error_types):
+        if name not in ERROR_TYPES:
+            raise UserError(
+                f"--error-type {_shown(name)} is not an error type of this worker's dead letters"
+                f"{_nearest(name, ERROR_TYPES)}; known: {', '.join(ERROR_TYPES)}"
+            )
+
+
+def check_source(topics: Mapping[str, int], options: ReplayOptions) -> None:
+    """UserError unless `--source-topic` is a topic of the cluster (`topics`: name → partition count) and
+    `--source-partition` one of its partitions. (Without `--source-topic` a partition cannot be checked:
+    dead letters may come from any topic.)"""
+    topic, partition = options.source_topic, options.source_partition
+    if topic is None:
+        return
+    if topic not in topics:
+        known = [name for name in topics if not name.startswith("__")]
+        raise UserError(
+            f"--source-topic {_shown(topic)} is not a topic of the cluster{_nearest(topic, known)}"
+        )
+    if partition is not None and partition >= topics[topic]:
+        raise UserError(f"--source-partition {partition}: {topic} has partitions 0 to {topics[topic] - 1}")
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """What the user typed, quoted and short, any odd character escaped."""
+    return repr(text if len(text) <= limit else text[: limit - 1] + "…")
+
+
+def _nearest(text: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(text, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def classify(info: DeadLetterInfo, options: ReplayOptions) -> Outcome | None:
@@ -482,6 +531,10 @@ class _Replay(Observer):
         self.pending: list[RecordReport] = []
         self.sent: dict[int, RecordReport] = {}
         self.positions: dict[int, int] = {}
+        # Whether the selection matched a record yet; until then the filtered-out and unreadable records
+        # read are held (not finished: no commit passes them), partition and offset.
+        self.matched = False
+        self.held: list[tuple[int, int]] = []
 
     @property
     def trackers(self) -> dict[int, PartitionOffsets]:
@@ -498,6 +551,11 @@ class _Replay(Observer):
         return self.summary
 
     def _run(self) -> None:
+        if self.options.source_topic is not None:  # before anything else: a typo must cost nothing
+            metadata = kafka_call(
+                "read the cluster's topics", lambda: self.consumer.list_topics(timeout=METADATA_TIMEOUT_S)
+            )
+            check_source({name: len(t.partitions) for name, t in metadata.topics.items()}, self.options)
         if self.guarantee is not None:
             # Exactly-once: fences an earlier run under the same id and aborts its open transaction, whose
             # offsets would otherwise keep the group's committed positions unstable until it times out.
@@ -547,6 +605,11 @@ class _Replay(Observer):
             ):
                 self._serve(0.1)
             self.guarantee.stop(limit)
+        if self.exactly_once and not self.matched:
+            # No transaction ever held these (nothing matched, nothing was committed): final as they are.
+            for report in self.pending:
+                self._record(report)
+            self.pending.clear()
         self.summary.committed = dict(self.positions)
         if self.failure.reason is not None:
             self.summary.fatal = fatal_reason(
@@ -575,6 +638,8 @@ class _Replay(Observer):
             self._settle(message, Outcome.UNREADABLE, None, detail=str(problem))
             return
         skipped = classify(info, self.options)
+        if skipped is not Outcome.SKIPPED_FILTER:
+            self._matched()
         if skipped is not None:
             self._settle(message, skipped, info, detail=not_kept(info) if skipped is Outcome.SHRUNK else None)
             return
@@ -676,21 +741,33 @@ class _Replay(Observer):
     def _settle(
         self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
     ) -> None:
-        """A record that needs no output: done at once."""
+        """A record that needs no output: done at once, or held while the selection matched nothing."""
         self.trackers[message.partition()].track(message.offset())
-        self._settle_report(
-            RecordReport(
-                message.partition(),
-                message.offset(),
-                outcome,
-                info.error_type if info else None,
-                info.replay_count if info else None,
-                None,
-                message.key(),
-                detail,
-                info.omitted_bytes if info else None,
-            )
+        report = RecordReport(
+            message.partition(),
+            message.offset(),
+            outcome,
+            info.error_type if info else None,
+            info.replay_count if info else None,
+            None,
+            message.key(),
+            detail,
+            info.omitted_bytes if info else None,
         )
+        if outcome in UNMATCHED and not self.matched:
+            self.held.append((report.partition, report.offset))
+            self._report(report)
+        else:
+            self._settle_report(report)
+
+    def _matched(self) -> None:
+        """The selection matched a record: the records held before it are done (passed over by the group)."""
+        if self.matched:
+            return
+        self.matched = True
+        for partition, offset in self.held:
+            self.trackers[partition].done(offset)
+        self.held.clear()
 
     def _settle_report(self, report: RecordReport) -> None:
         self.trackers[report.partition].done(report.offset)
