@@ -665,3 +665,33 @@ def test_a_replay_that_matched_nothing_commits_nothing(
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3) == {}
 
     assert _replay_json(capsys, [*args, "--json"])["counts"]["replayed"] == 6
+
+
+def test_reset_group_puts_the_group_back_so_a_replay_can_be_redone(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    _seed(
+        kafka_bootstrap, dlq, source, [DeadLetter(f"v{i}".encode(), source_partition=i % 3) for i in range(6)]
+    )
+    group = f"triage-replay.{dlq}"
+    replay = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--json")
+    assert _replay_json(capsys, replay)["counts"]["replayed"] == 6
+    assert _replay_json(capsys, replay)["counts"]["replayed"] == 0
+    assert _committed(kafka_bootstrap, group, dlq, 3) == {0: 2, 1: 2, 2: 2}
+
+    dry = _replay_json(capsys, _replay_args(kafka_bootstrap, dlq, "--reset-group", "--dry-run", "--json"))
+    assert [(p["committed_before"], p["beginning"]) for p in dry["partitions"]] == [(2, 0)] * 3
+    assert _committed(kafka_bootstrap, group, dlq, 3) == {0: 2, 1: 2, 2: 2}  # a dry run changes nothing
+    code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group"))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"Reset group {group} on {dlq}" in out and "those it republished before too" in out
+    assert _committed(kafka_bootstrap, group, dlq, 3) == {0: 0, 1: 0, 2: 0}
+
+    assert _replay_json(capsys, replay)["counts"]["replayed"] == 6
+    assert Counter(record.value for record in _read_all(kafka_bootstrap, source)) == Counter(
+        f"v{i}".encode() for i in range(6) for _ in range(2)
+    )
+    code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group", "--error-type", "invalid_json"))
+    assert code == 2 and "--reset-group replays nothing: drop --error-type" in capsys.readouterr().err

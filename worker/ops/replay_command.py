@@ -28,7 +28,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from worker.config import add_config_argument, settings_from_args
+from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
@@ -44,6 +44,7 @@ from worker.replay.engine import (
     Transform,
     default_group,
     printable,
+    reset_group,
     run_replay,
 )
 from worker.telemetry.replay import replay_metrics
@@ -194,7 +195,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_config_argument(parser)
     parser.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
-    where = parser.add_argument_group("selection (one required)")
+    where = parser.add_argument_group("selection (one required), or --reset-group")
     selection = where.add_mutually_exclusive_group(required=True)
     selection.add_argument(
         "--from-beginning", action="store_true", help="from the group's committed position, else the start"
@@ -206,6 +207,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--offsets",
         metavar="P:START-END,...",
         help="dead-letter offsets per partition, END inclusive (P:START- = to the end, P:OFFSET = one)",
+    )
+    selection.add_argument(
+        "--reset-group",
+        action="store_true",
+        help=(
+            "replay nothing: put the group back to the beginning of the dead-letter topic, so a replay can "
+            "be redone (it then republishes what the group replayed before, too)"
+        ),
     )
     filters = parser.add_argument_group("filters (each checked before anything is read)")
     filters.add_argument("--until", metavar="TIME", help="stop at records dead-lettered after TIME")
@@ -228,7 +237,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     safety.add_argument(
         "--max-replays",
         type=_positive_int,
-        default=DEFAULT_MAX_REPLAYS,
         metavar="N",
         help=f"skip (and report) records already replayed N times (default {DEFAULT_MAX_REPLAYS})",
     )
@@ -261,6 +269,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=run)
 
 
+# What only a replay uses: refused with --reset-group, which would silently ignore them.
+_REPLAY_ONLY = (
+    "until",
+    "error_type",
+    "source_topic",
+    "source_partition",
+    "limit",
+    "max_replays",
+    "rate",
+    "transform",
+    "to",
+    "guarantee",
+    "metrics_port",
+)
+
+
 def options_from_args(args: argparse.Namespace, dlq_topic: str) -> ReplayOptions:
     """The flags as ReplayOptions; UserError for values argparse cannot check (times, ranges, error types,
     transform)."""
@@ -278,7 +302,7 @@ def options_from_args(args: argparse.Namespace, dlq_topic: str) -> ReplayOptions
         source_topic=args.source_topic,
         source_partition=args.source_partition,
         limit=args.limit,
-        max_replays=args.max_replays,
+        max_replays=args.max_replays or DEFAULT_MAX_REPLAYS,
         to_topic=args.to,
         rate=parse_rate(args.rate) if args.rate else None,
         transform=load_transform(args.transform) if args.transform else None,
@@ -352,7 +376,13 @@ def run(args: argparse.Namespace) -> int:
             "pipeline.guarantee": args.guarantee,
         },
     )
-    options = options_from_args(args, settings.topics.dead_letter)
+    dlq_topic = settings.topics.dead_letter
+    if args.reset_group:
+        given = [f"--{name.replace('_', '-')}" for name in _REPLAY_ONLY if getattr(args, name)]
+        if given:
+            raise UserError(f"--reset-group replays nothing: drop {', '.join(given)}")
+        return _reset(args, settings, dlq_topic)
+    options = options_from_args(args, dlq_topic)
     # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for the
     # worker (the delivery guarantee logs each commit at info).
     quiet = "warning" if settings.log.level in ("debug", "info") else settings.log.level
@@ -381,6 +411,37 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary.failed else 0
 
 
+def _reset(args: argparse.Namespace, settings: Settings, dlq_topic: str) -> int:
+    """`--reset-group`: the group's positions on the dead-letter topic back to its beginning."""
+    group = args.group or default_group(dlq_topic)
+    check_cluster(producer_config(settings))
+    resets = reset_group(settings, dlq_topic, group, args.dry_run)
+    if args.json:
+        data = {
+            "dlq_topic": dlq_topic,
+            "group": group,
+            "dry_run": args.dry_run,
+            "partitions": [
+                {"partition": r.partition, "committed_before": r.committed, "beginning": r.beginning}
+                for r in resets
+            ],
+        }
+        sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+        return 0
+    moved = [r for r in resets if r.moves]
+    if not moved:
+        print(f"Group {group} is at the beginning of {dlq_topic} already: nothing to reset.")
+        return 0
+    verb = "Would reset" if args.dry_run else "Reset"
+    positions = ", ".join(f"{r.partition}: {r.committed}→{r.beginning}" for r in moved)
+    print(f"{verb} group {group} on {dlq_topic} (partition: committed→beginning) {positions}.")
+    print(
+        "The next replay of this group goes through every dead letter again, those it republished before "
+        "too: narrow it with --error-type, --since or --offsets."
+    )
+    return 0
+
+
 def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptions) -> None:
     title = escape(f"{summary.dlq_topic} → {options.to_topic or 'source topics'} (group {summary.group})")
     if summary.dry_run:
@@ -407,7 +468,7 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
     elif summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
         console.print(
             f"Note: {summary.counts[Outcome.SKIPPED_FILTER]} records skipped by the filters are behind the "
-            "committed position of this group: replay them with another --group."
+            "committed position of this group: replay them with another --group (or after --reset-group)."
         )
     if summary.counts[Outcome.SHRUNK]:
         console.print(

@@ -381,30 +381,14 @@ def printable(raw: bytes | None, limit: int = 60) -> str | None:
 def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan]:
     """Start and end offset per partition: selection start, raised to the group's committed position."""
     topic = options.dlq_topic
-    metadata = kafka_call(
-        "read topic metadata", lambda: consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
-    )
-    topic_metadata = metadata.topics.get(topic)
-    if topic_metadata is None or topic_metadata.error is not None or not topic_metadata.partitions:
-        raise UserError(
-            f"dead-letter topic {topic!r} does not exist (set it with --dlq or topics.dead_letter)"
-        )
-    partitions = sorted(topic_metadata.partitions)
+    partitions = _dlq_partitions(consumer, topic)
     wanted = {r.partition: r for r in options.offsets} if options.offsets is not None else None
     if wanted is not None:
         missing = sorted(set(wanted) - set(partitions))
         if missing:
             raise UserError(f"--offsets: {topic} has no partition {', '.join(map(str, missing))}")
         partitions = sorted(wanted)
-    committed = {
-        tp.partition: tp.offset if tp.offset >= 0 else None
-        for tp in kafka_call(
-            f"read the committed offsets of group {options.group}",
-            lambda: consumer.committed(
-                [TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT_S
-            ),
-        )
-    }
+    committed = _committed(consumer, options.group, topic, partitions)
     since_offsets: dict[int, int] = {}
     if options.since is not None:
         millis = int(options.since.timestamp() * 1000)
@@ -435,6 +419,84 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
             start = max(start, committed[partition])
         plans.append(PartitionPlan(partition, start, max(start, end), committed[partition]))
     return plans
+
+
+def _dlq_partitions(consumer: Any, topic: str) -> list[int]:
+    metadata = kafka_call(
+        "read topic metadata", lambda: consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
+    )
+    topic_metadata = metadata.topics.get(topic)
+    if topic_metadata is None or topic_metadata.error is not None or not topic_metadata.partitions:
+        raise UserError(
+            f"dead-letter topic {topic!r} does not exist (set it with --dlq or topics.dead_letter)"
+        )
+    return sorted(topic_metadata.partitions)
+
+
+def _committed(consumer: Any, group: str, topic: str, partitions: list[int]) -> dict[int, int | None]:
+    """The group's committed position on each partition; None where it has none."""
+    return {
+        tp.partition: tp.offset if tp.offset >= 0 else None
+        for tp in kafka_call(
+            f"read the committed offsets of group {group}",
+            lambda: consumer.committed(
+                [TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT_S
+            ),
+        )
+    }
+
+
+@dataclass(frozen=True)
+class GroupReset:
+    """One dead-letter partition of `reset_group`: the group's position before, and the beginning."""
+
+    partition: int
+    committed: int | None
+    beginning: int
+
+    @property
+    def moves(self) -> bool:
+        """Whether the position changes (a group with none, or one at the beginning, starts there anyway)."""
+        return self.committed is not None and self.committed > self.beginning
+
+
+def reset_group(settings: Settings, dlq_topic: str, group: str, dry_run: bool) -> list[GroupReset]:
+    """Put replay group `group` back to the beginning of `dlq_topic` (unless `dry_run`), so that a replay can
+    be redone: every dead letter still in the topic is then new to the group, those it replayed too.
+
+    Only this topic's positions change (commits of the earliest offsets still there), whatever else the group
+    holds. A replay of the group running meanwhile would commit its own progress over the reset."""
+    consumer = kafka_call(
+        "create a consumer",
+        lambda: create_consumer(
+            settings, overrides={"group.id": group, "isolation.level": "read_uncommitted"}
+        ),
+        settings.kafka,
+    )
+    try:
+        partitions = _dlq_partitions(consumer, dlq_topic)
+        committed = _committed(consumer, group, dlq_topic, partitions)
+        resets = []
+        for partition in partitions:
+            low, _ = kafka_call(
+                f"read the offsets of {dlq_topic} [{partition}]",
+                partial(
+                    consumer.get_watermark_offsets,
+                    TopicPartition(dlq_topic, partition),
+                    timeout=METADATA_TIMEOUT_S,
+                ),
+            )
+            resets.append(GroupReset(partition, committed[partition], low))
+        moved = [TopicPartition(dlq_topic, r.partition, r.beginning) for r in resets if r.moves]
+        if moved and not dry_run:
+            kafka_call(
+                f"commit group {group}'s new positions",
+                lambda: consumer.commit(offsets=moved, asynchronous=False),
+                settings.kafka,
+            )
+        return resets
+    finally:
+        consumer.close()
 
 
 def fatal_reason(reason: str, fenced: bool, group: str, kafka_config: Mapping[str, str]) -> str:
