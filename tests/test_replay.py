@@ -695,3 +695,100 @@ def test_reset_group_puts_the_group_back_so_a_replay_can_be_redone(
     )
     code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group", "--error-type", "invalid_json"))
     assert code == 2 and "--reset-group replays nothing: drop --error-type" in capsys.readouterr().err
+
+
+_NEVER_RETURNS_ON_HANG = (
+    "def fix(value):\n"
+    "    print('repairing', value)  # a print goes to stderr, never into the replay's --json\n"
+    "    while value == b'hang':\n"
+    "        pass\n"
+    "    return value + b'}'\n"
+)
+
+
+def test_a_transform_that_never_returns_fails_its_record_at_the_time_limit_and_the_rest_is_replayed(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=1), unique_topic("source")
+    positions = _seed(kafka_bootstrap, dlq, source, [DeadLetter(v) for v in (b"v0", b"hang", b"v2", b"v3")])
+    fixes = tmp_path / "fixes.py"
+    fixes.write_text(_NEVER_RETURNS_ON_HANG)
+    args = _replay_args(
+        kafka_bootstrap,
+        dlq,
+        "--from-beginning",
+        "--transform",
+        f"{fixes}:fix",
+        "--transform-timeout",
+        "1",
+        "--json",
+    )
+
+    started = time.monotonic()
+    summary = _replay_json(capsys, args)
+
+    assert time.monotonic() - started < 20
+    assert (summary["counts"]["replayed"], summary["counts"]["transform_failed"]) == (3, 1)
+    (failure,) = summary["attention"]
+    assert (failure["offset"], failure["outcome"]) == (positions[b"hang"][1], "transform_failed")
+    assert failure["detail"].startswith("TransformTimeout: no answer within 1 s (--transform-timeout)")
+    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0}", b"v2}", b"v3}"]
+    # As for a transform that raises: reported, and behind the group's position (--offsets and another
+    # --group replay it once the transform is fixed).
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 4}
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_replay_inside_a_transform_that_never_returns(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, signum: signal.Signals
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=1), unique_topic("source")
+    values = [b"v0", b"v1", b"hang", b"v3"]
+    _seed(kafka_bootstrap, dlq, source, [DeadLetter(v) for v in values])
+    fixes = tmp_path / "fixes.py"
+    fixes.write_text(_NEVER_RETURNS_ON_HANG)
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        *_replay_args(kafka_bootstrap, dlq, "--from-beginning", "--json", "--transform", f"{fixes}:fix"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    replay = subprocess.Popen(
+        [*command, "--transform-timeout", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        _wait_for(kafka_bootstrap, source, 2, replay)
+        transform_processes = _children(replay.pid)
+        assert transform_processes, "the transform runs in a process of its own"
+        time.sleep(0.5)  # well inside the call that never returns
+        replay.send_signal(signum)
+        out, err = replay.communicate(timeout=15)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+
+    assert replay.returncode == 130
+    lines = err.decode().splitlines()
+    assert "Traceback" not in err.decode()
+    (notice,) = [line for line in lines if line.startswith("triage-worker:")]
+    assert notice.startswith(f"triage-worker: {signum.name}: stopping the replay")
+    assert json.loads(out)["interrupted"] is True
+    # Committed only past what was republished: the record inside the transform, and what follows, are not.
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 2}
+    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0}", b"v1}"]
+    assert not any(Path(f"/proc/{pid}").exists() for pid in transform_processes)

@@ -51,8 +51,8 @@ from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_f
 from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
+from worker.replay.transforms import TransformFailed, TransformStopped
 
-Transform = Callable[[bytes], bytes | None]
 Header = tuple[str, bytes | None]
 
 DEFAULT_MAX_REPLAYS = 3
@@ -96,6 +96,15 @@ ATTENTION = frozenset(
         Outcome.UNREADABLE,
     }
 )
+
+
+class Transform(Protocol):
+    """The ops' repair of one value (`--transform`, run by `worker.replay.transforms.TransformProcess`)."""
+
+    def repair(self, value: bytes) -> bytes | None:
+        """The new value, or None to skip the record. Raises TransformFailed (reported for this record, like
+        any other outcome) or TransformStopped (the replay was asked to stop: the record is not taken)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -324,25 +333,6 @@ def not_kept(info: DeadLetterInfo) -> str:
         f"{info.omitted_bytes} bytes were too large to keep in the dead-letter topic; the original is "
         f"{info.topic} [{info.partition}] offset {info.offset}, within that topic's retention"
     )
-
-
-def describe_failure(problem: BaseException, limit: int = 200) -> str:
-    """`Type: text` of an exception raised by the ops' code, short and printable whatever it holds (a
-    whole record value, lone surrogates, or a __str__ that itself raises)."""
-    try:
-        text = str(problem)
-    except Exception:
-        text = "(no description)"
-    detail = f"{type(problem).__name__}: {text}".encode("utf-8", "backslashreplace").decode("utf-8")
-    return detail if len(detail) <= limit else detail[: limit - 1] + "…"
-
-
-def apply_transform(transform: Transform, value: bytes) -> bytes | None:
-    """Run the ops' fix; None means "skip this record". Raises with a readable message on bad results."""
-    result = transform(value)
-    if result is not None and not isinstance(result, bytes | bytearray):
-        raise TypeError(f"transform returned {type(result).__name__}, expected bytes or None")
-    return None if result is None else bytes(result)
 
 
 class TokenBucket:
@@ -712,10 +702,11 @@ class _Replay(Observer):
         value: bytes | None = message.value()
         if self.options.transform is not None and value is not None:
             try:
-                value = apply_transform(self.options.transform, value)
-            # The ops' code: any failure, even sys.exit(), is reported for this record only.
-            except (Exception, SystemExit) as problem:
-                self._settle(message, Outcome.TRANSFORM_FAILED, info, detail=describe_failure(problem))
+                value = self.options.transform.repair(value)
+            except TransformStopped:
+                return  # Not taken: the committed position stays before this record.
+            except TransformFailed as problem:
+                self._settle(message, Outcome.TRANSFORM_FAILED, info, detail=problem.detail)
                 return
             if value is None:
                 self._settle(message, Outcome.TRANSFORM_SKIPPED, info)
