@@ -693,8 +693,12 @@ def test_reset_group_puts_the_group_back_so_a_replay_can_be_redone(
     assert Counter(record.value for record in _read_all(kafka_bootstrap, source)) == Counter(
         f"v{i}".encode() for i in range(6) for _ in range(2)
     )
-    code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group", "--error-type", "invalid_json"))
-    assert code == 2 and "--reset-group replays nothing: drop --error-type" in capsys.readouterr().err
+    for flags, named in [
+        (["--error-type", "invalid_json"], "--error-type"),
+        (["--source-partition", "0"], "--source-partition"),
+    ]:
+        code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group", *flags))
+        assert code == 2 and f"--reset-group replays nothing: drop {named}" in capsys.readouterr().err
 
 
 _NEVER_RETURNS_ON_HANG = (

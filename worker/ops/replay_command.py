@@ -398,7 +398,11 @@ def run(args: argparse.Namespace) -> int:
         )
         dlq_topic = settings.topics.dead_letter
         if args.reset_group:
-            given = [f"--{name.replace('_', '-')}" for name in _REPLAY_ONLY if getattr(args, name)]
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in _REPLAY_ONLY
+                if getattr(args, name) not in (None, [])
+            ]
             if given:
                 raise UserError(f"--reset-group replays nothing: drop {', '.join(given)}")
             return _reset(args, settings, dlq_topic)
