@@ -162,7 +162,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "they came from. Progress is committed under the replay's own consumer group once the broker "
             "confirmed the records, so a rerun resumes where the last one stopped; records the group passed "
             "over (filtered or skipped) count as done for that group: use another --group for another "
-            "selection. The run stops at the end offsets seen at start."
+            "selection, or --reset-group. A run that matched nothing commits nothing. The run stops at the "
+            "end offsets seen at start."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

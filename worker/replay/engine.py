@@ -20,7 +20,9 @@ three guarantees:
 
 Everything the group passes over counts as done *for that group*: records skipped by a filter or by the
 max-replay bound are behind its committed position. A replay with a different selection therefore needs its
-own ``--group`` (docs/operations.md shows the workflow).
+own ``--group``, or the group put back with `reset_group` (docs/operations.md shows the workflow). Two rules
+keep a mistake from costing records: the filters are checked before anything is read (`check_error_types`,
+`check_source`), and a run whose selection matched no record commits nothing.
 
 The time window (``--since``/``--until``) applies to when a record was dead-lettered, i.e. the dead-letter
 record's Kafka timestamp: ``--since`` seeks with the broker's time index and ``--until`` ends each partition
