@@ -20,6 +20,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
 from worker.ops.cli import main
+from worker.pipeline.guarantees import smaller
+from worker.pipeline.ledger import Output, Work
+from worker.pipeline.offsets import PartitionOffsets
 
 pytestmark = pytest.mark.kafka
 
@@ -44,6 +47,8 @@ class DeadLetter:
     replay_count: int = 0
     source_topic: str | None = None  # None: the test's source topic
     timestamp_ms: int = 0  # when it was dead-lettered; 0: now
+    # Too large for the dead-letter topic: written as the pipeline then writes it, `triage.*` headers only.
+    shrunk: bool = False
 
 
 def _seed(
@@ -59,12 +64,11 @@ def _seed(
 
     for index, letter in enumerate(letters):
         original = [("trace-id", f"trace-{index}".encode()), ("producer", b"shop")]
-        producer.produce(
+        output = Output(
             dlq,
-            key=f"key-{index}".encode(),
-            value=letter.value,
-            partition=letter.source_partition,
-            headers=dead_letter_headers(
+            f"key-{index}".encode(),
+            letter.value,
+            dead_letter_headers(
                 original,
                 letter.error_type,
                 f"{letter.error_type}: at $.ticket_id",
@@ -73,6 +77,17 @@ def _seed(
                 100 + index,
                 replay_count=letter.replay_count,
             ),
+        )
+        if letter.shrunk:
+            where = PartitionOffsets((source, letter.source_partition))
+            work = Work(where, source, letter.source_partition, 100 + index, output.key, original, 0.0, 0.0)
+            output = smaller(work, output, shrunk=1)
+        producer.produce(
+            dlq,
+            key=output.key,
+            value=output.value,
+            partition=letter.source_partition,
+            headers=output.headers,
             timestamp=letter.timestamp_ms,
             on_delivery=delivered,
         )
@@ -203,6 +218,7 @@ def test_filtered_replay_with_transform_repairs_exactly_the_selected_records(
         "replayed": 6,
         "skipped_filter": 4,
         "skipped_max_replays": 1,
+        "shrunk": 0,
         "transform_skipped": 1,
         "transform_failed": 1,
         "publish_failed": 0,
@@ -560,3 +576,223 @@ def test_a_record_its_topic_always_refuses_is_reported_once_and_the_rest_is_repl
     )
     assert _read_all(kafka_bootstrap, small) == []
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 2) == {0: 10}
+
+
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+def test_a_shrunk_dead_letter_is_never_republished_and_needs_attention_with_its_reason_and_size(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str], guarantee: str
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=1), unique_topic("source")
+    big = b'{"ticket_id": "big", "body": "' + b"x" * 5000
+    _seed(
+        kafka_bootstrap,
+        dlq,
+        source,
+        [DeadLetter(b"v0"), DeadLetter(big, "too_large", shrunk=True), DeadLetter(b"v2")],
+    )
+    args = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee, "--json")
+
+    dry = _replay_json(capsys, [*args, "--dry-run"])
+    real = _replay_json(capsys, args)
+
+    for run in (dry, real):
+        assert (run["counts"]["replayed"], run["counts"]["shrunk"]) == (2, 1)
+        (attention,) = run["attention"]
+        # Its original reason and size, and where the original is.
+        assert (attention["offset"], attention["outcome"], attention["error_type"]) == (
+            1,
+            "shrunk",
+            "too_large",
+        )
+        assert attention["omitted_bytes"] == len(b"key-1") + len(big) + len(b"trace-idtrace-1producershop")
+        assert f"{source} [0] offset 101" in attention["detail"]
+    assert [item["offset"] for item in dry["would_replay"]] == [0, 2]
+    # Nothing went out for it: no null value that the worker would dead-letter again as null_value.
+    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0", b"v2"]
+
+
+def test_a_mistyped_filter_is_refused_before_anything_is_read_and_the_corrected_one_finds_everything(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    _seed(
+        kafka_bootstrap, dlq, source, [DeadLetter(f"v{i}".encode(), source_partition=i % 3) for i in range(6)]
+    )
+    typos = [
+        (
+            ["--error-type", "invalid-json"],
+            "--error-type 'invalid-json' is not an error type",
+            "invalid_json",
+        ),
+        (["--source-topic", source[:-1]], "is not a topic of the cluster", source),
+        (["--source-topic", source, "--source-partition", "3"], f"{source} has partitions 0 to 2", None),
+    ]
+
+    for typo, problem, suggestion in typos:
+        code = main(_replay_args(kafka_bootstrap, dlq, "--from-beginning", *typo))
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "", err
+        (line,) = err.splitlines()  # one line, no traceback
+        assert line.startswith("triage-worker: error: ") and problem in line
+        if suggestion is not None:
+            assert f"did you mean {suggestion}?" in line
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3) == {}
+
+    summary = _replay_json(
+        capsys,
+        _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--error-type", "invalid_json", "--json"),
+    )
+    assert summary["counts"]["replayed"] == 6
+
+
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+def test_a_replay_that_matched_nothing_commits_nothing(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str], guarantee: str
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    _seed(
+        kafka_bootstrap, dlq, source, [DeadLetter(f"v{i}".encode(), source_partition=i % 3) for i in range(6)]
+    )
+    args = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee)
+
+    # A known type none of them has; a source partition none came from (no --source-topic to check it by).
+    for selection in (["--error-type", "missing_field"], ["--source-partition", "7"]):
+        summary = _replay_json(capsys, [*args, *selection, "--json"])
+        assert summary["counts"]["skipped_filter"] == 6 and summary["committed"] == {}
+    code = main([*args, "--error-type", "missing_field"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "matched none of the records read, so nothing was committed" in out
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3) == {}
+
+    assert _replay_json(capsys, [*args, "--json"])["counts"]["replayed"] == 6
+
+
+def test_reset_group_puts_the_group_back_so_a_replay_can_be_redone(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq"), unique_topic("source")
+    _seed(
+        kafka_bootstrap, dlq, source, [DeadLetter(f"v{i}".encode(), source_partition=i % 3) for i in range(6)]
+    )
+    group = f"triage-replay.{dlq}"
+    replay = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--json")
+    assert _replay_json(capsys, replay)["counts"]["replayed"] == 6
+    assert _replay_json(capsys, replay)["counts"]["replayed"] == 0
+    assert _committed(kafka_bootstrap, group, dlq, 3) == {0: 2, 1: 2, 2: 2}
+
+    dry = _replay_json(capsys, _replay_args(kafka_bootstrap, dlq, "--reset-group", "--dry-run", "--json"))
+    assert [(p["committed_before"], p["beginning"]) for p in dry["partitions"]] == [(2, 0)] * 3
+    assert _committed(kafka_bootstrap, group, dlq, 3) == {0: 2, 1: 2, 2: 2}  # a dry run changes nothing
+    code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group"))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"Reset group {group} on {dlq}" in out and "those it republished before too" in out
+    assert _committed(kafka_bootstrap, group, dlq, 3) == {0: 0, 1: 0, 2: 0}
+
+    assert _replay_json(capsys, replay)["counts"]["replayed"] == 6
+    assert Counter(record.value for record in _read_all(kafka_bootstrap, source)) == Counter(
+        f"v{i}".encode() for i in range(6) for _ in range(2)
+    )
+    for flags, named in [
+        (["--error-type", "invalid_json"], "--error-type"),
+        (["--source-partition", "0"], "--source-partition"),
+    ]:
+        code = main(_replay_args(kafka_bootstrap, dlq, "--reset-group", *flags))
+        assert code == 2 and f"--reset-group replays nothing: drop {named}" in capsys.readouterr().err
+
+
+_NEVER_RETURNS_ON_HANG = (
+    "def fix(value):\n"
+    "    print('repairing', value)  # a print goes to stderr, never into the replay's --json\n"
+    "    while value == b'hang':\n"
+    "        pass\n"
+    "    return value + b'}'\n"
+)
+
+
+def test_a_transform_that_never_returns_fails_its_record_at_the_time_limit_and_the_rest_is_replayed(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=1), unique_topic("source")
+    positions = _seed(kafka_bootstrap, dlq, source, [DeadLetter(v) for v in (b"v0", b"hang", b"v2", b"v3")])
+    fixes = tmp_path / "fixes.py"
+    fixes.write_text(_NEVER_RETURNS_ON_HANG)
+    args = _replay_args(
+        kafka_bootstrap,
+        dlq,
+        "--from-beginning",
+        "--transform",
+        f"{fixes}:fix",
+        "--transform-timeout",
+        "1",
+        "--json",
+    )
+
+    started = time.monotonic()
+    summary = _replay_json(capsys, args)
+
+    assert time.monotonic() - started < 20
+    assert (summary["counts"]["replayed"], summary["counts"]["transform_failed"]) == (3, 1)
+    (failure,) = summary["attention"]
+    assert (failure["offset"], failure["outcome"]) == (positions[b"hang"][1], "transform_failed")
+    assert failure["detail"].startswith("TransformTimeout: no answer within 1 s (--transform-timeout)")
+    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0}", b"v2}", b"v3}"]
+    # As for a transform that raises: reported, and behind the group's position (--offsets and another
+    # --group replay it once the transform is fixed).
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 4}
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_a_replay_inside_a_transform_that_never_returns(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, signum: signal.Signals
+) -> None:
+    dlq, source = unique_topic("dlq", partitions=1), unique_topic("source")
+    values = [b"v0", b"v1", b"hang", b"v3"]
+    _seed(kafka_bootstrap, dlq, source, [DeadLetter(v) for v in values])
+    fixes = tmp_path / "fixes.py"
+    fixes.write_text(_NEVER_RETURNS_ON_HANG)
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        *_replay_args(kafka_bootstrap, dlq, "--from-beginning", "--json", "--transform", f"{fixes}:fix"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    replay = subprocess.Popen(
+        [*command, "--transform-timeout", "600"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        _wait_for(kafka_bootstrap, source, 2, replay)
+        transform_processes = _children(replay.pid)
+        assert transform_processes, "the transform runs in a process of its own"
+        time.sleep(0.5)  # well inside the call that never returns
+        replay.send_signal(signum)
+        out, err = replay.communicate(timeout=15)
+    finally:
+        if replay.poll() is None:
+            replay.kill()
+            replay.communicate()
+
+    assert replay.returncode == 130
+    lines = err.decode().splitlines()
+    assert "Traceback" not in err.decode()
+    (notice,) = [line for line in lines if line.startswith("triage-worker:")]
+    assert notice.startswith(f"triage-worker: {signum.name}: stopping the replay")
+    assert json.loads(out)["interrupted"] is True
+    # Committed only past what was republished: the record inside the transform, and what follows, are not.
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 2}
+    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0}", b"v1}"]
+    assert not any(Path(f"/proc/{pid}").exists() for pid in transform_processes)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
@@ -13,7 +15,8 @@ from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
-from worker.ops.replay_command import load_transform, parse_offset_ranges, parse_rate, parse_time
+from worker.ops.cli import main
+from worker.ops.replay_command import parse_offset_ranges, parse_rate, parse_seconds, parse_time
 from worker.replay.engine import (
     OffsetRange,
     Outcome,
@@ -21,10 +24,17 @@ from worker.replay.engine import (
     ReplayOptions,
     ReplaySummary,
     TokenBucket,
-    apply_transform,
+    check_source,
     classify,
     fatal_reason,
     replay_transactional_id,
+)
+from worker.replay.transforms import (
+    TransformFailed,
+    TransformProcess,
+    TransformStopped,
+    apply_transform,
+    load_transform,
 )
 
 
@@ -57,6 +67,15 @@ def test_times_are_rfc3339_dates_or_durations_ago() -> None:
     assert parse_time("2024-05-01") == datetime(2024, 5, 1, tzinfo=UTC)
     with pytest.raises(UserError, match="RFC 3339"):
         parse_time("yesterday")
+
+
+def test_transform_timeouts_are_seconds() -> None:
+    assert parse_seconds("5") == 5
+    assert parse_seconds("2.5s") == 2.5
+    assert parse_seconds("250ms") == 0.25
+    for bad in ("0", "-1", "soon", "5m"):
+        with pytest.raises(UserError, match="--transform-timeout"):
+            parse_seconds(bad)
 
 
 def test_rates_are_per_second() -> None:
@@ -94,6 +113,44 @@ def _info(
     )
 
 
+def test_a_mistyped_error_type_is_one_line_naming_the_nearest_before_kafka_is_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # No broker at that address: the check comes before any connection.
+    args = [
+        "replay",
+        "--from-beginning",
+        "--bootstrap-servers",
+        "127.0.0.1:1",
+        "--error-type",
+        "invalid-json",
+    ]
+
+    code = main(args)
+
+    err = capsys.readouterr().err
+    assert code == 2
+    (line,) = err.splitlines()
+    assert line.startswith("triage-worker: error: --error-type 'invalid-json' is not an error type")
+    assert "did you mean invalid_json?" in line and "missing_field" in line  # the known ones, listed
+
+
+def test_source_filters_are_checked_against_the_cluster() -> None:
+    topics = {"tickets.raw": 3, "tickets.dlq": 3, "__consumer_offsets": 50}
+
+    check_source(
+        topics, ReplayOptions(dlq_topic="d", group="g", source_topic="tickets.raw", source_partition=2)
+    )
+    with pytest.raises(
+        UserError, match=r"'tickets\.rwa' is not a topic of the cluster \(did you mean tickets\.raw"
+    ):
+        check_source(topics, ReplayOptions(dlq_topic="d", group="g", source_topic="tickets.rwa"))
+    with pytest.raises(UserError, match=r"tickets\.raw has partitions 0 to 2"):
+        check_source(
+            topics, ReplayOptions(dlq_topic="d", group="g", source_topic="tickets.raw", source_partition=3)
+        )
+
+
 def test_filters_select_and_max_replays_stop_loops() -> None:
     options = ReplayOptions(
         dlq_topic="dlq",
@@ -108,6 +165,8 @@ def test_filters_select_and_max_replays_stop_loops() -> None:
     assert classify(_info(partition=2), options) is Outcome.SKIPPED_FILTER
     assert classify(_info(partition=1, count=2), options) is None
     assert classify(_info(partition=1, count=3), options) is Outcome.SKIPPED_MAX_REPLAYS
+    shrunk = msgspec.structs.replace(_info(partition=1, count=3), omitted_bytes=5000)
+    assert classify(shrunk, options) is Outcome.SHRUNK  # whatever its count: it can never be replayed
 
 
 def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:
@@ -176,3 +235,90 @@ def test_a_fenced_replay_says_so_in_one_line_without_secret_values() -> None:
 
     assert line.startswith("fenced: another replay of group triage-replay.tickets.dlq took over")
     assert "hunter2" not in line and "***" in line and "\n" not in line
+
+
+_FIXES = """\
+import os, sys, time
+
+def close(value):
+    print("fixing", len(value))  # to stderr: never mixed into the frames
+    return value + b"}"
+
+def skip(value):
+    return None
+
+def fail(value):
+    raise ValueError("cannot repair " + "x" * 500)
+
+def leave(value):
+    sys.exit(3)
+
+def die(value):
+    os._exit(9)
+
+def spin(value):
+    if value == b"spin":
+        while True:
+            pass
+    return value
+"""
+
+
+def _fixes(tmp_path: Path) -> Path:
+    path = tmp_path / "fixes.py"
+    path.write_text(_FIXES)
+    return path
+
+
+def test_a_transform_process_answers_each_call_and_a_failure_is_that_calls_only(tmp_path: Path) -> None:
+    fixes = _fixes(tmp_path)
+    with TransformProcess(f"{fixes}:close", 5.0, lambda: False) as transform:
+        assert transform.repair(b'{"a": 1') == b'{"a": 1}'
+        assert transform.repair(b"x" * 3_000_000) == b"x" * 3_000_000 + b"}"  # larger than a pipe's buffer
+    with TransformProcess(f"{fixes}:skip", 5.0, lambda: False) as transform:
+        assert transform.repair(b"v") is None
+    for name, detail in [
+        ("fail", "ValueError: cannot repair xxx"),
+        ("leave", "SystemExit: 3"),
+        ("die", "TransformProcessEnded: the transform's process exited (9)"),
+    ]:
+        with TransformProcess(f"{fixes}:{name}", 5.0, lambda: False) as transform:
+            for _ in range(2):  # and again: after a death, a fresh process
+                with pytest.raises(TransformFailed) as failed:
+                    transform.repair(b"v")
+                assert failed.value.detail.startswith(detail) and len(failed.value.detail) <= 200
+
+
+def test_a_transform_that_never_returns_is_cut_off_at_its_time_limit_and_the_next_call_works(
+    tmp_path: Path,
+) -> None:
+    with TransformProcess(f"{_fixes(tmp_path)}:spin", 0.5, lambda: False) as transform:
+        started = time.monotonic()
+        with pytest.raises(TransformFailed, match=r"TransformTimeout: no answer within 0\.5 s"):
+            transform.repair(b"spin")
+        assert time.monotonic() - started < 2.0
+        assert transform.repair(b"fine") == b"fine"
+
+
+def test_a_stop_asked_for_during_a_call_ends_the_call_at_once(tmp_path: Path) -> None:
+    stop_at = time.monotonic() + 0.3
+    with TransformProcess(f"{_fixes(tmp_path)}:spin", 60.0, lambda: time.monotonic() > stop_at) as transform:
+        with pytest.raises(TransformStopped):
+            transform.repair(b"spin")
+        assert time.monotonic() - stop_at < 0.5
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("nocolon", "expected module:function"),
+        ("no_such_module_here:fix", "cannot load no_such_module_here: ModuleNotFoundError"),
+        ("{fixes}:missing", "has no function 'missing'"),
+    ],
+)
+def test_a_transform_that_cannot_be_loaded_is_one_user_error(tmp_path: Path, spec: str, problem: str) -> None:
+    with (
+        pytest.raises(UserError, match=problem),
+        TransformProcess(spec.format(fixes=_fixes(tmp_path)), 5.0, lambda: False),
+    ):
+        pass

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import datetime
 import re
+import typing
 from collections.abc import Sequence
 
 import msgspec
 
+from worker.decoding import DecodeErrorType
 from worker.messages import utc_timestamp
 
 ERROR_TYPE = "triage.error.type"
@@ -46,7 +48,8 @@ OPTIONAL_HEADER_DOCS: tuple[tuple[str, str], ...] = (
         OMITTED_BYTES,
         "Only when the record did not fit in the dead-letter topic: it was written with no key, no value "
         "and only the `triage.*` headers, and this is the size in bytes of what was left out. The original "
-        "is still at `triage.source.*` within the source topic's retention.",
+        "is still at `triage.source.*` within the source topic's retention. `replay` never republishes "
+        "such a dead letter: it reports it as `shrunk`.",
     ),
 )
 # Error types the pipeline writes itself (the decoder's are `worker.decoding.DecodeErrorType`).
@@ -60,6 +63,8 @@ PIPELINE_ERROR_DOCS: tuple[tuple[str, str], ...] = (
     ),
 )
 RESULT_REFUSED = "result_refused"
+# Every `triage.error.type` this worker writes: what `replay --error-type` can select.
+ERROR_TYPES: tuple[str, ...] = (*typing.get_args(DecodeErrorType), *(name for name, _ in PIPELINE_ERROR_DOCS))
 
 # Kafka headers travel in every fetch of the record; cap the one free-text header.
 MAX_MESSAGE_BYTES = 1024
@@ -84,6 +89,9 @@ class DeadLetterInfo(msgspec.Struct, kw_only=True, frozen=True):
     offset: int
     failed_at: str
     replay_count: int
+    # `triage.omitted.bytes`: the dead letter was written without its key, value and own headers, which were
+    # this large; None for a whole one. Such a record cannot be replayed: there is nothing left to send.
+    omitted_bytes: int | None = None
 
 
 class DeadLetterHeaderError(ValueError):
@@ -169,6 +177,13 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         if number is None:
             raise DeadLetterHeaderError(f"header {name} must be a decimal number, got {text[name][:40]!r}")
         numbers[name] = number
+    omitted: int | None = None
+    if (omitted_text := _last(present, OMITTED_BYTES)) is not None:
+        omitted = _decimal(_text(omitted_text))
+        if omitted is None:
+            raise DeadLetterHeaderError(
+                f"header {OMITTED_BYTES} must be a decimal number, got {_text(omitted_text)[:40]!r}"
+            )
     if not _TOPIC_NAME.fullmatch(text[SOURCE_TOPIC]):
         raise DeadLetterHeaderError(
             f"header {SOURCE_TOPIC} must be a Kafka topic name, got {text[SOURCE_TOPIC][:40]!r}"
@@ -181,6 +196,7 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         offset=numbers[SOURCE_OFFSET],
         failed_at=text[FAILED_AT],
         replay_count=numbers[REPLAY_COUNT],
+        omitted_bytes=omitted,
     )
 
 

@@ -4,23 +4,22 @@ Output is for two readers: a person (a live progress bar on stderr when it is a 
 stdout) and a script (``--json``: one JSON object on stdout). Exit codes: 0 done, 1 some publish failed
 (those records stay before the committed position and are retried by the next run) or, with exactly_once,
 the transactional producer stopped (e.g. fenced by another replay of the group; the summary says why), 2 a
-user error, 130 interrupted (confirmed progress is committed first).
+user error (one line, nothing read), 130 stopped by SIGINT or SIGTERM (confirmed progress is committed
+first).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import dataclasses
 import re
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from types import FrameType, ModuleType, TracebackType
+from types import FrameType, TracebackType
 
 import msgspec
 from rich.console import Console
@@ -28,24 +27,26 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from worker.config import add_config_argument, settings_from_args
+from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
 from worker.logs import configure_logging
 from worker.replay.engine import (
     DEFAULT_MAX_REPLAYS,
+    INTERRUPT_DRAIN_S,
     OffsetRange,
     Outcome,
     PartitionPlan,
     RecordReport,
     ReplayOptions,
     ReplaySummary,
-    Transform,
     default_group,
     printable,
+    reset_group,
     run_replay,
 )
+from worker.replay.transforms import DEFAULT_TRANSFORM_TIMEOUT_S, TransformProcess, TransformStopped
 from worker.telemetry.replay import replay_metrics
 
 EXAMPLES = """\
@@ -62,6 +63,7 @@ _COLUMNS: tuple[tuple[Outcome, str], ...] = (
     (Outcome.REPLAYED, "replayed"),
     (Outcome.SKIPPED_FILTER, "filtered out"),
     (Outcome.SKIPPED_MAX_REPLAYS, "at max replays"),
+    (Outcome.SHRUNK, "value not kept"),
     (Outcome.TRANSFORM_SKIPPED, "transform skipped"),
     (Outcome.TRANSFORM_FAILED, "transform failed"),
     (Outcome.PUBLISH_FAILED, "publish failed"),
@@ -127,41 +129,15 @@ def parse_rate(text: str) -> float:
     return rate / per
 
 
-def load_transform(spec: str) -> Transform:
-    """``module:function`` (importable, or in the current directory) or ``path/to/file.py:function``."""
-    module_name, sep, function_name = spec.rpartition(":")
-    if not sep or not module_name or not function_name:
-        raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
-    try:
-        if module_name.endswith(".py"):
-            module = _load_file(Path(module_name))
-        else:
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError:
-                # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
-                local = Path(*module_name.split(".")).with_suffix(".py")
-                if not local.is_file():
-                    raise
-                module = _load_file(local)
-    except UserError:
-        raise
-    except Exception as error:
-        raise UserError(f"--transform: cannot load {module_name}: {type(error).__name__}: {error}") from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise UserError(f"--transform: {module_name} has no function {function_name!r}")
-    transform: Transform = function
-    return transform
-
-
-def _load_file(path: Path) -> ModuleType:
-    module_spec = importlib.util.spec_from_file_location(path.stem, path)
-    if module_spec is None or module_spec.loader is None or not path.is_file():
-        raise UserError(f"--transform: no such file {path}")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+def parse_seconds(text: str) -> float:
+    """``5``, ``2.5s``, ``500ms`` → seconds (> 0)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|ms)?\s*", text)
+    seconds = float(match.group(1)) / (1000 if match.group(2) == "ms" else 1) if match else 0.0
+    if not match or seconds <= 0:
+        raise UserError(
+            f"invalid --transform-timeout {text!r}: expected a positive number of seconds, e.g. 5s"
+        )
+    return seconds
 
 
 def _positive_int(text: str) -> int:
@@ -186,14 +162,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "they came from. Progress is committed under the replay's own consumer group once the broker "
             "confirmed the records, so a rerun resumes where the last one stopped; records the group passed "
             "over (filtered or skipped) count as done for that group: use another --group for another "
-            "selection. The run stops at the end offsets seen at start."
+            "selection, or --reset-group. A run that matched nothing commits nothing. The run stops at the "
+            "end offsets seen at start."
         ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_argument(parser)
     parser.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
-    where = parser.add_argument_group("selection (one required)")
+    where = parser.add_argument_group("selection (one required), or --reset-group")
     selection = where.add_mutually_exclusive_group(required=True)
     selection.add_argument(
         "--from-beginning", action="store_true", help="from the group's committed position, else the start"
@@ -206,16 +183,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="P:START-END,...",
         help="dead-letter offsets per partition, END inclusive (P:START- = to the end, P:OFFSET = one)",
     )
-    filters = parser.add_argument_group("filters")
+    selection.add_argument(
+        "--reset-group",
+        action="store_true",
+        help=(
+            "replay nothing: put the group back to the beginning of the dead-letter topic, so a replay can "
+            "be redone (it then republishes what the group replayed before, too)"
+        ),
+    )
+    filters = parser.add_argument_group("filters (each checked before anything is read)")
     filters.add_argument("--until", metavar="TIME", help="stop at records dead-lettered after TIME")
     filters.add_argument(
         "--error-type",
         action="append",
         default=[],
         metavar="TYPE",
-        help="only this triage.error.type (repeatable)",
+        help="only this triage.error.type (repeatable; one this worker writes, see schemas/dead_letter.md)",
     )
-    filters.add_argument("--source-topic", metavar="TOPIC", help="only records that came from TOPIC")
+    filters.add_argument(
+        "--source-topic", metavar="TOPIC", help="only records that came from TOPIC (a topic of the cluster)"
+    )
     filters.add_argument(
         "--source-partition", type=_non_negative_int, metavar="P", help="only records from source partition P"
     )
@@ -225,7 +212,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     safety.add_argument(
         "--max-replays",
         type=_positive_int,
-        default=DEFAULT_MAX_REPLAYS,
         metavar="N",
         help=f"skip (and report) records already replayed N times (default {DEFAULT_MAX_REPLAYS})",
     )
@@ -233,7 +219,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     safety.add_argument(
         "--transform",
         metavar="MODULE:FUNCTION",
-        help="repair values in flight: bytes -> bytes, or None to skip",
+        help="repair values in flight: bytes -> bytes, or None to skip (runs in a process of its own)",
+    )
+    safety.add_argument(
+        "--transform-timeout",
+        metavar="SECONDS",
+        help=(
+            f"time limit per transform call (default {DEFAULT_TRANSFORM_TIMEOUT_S:g}s): an overrun is that "
+            "record's transform failure"
+        ),
     )
     safety.add_argument("--to", metavar="TOPIC", help="publish here instead of each record's source topic")
     safety.add_argument(
@@ -255,11 +249,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="PORT",
         help="serve the progress as Prometheus metrics on PORT while the replay runs (host: metrics.host)",
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, takes_stop_signals=True)
+
+
+# What only a replay uses: refused with --reset-group, which would silently ignore them.
+_REPLAY_ONLY = (
+    "until",
+    "error_type",
+    "source_topic",
+    "source_partition",
+    "limit",
+    "max_replays",
+    "rate",
+    "transform",
+    "transform_timeout",
+    "to",
+    "guarantee",
+    "metrics_port",
+)
 
 
 def options_from_args(args: argparse.Namespace, dlq_topic: str) -> ReplayOptions:
-    """The flags as ReplayOptions; UserError for values argparse cannot check (times, ranges, transform)."""
+    """The flags as ReplayOptions, the transform not started yet; UserError for values argparse cannot check
+    (times, ranges, error types)."""
+    if args.transform_timeout is not None and args.transform is None:
+        raise UserError("--transform-timeout needs --transform")
     since = parse_time(args.since) if args.since else None
     until = parse_time(args.until) if args.until else None
     if since is not None and until is not None and until <= since:
@@ -274,10 +288,9 @@ def options_from_args(args: argparse.Namespace, dlq_topic: str) -> ReplayOptions
         source_topic=args.source_topic,
         source_partition=args.source_partition,
         limit=args.limit,
-        max_replays=args.max_replays,
+        max_replays=args.max_replays or DEFAULT_MAX_REPLAYS,
         to_topic=args.to,
         rate=parse_rate(args.rate) if args.rate else None,
-        transform=load_transform(args.transform) if args.transform else None,
         dry_run=args.dry_run,
     )
 
@@ -321,48 +334,98 @@ class _ProgressBar:
         return "  ".join(f"{label} {self._counts[outcome]}" for outcome, label in _COLUMNS)
 
 
-@contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """First SIGINT/SIGTERM asks the replay to stop cleanly (drain, commit); a second SIGINT aborts."""
-    stop = threading.Event()
+class _StopOnSignals:
+    """SIGINT and SIGTERM alike: the first asks the replay to stop cleanly (records in flight finish, the
+    group is committed past what the broker confirmed, exit 130) and says so in one line on stderr; a second
+    one aborts at once (what was not committed yet is re-sent by the next run). A signal that arrived while
+    the modules imported (`cli.HeldStopSignals`) counts as the first."""
 
-    def handle(signum: int, _frame: FrameType | None) -> None:
-        if stop.is_set() and signum == signal.SIGINT:
+    def __init__(self, held: list[int], console: Console) -> None:
+        self.event = threading.Event()
+        self._console = console
+        # Printed by a thread of its own: a signal handler interrupts the main thread anywhere, perhaps
+        # inside the progress bar's own write to the same console.
+        self._signal: int | None = None
+        threading.Thread(target=self._announce, name="replay-stop-notice", daemon=True).start()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+        if held:
+            self._stop(held[0])
+
+    def __enter__(self) -> _StopOnSignals:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.event.is_set():
             raise KeyboardInterrupt
-        stop.set()
+        self._stop(signum)
 
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    def _stop(self, signum: int) -> None:
+        self._signal = signum
+        self.event.set()
+
+    def _announce(self) -> None:
+        self.event.wait()
+        name = signal.Signals(self._signal or signal.SIGTERM).name
+        self._console.print(
+            f"triage-worker: {name}: stopping the replay: records in flight finish (at most "
+            f"{INTERRUPT_DRAIN_S:g} s), the group is committed past what was republished; exit 130. "
+            "Again to abort.",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(
-        args,
-        {
-            "kafka.bootstrap.servers": args.bootstrap_servers,
-            "topics.dead_letter": args.dlq,
-            "pipeline.guarantee": args.guarantee,
-        },
-    )
-    options = options_from_args(args, settings.topics.dead_letter)
-    # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for the
-    # worker (the delivery guarantee logs each commit at info).
-    quiet = "warning" if settings.log.level in ("debug", "info") else settings.log.level
-    configure_logging(msgspec.structs.replace(settings.log, level=quiet))
-    # One clear line at start for a refused login or an untrusted certificate, which the replay's own
-    # clients would only report as metadata timeouts.
-    check_cluster(producer_config(settings))
     err = Console(stderr=True)
-    with (
-        _stop_on_signals() as stop,
-        _ProgressBar(err, options.dry_run) as bar,
-        replay_metrics(args.metrics_port, settings.metrics, bar) as observer,
-    ):
-        summary = run_replay(settings, options, observer, should_stop=stop.is_set)
+    with _StopOnSignals(args.held_stop_signals.received, err) as stop:
+        settings = settings_from_args(
+            args,
+            {
+                "kafka.bootstrap.servers": args.bootstrap_servers,
+                "topics.dead_letter": args.dlq,
+                "pipeline.guarantee": args.guarantee,
+            },
+        )
+        dlq_topic = settings.topics.dead_letter
+        if args.reset_group:
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name in _REPLAY_ONLY
+                if getattr(args, name) not in (None, [])
+            ]
+            if given:
+                raise UserError(f"--reset-group replays nothing: drop {', '.join(given)}")
+            return _reset(args, settings, dlq_topic)
+        options = options_from_args(args, dlq_topic)
+        # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for
+        # the worker (the delivery guarantee logs each commit at info).
+        quiet = "warning" if settings.log.level in ("debug", "info") else settings.log.level
+        configure_logging(msgspec.structs.replace(settings.log, level=quiet))
+        try:
+            # Loaded before the broker is asked anything: a bad --transform is one line, nothing read.
+            with _transform(args, stop.requested) as transform:
+                options = dataclasses.replace(options, transform=transform)
+                # One clear line at start for a refused login or an untrusted certificate, which the
+                # replay's own clients would only report as metadata timeouts.
+                check_cluster(producer_config(settings))
+                with (
+                    _ProgressBar(err, options.dry_run) as bar,
+                    replay_metrics(args.metrics_port, settings.metrics, bar) as observer,
+                ):
+                    summary = run_replay(settings, options, observer, should_stop=stop.requested)
+        except TransformStopped:  # stopped while the transform loaded: nothing was read
+            return 130
     if args.json:
         sys.stdout.write(msgspec.json.encode(summary.to_json()).decode() + "\n")
     else:
@@ -375,6 +438,48 @@ def run(args: argparse.Namespace) -> int:
     if summary.interrupted:
         return 130
     return 1 if summary.failed else 0
+
+
+def _transform(
+    args: argparse.Namespace, should_stop: Callable[[], bool]
+) -> AbstractContextManager[TransformProcess | None]:
+    """The running --transform (its process ends with the block), or None."""
+    if args.transform is None:
+        return nullcontext()
+    given = args.transform_timeout
+    timeout = DEFAULT_TRANSFORM_TIMEOUT_S if given is None else parse_seconds(given)
+    return TransformProcess(args.transform, timeout, should_stop)
+
+
+def _reset(args: argparse.Namespace, settings: Settings, dlq_topic: str) -> int:
+    """`--reset-group`: the group's positions on the dead-letter topic back to its beginning."""
+    group = args.group or default_group(dlq_topic)
+    check_cluster(producer_config(settings))
+    resets = reset_group(settings, dlq_topic, group, args.dry_run)
+    if args.json:
+        data = {
+            "dlq_topic": dlq_topic,
+            "group": group,
+            "dry_run": args.dry_run,
+            "partitions": [
+                {"partition": r.partition, "committed_before": r.committed, "beginning": r.beginning}
+                for r in resets
+            ],
+        }
+        sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+        return 0
+    moved = [r for r in resets if r.moves]
+    if not moved:
+        print(f"Group {group} is at the beginning of {dlq_topic} already: nothing to reset.")
+        return 0
+    verb = "Would reset" if args.dry_run else "Reset"
+    positions = ", ".join(f"{r.partition}: {r.committed}→{r.beginning}" for r in moved)
+    print(f"{verb} group {group} on {dlq_topic} (partition: committed→beginning) {positions}.")
+    print(
+        "The next replay of this group goes through every dead letter again, those it republished before "
+        "too: narrow it with --error-type, --since or --offsets."
+    )
+    return 0
 
 
 def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptions) -> None:
@@ -395,10 +500,20 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
     if summary.committed:
         positions = ", ".join(f"{p}→{offset}" for p, offset in sorted(summary.committed.items()))
         console.print(f"Committed for group {summary.group}: partition→next offset {positions}")
-    if summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
+    if summary.matched_nothing:
+        console.print(
+            "Note: the selection matched none of the records read, so nothing was committed: the group can "
+            "run again with other filters."
+        )
+    elif summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
         console.print(
             f"Note: {summary.counts[Outcome.SKIPPED_FILTER]} records skipped by the filters are behind the "
-            "committed position of this group: replay them with another --group."
+            "committed position of this group: replay them with another --group (or after --reset-group)."
+        )
+    if summary.counts[Outcome.SHRUNK]:
+        console.print(
+            f"Note: {summary.counts[Outcome.SHRUNK]} dead letters were too large to keep whole and carry no "
+            "value: they are never republished; the detail names each original in its source topic."
         )
     if summary.counts[Outcome.TRANSFORM_FAILED] and not summary.dry_run:
         console.print(

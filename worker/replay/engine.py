@@ -20,7 +20,9 @@ three guarantees:
 
 Everything the group passes over counts as done *for that group*: records skipped by a filter or by the
 max-replay bound are behind its committed position. A replay with a different selection therefore needs its
-own ``--group`` (docs/operations.md shows the workflow).
+own ``--group``, or the group put back with `reset_group` (docs/operations.md shows the workflow). Two rules
+keep a mistake from costing records: the filters are checked before anything is read (`check_error_types`,
+`check_source`), and a run whose selection matched no record commits nothing.
 
 The time window (``--since``/``--until``) applies to when a record was dead-lettered, i.e. the dead-letter
 record's Kafka timestamp: ``--since`` seeks with the broker's time index and ``--until`` ends each partition
@@ -29,9 +31,10 @@ at its first later record, which is then left for a later run rather than commit
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -44,14 +47,14 @@ from confluent_kafka import KafkaError, TopicPartition
 from worker.config import Settings, mask_secrets
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
-from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
+from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
 from worker.kafka.errors import PURGED
 from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_for
 from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
+from worker.replay.transforms import TransformFailed, TransformStopped
 
-Transform = Callable[[bytes], bytes | None]
 Header = tuple[str, bytes | None]
 
 DEFAULT_MAX_REPLAYS = 3
@@ -70,6 +73,8 @@ class Outcome(StrEnum):
     REPLAYED = "replayed"
     SKIPPED_FILTER = "skipped_filter"
     SKIPPED_MAX_REPLAYS = "skipped_max_replays"
+    # Written without its key, value and headers (too large for the dead-letter topic): nothing to republish.
+    SHRUNK = "shrunk"
     TRANSFORM_SKIPPED = "transform_skipped"
     TRANSFORM_FAILED = "transform_failed"
     PUBLISH_FAILED = "publish_failed"
@@ -80,10 +85,28 @@ class Outcome(StrEnum):
 SELECTED = frozenset(
     {Outcome.REPLAYED, Outcome.TRANSFORM_SKIPPED, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED}
 )
+# Outcomes of records the selection did not match. Until a record matches, the run commits past none of them:
+# a run that matched nothing commits nothing, so a filter that was wrong costs a rerun, not the records.
+UNMATCHED = frozenset({Outcome.SKIPPED_FILTER, Outcome.UNREADABLE})
 # Outcomes listed record by record in the report: each one needs a person to look at it.
 ATTENTION = frozenset(
-    {Outcome.SKIPPED_MAX_REPLAYS, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED, Outcome.UNREADABLE}
+    {
+        Outcome.SKIPPED_MAX_REPLAYS,
+        Outcome.SHRUNK,
+        Outcome.TRANSFORM_FAILED,
+        Outcome.PUBLISH_FAILED,
+        Outcome.UNREADABLE,
+    }
 )
+
+
+class Transform(Protocol):
+    """The ops' repair of one value (`--transform`, run by `worker.replay.transforms.TransformProcess`)."""
+
+    def repair(self, value: bytes) -> bytes | None:
+        """The new value, or None to skip the record. Raises TransformFailed (reported for this record, like
+        any other outcome) or TransformStopped (the replay was asked to stop: the record is not taken)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -114,6 +137,9 @@ class ReplayOptions:
     transform: Transform | None = None
     dry_run: bool = False
 
+    def __post_init__(self) -> None:
+        check_error_types(self.error_types)
+
 
 @dataclass(frozen=True)
 class PartitionPlan:
@@ -137,6 +163,8 @@ class RecordReport:
     target: str | None
     key: bytes | None
     detail: str | None = None
+    # A shrunk dead letter's `triage.omitted.bytes`: how large the original was that it no longer carries.
+    omitted_bytes: int | None = None
 
 
 @dataclass
@@ -171,6 +199,11 @@ class ReplaySummary:
     def failed(self) -> bool:
         return self.counts[Outcome.PUBLISH_FAILED] > 0
 
+    @property
+    def matched_nothing(self) -> bool:
+        """Records were read and the selection matched none of them: nothing was committed."""
+        return bool(self.counts) and all(outcome in UNMATCHED for outcome in +self.counts)
+
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json``: stable keys, every outcome present (0 when none)."""
 
@@ -184,6 +217,7 @@ class ReplaySummary:
                 "target": report.target,
                 "key": printable(report.key),
                 "detail": report.detail,
+                "omitted_bytes": report.omitted_bytes,
             }
 
         return {
@@ -239,36 +273,68 @@ def replay_transactional_id(settings: Settings, group: str) -> str:
 # --- pure pieces of the replay -----------------------------------------------------------------------------
 
 
+def check_error_types(error_types: Iterable[str]) -> None:
+    """UserError unless every name is a `triage.error.type` this worker writes: a mistyped one would match no
+    dead letter, and is named with the nearest known one."""
+    for name in sorted(error_types):
+        if name not in ERROR_TYPES:
+            raise UserError(
+                f"--error-type {_shown(name)} is not an error type of this worker's dead letters"
+                f"{_nearest(name, ERROR_TYPES)}; known: {', '.join(ERROR_TYPES)}"
+            )
+
+
+def check_source(topics: Mapping[str, int], options: ReplayOptions) -> None:
+    """UserError unless `--source-topic` is a topic of the cluster (`topics`: name → partition count) and
+    `--source-partition` one of its partitions. (Without `--source-topic` a partition cannot be checked:
+    dead letters may come from any topic.)"""
+    topic, partition = options.source_topic, options.source_partition
+    if topic is None:
+        return
+    if topic not in topics:
+        known = [name for name in topics if not name.startswith("__")]
+        raise UserError(
+            f"--source-topic {_shown(topic)} is not a topic of the cluster{_nearest(topic, known)}"
+        )
+    if partition is not None and partition >= topics[topic]:
+        raise UserError(f"--source-partition {partition}: {topic} has partitions 0 to {topics[topic] - 1}")
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """What the user typed, quoted and short, any odd character escaped."""
+    return repr(text if len(text) <= limit else text[: limit - 1] + "…")
+
+
+def _nearest(text: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(text, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def classify(info: DeadLetterInfo, options: ReplayOptions) -> Outcome | None:
-    """Why this dead letter is not replayed (a filter, the max-replay bound), or None if it is selected."""
+    """Why this dead letter is not replayed (a filter, a shrunk dead letter, the max-replay bound), or None
+    if it is selected.
+
+    A shrunk dead letter (`triage.omitted.bytes`) has no key and no value left: republishing it would send a
+    null that the worker dead-letters again as `null_value`, and its real cause would be gone."""
     if options.error_types and info.error_type not in options.error_types:
         return Outcome.SKIPPED_FILTER
     if options.source_topic is not None and info.topic != options.source_topic:
         return Outcome.SKIPPED_FILTER
     if options.source_partition is not None and info.partition != options.source_partition:
         return Outcome.SKIPPED_FILTER
+    if info.omitted_bytes is not None:
+        return Outcome.SHRUNK
     if info.replay_count >= options.max_replays:
         return Outcome.SKIPPED_MAX_REPLAYS
     return None
 
 
-def describe_failure(problem: BaseException, limit: int = 200) -> str:
-    """`Type: text` of an exception raised by the ops' code, short and printable whatever it holds (a
-    whole record value, lone surrogates, or a __str__ that itself raises)."""
-    try:
-        text = str(problem)
-    except Exception:
-        text = "(no description)"
-    detail = f"{type(problem).__name__}: {text}".encode("utf-8", "backslashreplace").decode("utf-8")
-    return detail if len(detail) <= limit else detail[: limit - 1] + "…"
-
-
-def apply_transform(transform: Transform, value: bytes) -> bytes | None:
-    """Run the ops' fix; None means "skip this record". Raises with a readable message on bad results."""
-    result = transform(value)
-    if result is not None and not isinstance(result, bytes | bytearray):
-        raise TypeError(f"transform returned {type(result).__name__}, expected bytes or None")
-    return None if result is None else bytes(result)
+def not_kept(info: DeadLetterInfo) -> str:
+    """What a person needs for a shrunk dead letter: how much was left out and where the original is."""
+    return (
+        f"{info.omitted_bytes} bytes were too large to keep in the dead-letter topic; the original is "
+        f"{info.topic} [{info.partition}] offset {info.offset}, within that topic's retention"
+    )
 
 
 class TokenBucket:
@@ -307,30 +373,14 @@ def printable(raw: bytes | None, limit: int = 60) -> str | None:
 def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan]:
     """Start and end offset per partition: selection start, raised to the group's committed position."""
     topic = options.dlq_topic
-    metadata = kafka_call(
-        "read topic metadata", lambda: consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
-    )
-    topic_metadata = metadata.topics.get(topic)
-    if topic_metadata is None or topic_metadata.error is not None or not topic_metadata.partitions:
-        raise UserError(
-            f"dead-letter topic {topic!r} does not exist (set it with --dlq or topics.dead_letter)"
-        )
-    partitions = sorted(topic_metadata.partitions)
+    partitions = _dlq_partitions(consumer, topic)
     wanted = {r.partition: r for r in options.offsets} if options.offsets is not None else None
     if wanted is not None:
         missing = sorted(set(wanted) - set(partitions))
         if missing:
             raise UserError(f"--offsets: {topic} has no partition {', '.join(map(str, missing))}")
         partitions = sorted(wanted)
-    committed = {
-        tp.partition: tp.offset if tp.offset >= 0 else None
-        for tp in kafka_call(
-            f"read the committed offsets of group {options.group}",
-            lambda: consumer.committed(
-                [TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT_S
-            ),
-        )
-    }
+    committed = _committed(consumer, options.group, topic, partitions)
     since_offsets: dict[int, int] = {}
     if options.since is not None:
         millis = int(options.since.timestamp() * 1000)
@@ -361,6 +411,84 @@ def plan_partitions(consumer: Any, options: ReplayOptions) -> list[PartitionPlan
             start = max(start, committed[partition])
         plans.append(PartitionPlan(partition, start, max(start, end), committed[partition]))
     return plans
+
+
+def _dlq_partitions(consumer: Any, topic: str) -> list[int]:
+    metadata = kafka_call(
+        "read topic metadata", lambda: consumer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
+    )
+    topic_metadata = metadata.topics.get(topic)
+    if topic_metadata is None or topic_metadata.error is not None or not topic_metadata.partitions:
+        raise UserError(
+            f"dead-letter topic {topic!r} does not exist (set it with --dlq or topics.dead_letter)"
+        )
+    return sorted(topic_metadata.partitions)
+
+
+def _committed(consumer: Any, group: str, topic: str, partitions: list[int]) -> dict[int, int | None]:
+    """The group's committed position on each partition; None where it has none."""
+    return {
+        tp.partition: tp.offset if tp.offset >= 0 else None
+        for tp in kafka_call(
+            f"read the committed offsets of group {group}",
+            lambda: consumer.committed(
+                [TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT_S
+            ),
+        )
+    }
+
+
+@dataclass(frozen=True)
+class GroupReset:
+    """One dead-letter partition of `reset_group`: the group's position before, and the beginning."""
+
+    partition: int
+    committed: int | None
+    beginning: int
+
+    @property
+    def moves(self) -> bool:
+        """Whether the position changes (a group with none, or one at the beginning, starts there anyway)."""
+        return self.committed is not None and self.committed > self.beginning
+
+
+def reset_group(settings: Settings, dlq_topic: str, group: str, dry_run: bool) -> list[GroupReset]:
+    """Put replay group `group` back to the beginning of `dlq_topic` (unless `dry_run`), so that a replay can
+    be redone: every dead letter still in the topic is then new to the group, those it replayed too.
+
+    Only this topic's positions change (commits of the earliest offsets still there), whatever else the group
+    holds. A replay of the group running meanwhile would commit its own progress over the reset."""
+    consumer = kafka_call(
+        "create a consumer",
+        lambda: create_consumer(
+            settings, overrides={"group.id": group, "isolation.level": "read_uncommitted"}
+        ),
+        settings.kafka,
+    )
+    try:
+        partitions = _dlq_partitions(consumer, dlq_topic)
+        committed = _committed(consumer, group, dlq_topic, partitions)
+        resets = []
+        for partition in partitions:
+            low, _ = kafka_call(
+                f"read the offsets of {dlq_topic} [{partition}]",
+                partial(
+                    consumer.get_watermark_offsets,
+                    TopicPartition(dlq_topic, partition),
+                    timeout=METADATA_TIMEOUT_S,
+                ),
+            )
+            resets.append(GroupReset(partition, committed[partition], low))
+        moved = [TopicPartition(dlq_topic, r.partition, r.beginning) for r in resets if r.moves]
+        if moved and not dry_run:
+            kafka_call(
+                f"commit group {group}'s new positions",
+                lambda: consumer.commit(offsets=moved, asynchronous=False),
+                settings.kafka,
+            )
+        return resets
+    finally:
+        consumer.close()
 
 
 def fatal_reason(reason: str, fenced: bool, group: str, kafka_config: Mapping[str, str]) -> str:
@@ -457,6 +585,10 @@ class _Replay(Observer):
         self.pending: list[RecordReport] = []
         self.sent: dict[int, RecordReport] = {}
         self.positions: dict[int, int] = {}
+        # Whether the selection matched a record yet; until then the filtered-out and unreadable records
+        # read are held (not finished: no commit passes them), partition and offset.
+        self.matched = False
+        self.held: list[tuple[int, int]] = []
 
     @property
     def trackers(self) -> dict[int, PartitionOffsets]:
@@ -473,6 +605,11 @@ class _Replay(Observer):
         return self.summary
 
     def _run(self) -> None:
+        if self.options.source_topic is not None:  # before anything else: a typo must cost nothing
+            metadata = kafka_call(
+                "read the cluster's topics", lambda: self.consumer.list_topics(timeout=METADATA_TIMEOUT_S)
+            )
+            check_source({name: len(t.partitions) for name, t in metadata.topics.items()}, self.options)
         if self.guarantee is not None:
             # Exactly-once: fences an earlier run under the same id and aborts its open transaction, whose
             # offsets would otherwise keep the group's committed positions unstable until it times out.
@@ -522,6 +659,11 @@ class _Replay(Observer):
             ):
                 self._serve(0.1)
             self.guarantee.stop(limit)
+        if self.exactly_once and not self.matched:
+            # No transaction ever held these (nothing matched, nothing was committed): final as they are.
+            for report in self.pending:
+                self._record(report)
+            self.pending.clear()
         self.summary.committed = dict(self.positions)
         if self.failure.reason is not None:
             self.summary.fatal = fatal_reason(
@@ -550,8 +692,10 @@ class _Replay(Observer):
             self._settle(message, Outcome.UNREADABLE, None, detail=str(problem))
             return
         skipped = classify(info, self.options)
+        if skipped is not Outcome.SKIPPED_FILTER:
+            self._matched()
         if skipped is not None:
-            self._settle(message, skipped, info)
+            self._settle(message, skipped, info, detail=not_kept(info) if skipped is Outcome.SHRUNK else None)
             return
         if self.options.limit is not None and self.selected >= self.options.limit:
             self.active.clear()
@@ -560,10 +704,11 @@ class _Replay(Observer):
         value: bytes | None = message.value()
         if self.options.transform is not None and value is not None:
             try:
-                value = apply_transform(self.options.transform, value)
-            # The ops' code: any failure, even sys.exit(), is reported for this record only.
-            except (Exception, SystemExit) as problem:
-                self._settle(message, Outcome.TRANSFORM_FAILED, info, detail=describe_failure(problem))
+                value = self.options.transform.repair(value)
+            except TransformStopped:
+                return  # Not taken: the committed position stays before this record.
+            except TransformFailed as problem:
+                self._settle(message, Outcome.TRANSFORM_FAILED, info, detail=problem.detail)
                 return
             if value is None:
                 self._settle(message, Outcome.TRANSFORM_SKIPPED, info)
@@ -651,20 +796,33 @@ class _Replay(Observer):
     def _settle(
         self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
     ) -> None:
-        """A record that needs no output: done at once."""
+        """A record that needs no output: done at once, or held while the selection matched nothing."""
         self.trackers[message.partition()].track(message.offset())
-        self._settle_report(
-            RecordReport(
-                message.partition(),
-                message.offset(),
-                outcome,
-                info.error_type if info else None,
-                info.replay_count if info else None,
-                None,
-                message.key(),
-                detail,
-            )
+        report = RecordReport(
+            message.partition(),
+            message.offset(),
+            outcome,
+            info.error_type if info else None,
+            info.replay_count if info else None,
+            None,
+            message.key(),
+            detail,
+            info.omitted_bytes if info else None,
         )
+        if outcome in UNMATCHED and not self.matched:
+            self.held.append((report.partition, report.offset))
+            self._report(report)
+        else:
+            self._settle_report(report)
+
+    def _matched(self) -> None:
+        """The selection matched a record: the records held before it are done (passed over by the group)."""
+        if self.matched:
+            return
+        self.matched = True
+        for partition, offset in self.held:
+            self.trackers[partition].done(offset)
+        self.held.clear()
 
     def _settle_report(self, report: RecordReport) -> None:
         self.trackers[report.partition].done(report.offset)

@@ -18,8 +18,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from worker.decoding import DecodeErrorType
-from worker.kafka.dead_letters import PIPELINE_ERROR_DOCS
+from worker.kafka.dead_letters import ERROR_TYPES
 from worker.messages import FallbackReason
 from worker.pipeline.metrics import (
     SHADOW_DROP_REASONS,
@@ -34,10 +33,6 @@ from worker.telemetry.probes import WorkerProbes
 
 # Label values known in advance: exported at 0 from the first scrape.
 FALLBACK_REASONS: tuple[str, ...] = typing.get_args(FallbackReason)
-DEAD_LETTER_TYPES: tuple[str, ...] = (
-    *typing.get_args(DecodeErrorType),
-    *(name for name, _ in PIPELINE_ERROR_DOCS),
-)
 
 
 _COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -106,7 +101,7 @@ class PipelineCollector(Collector):
             "triage_dead_letters",
             "Records sent to the dead-letter topic, by error type.",
             "error_type",
-            DEAD_LETTER_TYPES,
+            ERROR_TYPES,
             metrics.dead_lettered_by_type,
         )
         yield histogram(
