@@ -3,8 +3,8 @@
 Logs go to stderr so that a command's stdout stays its output (results, tables). The JSON format is what
 log shippers and the end-to-end tests read; every event has `event`, `level` and `timestamp`.
 
-librdkafka retries a broker that is away by itself and says so at every attempt: every ~50 ms per client
-while the broker is down (342 lines in 20 s from one worker). Its lines and errors therefore go through a
+librdkafka retries a broker that is away by itself and says so at every attempt, every ~50 ms per client
+and broker thread (about 450 lines in 20 s from one worker). Its lines and errors therefore go through a
 `Throttle`: one line per cause and `REPEAT_INTERVAL_S`, carrying how many it stands for.
 """
 
