@@ -241,8 +241,8 @@ def test_the_network_policy_admits_only_prometheus_on_the_metrics_port_and_lets_
     assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
     for kind, template in _pod_specs().items():
         assert policy["podSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items(), kind
-    # In: one rule, the container's metrics port by name (which also serves the unauthenticated POST /reload),
-    # from Prometheus pods only.
+    # In: one rule, the container's metrics port by name (which also serves POST /reload, closed without a
+    # token file), from Prometheus pods only.
     (ingress,) = policy["ingress"]
     container_ports = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert [p["port"] for p in ingress["ports"]] == [p["name"] for p in container_ports] == ["metrics"]

@@ -1,12 +1,16 @@
-"""`triage-worker lag-exporter` against the real broker: the group's lag per partition with no worker up."""
+"""`triage-worker lag-exporter` against the real broker: the group's lag per partition with no worker up, and
+a few lines, not one per reconnect attempt, while no broker answers."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import confluent_kafka
 import pytest
@@ -17,6 +21,7 @@ from tools import REPO
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader, TopicSpec, create_topics
 from worker.kafka.clients import kafka_call
+from worker.kafka.local_broker import free_port
 from worker.ops.lag_command import GroupLagCollector
 
 pytestmark = pytest.mark.kafka
@@ -87,3 +92,37 @@ def test_a_missing_topic_or_an_unreachable_broker_reads_as_not_ok(kafka_bootstra
     }
     assert time.monotonic() - started < 5
     assert samples == {("triage_group_lag_read_ok", (("group", "g"), ("topic", "t"))): 0}
+
+
+def test_an_unreachable_broker_is_a_few_structured_lines_not_one_per_attempt(tmp_path: Path) -> None:
+    """Before: 678 raw `%3|...|FAIL|` lines in 40 s (one per attempt, every ~50 ms) beside one structured
+    line. Now each cause is one JSON line per interval, saying how many it stands for."""
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+    log = tmp_path / "lag-exporter.log"
+    port = free_port()
+    command = [
+        sys.executable, "-m", "worker", "lag-exporter", "--bootstrap-servers", nowhere, "--port", str(port),
+        "--host", "127.0.0.1", "--set", "log.format=json",
+    ]  # fmt: skip
+    with log.open("wb") as output:
+        exporter = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 12.0:  # scraped every second: each read tries the broker
+            time.sleep(1.0)
+            with contextlib.suppress(OSError):  # not listening yet
+                scrape(port)
+        exporter.terminate()
+        assert exporter.wait(30) == 0
+    finally:
+        exporter.kill()
+    lines = log.read_text().splitlines()
+    # Two intervals of 10 s at most: the refused connection, as librdkafka logs it and as its error
+    # (transport failure, all brokers down), once each per interval; one lag_read_failed; where to scrape.
+    assert len(lines) <= 8, f"{len(lines)} lines in 12 s, e.g. {lines[:3]}"
+    plain = [line for line in lines if not line.startswith("{")]
+    assert len(plain) == 1 and plain[0].startswith("lag of group "), plain
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    client = [event for event in events if event["event"] in ("librdkafka", "kafka_client_error")]
+    assert client and all("suppressed_since_last" in event for event in client), events
+    assert [event["event"] for event in events if event not in client] == ["lag_read_failed"]

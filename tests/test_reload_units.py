@@ -3,12 +3,13 @@ coalescing, and `POST /reload` with the reload counter (the routing is in test_s
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -25,6 +26,7 @@ from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.ops.reload import Reloader
 from worker.pipeline.cascade import Cascade
+from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check, TelemetryServer, new_registry
@@ -205,10 +207,16 @@ class _Broker:
     state = Check(True, "metadata answered")
 
 
-def _call(port: int, path: str, method: str) -> tuple[int, str]:
+TOKEN = "0123456789abcdef-unit-test-token"
+
+
+def _call(port: int, path: str, method: str, token: str | None = None) -> tuple[int, str]:
+    """`token`: sent as `Authorization: Bearer`."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}", method=method, data=b"" if method == "POST" else None
     )
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=5) as response:
             return response.status, response.read().decode()
@@ -216,20 +224,36 @@ def _call(port: int, path: str, method: str) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-def test_post_reload_starts_a_reload_and_the_outcome_is_counted() -> None:
+def _telemetry(access: ReloadAccess) -> WorkerTelemetry:
     probes = WorkerProbes(60.0, _Broker(), time.monotonic)  # type: ignore[arg-type]
     info = {"version": "0.1.0", "model": "tiny", "mode": "score", "provider": "cpu", "pool": "process"}
     registry = new_registry()
     registry.register(PipelineCollector(probes, info))
     server = TelemetryServer(MetricsSettings(port=0, host="127.0.0.1"), registry, probes)
-    telemetry = WorkerTelemetry(probes, server, None, info)
+    return WorkerTelemetry(probes, server, None, info, reload_access=access)
+
+
+def _taken(requested: list[str]) -> Callable[[], bool]:
+    """A reloader that is never busy, remembering each request."""
+
+    def request() -> bool:
+        requested.append("http")
+        return True
+
+    return request
+
+
+def test_post_reload_starts_a_reload_and_the_outcome_is_counted() -> None:
+    telemetry = _telemetry(ReloadAccess(TOKEN.encode()))
+    assert telemetry.server is not None
+    server = telemetry.server
     try:
-        assert _call(server.port, "/reload", "POST")[0] == 404  # not served until the worker wires it
+        assert _call(server.port, "/reload", "POST", TOKEN)[0] == 404  # not served until the worker wires it
         requested: list[str] = []
-        telemetry.serve_reload(lambda: requested.append("http"))
-        assert _call(server.port, "/reload", "POST")[0] == 202
+        telemetry.serve_reload(_taken(requested))
+        assert _call(server.port, "/reload", "POST", TOKEN)[0] == 202
         assert requested == ["http"]
-        assert _call(server.port, "/reload", "GET")[0] == 405
+        assert _call(server.port, "/reload", "GET", TOKEN)[0] == 405
         assert requested == ["http"]
 
         settings = _settings(DEFAULT_MODEL_DIR)
@@ -264,3 +288,114 @@ def test_a_reload_refuses_a_taxonomy_the_model_was_not_trained_for(tiny_switch: 
     failed = [e for e in logs if e["event"] == "reload_failed"]
     assert "label(s) the model" in failed[0]["reason"] and "account_access" in failed[0]["reason"], failed
     assert tiny_switch.model_id == "tiny" and not _classify(tiny_switch).fallback
+
+
+def _refusal_of(port: int, authorization: str | None) -> tuple[int, dict[str, str], str | None]:
+    """Status, JSON body and `WWW-Authenticate` of a `POST /reload` with that `Authorization` header."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/reload", method="POST", data=b"")
+    if authorization is not None:
+        request.add_header("Authorization", authorization)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, json.loads(response.read()), None
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), error.headers.get("WWW-Authenticate")
+
+
+def test_post_reload_needs_the_token_while_metrics_and_probes_stay_open() -> None:
+    telemetry = _telemetry(ReloadAccess(TOKEN.encode()))
+    assert telemetry.server is not None
+    port = telemetry.server.port
+    requested: list[str] = []
+    telemetry.serve_reload(_taken(requested))
+    try:
+        with capture_logs() as logs:
+            status, body, challenge = _refusal_of(port, None)
+            assert (status, body["status"], challenge) == (401, "refused", 'Bearer realm="reload"')
+            assert "Authorization: Bearer" in body["reason"]
+            assert _refusal_of(port, f"Basic {TOKEN}")[0] == 401  # not bearer credentials
+            assert _refusal_of(port, "Bearer ")[0] == 401
+            status, body, challenge = _refusal_of(port, f"Bearer {TOKEN}x")
+            assert (status, body["reason"], challenge) == (403, "POST /reload refused: wrong token", None)
+            assert _refusal_of(port, f"Bearer {TOKEN[:-1]}")[0] == 403
+            assert requested == []
+            assert _refusal_of(port, f"bearer  {TOKEN} ")[0] == 202  # the scheme is case-insensitive
+            assert requested == ["http"]
+            for path in ("/metrics", "/healthz", "/readyz"):  # scraping needs no token
+                assert _call(port, path, "GET")[0] in (200, 503), path
+        refused = [(log["status"], log["client"]) for log in logs if log["event"] == "reload_refused"]
+        # One line per reason and interval: the later 401s and the second 403 are counted, not logged.
+        assert refused == [("401 Unauthorized", "127.0.0.1"), ("403 Forbidden", "127.0.0.1")]
+        assert TOKEN[:-1] not in str(logs)
+    finally:
+        telemetry.close()
+
+
+def test_without_a_token_file_post_reload_is_closed_and_says_to_use_sighup() -> None:
+    access = ReloadAccess.configured(MetricsSettings(port=0))
+    assert access.closed
+    telemetry = _telemetry(access)
+    assert telemetry.server is not None
+    requested: list[str] = []
+    telemetry.serve_reload(_taken(requested))
+    try:
+        for authorization in (None, f"Bearer {TOKEN}", "Bearer "):
+            status, body, challenge = _refusal_of(telemetry.server.port, authorization)
+            assert (status, body["status"], challenge) == (403, "refused", None)
+            assert "closed" in body["reason"] and "SIGHUP" in body["reason"]
+        assert requested == []
+    finally:
+        telemetry.close()
+
+
+def test_reloads_go_one_at_a_time_and_post_reload_is_refused_meanwhile(
+    tiny_switch: SwitchingClassifier,
+) -> None:
+    """Before: each request while one loaded was queued, and 30 parallel POSTs started 6 reloads."""
+    entered, release = threading.Event(), threading.Event()
+    calls: list[float] = []
+
+    def load() -> Settings:
+        calls.append(time.monotonic())
+        entered.set()
+        release.wait(10)
+        raise UserError("config error: nothing to load here")
+
+    running = _settings(TINY_MODEL)
+    reloader = Reloader(running, load, resolve_taxonomy(running.inference)[0].fallback_label)
+    telemetry = _telemetry(ReloadAccess(TOKEN.encode()))
+    assert telemetry.server is not None
+    port = telemetry.server.port
+    telemetry.serve_reload(lambda: reloader.request_unless_busy("POST /reload"))
+    reloader.start(tiny_switch)
+    try:
+        assert _call(port, "/reload", "POST", TOKEN)[0] == 202
+        assert entered.wait(10)
+        barrier = threading.Barrier(30)
+        answers: list[tuple[int, str]] = []
+
+        def knock() -> None:
+            barrier.wait(10)
+            answers.append(_call(port, "/reload", "POST", TOKEN))
+
+        knockers = [threading.Thread(target=knock) for _ in range(30)]
+        for knocker in knockers:
+            knocker.start()
+        for knocker in knockers:
+            knocker.join(30)
+        assert [status for status, _ in answers] == [409] * 30
+        assert json.loads(answers[0][1])["status"] == "busy"
+        reloader.request("SIGHUP")  # a signal is still taken, and coalesced into one more reload
+        reloader.request("SIGHUP")
+        release.set()
+        deadline = time.monotonic() + 10
+        while _call(port, "/reload", "POST", TOKEN)[0] == 409 and time.monotonic() < deadline:
+            time.sleep(0.05)  # "ask again after it"
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert len(calls) == 3  # the first POST, the two SIGHUPs as one, the POST after them
+    finally:
+        reloader.close()
+        telemetry.close()
+    assert tiny_switch.model_id == "tiny"

@@ -10,6 +10,7 @@ import sys
 import typing
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -27,6 +28,7 @@ from worker.pipeline.metrics import (
     ShadowMetrics,
 )
 from worker.replay.engine import Outcome
+from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics
@@ -272,3 +274,64 @@ def test_model_processes_are_exported_per_context_with_cpu_and_memory() -> None:
     assert all(
         dict(labels)["pool"] == "primary" for (n, labels) in samples if n.startswith("triage_model_process")
     )
+
+
+TOKEN = "s3cret-reload-token-for-the-units"
+
+
+def _token_file(tmp_path: Path, content: str | bytes, mode: int = 0o600) -> Path:
+    path = tmp_path / "reload-token"
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    path.chmod(mode)
+    return path
+
+
+def test_the_reload_token_is_read_from_its_file_and_only_a_fit_file_is_taken(tmp_path: Path) -> None:
+    path = _token_file(tmp_path, TOKEN + "\n", mode=0o440)  # echo's newline; a Secret's defaultMode 0440
+    access = ReloadAccess.configured(MetricsSettings(reload_token_file=str(path)))
+    assert not access.closed and access.refusal(f"Bearer {TOKEN}") is None
+    unfit: list[tuple[str | bytes | None, int, str]] = [
+        (None, 0o600, "cannot be read: No such file or directory"),
+        ("", 0o600, "is empty"),
+        ("\n \n", 0o600, "is empty"),
+        ("short-token", 0o600, "fewer than 16 characters"),
+        ("two halves of " + TOKEN, 0o600, "holds a space"),
+        (TOKEN + "\n" + TOKEN, 0o600, "a line break"),
+        ("x" * 5000, 0o600, "larger than 4096 bytes"),
+        (TOKEN, 0o644, "can be read or written by any user (mode 0644)"),
+        (TOKEN, 0o602, "can be read or written by any user (mode 0602)"),
+    ]
+    for content, mode, problem in unfit:
+        path.unlink(missing_ok=True)
+        if content is not None:
+            _token_file(tmp_path, content, mode)
+        with pytest.raises(UserError) as raised:
+            ReloadAccess.configured(MetricsSettings(reload_token_file=str(path)))
+        message = str(raised.value)
+        assert message.startswith(f"config error: metrics.reload_token_file: {path} ") and problem in message
+        assert "\n" not in message and TOKEN not in message and "short-token" not in message
+    for not_a_file in (str(tmp_path), "/dev/zero"):  # /dev/zero must not be read without end
+        with pytest.raises(UserError, match="is not a regular file"):
+            ReloadAccess.configured(MetricsSettings(reload_token_file=not_a_file))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
+    command = [sys.executable, "-m", "worker", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_unfit_token_file_stops_run_at_start_and_config_show_prints_only_its_path(tmp_path: Path) -> None:
+    path = _token_file(tmp_path, TOKEN, mode=0o644)
+    # Port 9 answers nothing: the token file is checked before the broker (and before the model loads).
+    result = _cli("run", "--bootstrap-servers", "127.0.0.1:9", "--reload-token-file", str(path))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"triage-worker: error: config error: metrics.reload_token_file: {path} can be read or written by "
+        f"any user (mode 0644); chmod o-rw {path}"
+    )
+    assert "Traceback" not in result.stderr and TOKEN not in result.stdout + result.stderr
+    path.chmod(0o600)
+    shown = _cli("config", "show", "--set", f"metrics.reload_token_file={path}")
+    assert shown.returncode == 0, shown.stderr
+    assert f"reload_token_file = {json.dumps(str(path))}" in shown.stdout and TOKEN not in shown.stdout

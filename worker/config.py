@@ -219,6 +219,10 @@ class MetricsSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     # /healthz fails once the consumer loop has not turned for this long. A rebalance holds the loop for up to
     # pipeline.revoke_timeout_ms, so keep this well above it.
     stall_timeout_ms: PositiveMs = 60000
+    # A file holding the token `POST /reload` requires (worker/telemetry/access.py): the path is a setting,
+    # the token never is, so it stays out of config files, the environment and `config show`. None: the
+    # endpoint is closed and SIGHUP is the way to reload.
+    reload_token_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
 def _default_kafka() -> dict[str, str]:
@@ -609,6 +613,7 @@ _UNSET_HINTS = {
     "inference.escalation": "no cascade",
     "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
+    "metrics.reload_token_file": "POST /reload closed (SIGHUP reloads)",
 }
 
 

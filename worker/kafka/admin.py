@@ -244,9 +244,22 @@ class GroupLagReader:
     counts from its earliest offset, `offsetResetPolicy: earliest`). Needs no worker: it is what tells an
     operator the backlog when every worker is down. One admin client, reused for every read."""
 
-    def __init__(self, kafka_config: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        kafka_config: Mapping[str, str],
+        logger: logging.Logger | None = None,
+        on_error: Callable[[KafkaError], None] | None = None,
+    ) -> None:
+        """`logger` and `on_error` receive the client's lines and errors (default: librdkafka prints them
+        to stderr) when `serve` is called."""
+        # The stubs omit `logger`.
+        options: dict[str, Any] = {**kafka_config, **METADATA_ONLY}
+        if logger is not None:
+            options["logger"] = logger
+        if on_error is not None:
+            options["error_cb"] = on_error
         try:
-            self._admin = AdminClient({**kafka_config, **METADATA_ONLY})
+            self._admin = AdminClient(options)
         except KafkaException as exception:
             problem = f"Kafka client configuration: {exception.args[0].str()}"
             raise UserError(mask_secrets(problem, kafka_config)) from None
@@ -276,6 +289,11 @@ class GroupLagReader:
             partition: max(0, end - (starts[partition] if partition in starts else committed[partition]))
             for partition, end in ends.items()
         }
+
+    def serve(self) -> None:
+        """Hand the client's queued lines and errors to `logger` and `on_error`: an admin client keeps them
+        until asked, and a broker that is away adds some every few milliseconds."""
+        self._admin.poll(0)
 
     def _offsets(
         self, partitions: list[TopicPartition], spec: OffsetSpec, timeout_s: float

@@ -33,6 +33,7 @@ import structlog
 from worker.config import Settings, mask_secrets, masked_kafka_config
 from worker.errors import UserError
 from worker.kafka import errors
+from worker.logs import REPEAT_INTERVAL_S, Throttle
 
 _log = structlog.get_logger("worker.kafka")
 # How long `kafka_call` retries passing errors.
@@ -192,21 +193,17 @@ class ClientErrorLog:
     """error_cb that logs each kind of client error at most once per `interval_s`, counting the rest.
 
     Broker-down and similar errors are retried by the client itself; during an outage librdkafka reports
-    them every few milliseconds, which would bury everything else in the log.
+    them every few milliseconds, which would bury everything else in the log. Fatal errors always show.
     """
 
-    def __init__(self, client: str, interval_s: float = 10.0) -> None:
+    def __init__(self, client: str, interval_s: float = REPEAT_INTERVAL_S) -> None:
         self._client = client
-        self._interval_s = interval_s
-        self._last: dict[int, tuple[float, int]] = {}
+        self._throttle = Throttle(interval_s)
 
     def __call__(self, error: confluent_kafka.KafkaError) -> None:
-        now = time.monotonic()
-        logged_at, suppressed = self._last.get(error.code(), (-self._interval_s, 0))
-        if now - logged_at < self._interval_s and not error.fatal():
-            self._last[error.code()] = (logged_at, suppressed + 1)
+        suppressed = self._throttle.admit(error.code(), force=error.fatal())
+        if suppressed is None:
             return
-        self._last[error.code()] = (now, 0)
         _log.warning(
             "kafka_client_error",
             client=self._client,

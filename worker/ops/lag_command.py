@@ -24,11 +24,13 @@ from prometheus_client.registry import Collector
 from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader
-from worker.kafka.clients import producer_config
-from worker.logs import configure_logging
+from worker.kafka.clients import ClientErrorLog, producer_config
+from worker.logs import configure_logging, librdkafka_logger
 from worker.telemetry.server import Probes, TelemetryServer
 
 DEFAULT_PORT = 9401
+# How often the client's queued lines and errors are logged (whether or not anyone scrapes).
+_SERVE_CLIENT_EVERY_S = 1.0
 _log = structlog.get_logger("worker.lag")
 
 
@@ -93,7 +95,8 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log)
     group = args.group or settings.pipeline.group_id
     topic = args.topic or settings.topics.input
-    reader = GroupLagReader(producer_config(settings))
+    # Its client's lines and errors in the configured format, one per cause and interval.
+    reader = GroupLagReader(producer_config(settings), librdkafka_logger(), ClientErrorLog("lag-exporter"))
     registry = CollectorRegistry()
     registry.register(GroupLagCollector(lambda: reader.read(group, topic), group, topic))
     metrics = msgspec.structs.replace(
@@ -108,5 +111,6 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        stop.wait()
+        while not stop.wait(_SERVE_CLIENT_EVERY_S):
+            reader.serve()
     return 0

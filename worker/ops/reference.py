@@ -110,6 +110,9 @@ SETTING_DOCS: dict[str, str] = {
     "metrics.host": "address that port binds",
     "metrics.stall_timeout_ms": "`/healthz` fails once the consumer loop has not turned for this long (keep "
     "it above `revoke_timeout_ms`)",
+    "metrics.reload_token_file": "file holding the token `POST /reload` requires (`Authorization: Bearer`); "
+    "at least 16 printable ASCII characters, not readable by other users; unset, the endpoint is closed "
+    "([operations](operations.md#changing-the-model-without-a-restart))",
 }
 
 

@@ -13,9 +13,10 @@ cascade stands aside (every first answer stands) until a reload brings that labe
 switch the new pool must pass what the running one passed at start: it loads (each context checks at load
 that the prompt's shared prefix tokenises the same alone as inside the whole prompt, or prefix reuse would be
 wrong), and a canary ticket gets an intent of the new taxonomy without a fallback. A reload that fails logs
-`reload_failed` with the reason, closes what it started and leaves the running pool as it was. Requests that
-arrive while one loads are coalesced into one more reload after it (it reads the settings again, so the last
-edit wins).
+`reload_failed` with the reason, closes what it started and leaves the running pool as it was. Reloads run
+one at a time: SIGHUPs that arrive while one waits or loads are coalesced into one more reload after it (it
+reads the settings again, so the last edit wins); a `POST /reload` meanwhile is refused (409), so a burst of
+requests cannot queue reload after reload.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class Reloader:
         self._fallback = fallback
         self._on_outcome = on_outcome
         self._sources: list[str] = []  # who asked since the last reload began
+        # Held while `request_unless_busy` looks and while a reload takes its requests or finishes.
+        self._busy_lock = threading.Lock()
+        self._reloading = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._cascade: Cascade | None = None
@@ -80,6 +84,15 @@ class Reloader:
         """Ask for a reload. Safe in a signal handler: one atomic append, no lock, no logging (a handler
         runs on the main thread between any two bytecodes, maybe while that thread holds a lock)."""
         self._sources.append(source)
+
+    def request_unless_busy(self, source: str) -> bool:
+        """Ask for a reload unless one is already waiting or running; False then, and nothing is asked
+        (`POST /reload` answers 409). Not for signal handlers: it takes a lock."""
+        with self._busy_lock:
+            if self._sources or self._reloading:
+                return False
+            self._sources.append(source)
+            return True
 
     def start(self, switch: SwitchingClassifier, cascade: Cascade | None = None) -> None:
         """Serve requests (including any made before this) by staging new pools on `switch`; `cascade`, the
@@ -97,9 +110,16 @@ class Reloader:
 
     def _serve(self, switch: SwitchingClassifier) -> None:
         while not self._stop.wait(_REQUEST_CHECK_S):
-            if self._sources:
+            if not self._sources:
+                continue
+            with self._busy_lock:
+                self._reloading = True
                 sources = [self._sources.pop() for _ in range(len(self._sources))]
+            try:
                 self.reload(switch, sources)
+            finally:
+                with self._busy_lock:
+                    self._reloading = False
 
     def reload(self, switch: SwitchingClassifier, sources: list[str] | None = None) -> bool:
         """One reload, on the calling thread; True when a new pool was staged."""

@@ -3,7 +3,8 @@
 Every pipeline, topic, inference and log setting has a flag here; flags beat `--set`, which beats the
 environment and the `--config` file (see worker/config.py). The process runs until SIGTERM/SIGINT, then
 shuts down gracefully (exit 0); a second signal exits at once (exit 128+signal). SIGHUP (and `POST /reload`
-when metrics.port is set) reloads the model without leaving the group (see worker/ops/reload.py).
+when metrics.port and metrics.reload_token_file are set) reloads the model without leaving the group (see
+worker/ops/reload.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from worker.pipeline.cascade import Cascade
 from worker.pipeline.review import Review
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
+from worker.telemetry.access import ReloadAccess
 from worker.telemetry.worker import WorkerTelemetry
 
 _log = structlog.get_logger("worker.run")
@@ -145,6 +147,11 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--metrics-port", "metrics.port", "serve /metrics, /healthz, /readyz here; 0 = any free port"),
     ("--metrics-host", "metrics.host", "address the metrics port binds"),
     ("--stall-timeout-ms", "metrics.stall_timeout_ms", "/healthz fails after a loop stall this long"),
+    (
+        "--reload-token-file",
+        "metrics.reload_token_file",
+        "file holding the token POST /reload requires; unset, the endpoint is closed (SIGHUP reloads)",
+    ),
 )
 
 
@@ -229,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log)
     stop = _StopOnSignals(args.held_stop_signals.received)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
+    reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
     # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
     if (shadow_inference := settings.inference.shadow_settings()) is not None:
@@ -237,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
     if escalation.why_off is not None:
         _log.info("cascade_off", reason=escalation.why_off)
     settings = _check_topics(settings)
-    telemetry = WorkerTelemetry.start(settings, librdkafka_logger())  # a no-op unless metrics.port is set
+    # A no-op unless metrics.port is set.
+    telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
     reloader = Reloader(
         settings,
@@ -285,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             telemetry.watch_model_processes("shadow", shadow_pool.worker_pids)
         if escalation_pool is not None:
             telemetry.watch_model_processes("escalation", escalation_pool.worker_pids)
-        telemetry.serve_reload(lambda: reloader.request("POST /reload"))
+        telemetry.serve_reload(lambda: reloader.request_unless_busy("POST /reload"))
         stop.attach(pipeline)
         reloader.start(classifier, cascade)
         return pipeline.run()

@@ -49,6 +49,7 @@ from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
 from worker.kafka.errors import PURGED
+from worker.logs import librdkafka_logger
 from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_for
 from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
@@ -514,7 +515,9 @@ class _ReplayClients:
         settings, transactional = self.settings, self.transactional
         return kafka_call(
             "create a producer",
-            lambda: create_producer(settings, on_error=on_error, transactional=transactional),
+            lambda: create_producer(
+                settings, on_error=on_error, logger=librdkafka_logger(), transactional=transactional
+            ),
             settings.kafka,
         )
 
@@ -547,7 +550,9 @@ class _Replay(Observer):
             "isolation.level": "read_committed",
         }
         self.consumer = kafka_call(
-            "create a consumer", lambda: create_consumer(settings, overrides=consumer_options), settings.kafka
+            "create a consumer",
+            lambda: create_consumer(settings, logger=librdkafka_logger(), overrides=consumer_options),
+            settings.kafka,
         )
         self.tracker = OffsetTracker()
         self.failure = Failure()

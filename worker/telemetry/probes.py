@@ -48,6 +48,8 @@ class BrokerProbe:
             except confluent_kafka.KafkaException as error:
                 # The client's message names the broker and the failure, never a credential.
                 self.state = Check(False, f"unreachable: {error.args[0].str()}")
+            # An admin client's lines and errors wait in its queue (growing through an outage) for a poll.
+            self._admin.poll(0)
             if self._stop.wait(_BROKER_CHECK_INTERVAL_S):
                 return
 

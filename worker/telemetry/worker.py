@@ -1,5 +1,5 @@
 """The worker's endpoint: its probes (the loop turning, the pool warm, the broker answering, the group
-joined), the collectors registered on one port, and the reload hook."""
+joined), the collectors registered on one port, and the reload hook behind its token (access.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from worker import __version__
 from worker.config import InferenceSettings, Settings
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.pipeline.metrics import PipelineMetrics
+from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import BrokerProbe, WorkerProbes
 from worker.telemetry.server import TelemetryServer, new_registry
@@ -30,10 +31,15 @@ class WorkerTelemetry:
     broker: BrokerProbe | None = None
     info: dict[str, str] = field(default_factory=dict)
     model_processes: ModelProcessCollector | None = None
+    reload_access: ReloadAccess = field(default_factory=lambda: ReloadAccess(None))
 
     @classmethod
-    def start(cls, settings: Settings, logger: Any = None) -> WorkerTelemetry:
-        """Serve from now on (before the model loads, so probes answer during start-up)."""
+    def start(
+        cls, settings: Settings, logger: Any = None, reload_access: ReloadAccess | None = None
+    ) -> WorkerTelemetry:
+        """Serve from now on (before the model loads, so probes answer during start-up); `reload_access`
+        decides who may `POST /reload` once `serve_reload` wires it (default: nobody)."""
+        access = reload_access or ReloadAccess(None)
         if settings.metrics.port is None:
             return cls()
         broker = BrokerProbe(settings, logger)
@@ -56,8 +62,9 @@ class WorkerTelemetry:
         except BaseException:
             broker.close()
             raise
-        _log.info("telemetry_listening", host=settings.metrics.host, port=server.port)
-        return cls(probes, server, broker, info, model_processes)
+        reload = "closed (SIGHUP reloads)" if access.closed else "token required"
+        _log.info("telemetry_listening", host=settings.metrics.host, port=server.port, reload=reload)
+        return cls(probes, server, broker, info, model_processes, access)
 
     def attach(self, metrics: PipelineMetrics, model_id: str, pool_contexts: int) -> None:
         """The pool is warm and the pipeline built: from now on its numbers are exported."""
@@ -72,10 +79,11 @@ class WorkerTelemetry:
         if self.model_processes is not None:
             self.model_processes.pools[role] = pids
 
-    def serve_reload(self, request: Callable[[], None]) -> None:
-        """Answer `POST /reload` by calling `request` (which must return at once)."""
+    def serve_reload(self, request: Callable[[], bool]) -> None:
+        """Answer `POST /reload` (for holders of the token) by calling `request`, which must return at once,
+        saying whether it took the request (False: a reload is already waiting or running)."""
         if self.server is not None:
-            self.server.reload = request
+            self.server.serve_reload(request, self.reload_access)
 
     def reloaded(
         self, outcome: str, inference: InferenceSettings | None, pool: ClassifierPool | None
