@@ -107,28 +107,31 @@ class _Summary:
 
 
 def demo(args: argparse.Namespace) -> int:
+    """The broker this command starts is stopped whatever ends it: Ctrl-C, an error, or the reader of its
+    output gone (`demo | head`); from the moment it is started, not only once it is ready."""
     given = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     broker: local_broker.LocalBroker | None = None
-    if given is None:
-        running = local_broker.LocalBroker(args.state_dir).status()
-        if running.running and running.bootstrap is not None:
-            ignored = (
-                f" (not --port {args.port}: `broker stop` it first)"
-                if args.port not in (None, running.port)
-                else ""
-            )
-            print(f"using the local broker already running at {running.bootstrap}{ignored}", flush=True)
-            given = running.bootstrap  # not ours to stop
-        else:
-            broker = local_broker.LocalBroker(args.state_dir, args.port or _free_default_port())
-            print(f"starting the local Kafka broker on port {broker.port} ({args.state_dir}) ...", flush=True)
-            broker.start(fresh=False)
-            given = broker.bootstrap
-    settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
     try:
+        if given is None:
+            running = local_broker.LocalBroker(args.state_dir).status()
+            if running.running and running.bootstrap is not None:
+                ignored = (
+                    f" (not --port {args.port}: `broker stop` it first)"
+                    if args.port not in (None, running.port)
+                    else ""
+                )
+                print(f"using the local broker already running at {running.bootstrap}{ignored}", flush=True)
+                given = running.bootstrap  # not ours to stop
+            else:
+                broker = local_broker.LocalBroker(args.state_dir, args.port or _free_default_port())
+                where = f"port {broker.port} ({args.state_dir})"
+                print(f"starting the local Kafka broker on {where} ...", flush=True)
+                broker.start(fresh=False)
+                given = broker.bootstrap
+        settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
         return _run(args, settings)
     finally:
-        if broker is not None:
+        if broker is not None and broker.status().running:
             print("stopping the local Kafka broker ...", flush=True)
             broker.stop()
 
