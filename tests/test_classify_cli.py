@@ -138,6 +138,29 @@ def test_send_refuses_text_that_is_not_utf8_before_contacting_kafka() -> None:
     assert b"Kafka" not in done.stderr and len(done.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("arguments", "reason"),
+    [
+        ([""], "empty_ticket: `body` and `subject` are empty or whitespace: no text to classify"),
+        ([" \t"], "empty_ticket: `body` and `subject` are empty or whitespace: no text to classify"),
+        (["my card", "--ticket-id", ""], "empty_field: `ticket_id` must not be empty"),
+    ],
+    ids=["empty-text", "blank-text", "empty-ticket-id"],
+)
+def test_send_refuses_a_ticket_the_worker_would_dead_letter_before_contacting_kafka(
+    arguments: list[str], reason: str
+) -> None:
+    """`send ""` published an empty ticket, and `--ticket-id ""` was replaced by a random id in silence."""
+    done = subprocess.run(
+        [*CLI, "send", *arguments, "--bootstrap-servers", "127.0.0.1:9"], capture_output=True, check=False
+    )
+    assert (done.returncode, done.stdout) == (2, b"")
+    assert done.stderr.decode() == (
+        f"triage-worker: error: send: the worker would dead-letter this ticket ({reason}); fix it, or send "
+        "such a value on purpose with --raw\n"
+    )
+
+
 def _banking77_test_texts(count: int) -> list[str]:
     with (Path(__file__).parents[1] / "data" / "banking77" / "test.csv").open(encoding="utf-8") as handle:
         return [row["text"] for row in list(csv.DictReader(handle))[:count]]
