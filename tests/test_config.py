@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import resource
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from worker.errors import UserError
 from worker.ops.cli import main
 
 SECRET = "hunter2-very-secret"
+TINY = Path(__file__).parent / "models" / "tiny"
 
 
 def _toml(tmp_path: Path, text: str) -> Path:
@@ -190,6 +194,56 @@ def test_file_values_keep_their_toml_type(tmp_path: Path) -> None:
 def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
     assert _error(config_file=tmp_path / "missing.toml", env={}).startswith("config error: cannot read")
     assert "invalid TOML" in _error(config_file=_toml(tmp_path, "[pipeline\n"), env={})
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["config", "show", "--config", "/dev/zero"],
+        ["classify", "hi", "--model", str(TINY), "--taxonomy", "/dev/zero"],
+        ["classify", "hi", "--model", str(TINY), "--taxonomy", "{big}"],
+    ],
+    ids=["config-dev-zero", "taxonomy-dev-zero", "taxonomy-2-MiB"],
+)
+def test_a_settings_file_or_taxonomy_is_read_with_a_bound(command: list[str], tmp_path: Path) -> None:
+    """`--taxonomy /dev/zero` once read 8.1 GB before anything was said (here the memory is capped at 4 GiB
+    so that the old way fails fast): now one line, at once."""
+    big = tmp_path / "big.toml"
+    big.write_text("# a comment\n" * ((2 << 20) // 12) + (TINY / "taxonomy.toml").read_text())
+    command = [part.format(big=big) for part in command]
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)),
+        check=False,
+    )
+    what = "a settings file" if command[0] == "config" else "a taxonomy"
+    prefix = "config error: cannot read" if command[0] == "config" else "cannot read taxonomy file"
+    line = f"{prefix} {command[-1]}: over 1 MiB, too large for {what}: is it the right file?"
+    assert (done.returncode, done.stderr) == (2, f"triage-worker: error: {line}\n")
+
+
+def test_a_fallback_intent_that_is_a_real_intent_is_refused_at_load(tmp_path: Path) -> None:
+    """A fallback (no model answer) named like a real intent reads as an answer downstream."""
+    taxonomy = tmp_path / "taxonomy.toml"
+    taxonomy.write_text(
+        (TINY / "taxonomy.toml")
+        .read_text()
+        .replace('fallback_intent = "unclassified"', 'fallback_intent = "card_arrival"')
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "classify", "hi", "--model", str(TINY), "--taxonomy", str(taxonomy)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"triage-worker: error: {taxonomy}: `fallback_intent` 'card_arrival' is one of the intents; it must "
+        'be a name of its own (e.g. "unclassified") so that a fallback is never taken for an answer\n'
+    )
 
 
 def test_errors_about_kafka_values_never_echo_them(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import msgspec
 from worker.errors import UserError
 from worker.librdkafka import PROPERTIES as LIBRDKAFKA_PROPERTIES
 from worker.shipped import shipped_path
+from worker.small_files import read_small_file
 
 DEFAULT_MODEL_DIR = shipped_path("models/triage-mini")
 # The shipped escalation stage of the cascade (an encoder stage, see worker/inference/encoder.py), found like
@@ -332,10 +333,11 @@ def _split_key(dotted: str, source: str) -> _Key:
 
 def _file_entries(path: Path) -> dict[_Key, _Entry]:
     try:
-        with path.open("rb") as handle:
-            document = tomllib.load(handle)
+        document = tomllib.loads(read_small_file(path, "a settings file").decode("utf-8"))
     except OSError as error:
         raise UserError(f"config error: cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"config error: {path}: not UTF-8 text (byte {error.start})") from None
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"config error: {path}: invalid TOML: {error}") from None
     source = str(path)
