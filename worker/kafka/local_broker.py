@@ -3,8 +3,9 @@
 Machines this project targets have Java and Maven but often no Docker engine, and no Kafka package exists in
 Debian or PyPI. So the broker's jars are resolved from Maven Central with the small pom in `deploy/kafka/`
 (cached outside the repo), and one KRaft node (broker + controller) is started on 127.0.0.1 as a detached
-JVM. Its state lives in one directory: `server.properties`, `data/` (the log dir), `logs/server.log`,
-`logs/stdout.log`, `broker.pid` and `broker.port`.
+JVM. Its state lives in one directory (by default one per checkout, see `default_state_dir`):
+`server.properties`, `data/` (the log dir), `logs/server.log`, `logs/stdout.log`, `broker.pid` and
+`broker.port`.
 
 A stopped broker can be started again on the same data (`start(fresh=False)`), which tests use to prove the
 worker survives a broker restart.
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from worker.cache import cache_root
 from worker.errors import UserError
-from worker.shipped import checkout_file
+from worker.shipped import SOURCE_ROOT, checkout_file
 
 KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 9092
@@ -68,7 +69,11 @@ def kafka_home() -> Path:
 
 
 def default_state_dir() -> Path:
-    return cache_root() / "broker"
+    """`~/.cache/triage-worker/broker/<checkout folder>-<8 hex digits of its path>`: one per checkout, so that
+    one checkout's `broker start --fresh` never wipes the topics of a broker another checkout runs (they
+    all shared `broker/` before)."""
+    digest = hashlib.sha256(str(SOURCE_ROOT).encode()).hexdigest()[:8]
+    return cache_root() / "broker" / f"{SOURCE_ROOT.name}-{digest}"
 
 
 def require_tool(name: str, install_hint: str) -> str:
