@@ -42,9 +42,11 @@ class _ReaderGoneRaw(io.RawIOBase):
     def isatty(self) -> bool:
         return os.isatty(self._fd)
 
-    def write(self, data: ReadableBuffer) -> int:
+    def write(self, data: ReadableBuffer) -> int | None:
         try:
             return os.write(self._fd, data)
+        except BlockingIOError:  # a full non-blocking descriptor: None, as a raw file's contract says
+            return None
         except BrokenPipeError:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._fd)
