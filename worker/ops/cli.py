@@ -80,8 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         streams.flush()
         return code
-    except BrokenPipeError:
-        if not streams.reader_gone:  # another pipe than ours: a bug to see, not a reader that left
+    except OSError:
+        if not streams.reader_gone:  # not about our output: a problem to see, not a reader that left
             raise
         return READER_GONE_EXIT
     finally:

@@ -1,16 +1,18 @@
 """Standard streams whose reader may go away: `triage-worker demo | head -n 8`, `make run | tee log` + Ctrl-C.
 
-Python ignores SIGPIPE, so a write to a pipe nobody reads any more raises BrokenPipeError, and so does every
-later write: the `finally` blocks that stop a command's children (the demo's worker, the broker it started)
-print a line first, that print raises again, and the rest of the cleanup never runs. So the CLI guards its
-own stdout and stderr: the first write that finds the reader gone points the file descriptor at /dev/null and
-raises, which unwinds the command like any error, and every later write, the cleanup's own lines included,
-goes nowhere without a word. `cli.main` then exits with `READER_GONE_EXIT`, without a traceback.
+Python ignores SIGPIPE, so a write to a pipe nobody reads any more raises BrokenPipeError (one to a terminal
+that hung up, OSError EIO), and so does every later write: the `finally` blocks that stop a command's children
+(the demo's worker, the broker it started) print a line first, that print raises again, and the rest of the
+cleanup never runs. So the CLI guards its own stdout and stderr: the first write that finds the reader gone
+points the file descriptor at /dev/null and raises, which unwinds the command like any error, and every later
+write, the cleanup's own lines included, goes nowhere without a word. `cli.main` then exits with
+`READER_GONE_EXIT`, without a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import sys
@@ -47,7 +49,10 @@ class _ReaderGoneRaw(io.RawIOBase):
             return os.write(self._fd, data)
         except BlockingIOError:  # a full non-blocking descriptor: None, as a raw file's contract says
             return None
-        except BrokenPipeError:
+        except OSError as error:
+            # EPIPE: a pipe nobody reads any more; EIO: a terminal hung up (closed under `make run`).
+            if error.errno not in (errno.EPIPE, errno.EIO):
+                raise
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._fd)
             os.close(devnull)
@@ -94,7 +99,7 @@ class _Guard:
     def restore(self) -> None:
         """Put the original streams back (quietly: a reader gone at this point has nothing more to lose)."""
         for name, original in reversed(self._replaced):
-            with contextlib.suppress(BrokenPipeError):
+            with contextlib.suppress(OSError):
                 getattr(sys, name).flush()
             setattr(sys, name, original)
         self._replaced.clear()
