@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import resource
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from worker.errors import UserError
 from worker.ops.cli import main
 
 SECRET = "hunter2-very-secret"
+TINY = Path(__file__).parent / "models" / "tiny"
 
 
 def _toml(tmp_path: Path, text: str) -> Path:
@@ -115,7 +119,7 @@ def test_optional_values_and_tables_from_env() -> None:
         "TRIAGE_INFERENCE__POOL_SIZE": "3",
         "TRIAGE_INFERENCE__PROVIDER_OPTIONS__DEVICE_ID": "1",
         "TRIAGE_PIPELINE__RESUME_BELOW": "10",
-        "TRIAGE_UNRELATED_SETTING": "ignored",
+        "TRIAGE_KAFKA_HOME": "/opt/kafka-jars",  # the local broker's, not a setting
     }
     settings = load_settings(env=env, overrides={"inference.pool_size": ""})
     assert settings.inference.pool == "thread"
@@ -150,16 +154,6 @@ def test_optional_values_and_tables_from_env() -> None:
             "config error: pipeline.resume_below: expected int < max_in_flight (8), got 8 "
             "(from TRIAGE_PIPELINE__MAX_IN_FLIGHT, command line)",
         ),
-        (
-            {"TRIAGE_PIPELINE__MAX_INFLIGHT": "8"},
-            {},
-            "config error: pipeline.max_inflight: unknown key; pipeline has",
-        ),
-        (
-            {"TRIAGE_PIPELINE_MAX_IN_FLIGHT": "8"},
-            {},
-            "config error: TRIAGE_PIPELINE_MAX_IN_FLIGHT: use a double underscore between section and key",
-        ),
         ({}, {"pipelines.max_in_flight": 8}, "config error: pipelines.max_in_flight: unknown section"),
     ],
 )
@@ -167,6 +161,43 @@ def test_one_bad_value_gives_one_line_naming_key_and_origin(
     env: dict[str, str], overrides: dict[str, object], expected: str
 ) -> None:
     assert _error(env=env, overrides=overrides).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("variable", "meant"),
+    [
+        ("TRIAGE_MAX_IN_FLIGHT", "TRIAGE_PIPELINE__MAX_IN_FLIGHT"),  # once ignored in silence
+        ("TRIAGE_PIPELINE_MAX_IN_FLIGHT", "TRIAGE_PIPELINE__MAX_IN_FLIGHT"),
+        ("TRIAGE_PIPELINE__MAX_INFLIGHT", "TRIAGE_PIPELINE__MAX_IN_FLIGHT"),
+        ("TRIAGE_PIPELINES__MAX_IN_FLIGHT", "TRIAGE_PIPELINE__MAX_IN_FLIGHT"),
+        ("TRIAGE_DEADLINE", "TRIAGE_PIPELINE__DEADLINE_MS"),
+        ("TRIAGE_INFERENCE__PROVIDER_OPTIONS", "TRIAGE_INFERENCE__PROVIDER_OPTIONS__<NAME>"),
+    ],
+)
+def test_an_unknown_triage_variable_is_one_line_naming_the_nearest_setting(variable: str, meant: str) -> None:
+    assert _error(env={variable: "5"}) == f"config error: {variable}: no such setting; did you mean {meant}?"
+
+
+def test_a_triage_variable_like_no_setting_at_all_says_what_settings_look_like() -> None:
+    assert _error(env={"TRIAGE_FOO": "1"}) == (
+        "config error: TRIAGE_FOO: no such setting; settings are TRIAGE_<SECTION>__<KEY>"
+    )
+
+
+def test_service_links_of_a_triage_service_are_ignored_with_a_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Kubernetes gives every pod TRIAGE_WORKER_METRICS_SERVICE_HOST, ... for a Service
+    `triage-worker-metrics` in its namespace (unless enableServiceLinks: false): not typos, and no reason to
+    refuse to start."""
+    links = {
+        "TRIAGE_WORKER_METRICS_SERVICE_HOST": "10.0.0.9",
+        "TRIAGE_WORKER_METRICS_PORT": "tcp://10.0.0.9:9400",
+    }
+    assert load_settings(env={**links, "TRIAGE_METRICS__PORT": "9400"}).metrics.port == 9400
+    assert (
+        "ignoring TRIAGE_WORKER_METRICS_PORT, TRIAGE_WORKER_METRICS_SERVICE_HOST" in capsys.readouterr().err
+    )
 
 
 def test_unknown_key_in_file_is_an_error(tmp_path: Path) -> None:
@@ -190,6 +221,56 @@ def test_file_values_keep_their_toml_type(tmp_path: Path) -> None:
 def test_unreadable_or_invalid_file(tmp_path: Path) -> None:
     assert _error(config_file=tmp_path / "missing.toml", env={}).startswith("config error: cannot read")
     assert "invalid TOML" in _error(config_file=_toml(tmp_path, "[pipeline\n"), env={})
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["config", "show", "--config", "/dev/zero"],
+        ["classify", "hi", "--model", str(TINY), "--taxonomy", "/dev/zero"],
+        ["classify", "hi", "--model", str(TINY), "--taxonomy", "{big}"],
+    ],
+    ids=["config-dev-zero", "taxonomy-dev-zero", "taxonomy-2-MiB"],
+)
+def test_a_settings_file_or_taxonomy_is_read_with_a_bound(command: list[str], tmp_path: Path) -> None:
+    """`--taxonomy /dev/zero` once read 8.1 GB before anything was said (here the memory is capped at 4 GiB
+    so that the old way fails fast): now one line, at once."""
+    big = tmp_path / "big.toml"
+    big.write_text("# a comment\n" * ((2 << 20) // 12) + (TINY / "taxonomy.toml").read_text())
+    command = [part.format(big=big) for part in command]
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30)),
+        check=False,
+    )
+    what = "a settings file" if command[0] == "config" else "a taxonomy"
+    prefix = "config error: cannot read" if command[0] == "config" else "cannot read taxonomy file"
+    line = f"{prefix} {command[-1]}: over 1 MiB, too large for {what}: is it the right file?"
+    assert (done.returncode, done.stderr) == (2, f"triage-worker: error: {line}\n")
+
+
+def test_a_fallback_intent_that_is_a_real_intent_is_refused_at_load(tmp_path: Path) -> None:
+    """A fallback (no model answer) named like a real intent reads as an answer downstream."""
+    taxonomy = tmp_path / "taxonomy.toml"
+    taxonomy.write_text(
+        (TINY / "taxonomy.toml")
+        .read_text()
+        .replace('fallback_intent = "unclassified"', 'fallback_intent = "card_arrival"')
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "worker", "classify", "hi", "--model", str(TINY), "--taxonomy", str(taxonomy)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"triage-worker: error: {taxonomy}: `fallback_intent` 'card_arrival' is one of the intents; it must "
+        'be a name of its own (e.g. "unclassified") so that a fallback is never taken for an answer\n'
+    )
 
 
 def test_errors_about_kafka_values_never_echo_them(tmp_path: Path) -> None:

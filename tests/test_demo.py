@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import pty
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +18,7 @@ import pytest
 
 from worker.kafka import local_broker
 from worker.ops.cli import main
+from worker.ops.pipes import READER_GONE_EXIT
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "models" / "tiny"
@@ -70,3 +76,68 @@ def test_make_run_passes_its_port_to_the_demo() -> None:
 
     assert "demo --port 9093" in planned("PORT=9093")
     assert "--port" not in planned()  # the demo's own choice: 9092, or a free port when it is taken
+
+
+def _worker_pid(lines: Iterator[str]) -> int:
+    """The demo's worker, once it has answered a first ticket (the demo is then fully running)."""
+    pid = None
+    for line in lines:
+        found = re.match(r"worker pid (\d+)", line)
+        if found:
+            pid = int(found[1])
+        elif pid is not None and re.match(r"  S[0-9a-f]{6}-\d{7} ", line):  # a sample ticket's result
+            return pid
+    raise AssertionError("the demo ended before its worker answered")
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.parametrize("terminal_closed", [False, True], ids=["SIGTERM", "SIGHUP-terminal-closed"])
+def test_a_demo_ended_by_a_signal_stops_its_worker(
+    kafka_bootstrap: str, tmp_path: Path, terminal_closed: bool
+) -> None:
+    """SIGTERM (a supervisor, `timeout`) and SIGHUP (the terminal of `make run` closed) killed the demo on the
+    spot, its worker (and a broker it started) running on; now they end it as Ctrl-C does."""
+    run = uuid.uuid4().hex[:8]
+    topics = {"input": f"demo.in.{run}", "output": f"demo.out.{run}", "dead_letter": f"demo.dlq.{run}"}
+    command = [
+        *(
+            sys.executable,
+            "-m",
+            "worker",
+            "demo",
+            "--bootstrap-servers",
+            kafka_bootstrap,
+            "--model",
+            str(TINY),
+        ),
+        *("--state-dir", str(tmp_path), "--rate", "20", "--malformed-ratio", "0"),
+        *("--set", "inference.escalation=off", "--set", "inference.pool_size=1"),
+        *("--set", f"pipeline.group_id=demo-{run}"),
+        *(f"--set=topics.{key}={name}" for key, name in topics.items()),
+    ]
+    terminal, output = pty.openpty() if terminal_closed else (None, subprocess.PIPE)
+    demo = subprocess.Popen(command, cwd=REPO, stdout=output, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        if terminal is None:
+            assert demo.stdout is not None
+            worker = _worker_pid(demo.stdout)
+            demo.send_signal(signal.SIGTERM)
+        else:
+            assert isinstance(output, int)
+            os.close(output)
+            with open(terminal, encoding="utf-8", errors="replace", closefd=False) as screen:
+                worker = _worker_pid(screen)
+            os.close(terminal)  # the terminal window goes away, and its session gets SIGHUP
+            demo.send_signal(signal.SIGHUP)
+        _, err = demo.communicate(timeout=180)
+        assert "Traceback" not in err, err
+        # SIGTERM: the demo's usual end (0); the terminal gone, what it printed on the way found nobody (141).
+        assert demo.returncode == (READER_GONE_EXIT if terminal_closed else 0), err
+        assert not Path(f"/proc/{worker}").exists()  # its worker stopped with it
+    finally:
+        demo.kill()
+        demo.wait()
+        if worker is not None and Path(f"/proc/{worker}").exists():
+            os.kill(worker, signal.SIGKILL)

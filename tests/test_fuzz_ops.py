@@ -16,6 +16,7 @@ from rich.console import Console
 from worker.config import Settings
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
+from worker.ops.classify_command import EXIT_LINES_SKIPPED
 from worker.ops.cli import main
 from worker.ops.replay_command import _print_report
 from worker.replay.engine import Outcome, ReplayOptions, _Replay
@@ -247,13 +248,13 @@ def test_classify_input_reports_poison_lines_with_the_dead_letter_reason_and_goe
         ]
     )
     err = capsys.readouterr().err
-    assert code == 0, err
+    assert code == EXIT_LINES_SKIPPED, err
     for number, reason in [
         (2, "too_deeply_nested"),
         (3, "wrong_type: `metadata.[/bold]` must be a string"),
         (4, "invalid_utf8"),
         (5, "invalid_timestamp"),
-        (6, "too_large"),
+        (6, "too_large: line is over the 4096-byte limit"),
     ]:
         assert f"tickets.jsonl:{number}: skipped, not a TicketEvent: {reason}" in err
     assert "bad lines skipped: 5" in err

@@ -42,6 +42,7 @@ def test_shipped_taxonomies_load() -> None:
         ({"intents": [{"name": "a", "description": "d", "priority": "Low"}] * 2}, "listed twice"),
         ({"prompt": {"instructions": "x", "typo_key": 1}}, "typo_key"),
         ({"priorities": ["Low"], "fallback_priority": "Low"}, r"intents\[0\]\.priority"),
+        ({"fallback_intent": "card_arrival"}, "`fallback_intent` .card_arrival. is one of the intents"),
     ],
 )
 def test_bad_taxonomy_is_a_user_error_naming_the_key(changes: dict[str, object], message: str) -> None:

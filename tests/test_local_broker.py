@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -14,6 +18,8 @@ from worker.errors import UserError
 from worker.kafka import local_broker
 from worker.kafka.admin import TopicSpec, create_topics
 from worker.ops.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.kafka
@@ -79,3 +85,28 @@ def test_status_command_reports_a_stopped_broker_and_its_log_file(
     out = capsys.readouterr().out
     assert "not running" in out
     assert str(tmp_path / "logs" / "server.log") in out
+
+
+def test_each_checkout_has_a_broker_state_folder_of_its_own(tmp_path: Path) -> None:
+    """All checkouts shared ~/.cache/triage-worker/broker, so one checkout's `broker start --fresh` wiped the
+    topics of the broker another one ran."""
+    other_checkout = tmp_path / "other-checkout"
+    shutil.copytree(REPO / "worker", other_checkout / "worker", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+
+    def log_file_of(checkout: Path) -> Path:
+        done = subprocess.run(
+            [sys.executable, "-m", "worker", "broker", "status"],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 3, done.stderr  # not running
+        return Path(done.stdout.split("log file:")[1].strip())
+
+    mine, theirs = log_file_of(REPO), log_file_of(other_checkout)
+    assert mine != theirs
+    for state_dir, checkout in ((mine.parents[1], REPO), (theirs.parents[1], other_checkout)):
+        assert state_dir.parent == tmp_path / "cache" / "triage-worker" / "broker"
+        assert state_dir.name.startswith(f"{checkout.name}-")

@@ -216,6 +216,10 @@ def test_checkout_only_commands_say_so_in_one_line(installed: Installed) -> None
     assert "runs only from a source checkout" in _one_line_error(installed.cli("model", "train"))
     feedback = _one_line_error(installed.cli("model", "train", "--feedback", "f.jsonl", "--out", "tuned"))
     assert "runs only from a source checkout" in feedback and "give --data DIR" in feedback
+    # Without the `eval` extra (the cpu extra only), before any work; then without a checkout's data.
+    assert "pip install 'triage-worker[eval]'" in _one_line_error(installed.cli("model", "eval"))
+    evaluate = _one_line_error(installed.cli("model", "eval", "--no-baselines", "--no-teacher"))
+    assert "give --data DIR" in evaluate and "site-packages" not in evaluate
 
 
 @pytest.mark.kafka

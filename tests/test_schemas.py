@@ -38,6 +38,36 @@ def test_schemas_check_command(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "run `triage-worker schemas --write`" in err
 
 
+@pytest.mark.parametrize(
+    ("arguments", "line"),
+    [
+        (["--write", "--dir", "{file}"], "schemas --write: {file} is not a folder"),
+        (
+            ["--write", "--dir", "/proc/self"],
+            "schemas --write: cannot write /proc/self/ticket_event.schema.json: No such file or directory",
+        ),
+        (["--check", "--dir", "{file}"], "schemas --check: {file} is not a folder"),
+        (["--check", "--dir", "{missing}"], "schemas --check: {missing} does not exist"),
+    ],
+    ids=["write-to-a-file", "write-to-proc", "check-a-file", "check-a-missing-folder"],
+)
+def test_a_folder_that_cannot_hold_schemas_is_one_line(
+    arguments: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    places = {"file": tmp_path / "a-file", "missing": tmp_path / "nowhere"}
+    places["file"].write_text("not a folder\n")
+    assert main(["schemas", *(argument.format(**places) for argument in arguments)]) == 2
+    assert capsys.readouterr().err == f"triage-worker: error: {line.format(**places)}\n"
+
+
+def test_a_check_against_an_empty_folder_names_the_missing_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["schemas", "--check", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [*(f"{tmp_path / name} is missing" for name in schema_files()), err[-1]]
+
+
 def test_schema_files_are_pretty_sorted_and_end_with_a_newline() -> None:
     for name in ("ticket_event.schema.json", "triage_result.schema.json"):
         text = (SCHEMA_DIR / name).read_text(encoding="utf-8")

@@ -26,7 +26,8 @@ The code is in six rooms, one folder each, plus a few shared modules; each room 
   (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
   everything.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
-  (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `logs`, `errors`.
+  (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files
+  and taxonomies, read with a bound), `logs`, `errors`.
 
 `tests/test_architecture.py` checks the import rules.
 """

@@ -26,6 +26,7 @@ import msgspec
 from worker.errors import UserError
 from worker.librdkafka import PROPERTIES as LIBRDKAFKA_PROPERTIES
 from worker.shipped import shipped_path
+from worker.small_files import read_small_file
 
 DEFAULT_MODEL_DIR = shipped_path("models/triage-mini")
 # The shipped escalation stage of the cascade (an encoder stage, see worker/inference/encoder.py), found like
@@ -276,10 +277,15 @@ _KAFKA_JVM_ENV = frozenset(
 # sets enableServiceLinks: false): a Service `kafka` gives KAFKA_PORT=tcp://10.0.0.7:9092,
 # KAFKA_PORT_9092_TCP(_PROTO|_PORT|_ADDR), KAFKA_SERVICE_HOST and KAFKA_SERVICE_PORT(_<port name>); one named
 # `kafka-ui` the same with KAFKA_UI_. None of them is a librdkafka option.
+# The same for a Service whose name starts with `triage` (TRIAGE_, TRIAGE_WORKER_METRICS_, ...).
 _SERVICE_LINK = re.compile(
-    r"KAFKA(_[A-Z0-9_]+?)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)"
+    r"(KAFKA|TRIAGE)(_[A-Z0-9_]+?)?_"
+    r"(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)"
 )
 _warned_service_links: set[str] = set()
+# TRIAGE_* variables that are not settings: read by the local broker (`worker/kafka/local_broker.py`) and by
+# the test session's broker choice (`tests/kafka_source.py`). Any other TRIAGE_* must name a setting.
+_TOOL_VARIABLES = frozenset({"TRIAGE_KAFKA_HOME", "TRIAGE_TEST_BROKER", "TRIAGE_KAFKA_IMAGE"})
 
 
 def is_secret_key(key: str) -> bool:
@@ -339,10 +345,11 @@ def _split_key(dotted: str, source: str) -> _Key:
 
 def _file_entries(path: Path) -> dict[_Key, _Entry]:
     try:
-        with path.open("rb") as handle:
-            document = tomllib.load(handle)
+        document = tomllib.loads(read_small_file(path, "a settings file").decode("utf-8"))
     except OSError as error:
         raise UserError(f"config error: cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"config error: {path}: not UTF-8 text (byte {error.start})") from None
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"config error: {path}: invalid TOML: {error}") from None
     source = str(path)
@@ -378,10 +385,38 @@ def _warn_service_links(variables: list[str]) -> None:
         _warned_service_links.update(new)
         print(
             f"triage-worker: warning: ignoring {', '.join(new)}: Kubernetes service-link variables, not "
-            "librdkafka options (set enableServiceLinks: false in the pod spec)",
+            "settings or librdkafka options (set enableServiceLinks: false in the pod spec)",
             file=sys.stderr,
             flush=True,
         )
+
+
+def _setting_variable(section: str, name: str) -> str:
+    table_entry = "__<NAME>" if (section, name) in _MAP_FIELDS else ""
+    return f"TRIAGE_{section.upper()}__{name.upper()}{table_entry}"
+
+
+def _is_setting_variable(variable: str) -> bool:
+    """TRIAGE_<SECTION>__<KEY>, or TRIAGE_<SECTION>__<TABLE>__<NAME> for a table of strings."""
+    section, _, rest = variable.removeprefix("TRIAGE_").lower().partition("__")
+    name, _, entry = rest.partition("__")
+    if name not in _FIELD_TYPES.get(section, {}):
+        return False
+    return bool(entry) == ((section, name) in _MAP_FIELDS)
+
+
+def _unknown_variable(variable: str) -> UserError:
+    """One line naming the setting `variable` was most likely meant to be, compared by its words with each
+    setting's, with and without the section: TRIAGE_MAX_IN_FLIGHT and TRIAGE_PIPELINE_MAX_IN_FLIGHT both
+    meant TRIAGE_PIPELINE__MAX_IN_FLIGHT."""
+    meant: dict[str, str] = {}
+    for section, fields in _FIELD_TYPES.items():
+        for name in fields:
+            meant[f"{section}_{name}"] = meant.setdefault(name, _setting_variable(section, name))
+    words = variable.removeprefix("TRIAGE_").lower().replace("__", "_")
+    nearest = difflib.get_close_matches(words, meant, n=1)
+    hint = f"did you mean {meant[nearest[0]]}?" if nearest else "settings are TRIAGE_<SECTION>__<KEY>"
+    return UserError(f"config error: {variable}: no such setting; {hint}")
 
 
 def _env_entries(env: Mapping[str, str]) -> dict[_Key, _Entry]:
@@ -396,21 +431,18 @@ def _env_entries(env: Mapping[str, str]) -> dict[_Key, _Entry]:
             else:
                 service_links.append(variable)
             continue
-        if not variable.startswith("TRIAGE_"):
+        if not variable.startswith("TRIAGE_") or variable in _TOOL_VARIABLES:
             continue
-        parts = variable.removeprefix("TRIAGE_").lower().split("__")
-        if len(parts) == 1:
-            # Catch the easy typo TRIAGE_PIPELINE_MAX_IN_FLIGHT; leave other TRIAGE_* variables alone.
-            section, _, name = parts[0].partition("_")
-            if name in _FIELD_TYPES.get(section, {}):
-                raise UserError(
-                    f"config error: {variable}: use a double underscore between section and key, "
-                    f"as TRIAGE_{section.upper()}__<KEY>"
-                )
-            continue
-        if parts[0] == "kafka":
+        if variable.startswith("TRIAGE_KAFKA__"):
             raise UserError(f"config error: {variable}: set librdkafka options as KAFKA_<OPTION>")
-        entries[_split_key(".".join(parts), variable)] = _Entry(value, variable, from_text=True)
+        if _is_setting_variable(variable):
+            dotted = variable.removeprefix("TRIAGE_").lower().replace("__", ".")
+            entries[_split_key(dotted, variable)] = _Entry(value, variable, from_text=True)
+        elif _SERVICE_LINK.fullmatch(variable):
+            service_links.append(variable)
+        else:
+            # A typo is never ignored in silence: the setting it meant would keep its default unseen.
+            raise _unknown_variable(variable)
     _warn_service_links(service_links)
     return entries
 

@@ -17,6 +17,7 @@ import msgspec
 from worker.classification import FallbackLabel
 from worker.errors import UserError
 from worker.messages import PRIORITIES, Priority
+from worker.small_files import read_small_file
 
 Normalization = Literal["none", "nfkc_lower"]
 
@@ -112,10 +113,12 @@ def load_taxonomy(path: str | Path) -> Taxonomy:
     """Read and validate a taxonomy TOML file."""
     file = Path(path)
     try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
+        data = tomllib.loads(read_small_file(file, "a taxonomy").decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"taxonomy file not found: {file}") from None
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:
+        raise UserError(f"cannot read taxonomy file {file}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
         raise UserError(f"cannot read taxonomy file {file}: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"{file}: not valid TOML: {error}") from None
@@ -138,6 +141,12 @@ def _check(taxonomy: Taxonomy, source: str) -> None:
         )
     if not taxonomy.fallback_intent.strip():
         raise UserError(f"{source}: `fallback_intent` must not be empty")
+    if taxonomy.fallback_intent in taxonomy.labels:
+        # A fallback (no model answer) would then read as a confident answer downstream and in every figure.
+        raise UserError(
+            f"{source}: `fallback_intent` {taxonomy.fallback_intent!r} is one of the intents; it must be a "
+            'name of its own (e.g. "unclassified") so that a fallback is never taken for an answer'
+        )
     if taxonomy.prompt.max_ticket_tokens is not None and taxonomy.prompt.max_ticket_tokens < 1:
         raise UserError(f"{source}: `prompt.max_ticket_tokens` must be at least 1")
     seen: set[str] = set()

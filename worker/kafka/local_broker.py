@@ -3,8 +3,9 @@
 Machines this project targets have Java and Maven but often no Docker engine, and no Kafka package exists in
 Debian or PyPI. So the broker's jars are resolved from Maven Central with the small pom in `deploy/kafka/`
 (cached outside the repo), and one KRaft node (broker + controller) is started on 127.0.0.1 as a detached
-JVM. Its state lives in one directory: `server.properties`, `data/` (the log dir), `logs/server.log`,
-`logs/stdout.log`, `broker.pid` and `broker.port`.
+JVM. Its state lives in one directory (by default one per checkout, see `default_state_dir`):
+`server.properties`, `data/` (the log dir), `logs/server.log`, `logs/stdout.log`, `broker.pid` and
+`broker.port`.
 
 A stopped broker can be started again on the same data (`start(fresh=False)`), which tests use to prove the
 worker survives a broker restart.
@@ -35,13 +36,15 @@ from pathlib import Path
 
 from worker.cache import cache_root
 from worker.errors import UserError
-from worker.shipped import checkout_file
+from worker.shipped import SOURCE_ROOT, checkout_file
 
 KAFKA_VERSION = "4.1.1"
 DEFAULT_PORT = 9092
 READY_LINE = "Kafka Server started"
 JAVA_MIN_MAJOR = 17  # Kafka 4.x brokers need Java 17+.
 HEAP_OPTS = ("-Xms128m", "-Xmx512m")
+# How long a stop waits for a clean shutdown (SIGTERM) before SIGKILL.
+_STOP_TIMEOUT_S = 30.0
 
 POM_FILE = "deploy/kafka/pom.xml"
 LOG4J_CONFIG = "deploy/kafka/log4j2.properties"
@@ -66,7 +69,11 @@ def kafka_home() -> Path:
 
 
 def default_state_dir() -> Path:
-    return cache_root() / "broker"
+    """`~/.cache/triage-worker/broker/<checkout folder>-<8 hex digits of its path>`: one per checkout, so that
+    one checkout's `broker start --fresh` never wipes the topics of a broker another checkout runs (they
+    all shared `broker/` before)."""
+    digest = hashlib.sha256(str(SOURCE_ROOT).encode()).hexdigest()[:8]
+    return cache_root() / "broker" / f"{SOURCE_ROOT.name}-{digest}"
 
 
 def require_tool(name: str, install_hint: str) -> str:
@@ -133,12 +140,17 @@ def fetch_jars(home: Path | None = None, echo: Echo = _print) -> Path:
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
     output: list[str] = []
-    for line in process.stdout:
-        output.append(line.rstrip())
-        # One line per downloaded jar: progress without Maven's noise (nothing when ~/.m2 has them).
-        match = re.search(r"Downloaded from \S+: (\S+\.jar) ", line)
-        if match:
-            echo("  downloaded " + match.group(1).rsplit("/", 1)[-1])
+    try:
+        for line in process.stdout:
+            output.append(line.rstrip())
+            # One line per downloaded jar: progress without Maven's noise (nothing when ~/.m2 has them).
+            match = re.search(r"Downloaded from \S+: (\S+\.jar) ", line)
+            if match:
+                echo("  downloaded " + match.group(1).rsplit("/", 1)[-1])
+    except BaseException:  # Ctrl-C, or the reader of `echo` gone: Maven must not go on alone
+        process.kill()
+        process.wait()
+        raise
     if process.wait() != 0:
         tail = "\n".join(output[-25:])
         raise UserError(f"Maven could not resolve the Kafka jars (`{' '.join(command)}`):\n{tail}")
@@ -518,16 +530,21 @@ class LocalBroker:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Survives the shell (and Ctrl-C) that started it.
             )
-        self._pid_file.write_text(f"{process.pid}\n")
-        self._port_file.write_text(f"{self.port}\n")
-        self._wait_ready(process, log_offset, started + timeout_s)
+        try:
+            self._pid_file.write_text(f"{process.pid}\n")
+            self._port_file.write_text(f"{self.port}\n")
+            self._wait_ready(process, log_offset, started + timeout_s)
+        except BaseException:  # not ready in time, or Ctrl-C: a half-started broker that nobody would stop
+            if process.poll() is None:
+                _terminate(process.pid, _STOP_TIMEOUT_S)
+            self._forget()
+            raise
         echo(f"Kafka {KAFKA_VERSION} broker ready in {time.monotonic() - started:.1f}s (pid {process.pid})")
         return self.status()
 
     def _wait_ready(self, process: subprocess.Popen[bytes], log_offset: int, deadline: float) -> None:
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                self._forget()
                 raise UserError(
                     f"the Kafka broker exited with code {process.returncode} while starting; "
                     f"log {self.log_file}:\n{_tail(self.log_file)}\n{_tail(self.stdout_file, 10)}"
@@ -535,7 +552,6 @@ class LocalBroker:
             if self._logged_ready(log_offset) and port_open(self.port):
                 return
             time.sleep(0.2)
-        self.stop()
         raise UserError(
             f"the Kafka broker did not become ready on {self.bootstrap} in time; "
             f"log {self.log_file}:\n{_tail(self.log_file)}\n{_tail(self.stdout_file, 10)}"
@@ -553,22 +569,25 @@ class LocalBroker:
         self._pid_file.unlink(missing_ok=True)
         self._port_file.unlink(missing_ok=True)
 
-    def stop(self, timeout_s: float = 30.0) -> bool:
+    def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> bool:
         """SIGTERM (a clean shutdown flushes logs), then SIGKILL after `timeout_s`; False if not running."""
         pid = self._recorded_pid()
-        if pid is None:
-            self._forget()
-            return False
-        with contextlib.suppress(ProcessLookupError):  # it may exit on its own meanwhile
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while _pid_alive(pid):
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                while _pid_alive(pid):
-                    time.sleep(0.05)
-                break
-            time.sleep(0.1)
+        if pid is not None:
+            _terminate(pid, timeout_s)
         self._forget()
-        return True
+        return pid is not None
+
+
+def _terminate(pid: int, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; returns once the process is gone."""
+    with contextlib.suppress(ProcessLookupError):  # it may exit on its own meanwhile
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _pid_alive(pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while _pid_alive(pid):
+                time.sleep(0.05)
+            return
+        time.sleep(0.1)

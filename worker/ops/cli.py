@@ -2,7 +2,8 @@
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets `handler` to a function
 `(args) -> int` (the exit code). Errors the user can fix (bad config, bad input file, missing runtime) are
-raised as `UserError` and printed as one line, without a traceback.
+raised as `UserError` and printed as one line, without a traceback. A reader of its output that goes away
+(`| head`) ends the command quietly, its cleanup done, with exit code 141 (see `worker/ops/pipes.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from worker import __version__
 from worker.errors import UserError
+from worker.ops.pipes import READER_GONE_EXIT, guard_standard_streams
 
 # Modules that add a sub-command, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -69,6 +71,24 @@ class HeldStopSignals:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    streams = guard_standard_streams()
+    try:
+        try:
+            code = _run(argv)
+        except SystemExit:  # --help, --version, a usage error: their text is output too
+            streams.flush()
+            raise
+        streams.flush()
+        return code
+    except OSError:
+        if not streams.reader_gone:  # not about our output: a problem to see, not a reader that left
+            raise
+        return READER_GONE_EXIT
+    finally:
+        streams.restore()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     held = HeldStopSignals()
     try:
         args = build_parser().parse_args(argv)

@@ -82,7 +82,11 @@ def drifted_schemas(directory: Path) -> dict[str, str]:
     drift: dict[str, str] = {}
     for name, expected in schema_files().items():
         path = directory / name
-        actual = path.read_text(encoding="utf-8") if path.is_file() else ""
+        try:
+            # Not UTF-8 is drift like any other, shown in the diff.
+            actual = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+        except OSError as error:
+            raise UserError(f"schemas: cannot read {path}: {error.strerror or error}") from None
         if actual != expected:
             diff = difflib.unified_diff(
                 actual.splitlines(keepends=True),
@@ -105,13 +109,17 @@ def _schemas(args: argparse.Namespace) -> int:
         raise UserError("schemas --write: pass --dir DIR (an installed package, not a source checkout)")
     directory: Path = args.dir or SCHEMA_DIR
     if args.write:
-        directory.mkdir(parents=True, exist_ok=True)
-        for name, content in schema_files().items():
-            (directory / name).write_text(content, encoding="utf-8")
-            print(f"wrote {directory / name}")
+        _write_schemas(directory)
         return 0
+    if not directory.is_dir():
+        # Not six diffs against empty files: the folder itself is the problem.
+        problem = "is not a folder" if directory.exists() else "does not exist"
+        raise UserError(f"schemas --check: {directory} {problem}")
     drift = drifted_schemas(directory)
     for name, diff in drift.items():
+        if not (directory / name).is_file():
+            print(f"{directory / name} is missing", file=sys.stderr)
+            continue
         lines = diff.splitlines()
         shown = "\n".join(lines[:40]) + (
             f"\n... ({len(lines) - 40} more diff lines)" if len(lines) > 40 else ""
@@ -122,6 +130,22 @@ def _schemas(args: argparse.Namespace) -> int:
         return 1
     print(f"schemas in {directory} match the code")
     return 0
+
+
+def _write_schemas(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"schemas --write: {directory} is not a folder") from None
+    except OSError as error:
+        raise UserError(f"schemas --write: cannot create {directory}: {error.strerror or error}") from None
+    for name, content in schema_files().items():
+        path = directory / name
+        try:
+            path.write_text(content, encoding="utf-8")
+        except OSError as error:
+            raise UserError(f"schemas --write: cannot write {path}: {error.strerror or error}") from None
+        print(f"wrote {path}")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

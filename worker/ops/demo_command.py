@@ -8,20 +8,23 @@
    file; it is started in its own session so that Ctrl-C reaches only this command, which then stops the
    worker with one SIGTERM (the graceful path).
 4. Sample tickets are published at --rate; every triage record and dead letter is printed as it arrives,
-   with a running summary, until Ctrl-C (or --count records, then --linger seconds).
+   with a running summary, until Ctrl-C, SIGTERM or SIGHUP (or --count records, then --linger seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import signal
 import statistics
 import subprocess
 import threading
 import time
+import types
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,28 +110,53 @@ class _Summary:
 
 
 def demo(args: argparse.Namespace) -> int:
+    """The broker this command starts is stopped whatever ends it: Ctrl-C (or SIGTERM, SIGHUP), an error,
+    or the reader of its output gone (`demo | head`); from the moment it is started, not once it is ready."""
+    with _stopped_like_ctrl_c(signal.SIGTERM, signal.SIGHUP):
+        return _demo(args)
+
+
+@contextlib.contextmanager
+def _stopped_like_ctrl_c(*signals: signal.Signals) -> Iterator[None]:
+    """`signals` end the demo as Ctrl-C does, its cleanup included: a supervisor's or `timeout`'s SIGTERM,
+    and the SIGHUP of a terminal closed under `make run`, killed it on the spot, its worker and broker left
+    running."""
+
+    def interrupt(_signum: int, _frame: types.FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _demo(args: argparse.Namespace) -> int:
     given = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     broker: local_broker.LocalBroker | None = None
-    if given is None:
-        running = local_broker.LocalBroker(args.state_dir).status()
-        if running.running and running.bootstrap is not None:
-            ignored = (
-                f" (not --port {args.port}: `broker stop` it first)"
-                if args.port not in (None, running.port)
-                else ""
-            )
-            print(f"using the local broker already running at {running.bootstrap}{ignored}", flush=True)
-            given = running.bootstrap  # not ours to stop
-        else:
-            broker = local_broker.LocalBroker(args.state_dir, args.port or _free_default_port())
-            print(f"starting the local Kafka broker on port {broker.port} ({args.state_dir}) ...", flush=True)
-            broker.start(fresh=False)
-            given = broker.bootstrap
-    settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
     try:
+        if given is None:
+            running = local_broker.LocalBroker(args.state_dir).status()
+            if running.running and running.bootstrap is not None:
+                ignored = (
+                    f" (not --port {args.port}: `broker stop` it first)"
+                    if args.port not in (None, running.port)
+                    else ""
+                )
+                print(f"using the local broker already running at {running.bootstrap}{ignored}", flush=True)
+                given = running.bootstrap  # not ours to stop
+            else:
+                broker = local_broker.LocalBroker(args.state_dir, args.port or _free_default_port())
+                where = f"port {broker.port} ({args.state_dir})"
+                print(f"starting the local Kafka broker on {where} ...", flush=True)
+                broker.start(fresh=False)
+                given = broker.bootstrap
+        settings = settings_from_args(args, {"kafka.bootstrap.servers": given, "inference.model": args.model})
         return _run(args, settings)
     finally:
-        if broker is not None:
+        if broker is not None and broker.status().running:
             print("stopping the local Kafka broker ...", flush=True)
             broker.stop()
 

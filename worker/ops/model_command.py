@@ -43,7 +43,7 @@ from worker.config import (
 from worker.errors import UserError
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import load_taxonomy
-from worker.shipped import SOURCE_ROOT, checkout_file
+from worker.shipped import checkout_file
 
 if TYPE_CHECKING:
     from worker.ops.evaluation import Example, Figures
@@ -54,7 +54,7 @@ _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
 _CARRIED_FILES = ("taxonomy.toml",)
 TRAIN_SCRIPT = "tools/train_triage_mini.py"
 TRAIN_ENCODER_SCRIPT = "tools/train_triage_encoder.py"
-BANKING77 = SOURCE_ROOT / "data" / "banking77"
+BANKING77 = "data/banking77"
 
 
 def export_model(
@@ -157,7 +157,7 @@ def _fine_tune(args: argparse.Namespace) -> int:
         raise UserError("give --feedback-topic or --feedback, not both")
     if args.out is None:
         raise UserError("--out DIR is needed: the folder the fine-tuned model is written to")
-    data = Path(args.data) if args.data else _default_data()
+    data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     settings = settings_from_args(
         args,
         {
@@ -199,16 +199,32 @@ def _fine_tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_data() -> Path:
-    """The checkout's BANKING77: the fine-tune mixes in its training split and measures on its test split."""
+def _default_data(needed_for: str) -> Path:
+    """The checkout's BANKING77 (an installed package has none: the line says to pass --data)."""
     instead = "give --data DIR, a folder with BANKING77's train.csv and test.csv"
-    return checkout_file("data/banking77", "model train --feedback without --data", instead)
+    return checkout_file(BANKING77, needed_for, instead)
+
+
+def _missing_for_eval(args: argparse.Namespace) -> list[str]:
+    """The `eval` extra's modules this evaluation will need and cannot import: asked before any work, not
+    found missing after the model's rows have been measured."""
+    needed = {"sklearn": "scikit-learn"} if not (args.no_baselines and args.no_teacher) else {}
+    if not args.no_teacher:
+        needed["tokenizers"] = "tokenizers"
+    return [package for module, package in needed.items() if importlib.util.find_spec(module) is None]
 
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate the model in each mode and the baselines; print the table and write the results files."""
     from worker.ops import evaluation
 
+    missing = _missing_for_eval(args)
+    if missing:
+        raise UserError(
+            f"model eval needs {', '.join(missing)} for the baselines and the teacher: "
+            "pip install 'triage-worker[eval]' (or pass --no-baselines --no-teacher)"
+        )
+    data = Path(args.data) if args.data else _default_data("model eval without --data")
     overrides = {
         "inference.model": args.model,
         "inference.taxonomy": args.taxonomy,
@@ -221,7 +237,6 @@ def _eval(args: argparse.Namespace) -> int:
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (score, generate)")
     console = Console(stderr=True, soft_wrap=True)
     taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
-    data = Path(args.data)
     test = evaluation.read_examples(data / "test.csv", taxonomy)
     train = evaluation.read_examples(data / "train.csv", taxonomy)
     if args.limit:
@@ -443,7 +458,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "eval",
         help="measure a model on BANKING77 test.csv next to TF-IDF baselines (needs the `eval` extra)",
     )
-    evaluate.add_argument("--data", default=str(BANKING77), help="BANKING77 folder (train.csv, test.csv)")
+    evaluate.add_argument(
+        "--data",
+        metavar="DIR",
+        help="BANKING77 folder (train.csv, test.csv; default: data/banking77 of a checkout)",
+    )
     evaluate.add_argument("--model", metavar="DIR", help="ORT GenAI model folder (inference.model)")
     evaluate.add_argument("--taxonomy", metavar="FILE", help="taxonomy TOML (inference.taxonomy)")
     evaluate.add_argument("--modes", default="score,generate", help="comma-separated: score, generate")

@@ -12,6 +12,7 @@ import confluent_kafka
 import msgspec
 
 from worker.config import add_config_argument, settings_from_args
+from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import create_producer, produce, producer_config
@@ -35,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     what.add_argument("text", nargs="?", help="the ticket's body")
     what.add_argument("--raw", metavar="VALUE", help="publish this value as is, not as a ticket")
     parser.add_argument("--subject", help="the ticket's subject")
-    parser.add_argument("--ticket-id", help="default: t-<8 random hex digits>")
+    parser.add_argument("--ticket-id", help="default: t-<8 random hex digits> (an empty one is refused)")
     parser.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers")
     parser.add_argument("--topic", help="default: topics.input")
     parser.set_defaults(handler=send)
@@ -49,14 +50,15 @@ def send(args: argparse.Namespace) -> int:
         value = args.raw.encode("utf-8", "surrogateescape")
         what = f"{len(value)} bytes"
     else:
-        ticket_id = args.ticket_id or f"t-{uuid.uuid4().hex[:8]}"
+        ticket_id = f"t-{uuid.uuid4().hex[:8]}" if args.ticket_id is None else args.ticket_id
         event = TicketEvent(
-            ticket_id=ticket_id,
+            ticket_id=checked_argument_text(ticket_id, "--ticket-id"),
             body=checked_argument_text(args.text, "the ticket text"),
             subject=checked_argument_text(args.subject, "--subject") if args.subject is not None else None,
             created_at=utc_timestamp(),
         )
         value = msgspec.json.encode(event)
+        _refuse_a_dead_letter(value, settings.pipeline.max_value_bytes)
         what = f"ticket {ticket_id}"
     check_cluster(producer_config(settings))
     producer = create_producer(settings)
@@ -74,3 +76,15 @@ def send(args: argparse.Namespace) -> int:
         return 1
     print(f"sent {what} to {topic} (partition {message.partition()}, offset {message.offset()})")
     return 0
+
+
+def _refuse_a_dead_letter(value: bytes, max_value_bytes: int) -> None:
+    """A ticket built from the arguments is checked as the worker will decode it: `send ""` or
+    `--ticket-id ""` would only make a dead letter (on purpose, that is what --raw is for)."""
+    try:
+        decode_ticket(value, max_value_bytes)
+    except DecodeError as error:
+        raise UserError(
+            f"send: the worker would dead-letter this ticket ({error}); fix it, or send such a value on "
+            "purpose with --raw"
+        ) from None
