@@ -153,7 +153,7 @@ def test_a_fresh_worker_exports_what_on_call_needs_before_the_first_ticket(
         return {dict(labels)[label]: value for (n, labels), value in samples.items() if n == name}
 
     assert by("triage_fallbacks_total", "reason") == dict.fromkeys(
-        ["deadline_exceeded", "invalid_output", "model_error", "overloaded"], 0.0
+        ["deadline_exceeded", "expired_on_arrival", "invalid_output", "model_error", "overloaded"], 0.0
     )
     dead = by("triage_dead_letters_total", "error_type")
     assert {"invalid_json", "empty_ticket", "internal_error", "key_too_large"} <= set(dead)
