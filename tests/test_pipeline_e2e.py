@@ -352,7 +352,7 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
 def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_committed_past(
     kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
-    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
+    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
     topics = make_topics(unique_topic)
     # Output and dead-letter topics whose size limit no record fits: a result refused for its size would be
@@ -361,16 +361,8 @@ def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_c
     # exactly-once writes there too.
     topics.output = f"triaged-tiny-{uuid.uuid4().hex[:8]}"
     topics.dead_letter = f"dlq-tiny-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    tiny = {"max.message.bytes": "120"}
-    created = admin.create_topics(
-        [
-            NewTopic(topics.output, num_partitions=3, replication_factor=1, config=tiny),
-            NewTopic(topics.dead_letter, num_partitions=1, replication_factor=1, config=tiny),
-        ]
-    )
-    for future in created.values():
-        future.result(30)
+    _create_limited_topic(kafka_bootstrap, topics.output, max_message_bytes=120, partitions=3)
+    _create_limited_topic(kafka_bootstrap, topics.dead_letter, max_message_bytes=120)
     count = 60
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.0, seed=31)
     group = _group()
@@ -390,6 +382,7 @@ def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_c
     _report("delivery failure", f"{failure['code']}: committed {committed}")
 
     # The cause fixed, a restarted worker delivers every ticket: nothing was lost.
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     raise_limit = ConfigEntry("max.message.bytes", "1048576", incremental_operation=AlterConfigOpType.SET)
     for topic in (topics.output, topics.dead_letter):
         resource = ConfigResource("topic", topic, incremental_configs=[raise_limit])
@@ -399,6 +392,16 @@ def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_c
     report = audit(kafka_bootstrap, topics)
     assert len(report.inputs) == count
     assert report.lost == []
+
+
+def _create_limited_topic(bootstrap: str, topic: str, max_message_bytes: int, partitions: int = 1) -> None:
+    """Create `topic` whose broker-side record size limit (`max.message.bytes`) is `max_message_bytes`."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    config = {"max.message.bytes": str(max_message_bytes)}
+    new = NewTopic(topic, num_partitions=partitions, replication_factor=1, config=config)
+    admin.create_topics([new])[topic].result(30)
 
 
 def _header_bomb(bootstrap: str, topic: str, headers: int, size: int) -> None:
@@ -419,15 +422,9 @@ def test_a_ticket_with_a_megabyte_of_headers_never_stops_its_partition(
     restart blocked again and wrote the tickets after it twice. The record now carries at most
     `pipeline.max_header_bytes` of them: the ticket and the ordinary ones after it on the same partition
     each get one record, committed reaches the end, and a restart writes nothing again."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     topics = make_topics(unique_topic, partitions=1)
     topics.input = f"raw-large-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    large = NewTopic(
-        topics.input, num_partitions=1, replication_factor=1, config={"max.message.bytes": "4000000"}
-    )
-    admin.create_topics([large])[topics.input].result(30)
+    _create_limited_topic(kafka_bootstrap, topics.input, max_message_bytes=4_000_000)
     publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=41)
     _header_bomb(kafka_bootstrap, topics.input, headers=1030, size=1000)
     publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=42)
@@ -454,15 +451,9 @@ def test_a_result_its_topic_refuses_is_dead_lettered_and_the_partition_goes_on(
     """A triage record Kafka refuses for what it is (here: over the output topic's 64 KB limit, with 100 KB
     of headers a team allowed with `pipeline.max_header_bytes`) can never be written: its ticket becomes a
     dead letter of type `result_refused` naming Kafka's error, and the tickets after it are classified."""
-    from confluent_kafka.admin import AdminClient, NewTopic
-
     topics = make_topics(unique_topic, partitions=1)
     topics.output = f"triaged-64k-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    limited = NewTopic(
-        topics.output, num_partitions=1, replication_factor=1, config={"max.message.bytes": "65536"}
-    )
-    admin.create_topics([limited])[topics.output].result(30)
+    _create_limited_topic(kafka_bootstrap, topics.output, max_message_bytes=65536)
     publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=43)
     _header_bomb(kafka_bootstrap, topics.input, headers=100, size=1000)
     publish(kafka_bootstrap, topics, 10, malformed_ratio=0.0, seed=44)
