@@ -133,8 +133,13 @@ def test_a_demo_ended_by_a_signal_stops_its_worker(
             demo.send_signal(signal.SIGHUP)
         _, err = demo.communicate(timeout=180)
         assert "Traceback" not in err, err
-        # SIGTERM: the demo's usual end (0); the terminal gone, what it printed on the way found nobody (141).
-        assert demo.returncode == (READER_GONE_EXIT if terminal_closed else 0), err
+        if terminal_closed:
+            # The terminal gone, what the demo printed on the way found nobody (141) - or, where the kernel
+            # did not refuse its write to the closed terminal, it ended as usual
+            # (0): a CI run saw both. Either way it ended on its own, cleanly, its worker stopped.
+            assert demo.returncode in (READER_GONE_EXIT, 0), err
+        else:
+            assert demo.returncode == 0, err  # the demo's usual end
         assert not Path(f"/proc/{worker}").exists()  # its worker stopped with it
     finally:
         demo.kill()
