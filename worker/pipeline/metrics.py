@@ -203,6 +203,9 @@ class PipelineMetrics:
     fallback: collections.Counter[str] = field(default_factory=collections.Counter)
     dead_lettered: int = 0
     dead_lettered_by_type: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Personal data found in tickets, by kind (docs/privacy.md), and the tickets that had any.
+    pii_found: collections.Counter[str] = field(default_factory=collections.Counter)
+    pii_tickets: int = 0
     # Records (results and dead letters) the broker acknowledged.
     produced: int = 0
     delivery_failed: int = 0
