@@ -80,9 +80,7 @@ def test_a_review_record_is_the_triage_result_plus_the_redacted_ticket_text_and_
     review = Review(ReviewSettings(threshold=0.5), producer, "tickets.review")  # type: ignore[arg-type]
     event = TicketEvent(ticket_id="T-1", body="my card 4111 1111 1111 1111?", subject="Card, a@b.example")
     scan = Redactor().scan(event.subject, event.body)
-    review.consider(
-        event, scan, _answer(0.4), SOURCE, b"T-1", [("trace", b"1")], "2026-11-02T10:00:00.000Z"
-    )
+    review.consider(event, scan, _answer(0.4), SOURCE, b"T-1", [("trace", b"1")], "2026-11-02T10:00:00.000Z")
     review.consider(event, scan, _answer(0.9), SOURCE, b"T-1", None)
     assert len(producer.records) == 1
     sent = producer.records[0]
@@ -116,6 +114,7 @@ def test_feedback_is_checked_and_the_latest_verdict_of_a_ticket_wins() -> None:
         "schema_version": 1, "ticket_id": "T-9", "intent": "card_arrival", "priority": "Low",
         "confidence": 0.2, "fallback": False, "fallback_reason": None, "scores": {}, "model": "m",
         "latency_ms": 1.0, "classified_at": "2026-11-02T10:00:00Z", "source": SOURCE, "truncated": False,
+        "pii": [],
         "review_reason": "low_confidence", "body": "lost it", "subject": "Help",
     }  # fmt: skip
     index.add(msgspec.json.encode(msgspec.convert(review, ReviewRecord, from_attributes=True)))
