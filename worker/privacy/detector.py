@@ -2,10 +2,10 @@
 social security numbers, each validated the way its issuer defines it, so that numbers that merely look
 alike (order numbers, amounts, dates, tracking codes) stay as they are.
 
-`find(text, region)` returns the spans, left to right and never overlapping. When two kinds claim the same
-characters the stricter one wins, in the order of `KINDS`: an e-mail address before the digits inside it, an
-IBAN (mod 97) and a card (Luhn and issuer) before a phone number, which `phonenumbers` would also accept for
-many long digit runs.
+`find(text, region)` returns the spans, left to right and never overlapping. When two kinds could claim the
+same characters the stricter one wins, in the order of `KINDS`: an e-mail address before the digits inside
+it, an IBAN (mod 97) and a card (Luhn and issuer) before a phone number, which `phonenumbers` would also
+accept for many long digit runs.
 
 Each detector first looks for a cheap sign of its kind (an `@`, a run of digits, two capitals and two
 digits) and only then runs its full check: most tickets have none, and the detector runs on every ticket the
@@ -129,8 +129,12 @@ _ISSUERS: tuple[tuple[int, int, frozenset[int]], ...] = (
     (50, 50, frozenset(range(13, 20))),  # Maestro
     (56, 69, frozenset(range(13, 20))),
 )
-# Runs of digit groups joined by one space or dash, not inside a longer word or number.
-_DIGIT_RUN = re.compile(r"(?<![\w.,])\d+(?:[ -]\d+)*(?![\w]|[.,]\d)")
+# Runs of digit groups joined by one space or dash, not inside a longer word or number, nor after a "+"
+# (an international phone number).
+_DIGIT_RUN = re.compile(r"(?<![\w.,+])\d+(?:[ -]\d+)*(?![\w]|[.,]\d)")
+# The start of an IBAN-shaped code before a run of digits ("DE47 2298 ...", "ie43 yzjs 5895 ..."): when it
+# is no valid IBAN, its digits are no card either, even when they pass Luhn (one in ten does).
+_IBAN_HEAD = re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?:[ -]?[A-Za-z0-9]{1,4}){0,8}[ -]?$")
 _GROUP_SEPARATOR = re.compile(r"[ -]")
 
 
@@ -153,9 +157,14 @@ def _issued(digits: str) -> bool:
     return False
 
 
+def _in_failed_iban(text: str, start: int) -> bool:
+    head = _IBAN_HEAD.search(text, max(0, start - 48), start)
+    return head is not None and not any(_ibans(head[0] + text[start : start + 40]))
+
+
 def _cards(text: str) -> Iterator[Finding]:
     for run in _DIGIT_RUN.finditer(text):
-        if len(run[0]) < 13:
+        if len(run[0]) < 13 or _in_failed_iban(text, run.start()):
             continue
         # A card may be followed by more digits in the same run ("4111 1111 1111 1111 12/27"): the longest
         # run of whole groups from the start that is a card wins.
@@ -201,28 +210,64 @@ def _phones(text: str, region: str | None) -> Iterator[Finding]:
     if _PHONE_SIGN.search(text) is None:
         return
     # VALID: the number must be one the numbering plan assigns (not merely of a possible length), which keeps
-    # amounts and reference numbers out. `region` is the country of numbers written without a +prefix.
+    # most amounts and reference numbers out. `region` is the country of numbers written without a +prefix.
     for match in phonenumbers.PhoneNumberMatcher(text, region, phonenumbers.Leniency.VALID):
+        if _glued(text, match.start, match.end):
+            continue  # part of a reference: "INV-2024-015547" holds a valid Washington DC number
+        international = match.raw_string.lstrip("(").startswith("+")
+        if not international and not _grouped_as_dialled(match.raw_string, region):
+            continue
         yield Finding("phone", match.start, match.end)
 
 
+def _glued(text: str, start: int, end: int) -> bool:
+    """Whether text[start:end] is joined to a word or number on either side, directly or by a dash or
+    slash ("INV-2024-015547", "2024015547-B")."""
+    before = text[max(0, start - 2) : start]
+    after = text[end : end + 2]
+    return (before[-1:].isalnum() or (before[-1:] in ("-", "/") and before[:1].isalnum())) or (
+        after[:1].isalnum() or (after[:1] in ("-", "/") and after[1:2].isalnum())
+    )
+
+
+def _grouped_as_dialled(raw: str, region: str | None) -> bool:
+    """A number without a country code counts only when its digits are grouped the way the region writes
+    them (or not at all): "2286 4944 72" is a valid US number by its digits, but nobody writes one so, while
+    reference codes often are."""
+    strict = phonenumbers.PhoneNumberMatcher(raw, region, phonenumbers.Leniency.STRICT_GROUPING)
+    return any(match.raw_string == raw for match in strict)
+
+
+# What claimed spans are overwritten with before the next kind is looked for: no letter, digit, separator or
+# sign any detector reads, so a span is neither found twice nor glued to what follows it.
+_MASK = "\u2588"
+
+
 def find(text: str, region: str | None = "US", kinds: frozenset[Kind] = frozenset(KINDS)) -> list[Finding]:
-    """Every span of personal data of `kinds` in `text`, left to right, none overlapping another (the kind
-    earlier in `KINDS` keeps a contested span). `region` (ISO 3166 alpha-2, e.g. "US") is the country of phone
-    numbers written without a country code; None finds only those with one."""
+    """Every span of personal data of `kinds` in `text`, left to right, none overlapping another. Kinds are
+    looked for in `KINDS` order, each in the text with the spans of the kinds before it masked: an IBAN's
+    digits are not read again as a card, and a card right after an IBAN is still found. `region` (ISO 3166
+    alpha-2, e.g. "US") is the country of phone numbers written without a country code; None finds only
+    those with one."""
     found: list[Finding] = []
+    masked = text
     for kind in KINDS:
         if kind not in kinds:
             continue
         if kind == "email":
-            candidates = _emails(text)
+            candidates = _emails(masked)
         elif kind == "iban":
-            candidates = _ibans(text)
+            candidates = _ibans(masked)
         elif kind == "card_number":
-            candidates = _cards(text)
+            candidates = _cards(masked)
         elif kind == "us_ssn":
-            candidates = _ssns(text)
+            candidates = _ssns(masked)
         else:
-            candidates = _phones(text, region)
-        found.extend(f for f in candidates if not any(f.start < o.end and o.start < f.end for o in found))
+            candidates = _phones(masked, region)
+        new = list(candidates)
+        if new:
+            found.extend(new)
+            for finding in new:
+                size = finding.end - finding.start
+                masked = masked[: finding.start] + _MASK * size + masked[finding.end :]
     return sorted(found, key=lambda finding: finding.start)
