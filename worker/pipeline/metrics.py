@@ -296,6 +296,8 @@ class PipelineMetrics:
             "classified": self.classified,
             "fallback": dict(self.fallback),
             "dead_lettered": self.dead_lettered,
+            "pii_tickets": self.pii_tickets,
+            "pii_found": dict(self.pii_found),
             "produced": self.produced,
             "delivery_failed": self.delivery_failed,
             "committed": self.committed,
