@@ -127,9 +127,10 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     pool_size: PositiveInt | None = None
     batch_size: PositiveInt = 8
     max_ticket_tokens: PositiveInt = 256
-    # The model gets the ticket with `privacy.detect`'s kinds redacted (docs/privacy.md has the measurement
-    # behind the default).
-    redact_input: bool = False
+    # The model gets the ticket with `privacy.detect`'s kinds redacted. On by default: BANKING77 test tickets
+    # with an identifier appended scored 78.2 % redacted against 61.9 % in clear, and tickets without one
+    # are unchanged (docs/privacy.md#before-the-model).
+    redact_input: bool = True
     # A shadow model classifies every ticket the primary classified, off the critical path. Flat keys, not a
     # nested table: settings are flattened to `section.key` (see `_split_key`). Any of the first three
     # turns it on; what is unset is the primary's (see `shadow_settings`).
