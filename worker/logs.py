@@ -37,10 +37,12 @@ def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> No
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            structlog.processors.format_exc_info,
+            # Before the level and the timestamp: those are the worker's own, and a timestamp's digit run
+            # would send every line through the phone number matcher for nothing.
+            RedactingProcessor(Redactor()),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            RedactingProcessor(Redactor()),
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
