@@ -17,6 +17,7 @@ from tools.pii_corpus import corpus
 from worker.config import LogSettings, load_settings
 from worker.logs import configure_logging
 from worker.messages import FeedbackEvent
+from worker.ops.cli import main
 from worker.ops.feedback import FeedbackBook
 from worker.pipeline.records import redacted_value
 from worker.privacy.detector import find, luhn_valid
@@ -169,3 +170,14 @@ def test_training_corrections_and_rejection_messages_are_redacted() -> None:
     assert rejection is not None and "jane@example.com" not in rejection.message
     (correction,) = book.corrections()
     assert correction.text == "my card [card ••••1111] has not arrived, mail [email]"
+
+
+def test_a_command_s_error_quotes_no_identifier(capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors quote what they were given (here a setting's value; elsewhere a ticket's text or a record's
+    value): the CLI prints them with personal data redacted."""
+    assert main(["config", "show", "--set", "review.threshold=call 201-555-0123 or a@b.example"]) == 2
+    error = capsys.readouterr().err
+    assert error == (
+        'triage-worker: error: config error: review.threshold: expected float | null, got "call [phone] or '
+        '[email]" (from command line)\n'
+    )
