@@ -10,13 +10,15 @@ import worker
 PACKAGE = Path(worker.__file__).parent
 # What each room may import besides the shared modules (worker/*.py); ops may import everything.
 ALLOWED = {
-    "shared": set(),
-    "kafka": set(),
-    "inference": set(),
-    "pipeline": {"kafka"},
-    "replay": {"kafka", "pipeline"},
-    "telemetry": {"kafka", "inference", "pipeline", "replay"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops"},
+    "shared": {"privacy"},
+    "kafka": {"privacy"},
+    "inference": {"privacy"},
+    "pipeline": {"kafka", "privacy"},
+    "replay": {"kafka", "pipeline", "privacy"},
+    "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops", "privacy"},
+    # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
+    "privacy": set(),
 }
 
 

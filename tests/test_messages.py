@@ -34,6 +34,7 @@ def _result(**changes: object) -> TriageResult:
         classified_at="2024-05-01T12:30:00.123Z",
         source=SourcePosition(topic="tickets.raw", partition=2, offset=1234),
         truncated=False,
+        pii=[],
     )
     return msgspec.structs.replace(result, **changes)
 
@@ -51,6 +52,7 @@ def test_triage_result_round_trips_through_json() -> None:
         ("fallback_reason", "timeout", "Invalid enum value 'timeout' - at `$.fallback_reason`"),
         ("classified_at", "today", "at `$.classified_at`"),
         ("ticket_id", "", "Expected `str` of length >= 1 - at `$.ticket_id`"),
+        ("pii", ["passport"], "Invalid enum value 'passport' - at `$.pii[0]`"),
     ],
 )
 def test_consumers_reject_results_outside_the_contract(field: str, bad: object, expected: str) -> None:

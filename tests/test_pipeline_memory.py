@@ -493,3 +493,52 @@ def test_a_ticket_whose_deadline_had_passed_on_arrival_is_answered_expired_on_ar
     assert results["T-0"].fallback and results["T-0"].fallback_reason == "expired_on_arrival"
     assert not results["T-1"].fallback
     assert worker.metrics.fallback == {"expired_on_arrival": 1}
+
+
+class RecordingClassifier(InstantClassifier):
+    """Answers at once and keeps the texts it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.texts: list[str] = []
+
+    def submit(self, request: ClassifyRequest) -> None:
+        self.texts.append(request.text)
+        super().submit(request)
+
+
+@pytest.mark.parametrize("redact", [True, False])
+def test_redact_input_and_dead_letter_redact_decide_what_the_model_and_the_dead_letter_get(
+    kafka: MemoryKafka, redact: bool
+) -> None:
+    """Issue #33: with `inference.redact_input` the model gets the ticket redacted, without it as sent; with
+    `dead_letter.redact` a dead letter's value is redacted, without it kept as taken. Either way every
+    result lists the kinds found and a dead letter's message holds no identifier."""
+    card = "4111 1111 1111 1111"
+    fill_texts(kafka, 0, [f"card {card} lost", "no personal data here"])
+    # Its dead letter's message quotes the bad value ("`created_at` must be ..., got ...").
+    poison = f'{{"ticket_id": "P", "body": "card {card}", "created_at": "{card}"}}'.encode()
+    kafka.append(INPUT, 0, poison, b"poison")
+    classifier = RecordingClassifier()
+    settings = {"inference.redact_input": redact, "dead_letter.redact": redact}
+    running = Running(pipeline(kafka, "at_least_once", classifier, **settings))
+    wait_until(lambda: len(kafka.read_committed(OUTPUT)) + len(kafka.read_committed(DEAD)) == 3, "3 outputs")
+    assert running.stop() == 0
+    sent = "card [card ••••1111] lost" if redact else f"card {card} lost"
+    assert classifier.texts == [sent, "no personal data here"]
+    results = [
+        msgspec.json.decode(r.value or b"", type=TriageResult) for _, r in kafka.read_committed(OUTPUT)
+    ]
+    assert sorted((r.ticket_id, tuple(r.pii)) for r in results) == [("T0-0", ("card_number",)), ("T0-1", ())]
+    ((_, letter),) = kafka.read_committed(DEAD)
+    masked = "[card ••••1111]"
+    expected = {"ticket_id": "P", "body": f"card {masked}", "created_at": masked}
+    if redact:
+        assert msgspec.json.decode(letter.value or b"") == expected
+    else:
+        assert letter.value == poison
+    message = dict(letter.headers or [])[dead_letters.ERROR_MESSAGE]
+    assert (
+        message
+        == f'`created_at` must be an RFC 3339 timestamp like 2024-05-01T12:30:00Z, got "{masked}"'.encode()
+    )

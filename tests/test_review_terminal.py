@@ -97,6 +97,7 @@ def _record(ticket_id: str, offset: int, intent: str, body: str) -> bytes:
         classified_at="2026-11-02T10:00:00.000Z",
         source=SourcePosition(topic="tickets.raw", partition=0, offset=offset),
         truncated=False,
+        pii=[],
         review_reason="low_confidence",
         body=body,
         subject=None,

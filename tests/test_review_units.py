@@ -19,6 +19,7 @@ from worker.ops.feedback import FeedbackBook, ReviewIndex, read_feedback_file
 from worker.ops.fine_tune import OutputLayer, Recipe, _quantize_int4, fit_rows, split_holdout
 from worker.ops.review_command import Picker, matches
 from worker.pipeline.review import Review, review_reason
+from worker.privacy.redaction import Redactor
 
 REPO = Path(__file__).resolve().parents[1]
 LABELS = ("card_arrival", "card_delivery_estimate", "lost_or_stolen_card")
@@ -74,22 +75,24 @@ class _Producer:
         return 0
 
 
-def test_a_review_record_is_the_triage_result_plus_the_ticket_text_and_counted_by_intent() -> None:
+def test_a_review_record_is_the_triage_result_plus_the_redacted_ticket_text_and_counted_by_intent() -> None:
     producer = _Producer()
     review = Review(ReviewSettings(threshold=0.5), producer, "tickets.review")  # type: ignore[arg-type]
-    event = TicketEvent(ticket_id="T-1", body="my card?", subject="Card")
-    review.consider(event, _answer(0.4), SOURCE, b"T-1", [("trace", b"1")], "2026-11-02T10:00:00.000Z")
-    review.consider(event, _answer(0.9), SOURCE, b"T-1", None)
+    event = TicketEvent(ticket_id="T-1", body="my card 4111 1111 1111 1111?", subject="Card, a@b.example")
+    scan = Redactor().scan(event.subject, event.body)
+    review.consider(event, scan, _answer(0.4), SOURCE, b"T-1", [("trace", b"1")], "2026-11-02T10:00:00.000Z")
+    review.consider(event, scan, _answer(0.9), SOURCE, b"T-1", None)
     assert len(producer.records) == 1
     sent = producer.records[0]
     assert (sent["topic"], sent["key"], sent["headers"]) == ("tickets.review", b"T-1", [("trace", b"1")])
     record = msgspec.json.decode(sent["value"], type=ReviewRecord)
     assert (record.ticket_id, record.intent, record.confidence) == ("T-1", "card_arrival", 0.4)
-    assert (record.subject, record.body, record.review_reason, record.source) == (
-        "Card",
-        "my card?",
+    assert (record.subject, record.body, record.review_reason, record.source, record.pii) == (
+        "Card, [email]",
+        "my card [card ••••1111]?",
         "low_confidence",
         SOURCE,
+        ["email", "card_number"],
     )
     assert review.metrics.snapshot() == {
         "sent": 1,
@@ -111,6 +114,7 @@ def test_feedback_is_checked_and_the_latest_verdict_of_a_ticket_wins() -> None:
         "schema_version": 1, "ticket_id": "T-9", "intent": "card_arrival", "priority": "Low",
         "confidence": 0.2, "fallback": False, "fallback_reason": None, "scores": {}, "model": "m",
         "latency_ms": 1.0, "classified_at": "2026-11-02T10:00:00Z", "source": SOURCE, "truncated": False,
+        "pii": [],
         "review_reason": "low_confidence", "body": "lost it", "subject": "Help",
     }  # fmt: skip
     index.add(msgspec.json.encode(msgspec.convert(review, ReviewRecord, from_attributes=True)))

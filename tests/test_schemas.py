@@ -96,6 +96,7 @@ def _sample_result() -> dict[str, object]:
         classified_at="2024-05-01T12:30:00.123Z",
         source=SourcePosition(topic="tickets.raw", partition=0, offset=42),
         truncated=False,
+        pii=["card_number"],
     )
     document: dict[str, object] = msgspec.json.decode(msgspec.json.encode(result))
     return document
@@ -107,7 +108,13 @@ def test_a_real_triage_result_validates_against_its_schema() -> None:
 
 @pytest.mark.parametrize(
     ("field", "bad"),
-    [("priority", "Urgent"), ("confidence", 1.2), ("fallback_reason", "timeout"), ("source", {"topic": "t"})],
+    [
+        ("priority", "Urgent"),
+        ("confidence", 1.2),
+        ("fallback_reason", "timeout"),
+        ("source", {"topic": "t"}),
+        ("pii", ["passport"]),
+    ],
 )
 def test_a_bad_triage_result_fails_its_schema(field: str, bad: object) -> None:
     document = _sample_result()

@@ -76,6 +76,7 @@ def test_metrics_page_parses_and_carries_the_pipeline_numbers() -> None:
     metrics.fallback["deadline_exceeded"] += 2
     metrics.dead_letter("invalid_json")
     metrics.dead_letter("invalid_json")
+    metrics.pii_tickets, metrics.pii_found["card_number"] = 3, 4
     for seconds in (0.004, 0.02, 0.02, 7.0):
         metrics.end_to_end.observe(seconds)
     metrics.partitions = PartitionGauges(assigned=(("in", 0), ("in", 1)), lag=((("in", 1), 42),), member=True)
@@ -92,6 +93,9 @@ def test_metrics_page_parses_and_carries_the_pipeline_numbers() -> None:
     assert samples[("triage_consumed_total", ())] == 10
     assert samples[("triage_fallbacks_total", (("reason", "deadline_exceeded"),))] == 2
     assert samples[("triage_dead_letters_total", (("error_type", "invalid_json"),))] == 2
+    assert samples[("triage_pii_tickets_total", ())] == 3
+    assert samples[("triage_pii_detections_total", (("kind", "card_number"),))] == 4
+    assert samples[("triage_pii_detections_total", (("kind", "iban"),))] == 0  # every kind, found or not
     assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "0.005"),))] == 1
     assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "0.025"),))] == 3
     assert samples[("triage_end_to_end_latency_seconds_bucket", (("le", "+Inf"),))] == 4

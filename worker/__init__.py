@@ -1,7 +1,7 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in six rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in seven rooms, one folder each, plus a few shared modules; each room has one contract.
 
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
@@ -25,6 +25,10 @@ The code is in six rooms, one folder each, plus a few shared modules; each room 
 - ``worker/ops`` (operations): the CLI commands, sample tickets, the lag exporter, hot reload of the model
   (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
   everything.
+- ``worker/privacy`` (personal data): finds card numbers, IBANs, e-mail addresses, phone numbers and US
+  SSNs in ticket text and redacts them (`Redactor.scan`, once per ticket); every copy the worker makes of a
+  ticket (review records, logs, dead-letter messages, training corrections) takes its text from it.
+  Imports nothing of the worker, so every room and the shared modules may import it.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files
   and taxonomies, read with a bound), `logs`, `errors`.

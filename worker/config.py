@@ -25,6 +25,8 @@ import msgspec
 
 from worker.errors import UserError
 from worker.librdkafka import PROPERTIES as LIBRDKAFKA_PROPERTIES
+from worker.privacy.detector import KINDS, Kind
+from worker.privacy.redaction import Redactor
 from worker.shipped import shipped_path
 from worker.small_files import read_small_file
 
@@ -125,6 +127,10 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     pool_size: PositiveInt | None = None
     batch_size: PositiveInt = 8
     max_ticket_tokens: PositiveInt = 256
+    # The model gets the ticket with `privacy.detect`'s kinds redacted. On by default: BANKING77 test tickets
+    # with an identifier appended scored 78.2 % redacted against 61.9 % in clear, and tickets without one
+    # are unchanged (docs/privacy.md#before-the-model).
+    redact_input: bool = True
     # A shadow model classifies every ticket the primary classified, off the critical path. Flat keys, not a
     # nested table: settings are flattened to `section.key` (see `_split_key`). Any of the first three
     # turns it on; what is unset is the primary's (see `shadow_settings`).
@@ -205,6 +211,29 @@ class ReviewSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         return self.threshold is not None or self.fallbacks
 
 
+class PrivacySettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Personal data in tickets (docs/privacy.md): which kinds are looked for (each result's `pii` lists
+    those found) and which of them stay in clear in the copies the worker makes (the review topic, logs)."""
+
+    detect: list[Kind] = msgspec.field(default_factory=lambda: list(KINDS))
+    # Detected, listed in `pii`, but not redacted: for a deployment whose reviewers may see, say, e-mails.
+    keep: list[Kind] = msgspec.field(default_factory=list)
+    # ISO 3166 country of phone numbers written without a +country code; "" finds only those with one.
+    phone_region: Annotated[str, msgspec.Meta(pattern=r"^([A-Z]{2})?$")] = "US"
+
+    def redactor(self) -> Redactor:
+        """The detector and redactor these settings describe (build it once: it is reused per ticket)."""
+        return Redactor(self.detect, self.keep, self.phone_region or None)
+
+
+class DeadLetterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What a dead letter keeps of its record (docs/privacy.md#dead-letters)."""
+
+    # False: the record as taken, so that replay can republish it. True: its value with personal data
+    # redacted (replay then republishes the redacted ticket).
+    redact: bool = False
+
+
 class LogSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     level: LogLevel = "info"
     format: LogFormat = "console"
@@ -238,6 +267,8 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     pipeline: PipelineSettings = msgspec.field(default_factory=PipelineSettings)
     inference: InferenceSettings = msgspec.field(default_factory=InferenceSettings)
     review: ReviewSettings = msgspec.field(default_factory=ReviewSettings)
+    privacy: PrivacySettings = msgspec.field(default_factory=PrivacySettings)
+    dead_letter: DeadLetterSettings = msgspec.field(default_factory=DeadLetterSettings)
     log: LogSettings = msgspec.field(default_factory=LogSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
 
@@ -247,6 +278,8 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "pipeline": PipelineSettings,
     "inference": InferenceSettings,
     "review": ReviewSettings,
+    "privacy": PrivacySettings,
+    "dead_letter": DeadLetterSettings,
     "log": LogSettings,
     "metrics": MetricsSettings,
 }
@@ -537,6 +570,9 @@ def _convert(key: _Key, entry: _Entry) -> object:
     value = entry.value
     if entry.from_text and value == "" and _is_optional(field_type):
         return None
+    if entry.from_text and isinstance(value, str) and typing.get_origin(field_type) is list:
+        # A list from the environment or a flag: comma-separated ("email,phone"; "" is the empty list).
+        value = [item.strip() for item in value.split(",") if item.strip()]
     try:
         return msgspec.convert(value, field_type, strict=not entry.from_text)
     except msgspec.ValidationError as error:

@@ -11,7 +11,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from worker.privacy.detector import Kind
+
 SCHEMA_VERSION = 1
+
+# A kind of personal data a ticket held (worker/privacy/detector.py); a result's `pii` lists them.
+PiiKind = Kind
 
 Priority = Literal["Low", "Medium", "High", "Critical"]
 PRIORITIES: tuple[Priority, ...] = ("Low", "Medium", "High", "Critical")
@@ -101,6 +106,13 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
     classified_at: Annotated[str, _timestamp("RFC 3339 UTC time the record was made.")]
     source: SourcePosition
     truncated: bool
+    pii: Annotated[
+        list[PiiKind],
+        msgspec.Meta(
+            description="Kinds of personal data found in the ticket (empty when none), each once: routers "
+            "can send such tickets to a restricted queue without reading them (docs/privacy.md)."
+        ),
+    ]
     stage: (
         Annotated[
             Stage,
@@ -162,12 +174,17 @@ ReviewReason = Literal["low_confidence", "fallback"]
 
 class ReviewRecord(TriageResult, kw_only=True, frozen=True):
     """On the review side topic: a TriageResult a person should check (its confidence was under
-    `review.threshold`, or it was a fallback), with the ticket's text so that a reviewer needs nothing else.
-    A subclass, like ShadowResult: the primary's output contract stays as it was."""
+    `review.threshold`, or it was a fallback), with the ticket's text so that a reviewer needs nothing else:
+    redacted, but for the kinds of `privacy.keep` (docs/privacy.md). A subclass, like ShadowResult: the
+    primary's output contract stays as it was."""
 
     review_reason: ReviewReason
-    body: Annotated[str, msgspec.Meta(description="The ticket's body, as the producer sent it.")]
-    subject: Annotated[str | None, msgspec.Meta(description="The ticket's subject, if it had one.")] = None
+    body: Annotated[
+        str, msgspec.Meta(description="The ticket's body, as the producer sent it but for personal data.")
+    ]
+    subject: Annotated[
+        str | None, msgspec.Meta(description="The ticket's subject, if it had one (redacted as `body`).")
+    ] = None
 
 
 class FeedbackEvent(msgspec.Struct, kw_only=True, frozen=True):

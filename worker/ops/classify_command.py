@@ -48,6 +48,7 @@ from worker.ops.artifacts import fetch_stage_files
 from worker.ops.run_command import start_cascade
 from worker.pipeline.cascade import Cascade, first_standing, is_unsure
 from worker.pipeline.records import encode_result, triage_result
+from worker.privacy.redaction import Redactor
 
 SOURCE_TOPIC = "cli"
 # `--input` lines that were not tickets were skipped (the rest were classified): a script must not take the
@@ -134,7 +135,8 @@ def _classify_text(settings: Settings, text: str, out: IO[bytes]) -> int:
             while not settled:
                 settled = escalations.settled(0.5)
             ((_, answer),) = settled
-    out.write(encode_result(triage_result(event, answer, _source(0))) + b"\n")
+    pii = settings.privacy.redactor().scan(event.subject, event.body).kinds
+    out.write(encode_result(triage_result(event, answer, _source(0), pii=pii)) + b"\n")
     return 0
 
 
@@ -166,7 +168,7 @@ def _classify_tickets(
     fallbacks: collections.Counter[str] = collections.Counter()
     taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
     deadline_s = settings.pipeline.deadline_ms / 1000.0
-    order = _InputOrder(out)
+    order = _InputOrder(out, settings.privacy.redactor())
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(open_pool(settings.inference, settings.log))
         started = time.monotonic()  # throughput of the model, not of loading it
@@ -229,7 +231,8 @@ class _InputOrder:
     """Results written in the order of their lines, each as soon as every earlier line's is out: what is
     held is what was read and not yet written."""
 
-    def __init__(self, out: IO[bytes]) -> None:
+    def __init__(self, out: IO[bytes], redactor: Redactor) -> None:
+        self._redactor = redactor
         self._out = out
         self._events: dict[int, TicketEvent] = {}  # in line order
         self._results: dict[int, TriageResult] = {}
@@ -243,7 +246,9 @@ class _InputOrder:
         self._events[line] = event
 
     def settle(self, line: int, answer: Classification) -> None:
-        self._results[line] = triage_result(self._events[line], answer, _source(line))
+        event = self._events[line]
+        pii = self._redactor.scan(event.subject, event.body).kinds
+        self._results[line] = triage_result(event, answer, _source(line), pii=pii)
 
     def write_ready(self) -> None:
         while self._events and (line := next(iter(self._events))) in self._results:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from worker import __version__
 from worker.errors import UserError
 from worker.ops.pipes import READER_GONE_EXIT, guard_standard_streams
+from worker.privacy.redaction import Redactor
 
 # Modules that add a sub-command, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -102,7 +103,8 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         code: int = args.handler(args)
     except UserError as error:
-        print(f"triage-worker: error: {error}", file=sys.stderr)
+        # Errors may quote what they were given (a ticket's text, a record's value): never its personal data.
+        print(f"triage-worker: error: {Redactor().redact(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

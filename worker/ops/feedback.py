@@ -35,6 +35,8 @@ from worker.kafka.clients import (
 from worker.kafka.dead_letters import dead_letter_headers
 from worker.messages import FeedbackEvent, ReviewRecord
 from worker.ops.shadow_command import read_side_topic
+from worker.pipeline.records import redacted_value
+from worker.privacy.redaction import Redactor
 
 # `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).
 FEEDBACK_ERROR_DOCS: tuple[tuple[str, str], ...] = (
@@ -68,6 +70,12 @@ class Rejection:
     where: str  # "line 3", "tickets.feedback[0]@12"
     error_type: str
     message: str
+
+
+def training_redactor(settings: Settings) -> Redactor:
+    """What masks the corrections' texts: every kind `privacy.detect` names, `privacy.keep` or not (that
+    setting is for reviewers' eyes; a training file is a copy on disk)."""
+    return Redactor(settings.privacy.detect, (), settings.privacy.phone_region or None)
 
 
 def ticket_text(subject: str | None, body: str) -> str:
@@ -105,11 +113,16 @@ class ReviewIndex:
 
 class FeedbackBook:
     """Checks feedback records one at a time against the taxonomy's `labels` and the review index, keeping
-    the latest verdict per ticket."""
+    the latest verdict per ticket. Each correction's text, and each rejection's message, has its personal
+    data redacted by `redactor` (default: every kind): a feedback event's `text` is whatever its producer
+    sent, and the corrections end up in training files (docs/privacy.md)."""
 
-    def __init__(self, labels: Collection[str], index: ReviewIndex | None = None) -> None:
+    def __init__(
+        self, labels: Collection[str], index: ReviewIndex | None = None, redactor: Redactor | None = None
+    ) -> None:
         self._labels = frozenset(labels)
         self._index = index or ReviewIndex()
+        self._redactor = redactor or Redactor()
         self._latest: dict[str, tuple[tuple[datetime.datetime, int], Correction]] = {}
         self._order = 0
         self.records = 0
@@ -117,6 +130,12 @@ class FeedbackBook:
 
     def add(self, value: bytes | None, where: str) -> Rejection | None:
         """Check one record; its Rejection when it is refused."""
+        rejection = self._add(value, where)
+        if rejection is None:
+            return None
+        return Rejection(rejection.where, rejection.error_type, self._redactor.redact(rejection.message))
+
+    def _add(self, value: bytes | None, where: str) -> Rejection | None:
         self.records += 1
         self._order += 1
         try:
@@ -136,7 +155,12 @@ class FeedbackBook:
                 f"ticket {event.ticket_id!r}: no text, and no review record at its source or with its id",
             )
         correction = Correction(
-            event.ticket_id, text, event.intent, event.model_intent, event.reviewer, event.reviewed_at
+            event.ticket_id,
+            self._redactor.redact(text),
+            event.intent,
+            event.model_intent,
+            event.reviewer,
+            event.reviewed_at,
         )
         rank = (_moment(event.reviewed_at), self._order)
         previous = self._latest.get(event.ticket_id)
@@ -159,9 +183,11 @@ def _moment(stamp: str) -> datetime.datetime:
         return datetime.datetime.min.replace(tzinfo=datetime.UTC)  # the schema's pattern, an impossible date
 
 
-def read_feedback_file(path: Path, labels: Collection[str]) -> tuple[list[Correction], list[Rejection]]:
+def read_feedback_file(
+    path: Path, labels: Collection[str], redactor: Redactor | None = None
+) -> tuple[list[Correction], list[Rejection]]:
     """FeedbackEvents, one JSON object a line (blank lines skipped); texts must be in the events."""
-    book = FeedbackBook(labels)
+    book = FeedbackBook(labels, redactor=redactor)
     rejections = []
     try:
         lines = path.read_bytes().splitlines()
@@ -194,7 +220,7 @@ def read_feedback_topic(
     needs_review = any(_lacks_text(message.value()) for message in messages)
     if needs_review and topics.review in existing_topics(producer_config(settings)):
         read_side_topic(settings, topics.review, lambda m: index.add(m.value()), report, "review topic")
-    book = FeedbackBook(labels, index)
+    book = FeedbackBook(labels, index, training_redactor(settings))
     checked = _CheckedMark(settings)
     rejections = []
     new_rejections: list[tuple[confluent_kafka.Message, Rejection]] = []
@@ -230,7 +256,11 @@ def _dead_letter(settings: Settings, rejected: Iterable[tuple[confluent_kafka.Me
         if error is not None:
             failures.append(error.str())
 
+    redactor = settings.privacy.redactor()
     for message, rejection in rejected:
+        value = message.value()
+        if settings.dead_letter.redact and value:
+            value = redacted_value(value, redactor)
         headers = dead_letter_headers(
             record_headers(message),
             rejection.error_type,
@@ -239,7 +269,7 @@ def _dead_letter(settings: Settings, rejected: Iterable[tuple[confluent_kafka.Me
             message.partition() or 0,
             message.offset() or 0,
         )
-        produce(producer, settings.topics.dead_letter, message.value(), message.key(), headers, on_delivery)
+        produce(producer, settings.topics.dead_letter, value, message.key(), headers, on_delivery)
     left: int = producer.flush(_FLUSH_S)
     if left or failures:
         reason = failures[0] if failures else f"{left} not acknowledged in {_FLUSH_S:.0f}s"

@@ -170,7 +170,9 @@ def _fine_tune(args: argparse.Namespace) -> int:
     taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
     console = Console(stderr=True, soft_wrap=True)
     if args.feedback is not None:
-        corrections, rejections = feedback.read_feedback_file(Path(args.feedback), taxonomy.labels)
+        corrections, rejections = feedback.read_feedback_file(
+            Path(args.feedback), taxonomy.labels, feedback.training_redactor(settings)
+        )
     else:
         corrections, rejections = feedback.read_feedback_topic(settings, taxonomy.labels)
     for rejection in rejections:

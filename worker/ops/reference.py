@@ -89,6 +89,8 @@ SETTING_DOCS: dict[str, str] = {
     "inference.pool": "`process` (CPU default), `thread`, or `batch` (GPU default)",
     "inference.pool_size": "contexts (model processes) answering in parallel",
     "inference.batch_size": "static batch size of the `batch` pool",
+    "inference.redact_input": "the model gets the ticket with its personal data redacted "
+    "([privacy](privacy.md#before-the-model))",
     "inference.max_ticket_tokens": "longer tickets are cut (`truncated: true`)",
     "inference.shadow_model": "a shadow model that also classifies every classified ticket, off the "
     "critical path ([operations](operations.md#shadow-model))",
@@ -103,6 +105,15 @@ SETTING_DOCS: dict[str, str] = {
     "inference.escalation_pool_size": "the escalation stage's processes",
     "review.threshold": "classified results whose confidence is under this also go to `topics.review`",
     "review.fallbacks": "fallbacks (no model answer) also go to `topics.review`",
+    "privacy.detect": "kinds of personal data looked for in every ticket (`email`, `iban`, `card_number`, "
+    "`us_ssn`, `phone`): listed in each result's `pii` and redacted in every copy ([privacy](privacy.md)); "
+    "comma-separated from the environment",
+    "privacy.keep": "detected kinds left in clear on the review topic (still listed in `pii`; logs and "
+    "training files redact them anyway)",
+    "privacy.phone_region": "country (ISO 3166 alpha-2) of phone numbers written without `+country`; empty: "
+    "only numbers with one are found",
+    "dead_letter.redact": "dead letters carry the record with its personal data redacted instead of as taken "
+    "(replay then republishes the redacted ticket; [privacy](privacy.md#dead-letters))",
     "log.level": "`debug`, `info`, `warning` or `error`",
     "log.format": "`console`, or `json` for log shippers",
     "metrics.port": "HTTP port of `/metrics`, `/healthz`, `/readyz`, `POST /reload`; `0` = any free port "

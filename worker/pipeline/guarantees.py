@@ -184,6 +184,8 @@ class _Base:
     ) -> None:
         self._pipeline = settings.pipeline
         self._dead_letter_topic = settings.topics.dead_letter
+        self._redactor = settings.privacy.redactor()
+        self._redact_dead_letters = settings.dead_letter.redact
         self._clients = clients
         self._consumer = consumer
         self._tracker = tracker
@@ -331,7 +333,9 @@ class _Base:
             effect="the ticket is dead-lettered",
         )
         reason = f"the triage record was refused: {error.name()}: {error.str()}"
-        return dead_letter(work, self._dead_letter_topic, RESULT_REFUSED, reason)
+        return dead_letter(
+            work, self._dead_letter_topic, RESULT_REFUSED, reason, self._redactor, self._redact_dead_letters
+        )
 
     def _delivery_failed(self, work: Work, error: confluent_kafka.KafkaError, stopped: str) -> None:
         self._metrics.delivery_failed += 1

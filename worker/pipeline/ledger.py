@@ -29,6 +29,7 @@ from worker.classification import Classification
 from worker.config import Scheduling
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
+from worker.privacy.redaction import TicketScan
 
 Headers = list[tuple[str, bytes | None]]
 
@@ -67,6 +68,8 @@ class Work:
     # The record's value as taken: a ticket whose result the broker refuses is dead-lettered with it.
     value: bytes | None = None
     event: TicketEvent | None = None
+    # The ticket's personal data, found once when it was decoded (see worker/privacy/redaction.py).
+    scan: TicketScan | None = None
     # Its partition was revoked or lost while it was at the model or at the producer.
     orphan: bool = False
     # In order: its output, held until the records before it are produced.

@@ -203,6 +203,9 @@ class PipelineMetrics:
     fallback: collections.Counter[str] = field(default_factory=collections.Counter)
     dead_lettered: int = 0
     dead_lettered_by_type: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Personal data found in tickets, by kind (docs/privacy.md), and the tickets that had any.
+    pii_found: collections.Counter[str] = field(default_factory=collections.Counter)
+    pii_tickets: int = 0
     # Records (results and dead letters) the broker acknowledged.
     produced: int = 0
     delivery_failed: int = 0
@@ -293,6 +296,8 @@ class PipelineMetrics:
             "classified": self.classified,
             "fallback": dict(self.fallback),
             "dead_lettered": self.dead_lettered,
+            "pii_tickets": self.pii_tickets,
+            "pii_found": dict(self.pii_found),
             "produced": self.produced,
             "delivery_failed": self.delivery_failed,
             "committed": self.committed,

@@ -7,21 +7,28 @@ ticket — and, with a customer key, about one customer — lands in the same ou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from worker.classification import Classification
 from worker.kafka.dead_letters import dead_letter_headers
-from worker.messages import SCHEMA_VERSION, SourcePosition, TicketEvent, TriageResult, utc_timestamp
+from worker.messages import SCHEMA_VERSION, PiiKind, SourcePosition, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.ledger import Headers, Output, Work
+from worker.privacy.redaction import Redactor
 
 _ENCODER = msgspec.json.Encoder()
 
 
 def triage_result(
-    event: TicketEvent, answer: Classification, source: SourcePosition, classified_at: str | None = None
+    event: TicketEvent,
+    answer: Classification,
+    source: SourcePosition,
+    classified_at: str | None = None,
+    pii: Sequence[PiiKind] = (),
 ) -> TriageResult:
     """The output record for one answered ticket (the answer may itself be a fallback); `classified_at`
-    defaults to now."""
+    defaults to now; `pii` the kinds of personal data found in the ticket (its `TicketScan.kinds`)."""
     return TriageResult(
         schema_version=SCHEMA_VERSION,
         ticket_id=event.ticket_id,
@@ -36,6 +43,7 @@ def triage_result(
         classified_at=classified_at or utc_timestamp(),
         source=source,
         truncated=answer.truncated,
+        pii=list(pii),
         stage=answer.stage,
         first_intent=answer.first_intent,
         first_confidence=answer.first_confidence,
@@ -71,8 +79,38 @@ def carried_headers(headers: Headers | None, budget: int) -> tuple[Headers | Non
     return kept, len(headers) - len(kept)
 
 
-def dead_letter(work: Work, topic: str, error_type: str, message: str) -> Output:
+def dead_letter(
+    work: Work, topic: str, error_type: str, message: str, redactor: Redactor, redact_value: bool
+) -> Output:
     """The dead letter of `work`'s record: its key, value and headers as taken, plus the `triage.*` headers
-    that say why (`error_type`, `message`) and where it came from."""
+    that say why (`error_type`, `message`) and where it came from. The message is the worker's own words but
+    may quote the value, so its personal data is always redacted; the value only with `redact_value`
+    (`dead_letter.redact`: replay needs the original)."""
+    message = redactor.redact(message)
     headers = dead_letter_headers(work.headers, error_type, message, work.topic, work.partition, work.offset)
-    return Output(topic, work.key, work.value, headers)
+    value = redacted_value(work.value, redactor) if redact_value and work.value else work.value
+    return Output(topic, work.key, value, headers)
+
+
+_ANY_JSON = msgspec.json.Decoder()
+
+
+def redacted_value(value: bytes, redactor: Redactor) -> bytes:
+    """A record value with its personal data redacted: in every string of a JSON document (so that escapes
+    such as `\\u0034` hide nothing), otherwise in its text as UTF-8 (undecodable bytes replaced)."""
+    try:
+        document = _ANY_JSON.decode(value)
+    except msgspec.DecodeError:
+        return redactor.redact(value.decode("utf-8", errors="replace")).encode("utf-8")
+    return _ENCODER.encode(redact_strings(document, redactor))
+
+
+def redact_strings(document: object, redactor: Redactor) -> object:
+    """`document` (decoded JSON) with every string in it, keys included, redacted."""
+    if isinstance(document, str):
+        return redactor.redact(document)
+    if isinstance(document, list):
+        return [redact_strings(item, redactor) for item in document]
+    if isinstance(document, dict):
+        return {redactor.redact(str(k)): redact_strings(v, redactor) for k, v in document.items()}
+    return document

@@ -3,7 +3,8 @@ topic (`topics.review`), where `triage-worker review` shows them to a reviewer.
 
 A classified result goes there when its confidence is under `review.threshold`; a fallback (no model answer)
 when `review.fallbacks` is on. The primary output is untouched: the record on the review topic is the same
-TriageResult plus the ticket's subject and body (`ReviewRecord`), written at least once through its own
+TriageResult plus the ticket's subject and body (`ReviewRecord`), with personal data redacted (the ticket's
+`TicketScan`, docs/privacy.md), written at least once through its own
 producer, off the critical path, exactly as the shadow's side records are (see `side_topic.py`).
 """
 
@@ -20,6 +21,7 @@ from worker.pipeline.ledger import Headers
 from worker.pipeline.metrics import ReviewMetrics
 from worker.pipeline.records import encode_result, triage_result
 from worker.pipeline.side_topic import SideTopic
+from worker.privacy.redaction import TicketScan
 
 _log = structlog.get_logger("worker.review")
 
@@ -35,14 +37,16 @@ def review_reason(settings: ReviewSettings, answer: Classification) -> ReviewRea
 
 def review_record(
     event: TicketEvent,
+    scan: TicketScan,
     answer: Classification,
     source: SourcePosition,
     reason: ReviewReason,
     classified_at: str | None = None,
 ) -> ReviewRecord:
-    result = triage_result(event, answer, source, classified_at)
+    """The review copy of `event`'s result: its text is the scan's, redacted (never the event's own)."""
+    result = triage_result(event, answer, source, classified_at, scan.kinds)
     return ReviewRecord(
-        **msgspec.structs.asdict(result), review_reason=reason, subject=event.subject, body=event.body
+        **msgspec.structs.asdict(result), review_reason=reason, subject=scan.subject, body=scan.body
     )
 
 
@@ -57,18 +61,19 @@ class Review:
     def consider(
         self,
         event: TicketEvent,
+        scan: TicketScan,
         answer: Classification,
         source: SourcePosition,
         key: bytes,
         headers: Headers | None,
         classified_at: str | None = None,
     ) -> None:
-        """A result the pipeline wrote: sent to review too when it should be."""
+        """A result the pipeline wrote: sent to review too when it should be, with the text of `scan`."""
         reason = review_reason(self._settings, answer)
         if reason is None:
             return
         self.metrics.sent[(answer.intent, reason)] += 1
-        record = review_record(event, answer, source, reason, classified_at)
+        record = review_record(event, scan, answer, source, reason, classified_at)
         self._side.write(encode_result(record), key, headers)
 
     def serve(self) -> None:

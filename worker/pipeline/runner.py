@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import confluent_kafka
+import msgspec
 import structlog
 
 from worker.classification import (
@@ -129,6 +130,9 @@ class Pipeline:
         )
         self.metrics = PipelineMetrics.for_deadline(settings.pipeline.deadline_ms / 1000.0)
         self._shadow, self._review, self._cascade = shadow, review, cascade
+        self._redactor = settings.privacy.redactor()
+        self._redact_input = settings.inference.redact_input
+        self._redact_dead_letters = settings.dead_letter.redact
         self._side_topics: list[Shadow | Review] = [side for side in (shadow, review) if side is not None]
         self.metrics.shadow = shadow.metrics if shadow is not None else None
         self.metrics.review = review.metrics if review is not None else None
@@ -307,9 +311,17 @@ class Pipeline:
             self._dead_letter(work, problem.error_type, problem.message)
             return
         except Exception as error:  # no record may stop the worker, whatever a library raises
+            # The log's redacting processor masks the ticket's personal data in the traceback's messages.
             _log.exception("record_failed", topic=topic, partition=partition, offset=offset)
             self._dead_letter(work, "internal_error", f"{type(error).__name__}: {error}")
             return
+        # Personal data is looked for once per ticket: every copy made of it later takes this scan.
+        scan = work.scan = self._redactor.scan(event.subject, event.body)
+        if scan.kinds:
+            self.metrics.pii_tickets += 1
+            self.metrics.pii_found.update(dict(scan.counts))
+        if self._redact_input:  # the model, the shadow and the cascade get the redacted ticket
+            event = msgspec.structs.replace(event, subject=scan.subject, body=scan.body)
         work.event = event
         work.deadline = deadline
         if deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
@@ -400,7 +412,9 @@ class Pipeline:
     def _write_result(self, work: Work, answer: Classification, made_at: str = "") -> None:
         event = work.event
         assert event is not None
-        value = encode_result(triage_result(event, answer, work.source, made_at or None))
+        scan = work.scan
+        assert scan is not None  # set with the event
+        value = encode_result(triage_result(event, answer, work.source, made_at or None, scan.kinds))
         key = result_key(work.key, event)
         headers, left_off = carried_headers(work.headers, self._pipeline.max_header_bytes)
         if left_off:
@@ -408,9 +422,9 @@ class Pipeline:
             _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
         self._guarantee.write(work, Output(self._topics.output, key, value, headers))
         if self._shadow is not None and not answer.fallback:
-            self._shadow.offer(event, work.source, key, headers, answer)
+            self._shadow.offer(event, work.source, key, headers, answer, scan.kinds)
         if self._review is not None:
-            self._review.consider(event, answer, work.source, key, headers, made_at or None)
+            self._review.consider(event, scan, answer, work.source, key, headers, made_at or None)
 
     def _dead_letter(self, work: Work, error_type: str, message: str) -> None:
         self.metrics.dead_letter(error_type)
@@ -421,7 +435,9 @@ class Pipeline:
             offset=work.offset,
             error_type=error_type,
         )
-        self._guarantee.write(work, dead_letter(work, self._topics.dead_letter, error_type, message))
+        topic = self._topics.dead_letter
+        letter = dead_letter(work, topic, error_type, message, self._redactor, self._redact_dead_letters)
+        self._guarantee.write(work, letter)
 
     # -- flow control ---------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import confluent_kafka
@@ -35,7 +35,7 @@ import msgspec
 import structlog
 
 from worker.classification import Classification, Classifier, ClassifyRequest, ticket_text
-from worker.messages import ShadowResult, SourcePosition, TicketEvent, utc_timestamp
+from worker.messages import PiiKind, ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.ledger import Headers
 from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
 from worker.pipeline.records import encode_result, triage_result
@@ -53,6 +53,7 @@ class _Offer:
     key: bytes
     headers: Headers | None
     primary: Classification
+    pii: tuple[PiiKind, ...]
 
 
 class Shadow:
@@ -84,6 +85,7 @@ class Shadow:
         key: bytes,
         headers: Headers | None,
         primary: Classification,
+        pii: Sequence[PiiKind] = (),
     ) -> None:
         """A ticket the primary classified (`primary`, not a fallback); dropped when the shadow is full."""
         self.metrics.offered += 1
@@ -91,7 +93,7 @@ class Shadow:
             self.metrics.dropped["full"] += 1
             return
         request_id = next(self._ids)
-        self._outstanding[request_id] = _Offer(event, source, key, headers, primary)
+        self._outstanding[request_id] = _Offer(event, source, key, headers, primary, tuple(pii))
         self.metrics.outstanding = len(self._outstanding)
         deadline = self._clock() + self._budget_s
         self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), deadline))
@@ -124,7 +126,7 @@ class Shadow:
             self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
         else:
             self.metrics.compared(offer.primary.intent, answer.intent)
-        record = shadow_record(offer.event, answer, offer.source, offer.primary, made_at)
+        record = shadow_record(offer.event, answer, offer.source, offer.primary, made_at, offer.pii)
         self._side.write(encode_result(record), offer.key, offer.headers)
 
 
@@ -134,9 +136,10 @@ def shadow_record(
     source: SourcePosition,
     primary: Classification,
     classified_at: str | None = None,
+    pii: Sequence[PiiKind] = (),
 ) -> ShadowResult:
     """The side record: the shadow's TriageResult plus the primary's intent, priority and model."""
-    result = triage_result(event, answer, source, classified_at)
+    result = triage_result(event, answer, source, classified_at, pii)
     return ShadowResult(
         **msgspec.structs.asdict(result),
         primary_intent=primary.intent,

@@ -29,6 +29,7 @@ from worker.pipeline.metrics import (
     ShadowMetrics,
 )
 from worker.pipeline.side_topic import DeliveryCounts
+from worker.privacy.detector import KINDS
 from worker.telemetry.probes import WorkerProbes
 
 # Label values known in advance: exported at 0 from the first scrape.
@@ -103,6 +104,16 @@ class PipelineCollector(Collector):
             "error_type",
             ERROR_TYPES,
             metrics.dead_lettered_by_type,
+        )
+        yield CounterMetricFamily(
+            "triage_pii_tickets", "Tickets in which personal data was found.", value=metrics.pii_tickets
+        )
+        yield by_label(
+            "triage_pii_detections",
+            "Personal data found in tickets, by kind (each occurrence; docs/privacy.md).",
+            "kind",
+            KINDS,
+            metrics.pii_found,
         )
         yield histogram(
             "triage_end_to_end_latency_seconds",

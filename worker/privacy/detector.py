@@ -1,0 +1,273 @@
+"""Finding personal data in ticket text: payment card numbers, IBANs, e-mail addresses, phone numbers and US
+social security numbers, each validated the way its issuer defines it, so that numbers that merely look
+alike (order numbers, amounts, dates, tracking codes) stay as they are.
+
+`find(text, region)` returns the spans, left to right and never overlapping. When two kinds could claim the
+same characters the stricter one wins, in the order of `KINDS`: an e-mail address before the digits inside
+it, an IBAN (mod 97) and a card (Luhn and issuer) before a phone number, which `phonenumbers` would also
+accept for many long digit runs.
+
+Each detector first looks for a cheap sign of its kind (an `@`, a run of digits, two capitals and two
+digits) and only then runs its full check: most tickets have none, and the detector runs on every ticket the
+worker takes (`docs/privacy.md` has the cost).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import phonenumbers
+
+Kind = Literal["email", "iban", "card_number", "us_ssn", "phone"]
+# Precedence, strictest first (see the module's docstring); also the order of a result's `pii` list.
+KINDS: tuple[Kind, ...] = ("email", "iban", "card_number", "us_ssn", "phone")
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """`text[start:end]` is personal data of `kind`."""
+
+    kind: Kind
+    start: int
+    end: int
+
+
+# -- e-mail addresses ----------------------------------------------------------------------------------------
+
+# A local part of the characters RFC 5322 allows unquoted (letters of any script included), and a domain of at
+# least two labels. Quoted local parts and IP-literal domains are left out: nobody types them in a ticket.
+_EMAIL = re.compile(
+    r"(?<![\w.!#$%&'*+/=?^`{|}~-])[\w.!#$%&'*+/=?^`{|}~-]+@(?:[^\W_](?:[\w-]{0,61}[^\W_])?\.)+[^\W\d_]{2,63}(?!\w)"
+)
+
+
+def _emails(text: str) -> Iterator[Finding]:
+    if "@" not in text:
+        return
+    for match in _EMAIL.finditer(text):
+        yield Finding("email", match.start(), match.end())
+
+
+# -- IBANs ---------------------------------------------------------------------------------------------------
+
+# IBAN length by country (the SWIFT IBAN registry). A candidate whose country is not here is no IBAN.
+_IBAN_LENGTHS = {
+    "AD": 24, "AE": 23, "AL": 28, "AT": 20, "AZ": 28, "BA": 20, "BE": 16, "BG": 22, "BH": 22, "BR": 29,
+    "BY": 28, "CH": 21, "CR": 22, "CY": 28, "CZ": 24, "DE": 22, "DK": 18, "DO": 28, "EE": 20, "EG": 29,
+    "ES": 24, "FI": 18, "FO": 18, "FR": 27, "GB": 22, "GE": 22, "GI": 23, "GL": 18, "GR": 27, "GT": 28,
+    "HR": 21, "HU": 28, "IE": 22, "IL": 23, "IQ": 23, "IS": 26, "IT": 27, "JO": 30, "KW": 30, "KZ": 20,
+    "LB": 28, "LC": 32, "LI": 21, "LT": 20, "LU": 20, "LV": 21, "MC": 27, "MD": 24, "ME": 22, "MK": 19,
+    "MR": 27, "MT": 31, "MU": 30, "NL": 18, "NO": 15, "PK": 24, "PL": 28, "PS": 29, "PT": 25, "QA": 29,
+    "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19, "SK": 24, "SM": 27, "ST": 25, "SV": 28,
+    "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
+}  # fmt: skip
+# A country code and check digits, then alphanumerics with at most one space or dash between them (printed
+# IBANs come in groups of four). The match may run past the IBAN into the next word; `_iban_end` cuts it.
+_IBAN_START = re.compile(r"(?<![^\W_])([A-Za-z]{2})(\d{2})(?:[ -]?[A-Za-z0-9]){11,30}")
+
+
+def _iban_valid(compact: str) -> bool:
+    """ISO 13616: the first four characters moved to the end, letters as 10..35, the number mod 97 is 1."""
+    moved = compact[4:] + compact[:4]
+    number = "".join(str(int(char, 36)) for char in moved)
+    return int(number) % 97 == 1
+
+
+def _iban_end(text: str, start: int, length: int) -> int | None:
+    """Where the IBAN of `length` characters starting at `start` ends (single separators skipped), or None
+    when the text runs out or the IBAN would end inside a word."""
+    taken, index = 0, start
+    while taken < length:
+        if index >= len(text):
+            return None
+        char = text[index]
+        if char.isascii() and char.isalnum():
+            taken += 1
+        elif char not in " -" or taken == 0:
+            return None
+        index += 1
+    if index < len(text) and text[index].isalnum():
+        return None
+    return index
+
+
+def _ibans(text: str) -> Iterator[Finding]:
+    for match in _IBAN_START.finditer(text):
+        length = _IBAN_LENGTHS.get(match[1].upper())
+        if length is None:
+            continue
+        end = _iban_end(text, match.start(), length)
+        if end is None:
+            continue
+        compact = re.sub(r"[ -]", "", text[match.start() : end]).upper()
+        if _iban_valid(compact):
+            yield Finding("iban", match.start(), end)
+
+
+# -- payment card numbers ------------------------------------------------------------------------------------
+
+# Issuer identification ranges (ISO/IEC 7812 prefixes as the networks publish them) and their lengths:
+# (low prefix, high prefix, lengths). A Luhn-valid number outside all of them is not taken for a card.
+_ISSUERS: tuple[tuple[int, int, frozenset[int]], ...] = (
+    (4, 4, frozenset({13, 16, 19})),  # Visa
+    (51, 55, frozenset({16})),  # Mastercard
+    (2221, 2720, frozenset({16})),  # Mastercard 2-series
+    (34, 34, frozenset({15})),  # American Express
+    (37, 37, frozenset({15})),
+    (6011, 6011, frozenset(range(16, 20))),  # Discover
+    (644, 649, frozenset(range(16, 20))),
+    (65, 65, frozenset(range(16, 20))),
+    (300, 305, frozenset(range(14, 20))),  # Diners Club
+    (36, 36, frozenset(range(14, 20))),
+    (38, 39, frozenset(range(16, 20))),
+    (3528, 3589, frozenset(range(16, 20))),  # JCB
+    (62, 62, frozenset(range(16, 20))),  # UnionPay
+    (2200, 2204, frozenset(range(16, 20))),  # Mir
+    (50, 50, frozenset(range(13, 20))),  # Maestro
+    (56, 69, frozenset(range(13, 20))),
+)
+# Runs of digit groups joined by one space or dash, not inside a longer word or number, nor after a "+"
+# (an international phone number).
+_DIGIT_RUN = re.compile(r"(?<![\w.,+])\d+(?:[ -]\d+)*(?![\w]|[.,]\d)")
+# The start of an IBAN-shaped code before a run of digits ("DE47 2298 ...", "ie43 yzjs 5895 ..."): when it
+# is no valid IBAN, its digits are no card either, even when they pass Luhn (one in ten does).
+_IBAN_HEAD = re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?:[ -]?[A-Za-z0-9]{1,4}){0,8}[ -]?$")
+_GROUP_SEPARATOR = re.compile(r"[ -]")
+
+
+def luhn_valid(digits: str) -> bool:
+    """The Luhn check (ISO/IEC 7812-1): every second digit from the right doubled, the sum divisible by 10."""
+    total = 0
+    for position, char in enumerate(reversed(digits)):
+        digit = ord(char) - 48
+        if position % 2:
+            digit = digit * 2 - 9 if digit > 4 else digit * 2
+        total += digit
+    return total % 10 == 0
+
+
+def _issued(digits: str) -> bool:
+    for low, high, lengths in _ISSUERS:
+        width = len(str(low))
+        if low <= int(digits[:width]) <= high and len(digits) in lengths:
+            return True
+    return False
+
+
+def _in_failed_iban(text: str, start: int) -> bool:
+    head = _IBAN_HEAD.search(text, max(0, start - 48), start)
+    return head is not None and not any(_ibans(head[0] + text[start : start + 40]))
+
+
+def _cards(text: str) -> Iterator[Finding]:
+    for run in _DIGIT_RUN.finditer(text):
+        if len(run[0]) < 13 or _in_failed_iban(text, run.start()):
+            continue
+        # A card may be followed by more digits in the same run ("4111 1111 1111 1111 12/27"): the longest
+        # run of whole groups from the start that is a card wins.
+        groups = [(m.start(), m.end()) for m in re.finditer(r"\d+", run[0])]
+        digits = ""
+        ends: list[tuple[str, int]] = []
+        for start, end in groups:
+            digits += run[0][start:end]
+            if len(digits) > 19:
+                break
+            if len(digits) >= 13:
+                ends.append((digits, end))
+        for candidate, end in reversed(ends):
+            if luhn_valid(candidate) and _issued(candidate):
+                yield Finding("card_number", run.start(), run.start() + end)
+                break
+
+
+# -- US social security numbers ------------------------------------------------------------------------------
+
+# Written with separators only: a bare nine-digit number is as likely an order or account number.
+_SSN = re.compile(r"(?<![\w-])(\d{3})([- ])(\d{2})\2(\d{4})(?![\w]|-\d)")
+
+
+def _ssn_valid(area: str, group: str, serial: str) -> bool:
+    """The SSA's rules: no area 000, 666 or 900-999, no group 00, no serial 0000."""
+    return area not in ("000", "666") and area[0] != "9" and group != "00" and serial != "0000"
+
+
+def _ssns(text: str) -> Iterator[Finding]:
+    for match in _SSN.finditer(text):
+        if _ssn_valid(match[1], match[3], match[4]):
+            yield Finding("us_ssn", match.start(), match.end())
+
+
+# -- phone numbers -------------------------------------------------------------------------------------------
+
+# A phone number has at least seven digits, possibly split by spaces, dots, dashes or brackets.
+_PHONE_SIGN = re.compile(r"\d(?:[\s().\-/]{0,3}\d){6}")
+
+
+def _phones(text: str, region: str | None) -> Iterator[Finding]:
+    if _PHONE_SIGN.search(text) is None:
+        return
+    # VALID: the number must be one the numbering plan assigns (not merely of a possible length), which keeps
+    # most amounts and reference numbers out. `region` is the country of numbers written without a +prefix.
+    for match in phonenumbers.PhoneNumberMatcher(text, region, phonenumbers.Leniency.VALID):
+        if _glued(text, match.start, match.end):
+            continue  # part of a reference: "INV-2024-015547" holds a valid Washington DC number
+        international = match.raw_string.lstrip("(").startswith("+")
+        if not international and not _grouped_as_dialled(match.raw_string, region):
+            continue
+        yield Finding("phone", match.start, match.end)
+
+
+def _glued(text: str, start: int, end: int) -> bool:
+    """Whether text[start:end] is joined to a word or number on either side, directly or by a dash or
+    slash ("INV-2024-015547", "2024015547-B")."""
+    before = text[max(0, start - 2) : start]
+    after = text[end : end + 2]
+    return (before[-1:].isalnum() or (before[-1:] in ("-", "/") and before[:1].isalnum())) or (
+        after[:1].isalnum() or (after[:1] in ("-", "/") and after[1:2].isalnum())
+    )
+
+
+def _grouped_as_dialled(raw: str, region: str | None) -> bool:
+    """A number without a country code counts only when its digits are grouped the way the region writes
+    them (or not at all): "2286 4944 72" is a valid US number by its digits, but nobody writes one so, while
+    reference codes often are."""
+    strict = phonenumbers.PhoneNumberMatcher(raw, region, phonenumbers.Leniency.STRICT_GROUPING)
+    return any(match.raw_string == raw for match in strict)
+
+
+# What claimed spans are overwritten with before the next kind is looked for: no letter, digit, separator or
+# sign any detector reads, so a span is neither found twice nor glued to what follows it.
+_MASK = "\u2588"
+
+
+def find(text: str, region: str | None = "US", kinds: frozenset[Kind] = frozenset(KINDS)) -> list[Finding]:
+    """Every span of personal data of `kinds` in `text`, left to right, none overlapping another. Kinds are
+    looked for in `KINDS` order, each in the text with the spans of the kinds before it masked: an IBAN's
+    digits are not read again as a card, and a card right after an IBAN is still found. `region` (ISO 3166
+    alpha-2, e.g. "US") is the country of phone numbers written without a country code; None finds only
+    those with one."""
+    found: list[Finding] = []
+    masked = text
+    for kind in KINDS:
+        if kind not in kinds:
+            continue
+        if kind == "email":
+            candidates = _emails(masked)
+        elif kind == "iban":
+            candidates = _ibans(masked)
+        elif kind == "card_number":
+            candidates = _cards(masked)
+        elif kind == "us_ssn":
+            candidates = _ssns(masked)
+        else:
+            candidates = _phones(masked, region)
+        new = list(candidates)
+        if new:
+            found.extend(new)
+            for finding in new:
+                size = finding.end - finding.start
+                masked = masked[: finding.start] + _MASK * size + masked[finding.end :]
+    return sorted(found, key=lambda finding: finding.start)
