@@ -16,7 +16,8 @@ ALLOWED = {
     "pipeline": {"kafka"},
     "replay": {"kafka", "pipeline"},
     "telemetry": {"kafka", "inference", "pipeline", "replay"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops"},
+    "learning": {"inference", "ops"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "ops"},
 }
 
 
