@@ -23,7 +23,7 @@ Normalization = Literal["none", "nfkc_lower"]
 
 # Intent names become JSON string values and label continuations: keep them free of quotes, backslashes and
 # whitespace so that the label's tokens + `"` is always the exact continuation the model must produce.
-_INTENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
+INTENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
 
 
 class Intent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -155,7 +155,7 @@ def _check(taxonomy: Taxonomy, source: str) -> None:
     seen: set[str] = set()
     for index, intent in enumerate(taxonomy.intents):
         where = f"{source}: intents[{index}]"
-        if not _INTENT_NAME.match(intent.name):
+        if not INTENT_NAME.match(intent.name):
             raise UserError(
                 f"{where}.name {intent.name!r} must be letters, digits or _.:/- (no spaces or quotes)"
             )

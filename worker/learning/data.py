@@ -85,10 +85,11 @@ class TicketRows:
 
 
 def intent_name(label: str) -> str:
-    """A label as an intent name: lower case, runs of spaces and punctuation other than _.:/- as one `_`,
-    trailing `?` dropped (BANKING77's `Refund_not_showing_up` is `refund_not_showing_up`)."""
-    name = re.sub(r"[^a-z0-9_.:/-]+", "_", label.strip().lower().rstrip("?")).strip("_")
-    return name or "_"
+    """A label as a valid intent name: lower case, runs of spaces and punctuation other than _.:/- as one
+    `_`, trailing `?` and leading or trailing _.:/- dropped (BANKING77's `Refund_not_showing_up` is
+    `refund_not_showing_up`)."""
+    name = re.sub(r"[^a-z0-9_.:/-]+", "_", label.strip().lower().rstrip("?")).strip("_.:/-")
+    return name or "unnamed"
 
 
 def read_ticket_rows(
