@@ -358,3 +358,37 @@ def test_a_bad_out_folder_is_refused_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="not empty and is not a folder `model train` wrote"):
         compose._prepare(occupied)
     assert (occupied / "notes.txt").is_file()
+
+
+def test_a_zero_shot_model_runs_with_review_on_unless_review_is_configured(tmp_path: Path) -> None:
+    from worker.config import load_settings
+    from worker.ops.run_command import ZERO_SHOT_REVIEW_THRESHOLD, _review_for_zero_shot
+
+    folder = _served_folder(tmp_path)
+    settings = load_settings(None, overrides={"inference.model": str(folder)})
+    assert _review_for_zero_shot(settings).review.threshold is None  # a trained model: as configured
+    (folder / "VERSION").write_text("zero-shot\n")
+    assert _review_for_zero_shot(settings).review.threshold == ZERO_SHOT_REVIEW_THRESHOLD == 1.0
+    chosen = load_settings(None, overrides={"inference.model": str(folder), "review.threshold": "0.7"})
+    assert _review_for_zero_shot(chosen).review.threshold == 0.7
+
+
+def test_reviewers_verdicts_on_a_zero_shot_folder_train_its_few_shot_successor(
+    tmp_path: Path, encoder_stage_only: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    day0 = tmp_path / "day0"
+    assert main(["model", "train", "--zero-shot", "--taxonomy", str(BANK_DESK_PATH), "--out", str(day0)]) == 0
+    verdicts = tmp_path / "feedback.jsonl"
+    with verdicts.open("w", encoding="utf-8") as handle:
+        for number, (text, intent) in enumerate(_per_intent(_shuffled_train(), 3)):
+            event = {"ticket_id": f"t-{number}", "intent": intent, "text": text, "reviewer": "dana",
+                     "reviewed_at": "2026-12-03T00:00:00.000Z"}  # fmt: skip
+            handle.write(json.dumps(event) + "\n")
+    day1 = tmp_path / "day1"
+    argv = ["model", "train", "--feedback", str(verdicts), "--model", str(day0), "--out", str(day1)]
+    assert main(argv) == 0
+    record = json.loads((day1 / "training.json").read_text())
+    assert record["kind"] == "few-shot" and record["data"]["verdicts"] == 36
+    assert record["encoder_stage"]["calibration"] == "cross-validation (3 folds)"
+    assert not (day1 / "VERSION").exists()  # its records no longer say zero-shot
+    assert (day1 / "taxonomy.toml").read_text() == BANK_DESK_PATH.read_text()

@@ -41,6 +41,7 @@ from rich.progress import (
 
 from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder
+from worker.inference.loading import ZERO_SHOT_VERSION
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy
 from worker.learning import encoder_stage
@@ -49,7 +50,6 @@ from worker.ops.evaluation import stratified_split
 Kind = Literal["zero-shot", "few-shot", "full"]
 ENCODER_DIR = "encoder"
 TRAINING_FILE = "training.json"
-ZERO_SHOT_VERSION = "zero-shot"
 # Rows per intent from which a validation part is split off (10 % of 20 = 2 held out, 18 to learn from).
 FULL_ROWS_PER_INTENT = 20
 # Share of the time bound the encoder stage may take when a first stage follows (embedding is most of it).

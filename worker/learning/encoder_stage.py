@@ -229,14 +229,21 @@ def fit_encoder_stage(
         temperature = fit_temperature(head.logits(val_x), val_y)
         held_logits, held_truth, calibration = head.logits(val_x), val_y, "validation"
     else:
-        folds = min(MAX_FOLDS, min(Counter(train_y).values()))
-        if folds < 2:
-            raise UserError(
-                "every intent needs 2 labelled tickets at least to calibrate the encoder stage "
-                "(or pass a validation part)"
-            )
+        # Intents with one ticket cannot be held out and learnt from at once: that ticket trains every fold.
+        counts = Counter(train_y)
+        held = [row for row, y in enumerate(train_y) if counts[y] >= 2]
+        kept = [row for row, y in enumerate(train_y) if counts[y] < 2]
+        if not held:
+            raise UserError("no intent has 2 labelled tickets: nothing can be held out to calibrate on")
+        folds = min(MAX_FOLDS, min(counts[train_y[row]] for row in held))
         held_logits, held_truth = _out_of_fold_logits(
-            train_x, train_y, prior_x, prior_y, len(labels), folds, seed
+            train_x[held],
+            [train_y[row] for row in held],
+            np.concatenate([train_x[kept], prior_x]),
+            [*(train_y[row] for row in kept), *prior_y],
+            len(labels),
+            folds,
+            seed,
         )
         temperature = fit_temperature(held_logits, held_truth)
         head = _logistic_regression(all_x, all_y, len(labels), seed)

@@ -49,6 +49,8 @@ from worker.inference.taxonomy import load_taxonomy
 from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
+    from worker.inference.taxonomy import Taxonomy
+    from worker.ops import feedback
     from worker.ops.evaluation import Example, Figures
 
 Precision = Literal["int4", "int8", "fp16", "fp32"]
@@ -260,13 +262,15 @@ def _train_encoder(args: argparse.Namespace) -> int:
 
 
 def _fine_tune(args: argparse.Namespace) -> int:
+    """Learn from reviewers' verdicts: a folder `model train --data/--zero-shot` wrote is trained again on
+    them (few-shot, both stages); any other model is fine-tuned on them (worker/ops/fine_tune.py)."""
+    from worker.learning import compose
     from worker.ops import evaluation, feedback, fine_tune
 
     if args.feedback_topic is not None and args.feedback is not None:
         raise UserError("give --feedback-topic or --feedback, not both")
     if args.out is None:
         raise UserError("--out DIR is needed: the folder the fine-tuned model is written to")
-    data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     settings = settings_from_args(
         args,
         {
@@ -276,7 +280,7 @@ def _fine_tune(args: argparse.Namespace) -> int:
         },
     )
     base = Path(settings.inference.model)
-    taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
+    taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
     console = Console(stderr=True, soft_wrap=True)
     if args.feedback is not None:
         corrections, rejections = feedback.read_feedback_file(Path(args.feedback), taxonomy.labels)
@@ -287,6 +291,9 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
     for line in feedback.summarize(corrections):
         console.print(line, markup=False)
+    if (base / compose.TRAINING_FILE).is_file():
+        return _learn_from_corrections(args, corrections, taxonomy, taxonomy_path, console)
+    data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
     test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
     if args.test_limit:
@@ -305,6 +312,39 @@ def _fine_tune(args: argparse.Namespace) -> int:
     for line in fine_tune.outcome_lines(outcome):
         print(line)
     print(f"wrote {args.out} (model card: {Path(args.out) / 'README.md'})")
+    return 0
+
+
+def _learn_from_corrections(
+    args: argparse.Namespace,
+    corrections: list[feedback.Correction],
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    console: Console,
+) -> int:
+    """The few-shot path: the verdicts (plus --data's rows, when given) as labelled tickets for both stages
+    of a new folder, for the taxonomy of the model they reviewed."""
+    from worker.learning import compose
+    from worker.learning import data as learning_data
+
+    rows = [(correction.text, correction.intent) for correction in corrections]
+    source = "reviewers' verdicts (FeedbackEvents)"
+    if args.data is not None:
+        labelled, read = learning_data.read_labelled(
+            Path(args.data), taxonomy, args.text_column, args.label_column
+        )
+        console.print(read.summary(), markup=False)
+        rows += labelled
+        source += f" and {read.source}"
+    if not rows:
+        raise UserError("no verdict to learn from: review some tickets first (`triage-worker review`)")
+    max_minutes = args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES
+    outcome = compose.train_model_folder(
+        rows, taxonomy, taxonomy_path, Path(args.out), data={"file": source, "verdicts": len(corrections)},
+        max_seconds=60.0 * max_minutes, seed=args.seed if args.seed is not None else 77, console=console,
+    )  # fmt: skip
+    print(f"wrote {outcome.out_dir} ({outcome.kind}, from {len(corrections)} verdicts; model card: "
+          f"{outcome.out_dir / 'README.md'})")  # fmt: skip
     return 0
 
 
