@@ -37,13 +37,14 @@ from rich.console import Console
 
 from worker.config import (
     DEFAULT_ESCALATION_DIR,
+    ESCALATION_AUTO,
     ESCALATION_OFF,
     add_config_argument,
     escalation_dir,
     settings_from_args,
 )
 from worker.errors import UserError
-from worker.inference.escalation import own_stage
+from worker.inference.escalation import choose_escalation
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import load_taxonomy
 from worker.shipped import checkout_file, shipped_path
@@ -451,9 +452,9 @@ def _eval_cascade(
     train: list[Example],
     test: list[Example],
     console: Console,
-) -> tuple[list[Figures], dict[str, Any]]:
+) -> tuple[list[Figures], dict[str, Any] | None]:
     """The escalation stage alone and the cascade at each threshold on test.csv; the threshold chosen on the
-    validation split of train.csv (both stages classify it first)."""
+    validation split of train.csv (both stages classify it first). None: no stage fits the taxonomy."""
     from worker.ops import evaluation
     from worker.ops.artifacts import fetch_stage_files
 
@@ -469,9 +470,13 @@ def _eval_cascade(
     taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
     escalation = settings.inference.escalation_settings(str(taxonomy_path))
     assert escalation is not None
-    own = own_stage(settings.inference) if args.escalation is None else None
-    if own is not None:  # a folder `model train` wrote: its own stage, as "auto" runs it
-        escalation = msgspec.structs.replace(escalation, model=str(own))
+    if args.escalation is None and settings.inference.escalation == ESCALATION_AUTO:
+        # As the worker would run it: the folder's own stage, the shipped one where it fits, or no cascade.
+        choice = choose_escalation(settings.inference, taxonomy, taxonomy_path)
+        if choice.settings is None:
+            console.print(f"[yellow]no cascade rows: {choice.why_off}[/yellow]")
+            return [], None
+        escalation = choice.settings
     fetch_stage_files(escalation, console.print)
     deadline_s = settings.pipeline.deadline_ms / 1000.0
     thresholds = _thresholds(args.thresholds)
