@@ -160,6 +160,8 @@ class SentenceEmbedder:
         # same embeddings, the pad positions being masked out, for a fraction of the work.
         self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
         self.max_tokens = max_tokens
+        # The embedding width: the token states' last dimension (384 for the shipped encoder).
+        self.dimensions = int(self._session.get_outputs()[0].shape[-1])
 
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> FloatArray:
         """(len(texts), D) normalised embeddings, `batch_size` texts per encoder call."""
