@@ -327,12 +327,9 @@ def test_classify_takes_the_folder_whole_and_escalates_to_its_own_stage(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     folder = _served_folder(tmp_path)
-    result = _classify(
-        # A long deadline: the escalation gate must never find the ticket out of time on a loaded machine.
-        ["my card has not arrived yet", "--model", str(folder), "--deadline-ms", "60000"]
-        + ["--set", "inference.escalate_below=1.0"],
-        capsys,
-    )
+    # A long deadline: the escalation gate must never find the ticket out of time on a loaded machine.
+    argv = ["my card has not arrived yet", "--model", str(folder), "--deadline-ms", "60000"]
+    result = _classify([*argv, "--set", "inference.escalate_below=1.0"], capsys)
     assert result["model"] == "encoder"  # answered by DIR/encoder: every answer is "unsure" below 1.0
     assert result["intent"] == "card_arrival"
 
