@@ -8,6 +8,7 @@ stood in for here so that these run in seconds."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -391,3 +392,59 @@ def test_reviewers_verdicts_on_a_zero_shot_folder_train_its_few_shot_successor(
     assert record["encoder_stage"]["calibration"] == "cross-validation (3 folds)"
     assert not (day1 / "VERSION").exists()  # its records no longer say zero-shot
     assert (day1 / "taxonomy.toml").read_text() == BANK_DESK_PATH.read_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class _FirstStageReport:
+    validation_accuracy: float | None
+    ece: float | None
+    seconds: float
+    precision: str
+    parameters: int
+
+
+def test_the_first_stage_gets_the_contracts_arguments_and_the_folder_is_served_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stand-in for worker/learning/first_stage.py's `train_first_stage` (the test model as its output):
+    what the composition hands it, what it records of its report, and `classify --model DIR` on the result,
+    escalating to DIR/encoder."""
+    calls: list[dict[str, object]] = []
+
+    def train_first_stage(labelled, validation, taxonomy, taxonomy_path, teacher, out_dir, *, unlabelled,
+                          max_seconds, seed, progress):  # fmt: skip
+        probabilities = teacher([text for text, _ in labelled[:3]])
+        calls.append({"labelled": len(labelled), "validation": len(validation), "taxonomy": taxonomy.name,
+                      "path": taxonomy_path, "teacher": probabilities, "unlabelled": list(unlabelled),
+                      "max_seconds": max_seconds, "seed": seed})  # fmt: skip
+        progress(1, 1)
+        for name in ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json",
+                     "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
+            shutil.copyfile(TINY / name, out_dir / name)
+        return _FirstStageReport(0.5, 0.1, 1.0, "int4", 1234)
+
+    monkeypatch.setattr(compose, "_first_stage_trainer", lambda: (train_first_stage, None))
+    export = tmp_path / "export.jsonl"
+    rows = _per_intent(_shuffled_train(), 25)
+    export.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows))
+    unlabelled = tmp_path / "raw.txt"
+    unlabelled.write_text("hello\nwhere is my money\n")
+    out = tmp_path / "desk"
+    argv = ["model", "train", "--data", str(export), "--taxonomy", str(BANK_DESK_PATH), "--out", str(out)]
+    assert main([*argv, "--unlabelled", str(unlabelled), "--max-minutes", "5", "--seed", "3"]) == 0
+    (call,) = calls
+    assert (call["labelled"], call["validation"]) == (276, 24)  # 10 % of 25 per intent held out (rounded: 2)
+    assert call["taxonomy"] == "bank-desk" and call["unlabelled"] == ["hello", "where is my money"]
+    assert call["seed"] == 3 and 0 < float(call["max_seconds"]) <= 300  # type: ignore[arg-type]
+    teacher = np.asarray(call["teacher"])
+    assert teacher.shape == (3, 12) and np.allclose(teacher.sum(axis=1), 1.0)
+    record = json.loads((out / "training.json").read_text())
+    assert record["kind"] == "full" and record["first_stage"]["parameters"] == 1234
+    assert (
+        "| first stage (ORT GenAI, int4, 1234 parameters) | 50.0% | 0.100 |"
+        in (out / "README.md").read_text()
+    )
+    # Served whole: its taxonomy and its own encoder stage are found inside it.
+    argv = ["my card was stolen", "--model", str(out), "--deadline-ms", "60000"]
+    result = _classify([*argv, "--set", "inference.escalate_below=1.0"], capsys)
+    assert result["model"] == "encoder" and result["intent"] == "card_security"
