@@ -133,3 +133,16 @@ def test_intent_names_from_labels() -> None:
 def test_unlabelled_tickets_from_a_text_file(tmp_path: Path) -> None:
     path = _write(tmp_path / "raw.txt", b"one\n\ntwo\none\n\xff bad\n")
     assert read_texts(path) == ["one", "two"]
+
+
+def test_a_json_array_export_and_a_utf16_spreadsheet_export(tmp_path: Path) -> None:
+    array = _write(
+        tmp_path / "tickets.json",
+        json.dumps(
+            [{"text": "card lost", "label": "card_security"}, "junk", {"text": "top up?", "label": "top_up"}]
+        ),
+    )
+    data = read_ticket_rows(array)
+    assert data.rows == [("card lost", "card_security"), ("top up?", "top_up")] and data.counts.malformed == 1
+    utf16 = _write(tmp_path / "excel.csv", "text,label\ncafé card lost,card_security\n".encode("utf-16"))
+    assert read_ticket_rows(utf16).rows == [("café card lost", "card_security")]

@@ -100,13 +100,30 @@ def read_ticket_rows(
         if not (path / "train.csv").is_file():
             raise UserError(f"{path} is a folder without train.csv: give a CSV or JSON-lines file")
         path = path / "train.csv"
-    data = _read_bytes(path)
-    text = data.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
-    if path.suffix.lower() in JSON_LINES_SUFFIXES:
-        records, malformed = _json_lines(path, text)
-    else:
-        records, malformed = _csv_rows(path, text)
+    records, malformed = _records(path, _decoded(_read_bytes(path)))
     return _usable(path, records, malformed, text_column, label_column)
+
+
+def _decoded(data: bytes) -> str:
+    """UTF-16 when a byte-order mark says so (spreadsheet exports), else UTF-8 with any BOM dropped; bytes
+    that are not UTF-8 stay as lone surrogates, so that their rows can be counted out."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return data.decode("utf-16", errors="surrogatepass")
+    return data.decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
+
+
+def _records(path: Path, text: str) -> tuple[list[dict[str, str]], int]:
+    """The file's rows as column → value, and how many rows were malformed: JSON (one array of objects, or
+    one object a line) by the file's suffix, else CSV."""
+    if path.suffix.lower() not in JSON_LINES_SUFFIXES:
+        return _csv_rows(path, text)
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: not valid JSON ({error})") from None
+        return _json_objects(values)
+    return _json_lines(path, text)
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -142,21 +159,27 @@ def _csv_rows(path: Path, text: str) -> tuple[list[dict[str, str]], int]:
     return rows, malformed
 
 
+def _json_objects(values: list[object]) -> tuple[list[dict[str, str]], int]:
+    rows = [
+        {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in value.items()}
+        for value in values
+        if isinstance(value, dict)
+    ]
+    return rows, len(values) - len(rows)
+
+
 def _json_lines(path: Path, text: str) -> tuple[list[dict[str, str]], int]:
-    rows: list[dict[str, str]] = []
-    malformed = 0
+    values: list[object] = []
+    unreadable = 0
     for line in text.splitlines():
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            values.append(json.loads(line))
         except json.JSONDecodeError:
-            malformed += 1
-            continue
-        if not isinstance(value, dict):
-            malformed += 1
-            continue
-        rows.append({str(k): v if isinstance(v, str) else json.dumps(v) for k, v in value.items()})
+            unreadable += 1
+    rows, not_objects = _json_objects(values)
+    malformed = unreadable + not_objects
     if not rows and malformed:
         raise UserError(f"{path}: not JSON lines (no line is a JSON object; a CSV export needs a .csv name)")
     return rows, malformed
@@ -256,13 +279,9 @@ def read_texts(path: Path, text_column: str | None = None) -> list[str]:
     """Unlabelled tickets: a text file (one ticket a line), or the text column of a CSV / JSON-lines file;
     empty, duplicate and non-UTF-8 lines are left out."""
     if path.suffix.lower() in (".txt", ""):
-        text = _read_bytes(path).decode("utf-8", errors="surrogateescape")
-        lines = (line.strip() for line in text.splitlines())
+        lines = (line.strip() for line in _decoded(_read_bytes(path)).splitlines())
         return list(dict.fromkeys(line for line in lines if line and not _NOT_UTF8.search(line)))
-    data = _read_bytes(path).decode("utf-8", errors="surrogateescape").removeprefix("\ufeff")
-    records, _ = (
-        _json_lines(path, data) if path.suffix.lower() in JSON_LINES_SUFFIXES else _csv_rows(path, data)
-    )
+    records, _ = _records(path, _decoded(_read_bytes(path)))
     columns = list(dict.fromkeys(key for record in records[:1000] for key in record))
     key = _pick(path, columns, text_column, TEXT_COLUMNS, "text")
     texts = (record.get(key, "").strip() for record in records)
