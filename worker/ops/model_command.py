@@ -281,6 +281,10 @@ def _fine_tune(args: argparse.Namespace) -> int:
         },
     )
     base = Path(settings.inference.model)
+    # A folder `model train` wrote learns from the verdicts alone; any other model needs BANKING77 to replay.
+    trained_folder = (base / compose.TRAINING_FILE).is_file()
+    if not trained_folder:
+        data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
     console = Console(stderr=True, soft_wrap=True)
     if args.feedback is not None:
@@ -292,9 +296,8 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
     for line in feedback.summarize(corrections):
         console.print(line, markup=False)
-    if (base / compose.TRAINING_FILE).is_file():
+    if trained_folder:
         return _learn_from_corrections(args, corrections, taxonomy, taxonomy_path, console)
-    data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
     test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
     if args.test_limit:
