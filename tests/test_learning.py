@@ -448,3 +448,16 @@ def test_the_first_stage_gets_the_contracts_arguments_and_the_folder_is_served_w
     argv = ["my card was stolen", "--model", str(out), "--deadline-ms", "60000"]
     result = _classify([*argv, "--set", "inference.escalate_below=1.0"], capsys)
     assert result["model"] == "encoder" and result["intent"] == "card_security"
+
+
+def test_the_time_bound_stops_embedding_and_the_card_says_what_was_learnt_from() -> None:
+    rows = _per_intent(_shuffled_train(), 100)
+    _, report = encoder_stage.fit_encoder_stage(rows, [], BANK_DESK, _embedder(), max_seconds=0.001)
+    assert report.stopped_at_time_bound and report.trained_on == encoder_stage._SORT_CHUNK < len(rows)
+    record = {
+        "kind": "full", "date": "today", "taxonomy": {"name": "bank-desk", "intents": 12},
+        "data": {"file": "x.csv", "training_rows": len(rows), "validation_rows": 0,
+                 "rows_per_intent": {"min": 100, "median": 100, "max": 100, "without_rows": 0}},
+        "encoder_stage": report.as_dict(), "first_stage": None, "first_stage_missing": "not here",
+    }  # fmt: skip
+    assert f"learnt from the first {encoder_stage._SORT_CHUNK} training tickets" in compose.model_card(record)

@@ -272,9 +272,14 @@ def _encoder_line(report: encoder_stage.EncoderStageReport) -> str:
         if report.validation_accuracy is not None and report.ece is not None
         else f"no held-out figures ({report.calibration})"
     )
+    stopped = (
+        f"; the time bound stopped it after {report.trained_on} tickets (a random sample of them)"
+        if report.stopped_at_time_bound
+        else ""
+    )
     return (
         f"encoder stage ({report.method}): {figures}, temperature {report.temperature:.3f}, "
-        f"{report.seconds:.0f} s"
+        f"{report.seconds:.0f} s{stopped}"
     )
 
 
@@ -395,6 +400,15 @@ def model_card(record: dict[str, Any]) -> str:
         first_rows,
         "",
         f"**How validation and calibration adapt:** {adapts}",
+        *(
+            [
+                "",
+                "**Time bound:** embedding stopped at the time bound; the encoder stage learnt from the "
+                f"first {encoder['trained_on']} training tickets (a random sample of them).",
+            ]
+            if encoder["stopped_at_time_bound"]
+            else []
+        ),
         "",
         "**Run it:** `triage-worker classify --model .` and `triage-worker run --model .` take this folder "
         "whole: the taxonomy and the encoder stage (the cascade's escalation stage, `inference.escalation = "

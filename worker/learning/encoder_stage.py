@@ -66,7 +66,7 @@ TEMPERATURES = np.geomspace(0.005, 5.0, 400)
 ZERO_SHOT_DEFAULT_TEMPERATURE = 0.03
 EMBED_BATCH = 64
 # Texts sorted by length together (a deadline is checked between chunks).
-_SORT_CHUNK = 2048
+_SORT_CHUNK = 512
 # The head's inverse regularisation: the teacher's of `model eval`, not tuned.
 HEAD_C = TEACHER_C
 
@@ -114,14 +114,15 @@ def embed(
     deadline: float | None = None,
 ) -> FloatArray:
     """Embeddings of `texts` in order, `EMBED_BATCH` a call, reporting (done, total). Past `deadline`
-    (time.monotonic) it stops and returns the embeddings of a prefix of `texts` only.
+    (time.monotonic) it stops and returns the embeddings of a prefix of `texts` only (a whole chunk at
+    least).
 
     Within each chunk of `_SORT_CHUNK` texts the batches go by length (a batch is padded to its longest
     text), then the rows are put back in order: the same embeddings for less work."""
     parts: list[FloatArray] = []
     done = 0
     for chunk_start in range(0, len(texts), _SORT_CHUNK):
-        if deadline is not None and time.monotonic() > deadline:
+        if parts and deadline is not None and time.monotonic() > deadline:
             break
         chunk = texts[chunk_start : chunk_start + _SORT_CHUNK]
         order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))
