@@ -16,7 +16,8 @@ ALLOWED = {
     "pipeline": {"kafka", "privacy"},
     "replay": {"kafka", "pipeline", "privacy"},
     "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops", "privacy"},
+    "learning": {"inference", "ops", "privacy"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "ops", "privacy"},
     # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
     "privacy": set(),
 }

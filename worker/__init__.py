@@ -22,6 +22,10 @@ The code is in seven rooms, one folder each, plus a few shared modules; each roo
   Imports the shared modules, `worker.kafka` and `worker.pipeline`.
 - ``worker/telemetry`` (telemetry): one HTTP port per process: the Prometheus collectors, liveness and
   readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
+- ``worker/learning`` (learning): the trainers as a library: ticket exports in (`data`), the encoder stage
+  from tickets or zero-shot (`encoder_stage`), the first stage (`first_stage`), both stages into one model
+  folder (`compose`). Imports the shared modules, `worker.inference`, and `worker.ops`' evaluation figures and
+  artifact fetch.
 - ``worker/ops`` (operations): the CLI commands, sample tickets, the lag exporter, hot reload of the model
   (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
   everything.

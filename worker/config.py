@@ -34,7 +34,8 @@ DEFAULT_MODEL_DIR = shipped_path("models/triage-mini")
 # The shipped escalation stage of the cascade (an encoder stage, see worker/inference/encoder.py), found like
 # the embedded model.
 DEFAULT_ESCALATION_DIR = shipped_path("models/triage-encoder")
-# `inference.escalation` words: the shipped stage where it fits the first stage's taxonomy (the default; see
+# `inference.escalation` words: the model folder's own stage (`DIR/encoder/`, what `model train` writes),
+# else the shipped stage where it fits the first stage's taxonomy (the default; see
 # worker/inference/escalation.py), or no cascade.
 ESCALATION_AUTO = "auto"
 ESCALATION_OFF = "off"

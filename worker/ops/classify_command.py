@@ -35,11 +35,10 @@ from worker.classification import Classification, ClassifyRequest, ticket_text
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
-from worker.inference.engine import Engine
 from worker.inference.escalation import choose_escalation
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
-from worker.inference.pool import open_pool
+from worker.inference.pool import open_engine, open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
@@ -118,11 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _classify_text(settings: Settings, text: str, out: IO[bytes]) -> int:
-    """One ticket: an in-process context (starting worker processes would cost more than the ticket)."""
+    """One ticket: an in-process context (starting worker processes would cost more than the ticket), of an
+    ORT GenAI model or an encoder stage, as the worker's pools open either."""
     event = TicketEvent(ticket_id="cli-0", body=checked_argument_text(text, "the ticket text"))
     if not has_text(event):
         raise UserError("classify: the ticket text is empty; there is nothing to classify")
-    engine = Engine(settings.inference)
+    engine = open_engine(settings.inference)
     warn_once_if_unpaired(settings.inference, engine.taxonomy, engine.taxonomy_path)
     context = engine.new_context()
     request = ClassifyRequest(0, text, time.monotonic() + settings.pipeline.deadline_ms / 1000.0)

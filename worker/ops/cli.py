@@ -35,6 +35,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.broker_command",
     "worker.ops.config_command",
     "worker.ops.model_command",
+    "worker.ops.taxonomy_command",
 )
 
 

@@ -1,8 +1,10 @@
 """`triage-worker model ...`: build ORT GenAI model folders.
 
-`model train` rebuilds the embedded model `models/triage-mini` from BANKING77 (tools/train_triage_mini.py;
-the `export` and `eval` extras, and Maven for its teacher) and `model eval` measures a model on BANKING77's
-test split next to classical baselines and the teacher (worker/ops/evaluation.py; the `eval` extra).
+`model train` trains a model folder for a team's taxonomy, from its labelled tickets or from the taxonomy
+alone (worker/learning/; the `train` extra), or rebuilds the embedded model `models/triage-mini` from
+BANKING77 in a checkout (tools/train_triage_mini.py; Maven for its teacher). `model eval` measures a model
+on BANKING77's test split next to classical baselines and the teacher (worker/ops/evaluation.py; the `eval`
+extra).
 
 `model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
 template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline. It needs torch,
@@ -35,17 +37,21 @@ from rich.console import Console
 
 from worker.config import (
     DEFAULT_ESCALATION_DIR,
+    ESCALATION_AUTO,
     ESCALATION_OFF,
     add_config_argument,
     escalation_dir,
     settings_from_args,
 )
 from worker.errors import UserError
+from worker.inference.escalation import choose_escalation
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import load_taxonomy
-from worker.shipped import checkout_file
+from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
+    from worker.inference.taxonomy import Taxonomy
+    from worker.ops import feedback
     from worker.ops.evaluation import Example, Figures
 
 Precision = Literal["int4", "int8", "fp16", "fp32"]
@@ -53,7 +59,6 @@ _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
 # Files the builder does not know about but the worker reads from a model folder.
 _CARRIED_FILES = ("taxonomy.toml",)
 TRAIN_SCRIPT = "tools/train_triage_mini.py"
-TRAIN_ENCODER_SCRIPT = "tools/train_triage_encoder.py"
 BANKING77 = "data/banking77"
 
 
@@ -120,28 +125,45 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
-    """Run a training script with this interpreter; it needs the repository checkout (data, tools). With
-    feedback, fine-tune the current model on it instead (worker/ops/fine_tune.py)."""
-    if args.feedback_topic is not None or args.feedback is not None:
-        if args.encoder:
-            raise UserError("model train --encoder does not learn from feedback: drop --feedback(-topic)")
-        return _fine_tune(args)
-    script = checkout_file(TRAIN_ENCODER_SCRIPT if args.encoder else TRAIN_SCRIPT, "model train")
-    needed = (
-        ("onnx", "tokenizers", "sklearn") if args.encoder else (*_EXPORT_MODULES, "tokenizers", "sklearn")
-    )
-    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+# The modules `model train` imports, and the package each comes from: all of them are the `train` extra.
+TRAIN_PACKAGES = {
+    "sklearn": "scikit-learn",
+    "tokenizers": "tokenizers",
+    "onnx": "onnx",
+    "torch": "torch",
+    "transformers": "transformers",
+    "onnx_ir": "onnx_ir",
+    "safetensors": "safetensors",
+}
+# The encoder stage's head and tokenizer; the first stage (an ORT GenAI model) needs every other one.
+ENCODER_STAGE_MODULES = ("sklearn", "tokenizers")
+DEFAULT_MAX_MINUTES = 30.0
+
+
+def _require(modules: tuple[str, ...]) -> None:
+    """A one-line UserError naming the packages of `modules` that do not import, and the extra that has
+    them, before any work."""
+    missing = [TRAIN_PACKAGES[name] for name in modules if importlib.util.find_spec(name) is None]
     if missing:
-        extras = "eval" if args.encoder else "export,eval"
-        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[{extras}]'")
-    options = ("data", "taxonomy", "out") if args.encoder else (
-        "data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed",
-    )  # fmt: skip
-    if args.encoder and any(
-        getattr(args, name) is not None for name in ("work_dir", "max_minutes", "epochs", "seed")
-    ):
-        raise UserError("model train --encoder takes --data, --taxonomy and --out only")
+        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[train]'")
+
+
+def _train(args: argparse.Namespace) -> int:
+    """Train a model folder (both stages) from --data or --zero-shot, the encoder stage alone (--encoder),
+    fine-tune on feedback, or rebuild the embedded model from the checkout (no --data)."""
+    if args.feedback_topic is not None or args.feedback is not None:
+        if args.encoder or args.zero_shot:
+            raise UserError(
+                "model train --encoder/--zero-shot does not learn from feedback: drop --feedback(-topic)"
+            )
+        return _fine_tune(args)
+    if args.zero_shot or (args.data is not None and not args.encoder):
+        return _train_folder(args)
+    if args.encoder:
+        return _train_encoder(args)
+    script = checkout_file(TRAIN_SCRIPT, "model train without --data")
+    _require(tuple(TRAIN_PACKAGES))
+    options = ("data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed")
     forwarded = []
     for option in options:
         value = getattr(args, option)
@@ -150,14 +172,106 @@ def _train(args: argparse.Namespace) -> int:
     return subprocess.run([sys.executable, str(script), *forwarded], check=False).returncode
 
 
+def _refuse_options(args: argparse.Namespace, command: str, names: tuple[str, ...]) -> None:
+    given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) not in (None, False)]
+    if given:
+        raise UserError(f"{command} does not take {', '.join(given)}")
+
+
+def _train_folder(args: argparse.Namespace) -> int:
+    """`model train --data FILE|--zero-shot --taxonomy T --out DIR`: both stages into one folder."""
+    from worker.learning import compose
+    from worker.learning import data as learning_data
+
+    command = "model train --zero-shot" if args.zero_shot else "model train --data"
+    _refuse_options(args, command, ("work_dir", "epochs"))
+    if args.zero_shot:
+        _refuse_options(args, command, ("data", "unlabelled", "text_column", "label_column"))
+    if args.taxonomy is None or args.out is None:
+        raise UserError(
+            f"{command} needs --taxonomy FILE (the intents) and --out DIR (the model folder to write)"
+        )
+    first_stage = importlib.util.find_spec(compose.FIRST_STAGE_MODULE) is not None
+    _require(tuple(TRAIN_PACKAGES) if first_stage else ENCODER_STAGE_MODULES)
+    taxonomy_path = Path(args.taxonomy)
+    taxonomy = load_taxonomy(taxonomy_path)
+    max_seconds = 60.0 * (args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES)
+    if max_seconds <= 0:
+        raise UserError("--max-minutes must be more than 0")
+    seed = args.seed if args.seed is not None else 77
+    console = Console(stderr=True, soft_wrap=True)
+    if args.zero_shot:
+        outcome = compose.train_zero_shot_folder(
+            taxonomy, taxonomy_path, Path(args.out), max_seconds=max_seconds, seed=seed, console=console
+        )
+    else:
+        rows, read = learning_data.read_labelled(
+            Path(args.data), taxonomy, args.text_column, args.label_column
+        )
+        console.print(read.summary(), markup=False)
+        unlabelled = (
+            learning_data.read_texts(Path(args.unlabelled), args.text_column) if args.unlabelled else []
+        )
+        data = {"file": str(read.source), "rows_read": read.counts.read, "skipped": read.counts.skipped}
+        outcome = compose.train_model_folder(
+            rows, taxonomy, taxonomy_path, Path(args.out), data=data, max_seconds=max_seconds,
+            unlabelled=unlabelled, seed=seed, console=console,
+        )  # fmt: skip
+    print(f"wrote {outcome.out_dir} ({outcome.kind}, {outcome.seconds:.0f} s; model card: "
+          f"{outcome.out_dir / 'README.md'})")  # fmt: skip
+    return 0
+
+
+def _train_encoder(args: argparse.Namespace) -> int:
+    """`model train --encoder`: the encoder stage alone, as the shipped triage-encoder is built (its
+    encoder left in the user cache); defaults: BANKING77 and models/triage-encoder of a checkout."""
+    from worker.learning import data as learning_data
+    from worker.learning import encoder_stage
+    from worker.ops.evaluation import stratified_split
+
+    _refuse_options(args, "model train --encoder", ("work_dir", "epochs", "unlabelled", "zero_shot"))
+    _require(ENCODER_STAGE_MODULES)
+    data = Path(args.data) if args.data else _default_data("model train --encoder without --data")
+    taxonomy_path = Path(args.taxonomy) if args.taxonomy else shipped_path("taxonomies/banking77.toml")
+    out = Path(args.out) if args.out else DEFAULT_ESCALATION_DIR
+    taxonomy = load_taxonomy(taxonomy_path)
+    rows, read = learning_data.read_labelled(data, taxonomy, args.text_column, args.label_column)
+    print(read.summary())
+    seed = args.seed if args.seed is not None else 77
+    train, validation = stratified_split(rows, lambda row: row[1], seed=seed)
+    console = Console(stderr=True, soft_wrap=True)
+    max_seconds = 60.0 * (args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES)
+    embedder = encoder_stage.open_embedder(echo=console.print)
+    # Calibrated out of fold on the training part: the validation split stays untouched for `model eval`
+    # to choose the cascade's threshold on.
+    head, report = encoder_stage.fit_encoder_stage(
+        train, [], taxonomy, embedder, max_seconds=max_seconds, seed=seed
+    )
+    accuracy, ece = encoder_stage.evaluate(head, embedder, validation, taxonomy)
+    source = f"logistic regression C={encoder_stage.HEAD_C}, {read.source} minus the validation split"
+    encoder_stage.write_encoder_stage(out, head, taxonomy, taxonomy_path, source, copy_encoder=False)
+    training = {
+        "seed": seed,
+        "train_tickets": len(train),
+        "validation_tickets": len(validation),
+        "validation": {"accuracy": accuracy, "ece": ece, "temperature": head.temperature},
+        "fit": report.as_dict(),
+    }
+    (out / "training.json").write_text(json.dumps(training, indent=2) + "\n", encoding="utf-8")
+    print(f"validation: accuracy {accuracy:.2%}, ECE {ece:.3f}; wrote {out}")
+    return 0
+
+
 def _fine_tune(args: argparse.Namespace) -> int:
+    """Learn from reviewers' verdicts: a folder `model train --data/--zero-shot` wrote is trained again on
+    them (few-shot, both stages); any other model is fine-tuned on them (worker/ops/fine_tune.py)."""
+    from worker.learning import compose
     from worker.ops import evaluation, feedback, fine_tune
 
     if args.feedback_topic is not None and args.feedback is not None:
         raise UserError("give --feedback-topic or --feedback, not both")
     if args.out is None:
         raise UserError("--out DIR is needed: the folder the fine-tuned model is written to")
-    data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     settings = settings_from_args(
         args,
         {
@@ -167,7 +281,11 @@ def _fine_tune(args: argparse.Namespace) -> int:
         },
     )
     base = Path(settings.inference.model)
-    taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
+    # A folder `model train` wrote learns from the verdicts alone; any other model needs BANKING77 to replay.
+    trained_folder = (base / compose.TRAINING_FILE).is_file()
+    if not trained_folder:
+        data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
+    taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
     console = Console(stderr=True, soft_wrap=True)
     if args.feedback is not None:
         corrections, rejections = feedback.read_feedback_file(
@@ -180,6 +298,8 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
     for line in feedback.summarize(corrections):
         console.print(line, markup=False)
+    if trained_folder:
+        return _learn_from_corrections(args, corrections, taxonomy, taxonomy_path, console)
     original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
     test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
     if args.test_limit:
@@ -198,6 +318,39 @@ def _fine_tune(args: argparse.Namespace) -> int:
     for line in fine_tune.outcome_lines(outcome):
         print(line)
     print(f"wrote {args.out} (model card: {Path(args.out) / 'README.md'})")
+    return 0
+
+
+def _learn_from_corrections(
+    args: argparse.Namespace,
+    corrections: list[feedback.Correction],
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    console: Console,
+) -> int:
+    """The few-shot path: the verdicts (plus --data's rows, when given) as labelled tickets for both stages
+    of a new folder, for the taxonomy of the model they reviewed."""
+    from worker.learning import compose
+    from worker.learning import data as learning_data
+
+    rows = [(correction.text, correction.intent) for correction in corrections]
+    source = "reviewers' verdicts (FeedbackEvents)"
+    if args.data is not None:
+        labelled, read = learning_data.read_labelled(
+            Path(args.data), taxonomy, args.text_column, args.label_column
+        )
+        console.print(read.summary(), markup=False)
+        rows += labelled
+        source += f" and {read.source}"
+    if not rows:
+        raise UserError("no verdict to learn from: review some tickets first (`triage-worker review`)")
+    max_minutes = args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES
+    outcome = compose.train_model_folder(
+        rows, taxonomy, taxonomy_path, Path(args.out), data={"file": source, "verdicts": len(corrections)},
+        max_seconds=60.0 * max_minutes, seed=args.seed if args.seed is not None else 77, console=console,
+    )  # fmt: skip
+    print(f"wrote {outcome.out_dir} ({outcome.kind}, from {len(corrections)} verdicts; model card: "
+          f"{outcome.out_dir / 'README.md'})")  # fmt: skip
     return 0
 
 
@@ -304,9 +457,9 @@ def _eval_cascade(
     train: list[Example],
     test: list[Example],
     console: Console,
-) -> tuple[list[Figures], dict[str, Any]]:
+) -> tuple[list[Figures], dict[str, Any] | None]:
     """The escalation stage alone and the cascade at each threshold on test.csv; the threshold chosen on the
-    validation split of train.csv (both stages classify it first)."""
+    validation split of train.csv (both stages classify it first). None: no stage fits the taxonomy."""
     from worker.ops import evaluation
     from worker.ops.artifacts import fetch_stage_files
 
@@ -322,6 +475,13 @@ def _eval_cascade(
     taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
     escalation = settings.inference.escalation_settings(str(taxonomy_path))
     assert escalation is not None
+    if args.escalation is None and settings.inference.escalation == ESCALATION_AUTO:
+        # As the worker would run it: the folder's own stage, the shipped one where it fits, or no cascade.
+        choice = choose_escalation(settings.inference, taxonomy, taxonomy_path)
+        if choice.settings is None:
+            console.print(f"[yellow]no cascade rows: {choice.why_off}[/yellow]")
+            return [], None
+        escalation = choice.settings
     fetch_stage_files(escalation, console.print)
     deadline_s = settings.pipeline.deadline_ms / 1000.0
     thresholds = _thresholds(args.thresholds)
@@ -416,21 +576,42 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     train = commands.add_parser(
         "train",
-        help="rebuild the embedded model models/triage-mini from BANKING77 (needs the `export` extra)",
-        description="Runs tools/train_triage_mini.py (its --help lists every hyperparameter).",
+        help="train a model folder for your taxonomy from labelled tickets or the taxonomy alone (needs the "
+        "`train` extra)",
+        description="With --data FILE (a CSV or JSON-lines export: text and label per row) or --zero-shot: "
+        "both stages into one folder --out (docs/your-taxonomy.md). --encoder: the encoder stage alone. "
+        "Without --data: rebuild the embedded model from a checkout (tools/train_triage_mini.py).",
     )
-    train.add_argument("--data", metavar="DIR", help="BANKING77 folder (default: data/banking77)")
-    train.add_argument("--taxonomy", metavar="FILE", help="taxonomy (default: taxonomies/banking77.toml)")
-    train.add_argument("--out", metavar="DIR", help="model folder to write (default: models/triage-mini)")
+    train.add_argument(
+        "--data",
+        metavar="FILE",
+        help="labelled tickets: a CSV or JSON-lines file, or a BANKING77 folder (train.csv)",
+    )
+    train.add_argument(
+        "--text-column", metavar="NAME", help="the tickets' text column (default: text, body, ...)"
+    )
+    train.add_argument(
+        "--label-column", metavar="NAME", help="the intents' column (default: label, intent, ...)"
+    )
+    train.add_argument("--taxonomy", metavar="FILE", help="the taxonomy the labels are intents of")
+    train.add_argument("--out", metavar="DIR", help="model folder to write")
+    train.add_argument(
+        "--zero-shot",
+        action="store_true",
+        help="train from the taxonomy alone (intent names, descriptions, examples): a day-0 model, reviewed",
+    )
+    train.add_argument(
+        "--unlabelled", metavar="FILE", help="unlabelled tickets the first stage may learn from"
+    )
     train.add_argument("--work-dir", metavar="DIR", help="keep the HF folder and every export here")
-    train.add_argument("--max-minutes", type=float, help="training time budget (default 150)")
-    train.add_argument("--epochs", type=int, help="training epochs")
+    train.add_argument("--max-minutes", type=float, help="training time bound (default 30)")
+    train.add_argument("--epochs", type=int, help="training epochs (the embedded model's rebuild)")
     train.add_argument("--seed", type=int, help="random seed")
     train.add_argument(
         "--encoder",
         action="store_true",
-        help="build the cascade's escalation stage models/triage-encoder instead "
-        "(tools/train_triage_encoder.py: bge-small-en-v1.5 int8 + a linear head; needs the `eval` extra)",
+        help="build the encoder stage alone (default: the shipped models/triage-encoder from BANKING77; "
+        "bge-small-en-v1.5 int8 + a linear head)",
     )
     tune = train.add_argument_group(
         "learning from feedback (minutes): fine-tune the current model on reviewers' corrections"

@@ -98,8 +98,9 @@ SETTING_DOCS: dict[str, str] = {
     "inference.shadow_mode": "the shadow's mode",
     "inference.shadow_pool_size": "the shadow's contexts",
     "inference.escalation": "the cascade's escalation stage: an encoder-stage folder or an ORT GenAI model "
-    "folder, `triage-encoder` (the shipped one), `auto` (the shipped one where the taxonomy has exactly its "
-    "BANKING77 labels) or `off` ([model](model.md#the-cascade))",
+    "folder, `triage-encoder` (the shipped one), `auto` (the model folder's own `encoder/` stage, else the "
+    "shipped one where the taxonomy has exactly its BANKING77 labels) or `off` "
+    "([model](model.md#the-cascade))",
     "inference.escalate_below": "tickets whose first answer's confidence is under this go to the escalation "
     "stage when their deadline leaves time (chosen on the validation split)",
     "inference.escalation_pool_size": "the escalation stage's processes",

@@ -1,0 +1,419 @@
+"""One model folder with both stages: what `triage-worker model train --data/--zero-shot` writes.
+
+    DIR/               the ORT GenAI first stage (genai_config.json, model.onnx, tokenizer): `--model DIR`
+    DIR/encoder/       the escalation stage: head.npz, tokenizer.json, encoder.json, the encoder's ONNX file
+    DIR/taxonomy.toml  the taxonomy both were trained for; DIR/trained_labels.json its labels' record
+    DIR/training.json  how it was trained and its figures; DIR/README.md the model card
+    DIR/VERSION        "zero-shot" for a zero-shot folder: every record's `model` says `DIR@zero-shot`
+
+Labelled tickets are split into a training part and a stratified validation part (`stratified_split`, 10 %
+of each intent) when every intent has `FULL_ROWS_PER_INTENT` rows or more. With fewer (few-shot: a handful per
+intent) a validation part would leave almost nothing to learn from, so every row trains and the encoder stage
+is calibrated by k-fold cross-validation instead; the first stage then gets no validation part. The encoder
+head is fitted first; its probabilities are the first stage's teacher. Zero-shot uses the taxonomy's texts
+(names, descriptions, `examples`) for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import json
+import random
+import shutil
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from worker.errors import UserError
+from worker.inference.encoder import SentenceEmbedder
+from worker.inference.loading import ZERO_SHOT_VERSION
+from worker.inference.pairing import write_trained_labels
+from worker.inference.taxonomy import Taxonomy
+from worker.learning import encoder_stage
+from worker.ops.evaluation import stratified_split
+
+Kind = Literal["zero-shot", "few-shot", "full"]
+ENCODER_DIR = "encoder"
+TRAINING_FILE = "training.json"
+# Rows per intent from which a validation part is split off (10 % of 20 = 2 held out, 18 to learn from).
+FULL_ROWS_PER_INTENT = 20
+# Share of the time bound the encoder stage may take when a first stage follows (embedding is most of it).
+ENCODER_SHARE = 0.4
+FIRST_STAGE_MODULE = "worker.learning.first_stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingOutcome:
+    """What was written and measured; `first_stage` is None when no first stage could be trained (`why`)."""
+
+    out_dir: Path
+    kind: Kind
+    encoder: encoder_stage.EncoderStageReport
+    first_stage: Any | None
+    first_stage_missing: str | None
+    seconds: float
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _reporter(progress: Progress, description: str) -> Callable[[int, int], None]:
+    task = progress.add_task(description, total=None)
+
+    def report(done: int, total: int) -> None:
+        progress.update(task, completed=done, total=total)
+
+    return report
+
+
+def _first_stage_trainer() -> tuple[Callable[..., Any] | None, str | None]:
+    """The first-stage trainer, or None and why not (its module, or the packages it needs, are missing)."""
+    try:
+        module = importlib.import_module(FIRST_STAGE_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name == FIRST_STAGE_MODULE:
+            return None, f"{FIRST_STAGE_MODULE} is not part of this version"
+        return None, f"it needs {error.name}: pip install 'triage-worker[train]'"
+    trainer: Callable[..., Any] = module.train_first_stage
+    return trainer, None
+
+
+def split_rows(
+    rows: Sequence[tuple[str, str]], seed: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]], Kind]:
+    """(training part, validation part, kind): a stratified 10 % per intent when every intent present has
+    `FULL_ROWS_PER_INTENT` rows, else all rows train (few-shot) and the validation part is empty."""
+    counts = Counter(intent for _, intent in rows)
+    if min(counts.values()) >= FULL_ROWS_PER_INTENT:
+        train, validation = stratified_split(list(rows), lambda row: row[1], seed=seed)
+        return train, validation, "full"
+    shuffled = list(rows)
+    random.Random(seed).shuffle(shuffled)
+    return shuffled, [], "few-shot"
+
+
+def train_model_folder(
+    rows: Sequence[tuple[str, str]],
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    out_dir: Path,
+    *,
+    data: dict[str, Any],
+    max_seconds: float,
+    unlabelled: Sequence[str] = (),
+    seed: int = 77,
+    console: Console | None = None,
+    embedder: SentenceEmbedder | None = None,
+) -> TrainingOutcome:
+    """Train both stages on labelled (text, intent) rows and write `out_dir` (see the module). `data`
+    describes the rows for the model card (file, counts)."""
+    console = console or Console(stderr=True)
+    started = time.monotonic()
+    train, validation, kind = split_rows(rows, seed)
+    console.print(
+        f"{kind}: {len(train)} tickets to learn from, {len(validation)} held out for validation, "
+        f"{len(taxonomy.labels)} intents"
+    )
+    trainer, missing = _first_stage_trainer()
+    encoder_budget = max_seconds * (ENCODER_SHARE if trainer is not None else 1.0)
+    embedder = embedder or encoder_stage.open_embedder(echo=console.print)
+    with _progress(console) as progress:
+        head, report = encoder_stage.fit_encoder_stage(
+            train,
+            validation,
+            taxonomy,
+            embedder,
+            max_seconds=encoder_budget,
+            seed=seed,
+            progress=_reporter(progress, "encoder stage: embedding tickets"),
+        )
+    source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
+    return _finish(
+        out_dir, kind, head, report, source, train, validation, taxonomy, taxonomy_path, embedder,
+        trainer, missing, data, max_seconds, unlabelled, seed, started, console,
+    )  # fmt: skip
+
+
+def train_zero_shot_folder(
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    out_dir: Path,
+    *,
+    max_seconds: float,
+    seed: int = 77,
+    console: Console | None = None,
+    embedder: SentenceEmbedder | None = None,
+) -> TrainingOutcome:
+    """Both stages from the taxonomy's texts alone, and `VERSION` = zero-shot (see the module)."""
+    console = console or Console(stderr=True)
+    started = time.monotonic()
+    embedder = embedder or encoder_stage.open_embedder(echo=console.print)
+    with _progress(console) as progress:
+        head, report = encoder_stage.zero_shot_encoder_stage(
+            taxonomy, embedder, _reporter(progress, "encoder stage: embedding the taxonomy")
+        )
+    texts = encoder_stage.intent_texts(taxonomy)
+    rows = [(text, intent.name) for intent, own in zip(taxonomy.intents, texts, strict=True) for text in own]
+    trainer, missing = _first_stage_trainer()
+    data = {"file": None, "taxonomy_texts": len(rows)}
+    source = "zero-shot: normalised prototypes of each intent's name, description and examples"
+    return _finish(
+        out_dir, "zero-shot", head, report, source, rows, [], taxonomy, taxonomy_path, embedder,
+        trainer, missing, data, max_seconds, (), seed, started, console,
+    )  # fmt: skip
+
+
+def _finish(
+    out_dir: Path,
+    kind: Kind,
+    head: encoder_stage.LinearHead,
+    report: encoder_stage.EncoderStageReport,
+    head_source: str,
+    train: Sequence[tuple[str, str]],
+    validation: Sequence[tuple[str, str]],
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    embedder: SentenceEmbedder,
+    trainer: Callable[..., Any] | None,
+    missing: str | None,
+    data: dict[str, Any],
+    max_seconds: float,
+    unlabelled: Sequence[str],
+    seed: int,
+    started: float,
+    console: Console,
+) -> TrainingOutcome:
+    """Write the encoder stage, train the first stage with the head as its teacher, then the folder's
+    records (taxonomy, trained labels, VERSION, training.json, model card)."""
+    _prepare(out_dir)
+    console.print(_encoder_line(report))
+    encoder_stage.write_encoder_stage(
+        out_dir / ENCODER_DIR, head, taxonomy, taxonomy_path, head_source, copy_encoder=True
+    )
+
+    def teacher(texts: Sequence[str]) -> Any:
+        return head.probabilities(encoder_stage.embed(embedder, texts))
+
+    first = None
+    if trainer is not None:
+        remaining = max(60.0, max_seconds - (time.monotonic() - started))
+        with _progress(console) as progress:
+            first = trainer(
+                train,
+                validation,
+                taxonomy,
+                taxonomy_path,
+                teacher,
+                out_dir,
+                unlabelled=unlabelled,
+                max_seconds=remaining,
+                seed=seed,
+                progress=_reporter(progress, "first stage: training"),
+            )
+    else:
+        console.print(
+            f"[yellow]first stage not trained: {missing}; the encoder stage alone runs with "
+            f"--model {out_dir / ENCODER_DIR}[/yellow]"
+        )
+    shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
+    write_trained_labels(out_dir, taxonomy)
+    for folder in (out_dir, out_dir / ENCODER_DIR):
+        if kind == "zero-shot":
+            (folder / "VERSION").write_text(ZERO_SHOT_VERSION + "\n", encoding="utf-8")
+        else:
+            (folder / "VERSION").unlink(missing_ok=True)
+    outcome = TrainingOutcome(out_dir, kind, report, first, missing, time.monotonic() - started)
+    record = _training_record(outcome, taxonomy, train, validation, data, unlabelled, seed)
+    (out_dir / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "README.md").write_text(model_card(record), encoding="utf-8")
+    return outcome
+
+
+def _prepare(out_dir: Path) -> None:
+    """`out_dir` empty or new: a model folder of an earlier run there would mix two models' files."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not (out_dir / TRAINING_FILE).is_file():
+            raise UserError(f"--out {out_dir} is not empty and is not a folder `model train` wrote: refusing")
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _encoder_line(report: encoder_stage.EncoderStageReport) -> str:
+    figures = (
+        f"accuracy {report.validation_accuracy:.1%}, ECE {report.ece:.3f} on {report.held_out} held out "
+        f"({report.calibration})"
+        if report.validation_accuracy is not None and report.ece is not None
+        else f"no held-out figures ({report.calibration})"
+    )
+    stopped = (
+        f"; the time bound stopped it after {report.trained_on} tickets (a random sample of them)"
+        if report.stopped_at_time_bound
+        else ""
+    )
+    return (
+        f"encoder stage ({report.method}): {figures}, temperature {report.temperature:.3f}, "
+        f"{report.seconds:.0f} s{stopped}"
+    )
+
+
+def _first_stage_dict(first: Any) -> dict[str, Any]:
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        return dataclasses.asdict(first)
+    return {"report": repr(first)}
+
+
+def _training_record(
+    outcome: TrainingOutcome,
+    taxonomy: Taxonomy,
+    train: Sequence[tuple[str, str]],
+    validation: Sequence[tuple[str, str]],
+    data: dict[str, Any],
+    unlabelled: Sequence[str],
+    seed: int,
+) -> dict[str, Any]:
+    per_intent = Counter(intent for _, intent in [*train, *validation])
+    counts = [per_intent.get(label, 0) for label in taxonomy.labels]
+    return {
+        "kind": outcome.kind,
+        "date": datetime.date.today().isoformat(),
+        "taxonomy": {"name": taxonomy.name, "intents": len(taxonomy.labels)},
+        "data": {
+            **data,
+            "training_rows": len(train),
+            "validation_rows": len(validation),
+            "unlabelled_rows": len(unlabelled),
+            "rows_per_intent": {
+                "min": min(counts),
+                "median": statistics.median(counts),
+                "max": max(counts),
+                "without_rows": sum(1 for count in counts if count == 0),
+            },
+        },
+        "seed": seed,
+        "encoder_stage": outcome.encoder.as_dict(),
+        "first_stage": None if outcome.first_stage is None else _first_stage_dict(outcome.first_stage),
+        "first_stage_missing": outcome.first_stage_missing,
+        "seconds": round(outcome.seconds, 1),
+    }
+
+
+def _figure(value: Any, percent: bool = False) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.1%}" if percent else f"{value:.3f}"
+
+
+def model_card(record: dict[str, Any]) -> str:
+    """The folder's README.md from its training record: what it learnt from, its figures, how it adapts."""
+    kind = record["kind"]
+    data = record["data"]
+    encoder = record["encoder_stage"]
+    first = record["first_stage"]
+    if kind == "zero-shot":
+        learnt_from = (
+            f"the taxonomy alone: {data['taxonomy_texts']} texts (each intent's name, description and "
+            "examples); no labelled ticket"
+        )
+    elif kind == "few-shot":
+        learnt_from = (
+            f"{data['training_rows']} labelled tickets from {data.get('file')} (a few per intent: "
+            f"{data['rows_per_intent']['min']} to {data['rows_per_intent']['max']}), and the taxonomy's texts"
+        )
+    else:
+        learnt_from = (
+            f"{data['training_rows']} labelled tickets from {data.get('file')} and the taxonomy's texts, "
+            f"{data['validation_rows']} more held out for validation"
+        )
+    adapts = {
+        "zero-shot": "Nothing was held out: there are no tickets. The encoder stage's temperature was "
+        "fitted on "
+        "each example phrase against prototypes built without it (leave-one-out), so its confidences are "
+        "honest about guesses; without examples it is a fixed default. Records of this model say "
+        "`model: <folder>@zero-shot`. Run it with review on (`--review-threshold`, see "
+        "docs/your-taxonomy.md): "
+        "reviewers' corrections are FeedbackEvents, and `triage-worker model train --feedback-topic` turns "
+        "them into the few-shot model.",
+        "few-shot": f"Fewer than {FULL_ROWS_PER_INTENT} tickets for some intent: a validation part "
+        "would leave "
+        "too little to learn from, so every ticket trained and the encoder stage's temperature and figures "
+        "come from k-fold cross-validation of the same tickets (the figures below are out-of-fold). The "
+        "first stage had no validation part.",
+        "full": "A stratified 10 % of each intent was held out: the encoder stage's temperature was "
+        "fitted on "
+        "it and every figure below is measured on it.",
+    }[kind]
+    if first is None:
+        first_rows = f"| first stage | not trained: {record['first_stage_missing']} | | |"
+    else:
+        first_rows = (
+            f"| first stage (ORT GenAI, {first.get('precision', '?')}, {first.get('parameters', '?')} "
+            f"parameters) | {_figure(first.get('validation_accuracy'), True)} | "
+            f"{_figure(first.get('ece'))} | "
+            f"{first.get('seconds', 0):.0f} s |"
+        )
+    encoder_row = (
+        f"| encoder stage (`encoder/`: bge-small-en-v1.5 int8 + {encoder['method']}, temperature "
+        f"{encoder['temperature']:.3f}, {encoder['calibration']}) | "
+        f"{_figure(encoder['validation_accuracy'], True)} | {_figure(encoder['ece'])} | "
+        f"{encoder['seconds']:.0f} s |"
+    )
+    lines = [
+        f"# Model card — {record['taxonomy']['name']} ({kind})",
+        "",
+        f"Written by `triage-worker model train` on {record['date']}; `training.json` has every figure.",
+        "",
+        f"**Learnt from:** {learnt_from}. Taxonomy `{record['taxonomy']['name']}`, "
+        f"{record['taxonomy']['intents']} intents (`taxonomy.toml`; `trained_labels.json` records them, and "
+        "every start checks the configured taxonomy against it). Intents without a single ticket: "
+        f"{data['rows_per_intent']['without_rows']} (learnt from the taxonomy's texts alone).",
+        "",
+        "| stage | held-out accuracy | ECE | time |",
+        "|---|---|---|---|",
+        encoder_row,
+        first_rows,
+        "",
+        f"**How validation and calibration adapt:** {adapts}",
+        *(
+            [
+                "",
+                "**Time bound:** embedding stopped at the time bound; the encoder stage learnt from the "
+                f"first {encoder['trained_on']} training tickets (a random sample of them).",
+            ]
+            if encoder["stopped_at_time_bound"]
+            else []
+        ),
+        "",
+        "**Run it:** `triage-worker classify --model .` and `triage-worker run --model .` take this folder "
+        "whole: the taxonomy and the encoder stage (the cascade's escalation stage, `inference.escalation = "
+        '"auto"`) are found inside it. Measure it with `triage-worker model eval --model . --data TICKETS` '
+        "before promoting it, run it as a shadow of the current model first (`run --shadow-model .`), then "
+        "promote it (docs/your-taxonomy.md).",
+    ]
+    return "\n".join(lines) + "\n"

