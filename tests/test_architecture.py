@@ -16,7 +16,10 @@ ALLOWED = {
     "pipeline": {"kafka"},
     "replay": {"kafka", "pipeline"},
     "telemetry": {"kafka", "inference", "pipeline", "replay"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "ops"},
+    # Training builds model folders with the inference room's prompt and engine, and the ops room's export
+    # (the builder wrapper `model export` shares) and evaluation helpers; only ops imports it.
+    "learning": {"inference", "ops"},
+    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "ops"},
 }
 
 

@@ -1,7 +1,7 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in six rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in seven rooms, one folder each, plus a few shared modules; each room has one contract.
 
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
@@ -22,6 +22,10 @@ The code is in six rooms, one folder each, plus a few shared modules; each room 
   Imports the shared modules, `worker.kafka` and `worker.pipeline`.
 - ``worker/telemetry`` (telemetry): one HTTP port per process: the Prometheus collectors, liveness and
   readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
+- ``worker/learning`` (learning): builds model folders from a team's tickets: `first_stage.train_first_stage`
+  trains the cascade's first stage (a small Llama distilled from a teacher) in a time budget and exports it
+  as an ORT GenAI folder. Needs the `export` extra (imported inside its functions). Imports the shared
+  modules, `worker.inference` and `worker.ops` (export, evaluation helpers); only `worker.ops` imports it.
 - ``worker/ops`` (operations): the CLI commands, sample tickets, the lag exporter, hot reload of the model
   (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
   everything.
