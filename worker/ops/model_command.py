@@ -1,7 +1,7 @@
 """`triage-worker model ...`: build ORT GenAI model folders.
 
-`model train` rebuilds the embedded model `models/triage-mini` from BANKING77 (tools/train_triage_mini.py;
-the `export` and `eval` extras, and Maven for its teacher) and `model eval` measures a model on BANKING77's
+`model train` rebuilds the embedded model `models/triage-mini` from BANKING77 (worker/learning/first_stage.py,
+taught by the encoder stage; the `export` and `eval` extras) and `model eval` measures a model on BANKING77's
 test split next to classical baselines and the teacher (worker/ops/evaluation.py; the `eval` extra).
 
 `model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
@@ -17,6 +17,7 @@ Each `model` sub-command registers itself in `register` below; more are added th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -52,7 +53,6 @@ Precision = Literal["int4", "int8", "fp16", "fp32"]
 _EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
 # Files the builder does not know about but the worker reads from a model folder.
 _CARRIED_FILES = ("taxonomy.toml",)
-TRAIN_SCRIPT = "tools/train_triage_mini.py"
 TRAIN_ENCODER_SCRIPT = "tools/train_triage_encoder.py"
 BANKING77 = "data/banking77"
 
@@ -127,27 +127,44 @@ def _train(args: argparse.Namespace) -> int:
         if args.encoder:
             raise UserError("model train --encoder does not learn from feedback: drop --feedback(-topic)")
         return _fine_tune(args)
-    script = checkout_file(TRAIN_ENCODER_SCRIPT if args.encoder else TRAIN_SCRIPT, "model train")
-    needed = (
-        ("onnx", "tokenizers", "sklearn") if args.encoder else (*_EXPORT_MODULES, "tokenizers", "sklearn")
-    )
-    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if not args.encoder:
+        return _train_first_stage(args)
+    script = checkout_file(TRAIN_ENCODER_SCRIPT, "model train")
+    missing = [name for name in ("onnx", "tokenizers", "sklearn") if importlib.util.find_spec(name) is None]
     if missing:
-        extras = "eval" if args.encoder else "export,eval"
-        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[{extras}]'")
-    options = ("data", "taxonomy", "out") if args.encoder else (
-        "data", "taxonomy", "out", "work_dir", "max_minutes", "epochs", "seed",
-    )  # fmt: skip
-    if args.encoder and any(
-        getattr(args, name) is not None for name in ("work_dir", "max_minutes", "epochs", "seed")
-    ):
+        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[eval]'")
+    if any(getattr(args, name) is not None for name in ("max_minutes", "seed")):
         raise UserError("model train --encoder takes --data, --taxonomy and --out only")
     forwarded = []
-    for option in options:
+    for option in ("data", "taxonomy", "out"):
         value = getattr(args, option)
         if value is not None:
             forwarded += [f"--{option.replace('_', '-')}", str(value)]
     return subprocess.run([sys.executable, str(script), *forwarded], check=False).returncode
+
+
+def _train_first_stage(args: argparse.Namespace) -> int:
+    """The embedded model from BANKING77's train.csv (its usual 10 % validation split held out), taught by
+    the shipped encoder stage, whose head was fit on the same 90 % (worker/learning/first_stage.py)."""
+    from worker.learning import first_stage, teachers
+    from worker.ops import evaluation
+
+    data = Path(args.data) if args.data else _default_data("model train without --data")
+    taxonomy_path = Path(args.taxonomy or checkout_file("taxonomies/banking77.toml", "model train"))
+    out = Path(args.out or checkout_file("models/triage-mini", "model train without --out"))
+    missing = first_stage.missing_modules()
+    if missing:
+        raise UserError(f"model train needs {', '.join(missing)}: pip install 'triage-worker[export]'")
+    taxonomy = load_taxonomy(taxonomy_path)
+    rows = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
+    train, validation = evaluation.stratified_split(rows, lambda row: row[1])
+    teacher = teachers.encoder_stage_teacher(DEFAULT_ESCALATION_DIR, taxonomy.labels)
+    report = first_stage.train_first_stage(
+        train, validation, taxonomy, taxonomy_path, teacher, out,
+        max_seconds=60 * (args.max_minutes or 15.0), seed=77 if args.seed is None else args.seed, log=print,
+    )  # fmt: skip
+    print(json.dumps(dataclasses.asdict(report), indent=2))
+    return 0
 
 
 def _fine_tune(args: argparse.Namespace) -> int:
@@ -415,14 +432,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     train = commands.add_parser(
         "train",
         help="rebuild the embedded model models/triage-mini from BANKING77 (needs the `export` extra)",
-        description="Runs tools/train_triage_mini.py (its --help lists every hyperparameter).",
+        description="Trains the first stage in a time budget (worker/learning/first_stage.py).",
     )
     train.add_argument("--data", metavar="DIR", help="BANKING77 folder (default: data/banking77)")
     train.add_argument("--taxonomy", metavar="FILE", help="taxonomy (default: taxonomies/banking77.toml)")
     train.add_argument("--out", metavar="DIR", help="model folder to write (default: models/triage-mini)")
-    train.add_argument("--work-dir", metavar="DIR", help="keep the HF folder and every export here")
-    train.add_argument("--max-minutes", type=float, help="training time budget (default 150)")
-    train.add_argument("--epochs", type=int, help="training epochs")
+    train.add_argument("--max-minutes", type=float, help="time budget, export included (default 15)")
     train.add_argument("--seed", type=int, help="random seed")
     train.add_argument(
         "--encoder",
