@@ -7,6 +7,6 @@ shipped sentence encoder, or zero-shot prototypes from the taxonomy's texts); `f
 GenAI model; `compose` writes both into one self-contained folder. `worker/ops/model_command.py` and
 `worker/ops/taxonomy_command.py` are their command lines.
 
-The training libraries (the `train` extra: torch, transformers, tokenizers, onnx, onnx_ir, scikit-learn) are no
-runtime dependency, so every module here imports them inside its functions.
+The training libraries (the `train` extra: torch, transformers, tokenizers, onnx, onnx_ir, scikit-learn) are
+no runtime dependency, so every module here imports them inside its functions.
 """
