@@ -21,7 +21,9 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from worker.contracts.input import TicketDecoder
 from worker.decoding import DecodeError
@@ -137,3 +139,40 @@ def test_bad_registry_input_gets_its_reason_from_the_real_registry(
             decoder.decode(value, topic)
         reasons.append(caught.value.error_type)
     assert reasons == ["invalid_wire_format", "unknown_schema", "schema_mismatch", "schema_mismatch"]
+
+
+def _helpdesk_proto_class() -> Any:
+    """A producer's Protobuf message, built at run time so the test needs no protoc: helpdesk.HelpdeskTicket
+    {string id = 1; string description = 2; Requester requester = 3;} with Requester {string email = 1;}."""
+    string, message, optional = 9, 11, 1  # FieldDescriptorProto type and label numbers
+    proto = descriptor_pb2.FileDescriptorProto(name="helpdesk.proto", package="helpdesk", syntax="proto3")
+    proto.message_type.add(name="Requester").field.add(name="email", number=1, type=string, label=optional)
+    ticket = proto.message_type.add(name="HelpdeskTicket")
+    ticket.field.add(name="id", number=1, type=string, label=optional)
+    ticket.field.add(name="description", number=2, type=string, label=optional)
+    ticket.field.add(
+        name="requester", number=3, type=message, label=optional, type_name=".helpdesk.Requester"
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("helpdesk.HelpdeskTicket"))
+
+
+def test_protobuf_tickets_through_the_real_registry_and_broker_decode_with_a_mapping(
+    registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
+) -> None:
+    topic = unique_topic("protobuf-tickets", partitions=1)
+    client: Any = SchemaRegistryClient({"url": registry.url})
+    helpdesk_ticket = _helpdesk_proto_class()
+    serialize = ProtobufSerializer(helpdesk_ticket, client, {"use.deprecated.format": False})
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    sent = helpdesk_ticket(id="P-1", description="my card was stolen", requester={"email": "p@example.com"})
+    (value,) = _roundtrip(kafka_config, topic, [serialize(sent, ctx)])
+
+    decoder = TicketDecoder("protobuf", MAPPING, 1_000_000, client, helpdesk_ticket)
+    ticket = decoder.decode(value, topic)
+    assert (ticket.ticket_id, ticket.body, ticket.customer_id) == (
+        "P-1",
+        "my card was stolen",
+        "p@example.com",
+    )
