@@ -132,6 +132,15 @@ def test_mapped_plain_json_keeps_the_plain_rules() -> None:
     assert caught.value.error_type == "invalid_json"
 
 
+def test_mapped_plain_json_reads_a_bom_and_refuses_deep_nesting_as_a_dead_letter() -> None:
+    decoder = TicketDecoder("json", {"ticket_id": "id", "body": "description"}, LIMIT)
+    assert decoder.decode(b'\xef\xbb\xbf{"id": "7", "description": "hi"}', TOPIC).ticket_id == "7"
+    deep = b'{"id": "7", "description": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(deep, TOPIC)
+    assert caught.value.error_type == "too_deeply_nested"
+
+
 def test_an_unreachable_registry_is_retried_not_dead_lettered() -> None:
     # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
     client = SchemaRegistryClient({"url": "http://127.0.0.1:9", "timeout": 2})

@@ -34,6 +34,8 @@ REGISTRY_FORMATS: frozenset[str] = frozenset({"avro", "json_schema", "protobuf"}
 # Confluent wire format: magic byte 0 then the schema id (4 bytes, big-endian), then the payload.
 WIRE_MAGIC = 0
 WIRE_HEADER_BYTES = 5
+# RFC 8259 §8.1, as for plain tickets (worker/decoding.py).
+_UTF8_BOM = b"\xef\xbb\xbf"
 _TICKET_FIELDS = tuple(field.name for field in msgspec.structs.fields(TicketEvent))
 
 
@@ -80,6 +82,8 @@ def _ticket_from_document(document: object, fields: Mapping[str, str], max_value
     # Re-encoded as JSON so that exactly the plain-JSON rules (types, timestamps, empty ticket) apply.
     try:
         canonical = msgspec.json.encode(map_fields(document, fields))
+    except RecursionError:
+        raise DecodeError("too_deeply_nested", "a ticket field nests too deeply to re-encode") from None
     except (TypeError, msgspec.EncodeError) as error:
         raise DecodeError("wrong_type", f"a ticket field holds a value JSON cannot carry: {error}") from None
     return decode_ticket(canonical, max_value_bytes)
@@ -126,7 +130,18 @@ class TicketDecoder:
             self._deserialize = _deserializer(input_format, registry, protobuf_message_type)
 
     def decode(self, value: bytes | None, topic: str) -> TicketEvent:
-        """One record value → TicketEvent; raises DecodeError (dead letter) or RegistryUnavailable (retry)."""
+        """One record value → TicketEvent; raises DecodeError (dead letter) or RegistryUnavailable (retry),
+        nothing else, whatever the bytes."""
+        try:
+            return self._decode(value, topic)
+        except (DecodeError, RegistryUnavailable):
+            raise
+        except Exception as error:  # a library failing in a way we did not foresee: one dead letter
+            raise DecodeError(
+                "undecodable", f"the decoder failed on this value: {type(error).__name__}: {error}"
+            ) from None
+
+    def _decode(self, value: bytes | None, topic: str) -> TicketEvent:
         if self._deserialize is None:
             if not self._fields:
                 return decode_ticket(value, self._max_value_bytes)
@@ -176,13 +191,14 @@ class TicketDecoder:
             ) from None
 
     def _decode_mapped_json(self, value: bytes | None) -> TicketEvent:
+        if value is None or len(value) > self._max_value_bytes:
+            return decode_ticket(value, self._max_value_bytes)  # raises null_value or too_large
+        value = value.removeprefix(_UTF8_BOM)
         try:
-            document = msgspec.json.decode(value or b"")
-        except msgspec.DecodeError:
-            # Not JSON at all: the plain decoder says exactly why (and raises only DecodeError).
-            return decode_ticket(value, self._max_value_bytes)
-        if value is not None and len(value) > self._max_value_bytes:
-            return decode_ticket(value, self._max_value_bytes)
+            document = msgspec.json.decode(value)
+        except Exception:  # not JSON, nested too deeply, ...: the plain decoder names the problem
+            decode_ticket(value, self._max_value_bytes)
+            raise
         return _ticket_from_document(document, self._fields, self._max_value_bytes)
 
 
