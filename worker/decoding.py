@@ -33,6 +33,10 @@ DecodeErrorType = Literal[
     "too_deeply_nested",
     "undecodable",
     "empty_ticket",
+    # Schema Registry input formats (worker/contracts/input.py).
+    "invalid_wire_format",
+    "unknown_schema",
+    "schema_mismatch",
 ]
 
 # Tickets need two levels (the object and `metadata`). msgspec recurses once per level and raises

@@ -33,6 +33,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "worker.ops.review_command",
     "worker.ops.lag_command",
     "worker.ops.broker_command",
+    "worker.ops.registry_command",
     "worker.ops.config_command",
     "worker.ops.model_command",
     "worker.ops.taxonomy_command",

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from worker.config import add_config_argument, settings_from_args, settings_to_toml
+from worker.contracts.avro_schema import avro_schema_text
 from worker.decoding import DecodeErrorType
 from worker.errors import UserError
 from worker.kafka.dead_letters import (
@@ -70,6 +71,8 @@ def schema_files() -> dict[str, str]:
     return {
         "ticket_event.schema.json": _json_schema(TicketEvent),
         "triage_result.schema.json": _json_schema(TriageResult),
+        # What a registry-format output topic registers (worker/contracts/avro_schema.py).
+        "triage_result.avsc": avro_schema_text(TriageResult),
         "shadow_result.schema.json": _json_schema(ShadowResult),
         "review_record.schema.json": _json_schema(ReviewRecord),
         "feedback_event.schema.json": _json_schema(FeedbackEvent),

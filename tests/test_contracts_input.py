@@ -1,0 +1,153 @@
+"""Unit tests of the input formats and the field mapping (worker/contracts/input.py) against the client's
+in-process `mock://` registry: they prove the decoding rules, not a real registry."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastavro", reason="the avro extra of confluent-kafka is not installed")
+
+from confluent_kafka.schema_registry import SchemaRegistryClient
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from worker.contracts.input import RegistryUnavailable, TicketDecoder, map_fields
+from worker.decoding import DecodeError
+
+TOPIC = "helpdesk.tickets"
+LIMIT = 1_000_000
+# A helpdesk export's own shape: none of TicketEvent's names, the customer nested.
+HELPDESK_AVRO = json.dumps(
+    {
+        "type": "record",
+        "name": "HelpdeskTicket",
+        "fields": [
+            {"name": "id", "type": "string"},
+            {"name": "description", "type": "string"},
+            {"name": "title", "type": ["null", "string"], "default": None},
+            {
+                "name": "requester",
+                "type": {
+                    "type": "record",
+                    "name": "Requester",
+                    "fields": [{"name": "email", "type": "string"}],
+                },
+            },
+            {"name": "priority_hint", "type": "int"},
+        ],
+    }
+)
+MAPPING = {"ticket_id": "id", "body": "description", "subject": "title", "customer_id": "requester.email"}
+HELPDESK_RECORD: dict[str, Any] = {
+    "id": "HD-1",
+    "description": "I was charged twice",
+    "title": "Billing",
+    "requester": {"email": "ana@example.com"},
+    "priority_hint": 2,
+}
+
+
+def _ctx() -> SerializationContext:
+    return SerializationContext(TOPIC, MessageField.VALUE)
+
+
+@pytest.fixture
+def registry() -> Any:
+    # A fresh in-process registry per test: mock:// clients with the same URL share state.
+    return SchemaRegistryClient.new_client({"url": f"mock://{id(object())}"})
+
+
+def test_avro_ticket_with_mapped_nested_fields_decodes(registry: Any) -> None:
+    value = AvroSerializer(registry, HELPDESK_AVRO)(HELPDESK_RECORD, _ctx())
+    event = TicketDecoder("avro", MAPPING, LIMIT, registry).decode(value, TOPIC)
+    assert (event.ticket_id, event.body, event.subject, event.customer_id) == (
+        "HD-1",
+        "I was charged twice",
+        "Billing",
+        "ana@example.com",
+    )
+
+
+def test_json_schema_ticket_decodes_and_a_failing_payload_is_a_schema_mismatch(registry: Any) -> None:
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"id": {"type": "string"}, "description": {"type": "string"}},
+            "required": ["id", "description"],
+        }
+    )
+    good = JSONSerializer(schema, registry)({"id": "J-1", "description": "reset my password"}, _ctx())
+    decoder = TicketDecoder("json_schema", {"ticket_id": "id", "body": "description"}, LIMIT, registry)
+    assert decoder.decode(good, TOPIC).body == "reset my password"
+    # Same schema id, a payload its schema refuses (`id` must be a string).
+    bad = good[:5] + b'{"id": 5, "description": "x"}'
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(bad, TOPIC)
+    assert caught.value.error_type == "schema_mismatch"
+
+
+@pytest.mark.parametrize(
+    ("value", "error_type"),
+    [
+        (b'{"ticket_id": "t", "body": "plain json on an avro topic"}', "invalid_wire_format"),
+        (b"\x00\x00", "invalid_wire_format"),
+        (b"\x00\x00\x00\x03\xe7\x02a", "unknown_schema"),
+        (None, "null_value"),
+    ],
+)
+def test_bad_registry_input_is_a_dead_letter_with_its_reason(
+    registry: Any, value: bytes | None, error_type: str
+) -> None:
+    with pytest.raises(DecodeError) as caught:
+        TicketDecoder("avro", MAPPING, LIMIT, registry).decode(value, TOPIC)
+    assert caught.value.error_type == error_type
+
+
+def test_truncated_avro_payload_is_a_schema_mismatch(registry: Any) -> None:
+    value = AvroSerializer(registry, HELPDESK_AVRO)(HELPDESK_RECORD, _ctx())
+    with pytest.raises(DecodeError) as caught:
+        TicketDecoder("avro", MAPPING, LIMIT, registry).decode(value[:9], TOPIC)
+    assert caught.value.error_type == "schema_mismatch"
+
+
+def test_a_missing_mapped_field_names_both_names() -> None:
+    with pytest.raises(DecodeError) as caught:
+        map_fields({"id": "x"}, {"ticket_id": "id", "body": "description"})
+    assert caught.value.error_type == "missing_field"
+    assert "`body`" in caught.value.message and "`description`" in caught.value.message
+
+
+def test_mapped_plain_json_keeps_the_plain_rules() -> None:
+    decoder = TicketDecoder("json", {"ticket_id": "id", "body": "text.en"}, LIMIT)
+    assert decoder.decode(b'{"id": "7", "text": {"en": "hello"}}', TOPIC).body == "hello"
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(b'{"id": "7", "text": {"en": "  "}}', TOPIC)
+    assert caught.value.error_type == "empty_ticket"
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(b'{"id": ', TOPIC)
+    assert caught.value.error_type == "invalid_json"
+
+
+def test_mapped_plain_json_reads_a_bom_and_refuses_deep_nesting_as_a_dead_letter() -> None:
+    decoder = TicketDecoder("json", {"ticket_id": "id", "body": "description"}, LIMIT)
+    assert decoder.decode(b'\xef\xbb\xbf{"id": "7", "description": "hi"}', TOPIC).ticket_id == "7"
+    deep = b'{"id": "7", "description": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(deep, TOPIC)
+    assert caught.value.error_type == "too_deeply_nested"
+
+
+def test_an_unreachable_registry_is_retried_not_dead_lettered() -> None:
+    # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
+    client = SchemaRegistryClient({"url": "http://127.0.0.1:9", "timeout": 2})
+    with pytest.raises(RegistryUnavailable):
+        TicketDecoder("avro", MAPPING, LIMIT, client).decode(b"\x00\x00\x00\x00\x01\x02a", TOPIC)
+
+
+def test_a_mapping_naming_no_ticket_field_is_refused(registry: Any) -> None:
+    with pytest.raises(ValueError, match="descripton"):
+        TicketDecoder("avro", {"descripton": "x"}, LIMIT, registry)
