@@ -17,7 +17,11 @@ ALLOWED = {
     "replay": {"kafka", "pipeline", "privacy"},
     "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
     "learning": {"inference", "ops", "privacy"},
-    "ops": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "ops", "privacy"},
+    # Data contracts (Schema Registry formats): what a record's bytes mean; no Kafka client, no model.
+    "contracts": {"privacy"},
+    "ops": {
+        *("kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "ops", "privacy"),
+    },
     # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
     "privacy": set(),
 }

@@ -1,7 +1,7 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in seven rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in nine rooms, one folder each, plus a few shared modules; each room has one contract.
 
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
@@ -26,6 +26,9 @@ The code is in seven rooms, one folder each, plus a few shared modules; each roo
   from tickets or zero-shot (`encoder_stage`), the first stage (`first_stage`), both stages into one model
   folder (`compose`). Imports the shared modules, `worker.inference`, and `worker.ops`' evaluation figures and
   artifact fetch.
+- ``worker/contracts`` (data contracts): tickets in the Schema Registry formats (Avro, JSON Schema,
+  Protobuf in the Confluent wire format) mapped to a TicketEvent or a dead-letter reason (`input`), and the
+  Avro schema generated from the message contracts (`avro_schema`). Imports only the shared modules.
 - ``worker/ops`` (operations): the CLI commands, sample tickets, the lag exporter, hot reload of the model
   (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
   everything.

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -99,6 +100,10 @@ def _first_stage_trainer() -> tuple[Callable[..., Any] | None, str | None]:
         if error.name == FIRST_STAGE_MODULE:
             return None, f"{FIRST_STAGE_MODULE} is not part of this version"
         return None, f"it needs {error.name}: pip install 'triage-worker[train]'"
+    # The module imports torch and the rest inside its functions: ask it what this interpreter lacks.
+    missing: list[str] = module.missing_modules()
+    if missing:
+        return None, f"it needs {', '.join(missing)}: pip install 'triage-worker[train]'"
     trainer: Callable[..., Any] = module.train_first_stage
     return trainer, None
 
@@ -237,8 +242,8 @@ def _finish(
             )
     else:
         console.print(
-            f"[yellow]first stage not trained: {missing}; the encoder stage alone runs with "
-            f"--model {out_dir / ENCODER_DIR}[/yellow]"
+            f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs with "
+            f"--model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
         )
     shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
     write_trained_labels(out_dir, taxonomy)
