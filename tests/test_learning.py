@@ -448,6 +448,42 @@ def test_the_first_stage_gets_the_contracts_arguments_and_the_folder_is_served_w
     argv = ["my card was stolen", "--model", str(out), "--deadline-ms", "60000"]
     result = _classify([*argv, "--set", "inference.escalate_below=1.0"], capsys)
     assert result["model"] == "encoder" and result["intent"] == "card_security"
+    # A validated first stage keeps the usual threshold.
+    assert (
+        record["cascade"]["escalate_below"] == 0.8
+        and "under 0.8 go to the encoder stage" in (out / "README.md").read_text()
+    )
+
+
+def _stand_in_first_stage(labelled, validation, taxonomy, taxonomy_path, teacher, out_dir, *, unlabelled,
+                          max_seconds, seed, progress):  # fmt: skip
+    """The test model as the trained first stage (an ORT GenAI folder that answers confidently)."""
+    for name in ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
+        shutil.copyfile(TINY / name, out_dir / name)
+    return _FirstStageReport(None, None, 1.0, "int4", 1234)
+
+
+def test_a_zero_shot_folder_sends_every_ticket_to_its_calibrated_encoder_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first stage that saw no held-out ticket is sure of wrong answers (bank-desk zero-shot served at 0.8:
+    42.9 % of 240 test tickets, its encoder stage alone 76.6 %): the folder records 1.0 as its threshold,
+    which `classify` and `run` use unless `inference.escalate_below` is set."""
+    monkeypatch.setattr(compose, "_first_stage_trainer", lambda: (_stand_in_first_stage, None))
+    out = tmp_path / "day0"
+    assert main(["model", "train", "--zero-shot", "--taxonomy", str(BANK_DESK_PATH), "--out", str(out)]) == 0
+    assert json.loads((out / "training.json").read_text())["cascade"]["escalate_below"] == 1.0
+    assert "under 1.0 go to the encoder stage" in (out / "README.md").read_text()
+    argv = ["my card was stolen", "--model", str(out), "--deadline-ms", "60000"]
+    assert _classify(argv, capsys)["model"] == "encoder@zero-shot"  # the encoder stage answered
+    # The setting still wins: at 0 nothing escalates, and the stand-in first stage answers.
+    assert _classify([*argv, "--set", "inference.escalate_below=0"], capsys)["model"] != "encoder@zero-shot"
+    # ... and the folder's record is what decides without it (0 recorded: the first stage answers).
+    record = json.loads((out / "training.json").read_text())
+    record["cascade"]["escalate_below"] = 0.0
+    (out / "training.json").write_text(json.dumps(record))
+    assert _classify(argv, capsys)["model"] != "encoder@zero-shot"
 
 
 def test_the_time_bound_stops_embedding_and_the_card_says_what_was_learnt_from() -> None:

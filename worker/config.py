@@ -38,6 +38,8 @@ DEFAULT_ESCALATION_DIR = shipped_path("models/triage-encoder")
 # else the shipped stage where it fits the first stage's taxonomy (the default; see
 # worker/inference/escalation.py), or no cascade.
 ESCALATION_AUTO = "auto"
+# The cascade's threshold where neither the settings nor the model folder choose one (`escalate_below`).
+DEFAULT_ESCALATE_BELOW = 0.8
 ESCALATION_OFF = "off"
 
 Provider = Literal["cpu", "cuda", "dml"]
@@ -145,8 +147,10 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     # stage's folder (an encoder stage with encoder.json, or an ORT GenAI model; the shipped one by its name,
     # "triage-encoder"), "auto" (that one where it fits) or "off"; None (set empty) is "off".
     escalation: Annotated[str, msgspec.Meta(min_length=1)] | None = ESCALATION_AUTO
-    # 0.8: what `model eval` chose on the validation split (docs/model.md#the-cascade).
-    escalate_below: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.8
+    # None: the model folder's own choice (`training.json` `cascade.escalate_below`, which `model train`
+    # writes), else 0.8, what `model eval` chose on the validation split for the shipped model
+    # (docs/model.md#the-cascade).
+    escalate_below: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     # One process by default: the stage shares the cores with the first one and must never crowd it out.
     escalation_pool_size: PositiveInt = 1
 
@@ -680,6 +684,7 @@ _UNSET_HINTS = {
     "inference.shadow_taxonomy": "the shadow model's taxonomy.toml",
     "inference.shadow_mode": "the primary's mode",
     "inference.escalation": "no cascade",
+    "inference.escalate_below": "the model folder's choice (`model train`), else 0.8",
     "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
     "metrics.reload_token_file": "POST /reload closed (SIGHUP reloads)",

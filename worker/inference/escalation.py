@@ -20,13 +20,16 @@ from pathlib import Path
 
 import msgspec
 
-from worker.config import DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
+from worker.config import DEFAULT_ESCALATE_BELOW, DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
 from worker.inference.taxonomy import Taxonomy
+from worker.small_files import read_small_file
 
 # The folder, inside a model folder, of the encoder stage trained with it.
 OWN_STAGE_DIR = "encoder"
+# What `model train` records of a folder, its cascade threshold among it (worker/learning/compose.py).
+TRAINING_FILE = "training.json"
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,27 @@ def own_stage(first: InferenceSettings) -> Path | None:
     """The encoder stage trained with the first stage's model (`DIR/encoder/`), None when it has none."""
     folder = Path(first.model).expanduser() / OWN_STAGE_DIR
     return folder if is_encoder_folder(folder) else None
+
+
+def escalation_threshold(first: InferenceSettings) -> float:
+    """The cascade's threshold: `inference.escalate_below` when set, else the one `model train` chose for
+    the model folder (`training.json` `cascade.escalate_below`: 1.0 for a zero-shot or few-shot folder, whose
+    first stage is not calibrated), else `DEFAULT_ESCALATE_BELOW`."""
+    if first.escalate_below is not None:
+        return first.escalate_below
+    path = Path(first.model).expanduser() / TRAINING_FILE
+    if not path.is_file():
+        return DEFAULT_ESCALATE_BELOW
+    try:
+        chosen = msgspec.json.decode(read_small_file(path, "a model's training record"))["cascade"]
+        value = chosen["escalate_below"]
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror or error}") from None
+    except (msgspec.DecodeError, KeyError, TypeError):  # a record without one: written before it existed
+        return DEFAULT_ESCALATE_BELOW
+    if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise UserError(f"{path}: cascade.escalate_below must be a number from 0 to 1, not {value!r}")
+    return float(value)
 
 
 def choose_escalation(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> EscalationChoice:

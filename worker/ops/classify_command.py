@@ -35,7 +35,7 @@ from worker.classification import Classification, ClassifyRequest, ticket_text
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
-from worker.inference.escalation import choose_escalation
+from worker.inference.escalation import choose_escalation, escalation_threshold
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.pool import open_engine, open_pool
@@ -130,7 +130,7 @@ def _classify_text(settings: Settings, text: str, out: IO[bytes]) -> int:
     with contextlib.ExitStack() as stack:
         stage = _escalation_stage(settings, engine.taxonomy, engine.taxonomy_path, stack, window=1)
         if stage is not None:
-            escalations = _Escalations(settings.inference.escalate_below, stage)
+            escalations = _Escalations(escalation_threshold(settings.inference), stage)
             settled = escalations.first(request, answer)
             while not settled:
                 settled = escalations.settled(0.5)
@@ -173,7 +173,7 @@ def _classify_tickets(
         pool = stack.enter_context(open_pool(settings.inference, settings.log))
         started = time.monotonic()  # throughput of the model, not of loading it
         stage = _escalation_stage(settings, taxonomy, taxonomy_path, stack, window=_HELD_LINES)
-        escalations = None if stage is None else _Escalations(settings.inference.escalate_below, stage)
+        escalations = None if stage is None else _Escalations(escalation_threshold(settings.inference), stage)
         # A small window at the first stage, so that each ticket's deadline starts when it is sent.
         window = max(2, 2 * pool.size)
         sent: dict[int, ClassifyRequest] = {}  # not answered by the first stage yet

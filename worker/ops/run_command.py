@@ -29,7 +29,7 @@ from worker.config import (
     settings_from_args,
 )
 from worker.errors import UserError
-from worker.inference.escalation import choose_escalation
+from worker.inference.escalation import choose_escalation, escalation_threshold
 from worker.inference.loading import is_zero_shot, resolve_taxonomy
 from worker.inference.pool import (
     ClassifierPool,
@@ -344,7 +344,7 @@ def start_cascade(
     first p95."""
     window = window or dispatch_window(msgspec.structs.replace(settings, inference=escalation))
     prior_s = measure_turnaround(pool)
-    escalate_below = settings.inference.escalate_below
+    escalate_below = escalation_threshold(settings.inference)
     _log.info(
         "cascade_started",
         escalation=pool.model_id,
