@@ -474,6 +474,12 @@ def test_a_zero_shot_folder_sends_every_ticket_to_its_calibrated_encoder_stage(
     out = tmp_path / "day0"
     assert main(["model", "train", "--zero-shot", "--taxonomy", str(BANK_DESK_PATH), "--out", str(out)]) == 0
     assert json.loads((out / "training.json").read_text())["cascade"]["escalate_below"] == 1.0
+    # A folder of its own recipe learns from verdicts alone; the embedded model (another recipe's record)
+    # does not pass for one.
+    assert (
+        compose.trained_kind(out) == "zero-shot"
+        and compose.trained_kind(REPO / "models" / "triage-mini") is None
+    )
     assert "under 1.0 go to the encoder stage" in (out / "README.md").read_text()
     argv = ["my card was stolen", "--model", str(out), "--deadline-ms", "60000"]
     assert _classify(argv, capsys)["model"] == "encoder@zero-shot"  # the encoder stage answered

@@ -262,6 +262,17 @@ def _finish(
     return outcome
 
 
+def trained_kind(folder: Path) -> Kind | None:
+    """The kind of a folder this module wrote (its training record says), None for any other model folder:
+    the embedded triage-mini has a training.json too, of another recipe and without `kind`."""
+    try:
+        record = json.loads((folder / TRAINING_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    kind = record.get("kind") if isinstance(record, dict) else None
+    return kind if kind in ("zero-shot", "few-shot", "full") else None
+
+
 def cascade_choice(kind: Kind) -> dict[str, Any]:
     """The folder's `inference.escalate_below` (used when the setting is left unset) and why.
 
