@@ -125,6 +125,20 @@ SETTING_DOCS: dict[str, str] = {
     "metrics.reload_token_file": "file holding the token `POST /reload` requires (`Authorization: Bearer`); "
     "at least 16 printable ASCII characters, not readable by other users; unset, the endpoint is closed "
     "([operations](operations.md#changing-the-model-without-a-restart))",
+    "input.format": "how input values are written: `json`, or `avro`, `json_schema`, `protobuf` in the "
+    "Schema Registry wire format, which need `schema_registry.url` "
+    "([messages](messages.md#registry-formats-and-field-mapping))",
+    "input.fields": "per ticket field, the dotted path of the producer's record that holds it "
+    "(`input.fields.body = description`, `input.fields.customer_id = requester.email`); unknown ticket "
+    "fields are refused",
+    "input.protobuf_message": "the producer's generated Protobuf message class, `module:Class` (importable "
+    "by the worker); required by `input.format = protobuf`",
+    "schema_registry.url": "the Schema Registry's address (`http://host:8081`); a password in it is masked",
+    "schema_registry.basic_auth_user_info": "`user:password` for the registry's HTTP basic authentication; "
+    "masked by `config show`, never logged",
+    "schema_registry.ssl_ca_location": "CA bundle for an `https` registry",
+    "schema_registry.timeout_ms": "one registry request's limit (schemas are cached: only a new schema id "
+    "asks); an unanswered record is retried with its partition paused, never dead-lettered",
 }
 
 
