@@ -28,6 +28,7 @@ from worker.config import (
     masked_kafka_config,
     settings_from_args,
 )
+from worker.contracts.input import decoder_for
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation
 from worker.inference.loading import is_zero_shot, resolve_taxonomy
@@ -259,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if escalation.why_off is not None:
         _log.info("cascade_off", reason=escalation.why_off)
     settings = _check_topics(settings)
+    # Before the model loads: a Protobuf class that does not import is one line now, not after minutes.
+    decoder = decoder_for(settings)
     # A no-op unless metrics.port is set.
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
@@ -301,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             shadow=shadow,
             cascade=cascade,
             review=review,
+            decoder=decoder,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())

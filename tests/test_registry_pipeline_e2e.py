@@ -1,0 +1,334 @@
+"""The worker's pipeline reading Avro, JSON Schema and Protobuf tickets through the real Schema Registry
+(`LocalRegistry`: Apicurio) and the real session broker, with a producer's own field layout mapped by
+`input.fields.*`: one triage record per ticket, a dead letter with its reason per bad record, and a registry
+outage that neither loses nor dead-letters anything (docs/schema-registry.md).
+
+The records are written by confluent-kafka's own serializers; the pipeline runs in this process (as in
+tests/test_pipeline_inprocess.py) with an instant classifier: the model is not what is tested here."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastavro", reason="the avro extra of confluent-kafka is not installed")
+
+import confluent_kafka
+import helpdesk_proto
+from confluent_kafka.schema_registry import SchemaRegistryClient, topic_record_subject_name_strategy
+from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.json_schema import JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from tools.harness import Topics, audit, committed_offsets, make_topics, settings_for, wait_until_committed
+from worker.classification import Classification, ClassifyRequest, FallbackLabel
+from worker.config import Settings
+from worker.contracts.input import decoder_for
+from worker.kafka import local_broker
+from worker.kafka.local_registry import CCOMPAT_PATH, LocalRegistry
+from worker.ops.samples import KIND_HEADER
+from worker.pipeline.runner import Pipeline
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.server import Check
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+FALLBACK = FallbackLabel("unclassified", "Medium")
+# The producer's layout: the ticket's text under `description`, its customer under `requester.email`.
+MAPPING = {"input.fields.ticket_id": "id", "input.fields.body": "description"}
+MAPPING["input.fields.customer_id"] = "requester.email"
+
+HELPDESK_AVRO = {
+    "type": "record",
+    "name": "HelpdeskTicket",
+    "fields": [
+        {"name": "id", "type": "string"},
+        {"name": "description", "type": "string"},
+        {
+            "name": "requester",
+            "type": {"type": "record", "name": "Requester", "fields": [{"name": "email", "type": "string"}]},
+        },
+    ],
+}
+# Another record type of the same producer, without the field `body` is mapped to.
+NOTE_AVRO = {
+    "type": "record",
+    "name": "HelpdeskNote",
+    "fields": [{"name": "id", "type": "string"}, {"name": "note", "type": "string"}],
+}
+HELPDESK_JSON = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string"},
+        "description": {"type": "string"},
+        "requester": {"type": "object", "properties": {"email": {"type": "string"}}},
+    },
+    "required": ["id"],
+}
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
+    started = LocalRegistry(Path(tmp_path_factory.mktemp("registry")), port=local_broker.free_port())
+    started.start(echo=lambda _line: None)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+class _Instant:
+    """Answers every ticket at once: these tests are about what reaches the model, not the model."""
+
+    model_id = "instant@test"
+
+    def __init__(self) -> None:
+        self._ready: list[ClassifyRequest] = []
+        self._lock = threading.Lock()
+
+    def submit(self, request: ClassifyRequest) -> None:
+        with self._lock:
+            self._ready.append(request)
+
+    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        if not ready:
+            time.sleep(min(timeout, 0.005))
+        answer = Classification(
+            intent="card_arrival",
+            priority="Low",
+            confidence=0.9,
+            scores={"card_arrival": 0.9},
+            model=self.model_id,
+            latency_ms=1.0,
+            truncated=False,
+        )
+        return [(request.request_id, answer) for request in ready]
+
+
+class _Running:
+    """The pipeline that `settings` describe (its decoder built as `triage-worker run` builds it), run on a
+    thread; `stop()` asks for the graceful shutdown and returns its exit code."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.group = settings.pipeline.group_id
+        self.pipeline = Pipeline(settings, _Instant(), FALLBACK, 64, decoder=decoder_for(settings))
+        self.code: int | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.code = self.pipeline.run()
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        self.pipeline.request_stop()
+        self._thread.join(timeout)
+        return self.code
+
+
+def _settings(bootstrap: str, topics: Topics, input_format: str, url: str, **more: str) -> Settings:
+    return settings_for(
+        bootstrap,
+        topics,
+        **{
+            "pipeline.group_id": f"registry-pipeline-{uuid.uuid4().hex[:8]}",
+            "input.format": input_format,
+            "schema_registry.url": url,
+            **MAPPING,
+            **more,
+        },
+    )
+
+
+def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, str]]) -> None:
+    """Each value with the sample-kind header the audit reads: "ticket", or "malformed:<reason>"."""
+    producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap})
+    for index, (value, kind) in enumerate(records):
+        # Keyed by index, spread over the partitions: each partition holds tickets and bad records.
+        producer.produce(topic, value, key=str(index).encode(), headers={KIND_HEADER: kind})
+    assert producer.flush(30) == 0
+
+
+def _helpdesk(n: int) -> dict[str, Any]:
+    return {
+        "id": f"HD-{n}",
+        "description": f"my card payment was charged twice ({n})",
+        "requester": {"email": f"customer{n}@example.com"},
+    }
+
+
+Serializers = tuple[Callable[[dict[str, Any], str], bytes], Callable[[str], bytes]]
+
+
+def _serializers(input_format: str, client: Any) -> Serializers:
+    """(a producer's ticket, a record of it that lacks the field `body` is mapped to), in `input_format`,
+    by confluent-kafka's own serializers (which register their schema in the real registry)."""
+
+    def ctx(topic: str) -> SerializationContext:
+        return SerializationContext(topic, MessageField.VALUE)
+
+    if input_format == "avro":
+        ticket = AvroSerializer(client, json.dumps(HELPDESK_AVRO))
+        # Its own subject (topic-record strategy): the topic's value subject keeps one record type.
+        note = AvroSerializer(
+            client, json.dumps(NOTE_AVRO), conf={"subject.name.strategy": topic_record_subject_name_strategy}
+        )
+        return (
+            lambda record, topic: bytes(ticket(record, ctx(topic)) or b""),
+            lambda topic: bytes(note({"id": "N-1", "note": "no description"}, ctx(topic)) or b""),
+        )
+    if input_format == "json_schema":
+        json_ticket = JSONSerializer(json.dumps(HELPDESK_JSON), client)
+        return (
+            lambda record, topic: bytes(json_ticket(record, ctx(topic)) or b""),
+            lambda topic: bytes(json_ticket({"id": "J-missing"}, ctx(topic)) or b""),
+        )
+    message = helpdesk_proto.HelpdeskTicket
+    proto = ProtobufSerializer(message, client, {"use.deprecated.format": False})
+    return (
+        lambda record, topic: bytes(proto(message(**record), ctx(topic)) or b""),
+        # proto3 writes no empty string: a ticket without a description has no such field on the wire.
+        lambda topic: bytes(proto(message(id="P-missing"), ctx(topic)) or b""),
+    )
+
+
+@pytest.mark.parametrize("input_format", ["avro", "json_schema", "protobuf"])
+def test_registry_tickets_with_a_mapped_layout_get_one_result_each_and_bad_records_their_reason(
+    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], input_format: str
+) -> None:
+    topics = make_topics(unique_topic)
+    client: Any = SchemaRegistryClient({"url": registry.url})
+    ticket, missing_body = _serializers(input_format, client)
+    count = 9
+    good = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
+    unknown_id = b"\x00" + (2**31 - 7).to_bytes(4, "big") + good[0][0][5:]
+    bad = [
+        (json.dumps({"id": "plain", "description": "plain JSON"}).encode(), "malformed:invalid_wire_format"),
+        (unknown_id, "malformed:unknown_schema"),
+        (missing_body(topics.input), "malformed:missing_field"),
+    ]
+    _produce(kafka_bootstrap, topics.input, good[:4] + bad + good[4:])
+    extra = {"input.protobuf_message": "helpdesk_proto:HelpdeskTicket"} if input_format == "protobuf" else {}
+    worker = _Running(_settings(kafka_bootstrap, topics, input_format, registry.url, **extra))
+    try:
+        wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
+    finally:
+        assert worker.stop() == 0
+
+    report = audit(kafka_bootstrap, topics)
+    assert len(report.inputs) == count + len(bad)
+    assert report.lost == [] and report.duplicates == 0 and report.misrouted == [], report.summary()
+    results = [result for results in report.results.values() for result in results]
+    assert sorted(result.ticket_id for result in results) == sorted(f"HD-{n}" for n in range(count))
+    assert sorted(reason for reasons in report.dead.values() for reason in reasons) == [
+        "invalid_wire_format",
+        "missing_field",
+        "unknown_schema",
+    ]
+    assert worker.pipeline.metrics.dead_lettered_by_type["missing_field"] == 1
+
+
+class _Link:
+    """A TCP port in front of the registry that can be cut (connections refused) and restored: the outage
+    the worker sees when the registry's host goes away. The registry keeps running, and with it the schema
+    ids the records carry (its storage is in memory: a restarted registry would not know them)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port = local_broker.free_port()
+        self._target = target_port
+        self._listener: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{CCOMPAT_PATH}"
+
+    def restore(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            upstream = socket.create_connection(("127.0.0.1", self._target))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+
+class _AnsweringBroker:
+    state = Check(True, "metadata answered")
+
+
+def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_nothing(
+    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+) -> None:
+    topics = make_topics(unique_topic)
+    producer_side: Any = SchemaRegistryClient({"url": registry.url})
+    ticket, _ = _serializers("avro", producer_side)
+    count = 12
+    _produce(
+        kafka_bootstrap, topics.input, [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
+    )
+
+    link = _Link(registry.port)  # cut from the start: the worker has never seen the schema
+    worker = _Running(_settings(kafka_bootstrap, topics, "avro", link.url))
+    probes = WorkerProbes(60.0, _AnsweringBroker(), time.monotonic)  # type: ignore[arg-type]
+    probes.metrics, probes.warm_contexts = worker.pipeline.metrics, 1
+    try:
+        state = worker.pipeline.metrics.registry
+        assert state is not None
+        deadline = time.monotonic() + 60
+        while state.retries < 3 and time.monotonic() < deadline:  # 1 s, then 2 s backoff: 3 tries
+            time.sleep(0.2)
+        assert state.retries >= 3 and state.outage is not None
+        ready, body = probes.ready()
+        assert not ready and not body["checks"]["schema_registry"]["ok"]
+        assert "unavailable" in body["checks"]["schema_registry"]["detail"]
+        # Nothing was answered, dead-lettered or committed past the records that wait.
+        committed = committed_offsets(kafka_bootstrap, worker.group, topics.input)
+        assert all(offset <= 0 for offset in committed.values()), committed
+        assert worker.pipeline.metrics.dead_lettered == 0 and worker.pipeline.metrics.classified == 0
+
+        link.restore()
+        wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
+        assert state.outage is None
+        assert probes.ready()[1]["checks"]["schema_registry"] == {"ok": True, "detail": "answering"}
+    finally:
+        link.cut()
+        assert worker.stop() == 0
+
+    report = audit(kafka_bootstrap, topics)
+    assert len(report.inputs) == count
+    assert report.lost == [] and report.duplicates == 0 and report.dead == {}, report.summary()
+    assert sum(len(results) for results in report.results.values()) == count
