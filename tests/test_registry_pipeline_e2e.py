@@ -248,6 +248,8 @@ class _Link:
         self.port = local_broker.free_port()
         self._target = target_port
         self._listener: socket.socket | None = None
+        # Connections through the link: a cut drops them too (the client keeps one open between requests).
+        self._open: list[socket.socket] = []
 
     @property
     def url(self) -> str:
@@ -260,8 +262,16 @@ class _Link:
 
     def cut(self) -> None:
         if self._listener is not None:
+            # Closing alone does not wake a thread blocked in accept() on Linux: the port would still take
+            # connections. Shutting the listening socket down does.
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
             self._listener = None
+        for connection in self._open:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+        self._open.clear()
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -270,6 +280,7 @@ class _Link:
             except OSError:
                 return  # cut
             upstream = socket.create_connection(("127.0.0.1", self._target))
+            self._open += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=_pipe, args=(source, sink), daemon=True).start()
 
@@ -332,3 +343,60 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
     assert len(report.inputs) == count
     assert report.lost == [] and report.duplicates == 0 and report.dead == {}, report.summary()
     assert sum(len(results) for results in report.results.values()) == count
+
+
+def test_a_registry_cut_mid_stream_holds_back_only_what_needs_it_and_loses_nothing(
+    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+) -> None:
+    """The worker has the producer's first schema cached; the registry goes away; the producer moves to a
+    new schema version (a new id the worker must fetch). Records of the new version wait, nothing is
+    dead-lettered, and once the registry is back every ticket has exactly one triage record."""
+    topics = make_topics(unique_topic)
+    producer_side: Any = SchemaRegistryClient({"url": registry.url})
+    first, _ = _serializers("avro", producer_side)
+    link = _Link(registry.port)
+    link.restore()
+    worker = _Running(_settings(kafka_bootstrap, topics, "avro", link.url))
+    try:
+        _produce(
+            kafka_bootstrap, topics.input, [(first(_helpdesk(n), topics.input), "ticket") for n in range(6)]
+        )
+        # Not every partition gets one of these records: wait for the answers, not for commits on all.
+        _wait_until(lambda: worker.pipeline.metrics.classified == 6)
+
+        link.cut()
+        second_version = {
+            **HELPDESK_AVRO,
+            "fields": [
+                *HELPDESK_AVRO["fields"],
+                {"name": "channel", "type": ["null", "string"], "default": None},
+            ],
+        }
+        second = AvroSerializer(producer_side, json.dumps(second_version))
+        ctx = SerializationContext(topics.input, MessageField.VALUE)
+        later = [(second(_helpdesk(n) | {"channel": "email"}, ctx), "ticket") for n in range(6, 12)]
+        _produce(kafka_bootstrap, topics.input, later)
+        state = worker.pipeline.metrics.registry
+        assert state is not None
+        _wait_until(lambda: state.retries >= 2)  # held, retried after 1 s, held again
+        assert state.outage is not None and worker.pipeline.metrics.classified == 6
+        assert worker.pipeline.metrics.dead_lettered == 0
+
+        link.restore()
+        _wait_until(lambda: worker.pipeline.metrics.classified == 12)
+    finally:
+        link.cut()
+        assert worker.stop() == 0
+
+    report = audit(kafka_bootstrap, topics)
+    assert len(report.inputs) == 12
+    assert report.lost == [] and report.duplicates == 0 and report.dead == {}, report.summary()
+    answered = sorted(r.ticket_id for results in report.results.values() for r in results)
+    assert answered == sorted(f"HD-{n}" for n in range(12))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s}s"
+        time.sleep(0.2)

@@ -308,19 +308,20 @@ class Pipeline:
         decoded: TicketEvent | DecodeError | None = None
         if self._decoder is not None:
             # Decoded before it is tracked: a record the registry cannot answer for is not taken at all.
-            if (topic, partition) in self._registry.held or not state.is_new(offset):
-                return  # fetched before its partition was held (it is read again), or a re-delivery
+            if (topic, partition) in self._registry.held:
+                return  # fetched before its partition was held and sought back: it is read again
             key = message.key()
-            if key is None or len(key) <= MAX_KEY_BYTES:  # else dead-lettered below, unread
+            # A re-delivery is skipped below; a key over the limit is dead-lettered below, unread.
+            if state.is_new(offset) and (key is None or len(key) <= MAX_KEY_BYTES):
                 try:
                     decoded = self._decoder.decode(message.value(), topic)
-                    self._registry.answered((topic, partition))
                 except DecodeError as problem:
-                    decoded = problem
+                    decoded = problem  # the registry answered (or was not needed): a dead letter below
                 except RegistryUnavailable as unavailable:
                     if not self._registry.hold((topic, partition), offset, str(unavailable)):
                         self._failure.set(f"cannot seek {topic}[{partition}] back to {offset}")
                     return
+                self._registry.answered((topic, partition))
         if not state.track(offset):
             # Never expected: the partition's state starts where its fetch does (see `_poll_records`).
             self.metrics.redelivered += 1
