@@ -735,8 +735,8 @@ def _check_registry(settings: Settings, entries: Mapping[_Key, _Entry]) -> None:
         origin = "" if given is None else f" (from {given.source})"
         raise _error(
             "schema_registry.url",
-            f"required by input.format = {chosen}{origin}; the registry's address, e.g. "
-            "http://127.0.0.1:8081 (triage-worker registry start)",
+            f"required by input.format = {chosen}{origin}: the registry's address (`triage-worker registry "
+            "start` prints a local one's)",
         )
 
 

@@ -126,8 +126,7 @@ SETTING_DOCS: dict[str, str] = {
     "at least 16 printable ASCII characters, not readable by other users; unset, the endpoint is closed "
     "([operations](operations.md#changing-the-model-without-a-restart))",
     "input.format": "how input values are written: `json`, or `avro`, `json_schema`, `protobuf` in the "
-    "Schema Registry wire format, which need `schema_registry.url` "
-    "([messages](messages.md#registry-formats-and-field-mapping))",
+    "Schema Registry wire format, which need `schema_registry.url` ([schema registry](schema-registry.md))",
     "input.fields": "per ticket field, the dotted path of the producer's record that holds it "
     "(`input.fields.body = description`, `input.fields.customer_id = requester.email`); unknown ticket "
     "fields are refused",

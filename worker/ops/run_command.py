@@ -252,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
     stop = _StopOnSignals(args.held_stop_signals.received)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
+    # The input's decoder (with its registry client) reads only input settings: a Protobuf class that does
+    # not import stops the start here, before the broker is asked.
+    decoder = decoder_for(settings)
     # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
     if (shadow_inference := settings.inference.shadow_settings()) is not None:
@@ -260,8 +263,6 @@ def run(args: argparse.Namespace) -> int:
     if escalation.why_off is not None:
         _log.info("cascade_off", reason=escalation.why_off)
     settings = _check_topics(settings)
-    # Before the model loads: a Protobuf class that does not import is one line now, not after minutes.
-    decoder = decoder_for(settings)
     # A no-op unless metrics.port is set.
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
