@@ -301,8 +301,9 @@ class _AnsweringBroker:
     state = Check(True, "metadata answered")
 
 
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_nothing(
-    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], guarantee: str
 ) -> None:
     topics = make_topics(unique_topic)
     producer_side: Any = SchemaRegistryClient({"url": registry.url})
@@ -313,7 +314,9 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
     )
 
     link = _Link(registry.port)  # cut from the start: the worker has never seen the schema
-    worker = _Running(_settings(kafka_bootstrap, topics, "avro", link.url))
+    worker = _Running(
+        _settings(kafka_bootstrap, topics, "avro", link.url, **{"pipeline.guarantee": guarantee})
+    )
     probes = WorkerProbes(60.0, _AnsweringBroker(), time.monotonic)  # type: ignore[arg-type]
     probes.metrics, probes.warm_contexts = worker.pipeline.metrics, 1
     try:
