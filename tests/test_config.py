@@ -436,3 +436,11 @@ def test_registry_credentials_are_masked_by_config_show_and_in_errors(
     assert SECRET not in bad and "schema_registry.basic_auth_user_info" in bad
     bad_url = _error(env={"TRIAGE_SCHEMA_REGISTRY__URL": f"ftp://svc:{SECRET}@host"})
     assert SECRET not in bad_url and "schema_registry.url" in bad_url
+
+
+def test_avro_output_needs_a_registry_too() -> None:
+    assert "schema_registry.url: required by output.format = avro" in _error(
+        env={"TRIAGE_OUTPUT__FORMAT": "avro"}
+    )
+    registry = {"TRIAGE_SCHEMA_REGISTRY__URL": "http://127.0.0.1:8081"}
+    assert load_settings(env={**registry, "TRIAGE_OUTPUT__FORMAT": "avro"}).output.format == "avro"

@@ -25,15 +25,24 @@ pytest.importorskip("fastavro", reason="the avro extra of confluent-kafka is not
 import confluent_kafka
 import helpdesk_proto
 from confluent_kafka.schema_registry import SchemaRegistryClient, topic_record_subject_name_strategy
-from confluent_kafka.schema_registry.avro import AvroSerializer
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from tools.harness import Topics, audit, committed_offsets, make_topics, settings_for, wait_until_committed
+from tools.harness import (
+    Topics,
+    audit,
+    committed_offsets,
+    make_topics,
+    read_topic,
+    settings_for,
+    wait_until_committed,
+)
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.config import Settings
 from worker.contracts.input import decoder_for
+from worker.contracts.output import ResultEncoder, result_encoder_for
 from worker.kafka import local_broker
 from worker.kafka.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.ops.samples import KIND_HEADER
@@ -121,9 +130,11 @@ class _Running:
     """The pipeline that `settings` describe (its decoder built as `triage-worker run` builds it), run on a
     thread; `stop()` asks for the graceful shutdown and returns its exit code."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, result_encoder: ResultEncoder | None = None) -> None:
         self.group = settings.pipeline.group_id
-        self.pipeline = Pipeline(settings, _Instant(), FALLBACK, 64, decoder=decoder_for(settings))
+        self.pipeline = Pipeline(
+            settings, _Instant(), FALLBACK, 64, decoder=decoder_for(settings), result_encoder=result_encoder
+        )
         self.code: int | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -403,3 +414,39 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 90.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"not reached in {timeout_s}s"
         time.sleep(0.2)
+
+
+def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clients_deserializer(
+    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+) -> None:
+    topics = make_topics(unique_topic)
+    count = 9
+    plain = [
+        (json.dumps({"ticket_id": f"T-{n}", "body": f"card declined ({n})"}).encode(), "ticket")
+        for n in range(count)
+    ]
+    _produce(kafka_bootstrap, topics.input, [*plain, (b"not json", "malformed:invalid_json")])
+    settings = settings_for(
+        kafka_bootstrap,
+        topics,
+        **{
+            "pipeline.group_id": f"registry-pipeline-{uuid.uuid4().hex[:8]}",
+            "output.format": "avro",
+            "schema_registry.url": registry.url,
+        },
+    )
+    worker = _Running(settings, result_encoder=result_encoder_for(settings))
+    try:
+        wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
+    finally:
+        assert worker.stop() == 0
+
+    client: Any = SchemaRegistryClient({"url": registry.url})
+    assert f"{topics.output}-value" in client.get_subjects()
+    deserialize = AvroDeserializer(client)
+    ctx = SerializationContext(topics.output, MessageField.VALUE)
+    results = [deserialize(message.value(), ctx) for message in read_topic(kafka_bootstrap, topics.output)]
+    assert sorted(result["ticket_id"] for result in results) == sorted(f"T-{n}" for n in range(count))
+    assert all(result["source"]["topic"] == topics.input and result["intent"] for result in results)
+    # Dead letters keep the record as it came: not re-encoded.
+    assert [message.value() for message in read_topic(kafka_bootstrap, topics.dead_letter)] == [b"not json"]

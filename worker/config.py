@@ -52,6 +52,7 @@ Scheduling = Literal["edf", "fifo"]
 # the Confluent wire format (worker/contracts/input.py).
 InputFormat = Literal["json", "avro", "json_schema", "protobuf"]
 REGISTRY_FORMATS = frozenset({"avro", "json_schema", "protobuf"})
+OutputFormat = Literal["json", "avro"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
@@ -229,6 +230,14 @@ class InputSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             )
 
 
+class OutputSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How triage records are written to the output topic (docs/schema-registry.md#avro-output)."""
+
+    # json: `TriageResult` as JSON. avro: in the Schema Registry wire format, with the schema generated from
+    # `TriageResult` (schemas/triage_result.avsc) registered under the output topic's value subject at start.
+    format: OutputFormat = "json"
+
+
 class SchemaRegistrySettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The Schema Registry the registry input formats read writers' schemas from."""
 
@@ -355,6 +364,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     log: LogSettings = msgspec.field(default_factory=LogSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
     input: InputSettings = msgspec.field(default_factory=InputSettings)
+    output: OutputSettings = msgspec.field(default_factory=OutputSettings)
     schema_registry: SchemaRegistrySettings = msgspec.field(default_factory=SchemaRegistrySettings)
 
 
@@ -368,6 +378,7 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "log": LogSettings,
     "metrics": MetricsSettings,
     "input": InputSettings,
+    "output": OutputSettings,
     "schema_registry": SchemaRegistrySettings,
 }
 # Fields that are string→string tables: set one entry at a time, like the kafka section.
@@ -729,15 +740,15 @@ def load_settings(
 def _check_registry(settings: Settings, entries: Mapping[_Key, _Entry]) -> None:
     """The registry formats read writers' schemas from a registry: without one the worker could decode no
     record, so it is refused at start rather than dead-lettering every ticket."""
-    chosen = settings.input.format
-    if chosen in REGISTRY_FORMATS and settings.schema_registry.url is None:
-        given = entries.get(("input", "format"))
-        origin = "" if given is None else f" (from {given.source})"
-        raise _error(
-            "schema_registry.url",
-            f"required by input.format = {chosen}{origin}: the registry's address (`triage-worker registry "
-            "start` prints a local one's)",
-        )
+    for key, chosen in (("input.format", settings.input.format), ("output.format", settings.output.format)):
+        if chosen in REGISTRY_FORMATS and settings.schema_registry.url is None:
+            given = entries.get(tuple(key.split(".")))
+            origin = "" if given is None else f" (from {given.source})"
+            raise _error(
+                "schema_registry.url",
+                f"required by {key} = {chosen}{origin}: the registry's address (`triage-worker registry "
+                "start` prints a local one's)",
+            )
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:

@@ -132,6 +132,9 @@ SETTING_DOCS: dict[str, str] = {
     "fields are refused",
     "input.protobuf_message": "the producer's generated Protobuf message class, `module:Class` (importable "
     "by the worker); required by `input.format = protobuf`",
+    "output.format": "how triage records are written: `json`, or `avro` in the Schema Registry wire format "
+    "with the schema of `schemas/triage_result.avsc`, registered under the output topic's value subject at "
+    "start ([schema registry](schema-registry.md#avro-output))",
     "schema_registry.url": "the Schema Registry's address (`http://host:8081`); a password in it is masked",
     "schema_registry.basic_auth_user_info": "`user:password` for the registry's HTTP basic authentication; "
     "masked by `config show`, never logged",

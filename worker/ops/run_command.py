@@ -29,6 +29,7 @@ from worker.config import (
     settings_from_args,
 )
 from worker.contracts.input import decoder_for
+from worker.contracts.output import result_encoder_for
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation
 from worker.inference.loading import is_zero_shot, resolve_taxonomy
@@ -263,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     if escalation.why_off is not None:
         _log.info("cascade_off", reason=escalation.why_off)
     settings = _check_topics(settings)
+    # Registered once, here: a registry that refuses the output schema stops the start in one line.
+    result_encoder = result_encoder_for(settings)
     # A no-op unless metrics.port is set.
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
@@ -306,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             cascade=cascade,
             review=review,
             decoder=decoder,
+            result_encoder=result_encoder,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())

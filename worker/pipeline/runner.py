@@ -57,7 +57,7 @@ from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
 from worker.kafka.starts import StartPositions
-from worker.messages import FallbackReason, TicketEvent, utc_timestamp
+from worker.messages import FallbackReason, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.guarantees import Failure, guarantee_for, names
@@ -104,7 +104,8 @@ class Pipeline:
     producer (default: from `settings`). The side topics, when given, never hold back a result or a commit:
     `shadow` is offered every classified ticket (shadow.py), `review` every result written (review.py).
     `decoder` reads record values that are not plain JSON tickets (`input.format`, `input.fields`); None:
-    plain JSON, `decode_ticket`.
+    plain JSON, `decode_ticket`. `result_encoder` writes triage records in another format than JSON
+    (`output.format`); the side topics stay JSON.
     """
 
     def __init__(
@@ -120,10 +121,12 @@ class Pipeline:
         cascade: Cascade | None = None,
         review: Review | None = None,
         decoder: TicketDecoding | None = None,
+        result_encoder: Callable[[TriageResult], bytes] | None = None,
     ) -> None:
         self._pipeline = settings.pipeline
         self._decoder = decoder
         self._input_format = settings.input.format
+        self._encode_result = result_encoder or encode_result
         self._topics = settings.topics
         clients = clients or KafkaClients(settings)
         self._failure = Failure()
@@ -459,7 +462,7 @@ class Pipeline:
         assert event is not None
         scan = work.scan
         assert scan is not None  # set with the event
-        value = encode_result(triage_result(event, answer, work.source, made_at or None, scan.kinds))
+        value = self._encode_result(triage_result(event, answer, work.source, made_at or None, scan.kinds))
         key = result_key(work.key, event)
         headers, left_off = carried_headers(work.headers, self._pipeline.max_header_bytes)
         if left_off:
