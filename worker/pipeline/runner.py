@@ -16,7 +16,8 @@ One thread owns the consumer, the producer and the offset tracker; the model run
    model) pauses every partition and polls again, so the group never evicts the worker; resumes below the
    low-water mark;
 7. polls records up to the free capacity, one per poll (see `_poll_records`), decodes each, dead-letters
-   what is not a ticket and queues the rest with its deadline.
+   what is not a ticket and queues the rest with its deadline. In a Schema Registry format (`input.format`)
+   a record the registry cannot answer for is not taken: its partition waits at it (`registry_wait.py`).
 
 Rebalances (cooperative-sticky by default): nothing new is taken from revoked partitions; the tickets already
 taken from them (queued ones go to the model first) get up to `revoke_timeout_ms` to finish, done offsets are
