@@ -32,6 +32,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from tools.harness import (
     Topics,
+    Worker,
     audit,
     committed_offsets,
     make_topics,
@@ -458,3 +459,40 @@ def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clien
     assert all(result["source"]["topic"] == topics.input and result["intent"] for result in results)
     # Dead letters keep the record as it came: not re-encoded.
     assert [message.value() for message in read_topic(kafka_bootstrap, topics.dead_letter)] == [b"not json"]
+
+
+def test_triage_worker_run_reads_and_writes_avro_through_the_registry_and_never_logs_its_credentials(
+    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """The command itself (`triage-worker run`, the test model), configured only by settings: the decoder
+    and the result encoder are the ones `run` builds."""
+    topics = make_topics(unique_topic, partitions=1)  # run_to_completion waits for a commit on each
+    client: Any = SchemaRegistryClient({"url": registry.url})
+    ticket, _ = _serializers("avro", client)
+    count = 6
+    records = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
+    _produce(kafka_bootstrap, topics.input, [*records, (b'{"id": "plain"}', "malformed:invalid_wire_format")])
+    secret = "registry-secret-never-logged"
+    worker = Worker(
+        kafka_bootstrap,
+        topics,
+        f"registry-run-{uuid.uuid4().hex[:8]}",
+        tmp_path,
+        settings={"input.format": "avro", "output.format": "avro", **MAPPING},
+        env={
+            "TRIAGE_SCHEMA_REGISTRY__URL": registry.url,
+            # The local registry asks for no authentication and ignores it: here to show it is never logged.
+            "TRIAGE_SCHEMA_REGISTRY__BASIC_AUTH_USER_INFO": f"triage:{secret}",
+        },
+    )
+    worker.run_to_completion(timeout=120)
+
+    deserialize = AvroDeserializer(client)
+    ctx = SerializationContext(topics.output, MessageField.VALUE)
+    results = [deserialize(message.value(), ctx) for message in read_topic(kafka_bootstrap, topics.output)]
+    assert sorted(result["ticket_id"] for result in results) == sorted(f"HD-{n}" for n in range(count))
+    dead = list(read_topic(kafka_bootstrap, topics.dead_letter))
+    assert [dict(message.headers() or [])["triage.error.type"] for message in dead] == [
+        b"invalid_wire_format"
+    ]
+    assert secret not in worker.log_path.read_text()
