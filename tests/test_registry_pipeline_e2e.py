@@ -48,6 +48,7 @@ from worker.kafka import local_broker
 from worker.kafka.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.ops.samples import KIND_HEADER
 from worker.pipeline.runner import Pipeline
+from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check
 
@@ -345,6 +346,9 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
         ready, body = probes.ready()
         assert not ready and not body["checks"]["schema_registry"]["ok"]
         assert "unavailable" in body["checks"]["schema_registry"]["detail"]
+        info = {"version": "", "model": "", "mode": "", "provider": "", "pool": ""}
+        exported = {family.name: family for family in PipelineCollector(probes, info).collect()}
+        assert exported["triage_schema_registry_retries"].samples[0].value >= 3
         # Nothing was answered, dead-lettered or committed past the records that wait.
         committed = committed_offsets(kafka_bootstrap, worker.group, topics.input)
         assert all(offset <= 0 for offset in committed.values()), committed

@@ -32,6 +32,7 @@ from worker.pipeline.metrics import (
     EscalationMetrics,
     PartitionGauges,
     PipelineMetrics,
+    RegistryState,
     ReviewMetrics,
     ShadowMetrics,
 )
@@ -186,7 +187,10 @@ def exporters() -> dict[str, CollectorRegistry]:
     """A registry per process kind, with every family present: the worker (with a shadow, review, the cascade
     and one model process), the lag exporter and replay."""
     metrics = PipelineMetrics(
-        shadow=ShadowMetrics(), review=ReviewMetrics(), escalation=EscalationMetrics.starting(("a",))
+        shadow=ShadowMetrics(),
+        review=ReviewMetrics(),
+        escalation=EscalationMetrics.starting(("a",)),
+        registry=RegistryState(),
     )
     metrics.partitions = PartitionGauges(
         assigned=(("t", 0),), blocked=(("t", 0),), lag=((("t", 0), 0),), member=True
