@@ -372,3 +372,75 @@ def test_cli_bad_value_is_one_line_on_stderr(
         "triage-worker: error: config error: pipeline.max_in_flight: expected int >= 1, got 0 "
         "(from TRIAGE_PIPELINE__MAX_IN_FLIGHT)\n"
     )
+
+
+# -- input formats and the Schema Registry (docs/schema-registry.md) ---------------------------------------
+
+
+def test_input_format_and_field_mapping_load_from_file_env_and_flags(tmp_path: Path) -> None:
+    path = _toml(
+        tmp_path,
+        '[input]\nformat = "avro"\n[input.fields]\nbody = "description"\n'
+        '[schema_registry]\nurl = "http://127.0.0.1:8081"\n',
+    )
+    settings = load_settings(
+        path,
+        env={"TRIAGE_INPUT__FIELDS__CUSTOMER_ID": "requester.email"},
+        overrides={"input.fields.ticket_id": "id"},
+    )
+    assert settings.input.format == "avro"
+    assert settings.input.fields == {
+        "body": "description",
+        "customer_id": "requester.email",
+        "ticket_id": "id",
+    }
+    assert settings.schema_registry.url == "http://127.0.0.1:8081"
+    assert load_settings(env={}).input.format == "json"
+
+
+def test_a_mapping_for_no_ticket_field_is_refused_naming_it_and_the_fields() -> None:
+    message = _error(env={"TRIAGE_INPUT__FIELDS__BODDY": "description"})
+    assert message.startswith("config error: input.fields: no ticket field boddy; expected ticket_id, body")
+
+
+def test_a_registry_format_without_a_registry_is_refused_in_one_line() -> None:
+    message = _error(env={"TRIAGE_INPUT__FORMAT": "avro"})
+    assert "schema_registry.url: required by input.format = avro (from TRIAGE_INPUT__FORMAT)" in message
+    assert "input.format: expected one of" in _error(env={"TRIAGE_INPUT__FORMAT": "xml"})
+
+
+def test_protobuf_input_needs_an_importable_looking_message_class() -> None:
+    registry = {"schema_registry.url": "http://127.0.0.1:8081"}
+    assert "needs the message class" in _error(env={}, overrides={**registry, "input.format": "protobuf"})
+    assert "expected module:Class, got Ticket" in _error(
+        env={}, overrides={**registry, "input.protobuf_message": "Ticket"}
+    )
+
+
+def test_registry_credentials_are_masked_by_config_show_and_in_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TRIAGE_SCHEMA_REGISTRY__URL", f"https://svc:{SECRET}@registry.example:8081")
+    monkeypatch.setenv("TRIAGE_SCHEMA_REGISTRY__BASIC_AUTH_USER_INFO", f"svc:{SECRET}")
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert SECRET not in out
+    shown = tomllib.loads(out)["schema_registry"]
+    assert shown == {
+        "url": "https://svc:***@registry.example:8081",
+        "basic_auth_user_info": "***",
+        "timeout_ms": 5000,
+    }
+    # A malformed credential is refused without echoing it.
+    bad = _error(env={"TRIAGE_SCHEMA_REGISTRY__BASIC_AUTH_USER_INFO": SECRET})
+    assert SECRET not in bad and "schema_registry.basic_auth_user_info" in bad
+    bad_url = _error(env={"TRIAGE_SCHEMA_REGISTRY__URL": f"ftp://svc:{SECRET}@host"})
+    assert SECRET not in bad_url and "schema_registry.url" in bad_url
+
+
+def test_avro_output_needs_a_registry_too() -> None:
+    assert "schema_registry.url: required by output.format = avro" in _error(
+        env={"TRIAGE_OUTPUT__FORMAT": "avro"}
+    )
+    registry = {"TRIAGE_SCHEMA_REGISTRY__URL": "http://127.0.0.1:8081"}
+    assert load_settings(env={**registry, "TRIAGE_OUTPUT__FORMAT": "avro"}).output.format == "avro"

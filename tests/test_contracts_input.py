@@ -4,6 +4,7 @@ in-process `mock://` registry: they prove the decoding rules, not a real registr
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,8 +16,11 @@ from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from worker.contracts.input import RegistryUnavailable, TicketDecoder, map_fields
+from worker.config import load_settings
+from worker.contracts.input import RegistryUnavailable, TicketDecoder, decoder_for, map_fields
 from worker.decoding import DecodeError
+from worker.errors import UserError
+from worker.kafka import local_broker
 
 TOPIC = "helpdesk.tickets"
 LIMIT = 1_000_000
@@ -151,3 +155,50 @@ def test_an_unreachable_registry_is_retried_not_dead_lettered() -> None:
 def test_a_mapping_naming_no_ticket_field_is_refused(registry: Any) -> None:
     with pytest.raises(ValueError, match="descripton"):
         TicketDecoder("avro", {"descripton": "x"}, LIMIT, registry)
+
+
+# -- the decoder the settings describe (decoder_for) --------------------------------------------------------
+
+
+def test_plain_json_without_a_mapping_keeps_the_plain_decoder_and_a_mapping_gets_one() -> None:
+    assert decoder_for(load_settings(env={})) is None
+    mapped = decoder_for(load_settings(env={}, overrides={"input.fields.body": "description"}))
+    assert mapped is not None
+    ticket = mapped.decode(b'{"ticket_id": "T-1", "description": "card declined"}', TOPIC)
+    assert (ticket.ticket_id, ticket.body) == ("T-1", "card declined")
+
+
+def test_a_protobuf_message_class_that_does_not_import_is_refused_in_one_line() -> None:
+    settings = load_settings(
+        env={},
+        overrides={
+            "input.format": "protobuf",
+            "schema_registry.url": "http://127.0.0.1:8081",
+            "input.protobuf_message": "no_such_module_here:Ticket",
+        },
+    )
+    with pytest.raises(UserError) as caught:
+        decoder_for(settings)
+    assert str(caught.value).startswith(
+        "config error: input.protobuf_message: cannot import no_such_module_here:Ticket"
+    )
+
+
+def test_an_unreachable_registry_is_retried_at_once_and_its_credentials_never_show() -> None:
+    """A port nothing listens on: the client must not retry by itself (its sleeps would hold the consumer
+    loop), and the reason the pipeline logs names no credential."""
+    secret = "s3cret-registry-password"
+    settings = load_settings(
+        env={},
+        overrides={
+            "input.format": "avro",
+            "schema_registry.url": f"http://svc:{secret}@127.0.0.1:{local_broker.free_port()}",
+        },
+    )
+    decoder = decoder_for(settings)
+    assert decoder is not None
+    started = time.monotonic()
+    with pytest.raises(RegistryUnavailable) as caught:
+        decoder.decode(b"\x00\x00\x00\x00\x01\x02", TOPIC)
+    assert time.monotonic() - started < 5.0
+    assert secret not in str(caught.value)

@@ -25,6 +25,7 @@ import msgspec
 
 from worker.errors import UserError
 from worker.librdkafka import PROPERTIES as LIBRDKAFKA_PROPERTIES
+from worker.messages import TicketEvent
 from worker.privacy.detector import KINDS, Kind
 from worker.privacy.redaction import Redactor
 from worker.shipped import shipped_path
@@ -49,6 +50,11 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["console", "json"]
 Guarantee = Literal["at_least_once", "exactly_once"]
 Scheduling = Literal["edf", "fifo"]
+# How record values of the input topic are written: plain JSON, or one of the Schema Registry formats in
+# the Confluent wire format (worker/contracts/input.py).
+InputFormat = Literal["json", "avro", "json_schema", "protobuf"]
+REGISTRY_FORMATS = frozenset({"avro", "json_schema", "protobuf"})
+OutputFormat = Literal["json", "avro"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
@@ -56,6 +62,8 @@ TopicName = Annotated[str, msgspec.Meta(min_length=1, max_length=249, pattern=r"
 
 SECRET_MARKERS = ("password", "secret", "key", "token", "jaas", "credentials")
 MASK = "***"
+# Settings (outside the kafka pass-through) that hold a credential: masked wherever settings are shown.
+SECRET_SETTINGS = frozenset({"schema_registry.basic_auth_user_info"})
 
 
 class TopicSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -193,6 +201,89 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         )
 
 
+_TICKET_FIELDS = tuple(field.name for field in msgspec.structs.fields(TicketEvent))
+# "module:Class", both parts dotted Python names.
+_PYTHON_OBJECT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class InputSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the input topic's record values are written (docs/schema-registry.md)."""
+
+    format: InputFormat = "json"
+    # Per ticket field, the dotted path of the producer's record that holds it (`body = "description"`,
+    # `customer_id = "requester.email"`); fields not named are read under their own name.
+    fields: dict[str, str] = msgspec.field(default_factory=dict)
+    # The producer's generated Protobuf message class, "module:Class" (confluent-kafka's Protobuf
+    # deserializer decodes into a class, not from the registry's schema alone).
+    protobuf_message: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.fields) - set(_TICKET_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"fields: no ticket field {', '.join(unknown)}; expected {', '.join(_TICKET_FIELDS)}"
+            )
+        empty = sorted(name for name, path in self.fields.items() if not path.strip(".") or ".." in path)
+        if empty:
+            raise ValueError(f"fields: expected a dotted path like requester.email for {', '.join(empty)}")
+        if self.protobuf_message is not None and not _PYTHON_OBJECT.fullmatch(self.protobuf_message):
+            raise ValueError(f"protobuf_message: expected module:Class, got {self.protobuf_message}")
+        if self.format == "protobuf" and self.protobuf_message is None:
+            raise ValueError(
+                "protobuf_message: input.format protobuf needs the message class, as module:Class"
+            )
+
+
+class OutputSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How triage records are written to the output topic (docs/schema-registry.md#avro-output)."""
+
+    # json: `TriageResult` as JSON. avro: in the Schema Registry wire format, with the schema generated from
+    # `TriageResult` (schemas/triage_result.avsc) registered under the output topic's value subject at start.
+    format: OutputFormat = "json"
+
+
+class SchemaRegistrySettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The Schema Registry the registry input formats read writers' schemas from."""
+
+    # None: no registry (plain JSON input only).
+    url: Annotated[str, msgspec.Meta(pattern=r"^https?://\S+$")] | None = None
+    # "user:password" for HTTP basic authentication; a secret: never printed or logged.
+    basic_auth_user_info: Annotated[str, msgspec.Meta(pattern=r"^[^:]*:.*$")] | None = None
+    # CA bundle for an https registry; None: the system's (or certifi's) roots.
+    ssl_ca_location: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    # One request's limit. Schemas are cached, so the loop waits on the registry only for a schema id it has
+    # not seen yet, and no longer than this.
+    timeout_ms: PositiveMs = 5000
+
+    def client_config(self) -> dict[str, Any]:
+        """confluent-kafka's `SchemaRegistryClient` configuration. No retries inside the client: its own
+        (with sleeps of up to 20 s) would hold the consumer loop; the pipeline retries the record instead,
+        with the partition paused (worker/pipeline/registry_wait.py)."""
+        assert self.url is not None
+        config: dict[str, Any] = {"url": self.url, "timeout": self.timeout_ms / 1000.0, "max.retries": 0}
+        if self.basic_auth_user_info is not None:
+            config["basic.auth.user.info"] = self.basic_auth_user_info
+        if self.ssl_ca_location is not None:
+            config["ssl.ca.location"] = self.ssl_ca_location
+        return config
+
+    def masked_url(self) -> str | None:
+        """`url` with a password written into it (http://user:password@host) replaced by ``***``."""
+        return None if self.url is None else _URL_PASSWORD.sub(rf"\1{MASK}@", self.url)
+
+    def secrets(self) -> list[str]:
+        """The secret strings these settings hold, for `mask_secrets`-like blanking of client messages."""
+        found = [] if self.basic_auth_user_info is None else [self.basic_auth_user_info]
+        found += [self.basic_auth_user_info.partition(":")[2]] if self.basic_auth_user_info else []
+        if self.url is not None and (match := _URL_PASSWORD.search(self.url)):
+            found.append(self.url[match.end(1) : match.end() - 1])
+        return [secret for secret in found if secret]
+
+
+# The password of `scheme://user:password@host`.
+_URL_PASSWORD = re.compile(r"^(\w+://[^/@:]*:)[^/@]*@")
+
+
 def escalation_dir(value: str) -> Path:
     """`inference.escalation` as a folder: a path, or "auto" or the shipped stage's name (where no such
     folder is) for the shipped stage."""
@@ -276,6 +367,9 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     dead_letter: DeadLetterSettings = msgspec.field(default_factory=DeadLetterSettings)
     log: LogSettings = msgspec.field(default_factory=LogSettings)
     metrics: MetricsSettings = msgspec.field(default_factory=MetricsSettings)
+    input: InputSettings = msgspec.field(default_factory=InputSettings)
+    output: OutputSettings = msgspec.field(default_factory=OutputSettings)
+    schema_registry: SchemaRegistrySettings = msgspec.field(default_factory=SchemaRegistrySettings)
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -287,9 +381,12 @@ _SECTIONS: dict[str, type[msgspec.Struct]] = {
     "dead_letter": DeadLetterSettings,
     "log": LogSettings,
     "metrics": MetricsSettings,
+    "input": InputSettings,
+    "output": OutputSettings,
+    "schema_registry": SchemaRegistrySettings,
 }
 # Fields that are string→string tables: set one entry at a time, like the kafka section.
-_MAP_FIELDS = frozenset({("inference", "provider_options")})
+_MAP_FIELDS = frozenset({("inference", "provider_options"), ("input", "fields")})
 _FIELD_TYPES: dict[str, dict[str, Any]] = {
     name: {field.name: field.type for field in msgspec.structs.fields(cls)} for name, cls in _SECTIONS.items()
 }
@@ -587,7 +684,19 @@ def _convert(key: _Key, entry: _Entry) -> object:
             problem = "expected one of " + ", ".join(_render(choice) for choice in flat)
         else:
             problem = _readable(error)
-        raise _error(dotted, f"{problem}, got {_render(value, entry.from_text)}", entry.source) from None
+        raise _error(
+            dotted, f"{problem}, got {_shown(dotted, value, entry.from_text)}", entry.source
+        ) from None
+
+
+def _shown(dotted: str, value: object, from_text: bool) -> str:
+    """A bad value for an error line, never a secret: a secret setting's is masked, and so is a password
+    written into a URL."""
+    if dotted in SECRET_SETTINGS:
+        return MASK
+    if isinstance(value, str):
+        value = _URL_PASSWORD.sub(rf"\1{MASK}@", value)
+    return _render(value, from_text)
 
 
 def _assemble(entries: Mapping[_Key, _Entry]) -> Settings:
@@ -607,11 +716,7 @@ def _assemble(entries: Mapping[_Key, _Entry]) -> Settings:
         section = where.rstrip("`")
         name, _, detail = problem.partition(": ")
         sources = sorted(
-            {
-                entry.source
-                for key, entry in entries.items()
-                if key[0] == section and len(key) == 2 and key[1] in problem
-            }
+            {entry.source for key, entry in entries.items() if key[0] == section and key[1] in problem}
         )
         raise _error(f"{section}.{name}", detail or problem, ", ".join(sources) or None) from None
 
@@ -631,7 +736,23 @@ def load_settings(
         entries.update(_file_entries(config_file))
     entries.update(_env_entries(os.environ if env is None else env))
     entries.update(_override_entries(overrides or {}))
-    return _assemble(entries)
+    settings = _assemble(entries)
+    _check_registry(settings, entries)
+    return settings
+
+
+def _check_registry(settings: Settings, entries: Mapping[_Key, _Entry]) -> None:
+    """The registry formats read writers' schemas from a registry: without one the worker could decode no
+    record, so it is refused at start rather than dead-lettering every ticket."""
+    for key, chosen in (("input.format", settings.input.format), ("output.format", settings.output.format)):
+        if chosen in REGISTRY_FORMATS and settings.schema_registry.url is None:
+            given = entries.get(tuple(key.split(".")))
+            origin = "" if given is None else f" (from {given.source})"
+            raise _error(
+                "schema_registry.url",
+                f"required by {key} = {chosen}{origin}: the registry's address (`triage-worker registry "
+                "start` prints a local one's)",
+            )
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
@@ -688,6 +809,10 @@ _UNSET_HINTS = {
     "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
     "metrics.reload_token_file": "POST /reload closed (SIGHUP reloads)",
+    "input.protobuf_message": "needed by input.format protobuf",
+    "schema_registry.url": "no registry (needed by the avro, json_schema and protobuf input formats)",
+    "schema_registry.basic_auth_user_info": "no authentication",
+    "schema_registry.ssl_ca_location": "the system's CA roots",
 }
 
 
@@ -705,7 +830,11 @@ def settings_to_toml(settings: Settings) -> str:
         lines += ["", f"[{section}]"]
         tables: list[str] = []
         for name, value in values.items():
-            if value is None:
+            if value is not None and f"{section}.{name}" in SECRET_SETTINGS:
+                lines.append(f"{name} = {_toml_value(MASK)}")
+            elif section == "schema_registry" and name == "url" and value is not None:
+                lines.append(f"{name} = {_toml_value(settings.schema_registry.masked_url())}")
+            elif value is None:
                 hint = unset_hint(f"{section}.{name}")
                 lines.append(f"# {name}: not set ({hint})")
             elif isinstance(value, dict):

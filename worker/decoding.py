@@ -68,6 +68,12 @@ class DecodeError(Exception):
         self.message = message
 
 
+class RegistryUnavailable(Exception):
+    """The Schema Registry did not answer (refused, timed out, 5xx, 429): retry the record, never dead-letter
+    it. Here, beside `DecodeError`, so that the pipeline can tell the two apart without importing the
+    contracts room (worker/contracts/input.py raises it)."""
+
+
 def decode_ticket(value: bytes | None, max_value_bytes: int) -> TicketEvent:
     """Decode one record value; raises DecodeError, and only DecodeError, for anything that is not a valid
     TicketEvent."""

@@ -20,16 +20,25 @@ fields are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
-from worker.decoding import DecodeError, decode_ticket
+from worker.config import REGISTRY_FORMATS, InputFormat, Settings
+from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
+from worker.errors import UserError
 from worker.messages import TicketEvent
 
-InputFormat = Literal["json", "avro", "json_schema", "protobuf"]
-REGISTRY_FORMATS: frozenset[str] = frozenset({"avro", "json_schema", "protobuf"})
+__all__ = [
+    "REGISTRY_FORMATS",
+    "DecodeError",
+    "InputFormat",
+    "RegistryUnavailable",
+    "TicketDecoder",
+    "decoder_for",
+]
 
 # Confluent wire format: magic byte 0 then the schema id (4 bytes, big-endian), then the payload.
 WIRE_MAGIC = 0
@@ -37,11 +46,6 @@ WIRE_HEADER_BYTES = 5
 # RFC 8259 §8.1, as for plain tickets (worker/decoding.py).
 _UTF8_BOM = b"\xef\xbb\xbf"
 _TICKET_FIELDS = tuple(field.name for field in msgspec.structs.fields(TicketEvent))
-
-
-class RegistryUnavailable(Exception):
-    """The Schema Registry did not answer (refused, timed out, 5xx, 429): retry the record, never dead-letter
-    it."""
 
 
 def resolve_path(document: Mapping[str, Any], path: str) -> tuple[bool, Any]:
@@ -113,14 +117,17 @@ class TicketDecoder:
         max_value_bytes: int,
         registry: Any = None,
         protobuf_message_type: type | None = None,
+        secrets: Sequence[str] = (),
     ) -> None:
         """`registry`: a confluent-kafka `SchemaRegistryClient`, required by the registry formats.
         `protobuf_message_type`: the generated message class for `protobuf` (the client's Protobuf
-        deserializer needs one)."""
+        deserializer needs one). `secrets`: the registry's credentials, blanked out of every message the
+        client's errors end up in (dead letters, logs)."""
         unknown = set(fields) - set(_TICKET_FIELDS)
         if unknown:
             raise ValueError(f"input.fields names no TicketEvent field: {', '.join(sorted(unknown))}")
         self.input_format = input_format
+        self._secrets = [secret for secret in secrets if secret]
         self._fields = dict(fields)
         self._max_value_bytes = max_value_bytes
         self._deserialize: Deserialize | None = None
@@ -134,12 +141,22 @@ class TicketDecoder:
         nothing else, whatever the bytes."""
         try:
             return self._decode(value, topic)
-        except (DecodeError, RegistryUnavailable):
+        except DecodeError as error:
+            if self._secrets:
+                raise DecodeError(error.error_type, self._masked(error.message)) from None
             raise
+        except RegistryUnavailable as error:
+            raise RegistryUnavailable(self._masked(str(error))) from None
         except Exception as error:  # a library failing in a way we did not foresee: one dead letter
             raise DecodeError(
-                "undecodable", f"the decoder failed on this value: {type(error).__name__}: {error}"
+                "undecodable",
+                self._masked(f"the decoder failed on this value: {type(error).__name__}: {error}"),
             ) from None
+
+    def _masked(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def _decode(self, value: bytes | None, topic: str) -> TicketEvent:
         if self._deserialize is None:
@@ -227,3 +244,41 @@ def _deserializer(input_format: str, registry: Any, message_type: type | None) -
         return MessageToDict(message, preserving_proto_field_name=True) if message is not None else None
 
     return protobuf
+
+
+def decoder_for(settings: Settings) -> TicketDecoder | None:
+    """The decoder `settings.input` describes, with its registry client; None for plain JSON without a field
+    mapping, which the pipeline decodes as it always has (`decode_ticket`). Raises UserError (one line) when
+    the Protobuf message class cannot be imported."""
+    chosen = settings.input
+    if chosen.format == "json" and not chosen.fields:
+        return None
+    registry: Any = None
+    message_type: type | None = None
+    secrets = settings.schema_registry.secrets()
+    if chosen.format in REGISTRY_FORMATS:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
+        registry = SchemaRegistryClient(settings.schema_registry.client_config())
+    if chosen.format == "protobuf":
+        assert chosen.protobuf_message is not None  # the settings refuse protobuf without it
+        message_type = protobuf_class(chosen.protobuf_message)
+    return TicketDecoder(
+        chosen.format, chosen.fields, settings.pipeline.max_value_bytes, registry, message_type, secrets
+    )
+
+
+def protobuf_class(name: str) -> type:
+    """The generated message class "module:Class" names (`input.protobuf_message`); UserError otherwise."""
+    module_name, _, attribute = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as error:
+        raise UserError(f"config error: input.protobuf_message: cannot import {name}: {error}") from None
+    from google.protobuf.message import Message
+
+    if not isinstance(found, type) or not issubclass(found, Message):
+        raise UserError(f"config error: input.protobuf_message: {name} is not a Protobuf message class")
+    return found

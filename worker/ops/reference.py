@@ -32,6 +32,7 @@ from worker.pipeline.metrics import (
     EscalationMetrics,
     PartitionGauges,
     PipelineMetrics,
+    RegistryState,
     ReviewMetrics,
     ShadowMetrics,
 )
@@ -126,6 +127,22 @@ SETTING_DOCS: dict[str, str] = {
     "metrics.reload_token_file": "file holding the token `POST /reload` requires (`Authorization: Bearer`); "
     "at least 16 printable ASCII characters, not readable by other users; unset, the endpoint is closed "
     "([operations](operations.md#changing-the-model-without-a-restart))",
+    "input.format": "how input values are written: `json`, or `avro`, `json_schema`, `protobuf` in the "
+    "Schema Registry wire format, which need `schema_registry.url` ([schema registry](schema-registry.md))",
+    "input.fields": "per ticket field, the dotted path of the producer's record that holds it "
+    "(`input.fields.body = description`, `input.fields.customer_id = requester.email`); unknown ticket "
+    "fields are refused",
+    "input.protobuf_message": "the producer's generated Protobuf message class, `module:Class` (importable "
+    "by the worker); required by `input.format = protobuf`",
+    "output.format": "how triage records are written: `json`, or `avro` in the Schema Registry wire format "
+    "with the schema of `schemas/triage_result.avsc`, registered under the output topic's value subject at "
+    "start ([schema registry](schema-registry.md#avro-output))",
+    "schema_registry.url": "the Schema Registry's address (`http://host:8081`); a password in it is masked",
+    "schema_registry.basic_auth_user_info": "`user:password` for the registry's HTTP basic authentication; "
+    "masked by `config show`, never logged",
+    "schema_registry.ssl_ca_location": "CA bundle for an `https` registry",
+    "schema_registry.timeout_ms": "one registry request's limit (schemas are cached: only a new schema id "
+    "asks); an unanswered record is retried with its partition paused, never dead-lettered",
 }
 
 
@@ -171,7 +188,10 @@ def exporters() -> dict[str, CollectorRegistry]:
     """A registry per process kind, with every family present: the worker (with a shadow, review, the cascade
     and one model process), the lag exporter and replay."""
     metrics = PipelineMetrics(
-        shadow=ShadowMetrics(), review=ReviewMetrics(), escalation=EscalationMetrics.starting(("a",))
+        shadow=ShadowMetrics(),
+        review=ReviewMetrics(),
+        escalation=EscalationMetrics.starting(("a",)),
+        registry=RegistryState(),
     )
     metrics.partitions = PartitionGauges(
         assigned=(("t", 0),), blocked=(("t", 0),), lag=((("t", 0), 0),), member=True

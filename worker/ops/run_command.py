@@ -28,6 +28,8 @@ from worker.config import (
     masked_kafka_config,
     settings_from_args,
 )
+from worker.contracts.input import decoder_for
+from worker.contracts.output import result_encoder_for
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation, escalation_threshold
 from worker.inference.loading import is_zero_shot, resolve_taxonomy
@@ -251,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
     stop = _StopOnSignals(args.held_stop_signals.received)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
     reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
+    # The input's decoder (with its registry client) reads only input settings: a Protobuf class that does
+    # not import stops the start here, before the broker is asked.
+    decoder = decoder_for(settings)
     # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
     taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
     if (shadow_inference := settings.inference.shadow_settings()) is not None:
@@ -259,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     if escalation.why_off is not None:
         _log.info("cascade_off", reason=escalation.why_off)
     settings = _check_topics(settings)
+    # Registered once, here: a registry that refuses the output schema stops the start in one line.
+    result_encoder = result_encoder_for(settings)
     # A no-op unless metrics.port is set.
     telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
@@ -301,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
             shadow=shadow,
             cascade=cascade,
             review=review,
+            decoder=decoder,
+            result_encoder=result_encoder,
         )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())

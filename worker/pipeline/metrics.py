@@ -195,6 +195,24 @@ class ReviewMetrics:
 
 
 @dataclass
+class RegistryState:
+    """The Schema Registry as the pipeline sees it (registry input formats only): `outage` names why it is
+    taken as down (None: answering), `waiting` the partitions held at a record it could not answer for,
+    `retries` how many times a record was held back for it (worker/pipeline/registry_wait.py)."""
+
+    outage: str | None = None
+    waiting: tuple[TopicPartitionKey, ...] = ()
+    retries: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "outage": self.outage,
+            "waiting": [f"{t}[{p}]" for t, p in self.waiting],
+            "retries": self.retries,
+        }
+
+
+@dataclass
 class PipelineMetrics:
     consumed: int = 0
     # Records re-delivered for an offset already being processed (after a seek back); skipped.
@@ -236,6 +254,8 @@ class PipelineMetrics:
     shadow: ShadowMetrics | None = None
     review: ReviewMetrics | None = None
     escalation: EscalationMetrics | None = None
+    # Set when the input format reads a Schema Registry.
+    registry: RegistryState | None = None
     _gauges_at: float = float("-inf")
 
     def dead_letter(self, error_type: str) -> None:
@@ -315,4 +335,5 @@ class PipelineMetrics:
             **({"shadow": self.shadow.snapshot()} if self.shadow is not None else {}),
             **({"escalation": self.escalation.snapshot()} if self.escalation is not None else {}),
             **({"review": self.review.snapshot()} if self.review is not None else {}),
+            **({"schema_registry": self.registry.snapshot()} if self.registry is not None else {}),
         }

@@ -42,9 +42,13 @@ class PartitionOffsets:
     def __len__(self) -> int:
         return len(self._waiting) + len(self._ready)
 
+    def is_new(self, offset: int) -> bool:
+        """Whether `track(offset)` would take it (False for a re-delivery to skip)."""
+        return offset > self._last_tracked and (self._expected is None or offset >= self._expected)
+
     def track(self, offset: int) -> bool:
         """Start tracking `offset`; False when it is not newer than the last one (a re-delivery to skip)."""
-        if offset <= self._last_tracked or (self._expected is not None and offset < self._expected):
+        if not self.is_new(offset):
             return False
         self._last_tracked = offset
         self._waiting.append(offset)

@@ -16,7 +16,8 @@ One thread owns the consumer, the producer and the offset tracker; the model run
    model) pauses every partition and polls again, so the group never evicts the worker; resumes below the
    low-water mark;
 7. polls records up to the free capacity, one per poll (see `_poll_records`), decodes each, dead-letters
-   what is not a ticket and queues the rest with its deadline.
+   what is not a ticket and queues the rest with its deadline. In a Schema Registry format (`input.format`)
+   a record the registry cannot answer for is not taken: its partition waits at it (`registry_wait.py`).
 
 Rebalances (cooperative-sticky by default): nothing new is taken from revoked partitions; the tickets already
 taken from them (queued ones go to the model first) get up to `revoke_timeout_ms` to finish, done offsets are
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import confluent_kafka
 import msgspec
@@ -53,20 +54,21 @@ from worker.classification import (
     ticket_text,
 )
 from worker.config import Settings
-from worker.decoding import DecodeError, decode_ticket
+from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
 from worker.kafka.starts import StartPositions
-from worker.messages import FallbackReason, utc_timestamp
+from worker.messages import FallbackReason, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.guarantees import Failure, guarantee_for, names
 from worker.pipeline.inflight import Flow, InFlightGate, PausedPartitions
 from worker.pipeline.latency import LatencyEstimate
 from worker.pipeline.ledger import Output, Work
-from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.metrics import PipelineMetrics, RegistryState
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.records import carried_headers, dead_letter, encode_result, result_key, triage_result
+from worker.pipeline.registry_wait import RegistryWait
 from worker.pipeline.review import Review
 from worker.pipeline.shadow import Shadow
 
@@ -86,6 +88,14 @@ _LIBRDKAFKA_MAX_POLL_MS = 300000
 _COMMIT_BEFORE_POLL_S = 1.0
 
 
+class TicketDecoding(Protocol):
+    """What the pipeline needs of `worker.contracts.input.TicketDecoder` (built by the ops room from
+    `input.*` and `schema_registry.*`): a TicketEvent, or DecodeError (dead letter), or RegistryUnavailable
+    (the record is retried, see registry_wait.py)."""
+
+    def decode(self, value: bytes | None, topic: str) -> TicketEvent: ...
+
+
 class Pipeline:
     """Runs the loop until `request_stop()`; `run()` returns the process exit code.
 
@@ -94,6 +104,9 @@ class Pipeline:
     `dispatch_window` tickets are at the classifier at once. `clients` builds the Kafka consumer and
     producer (default: from `settings`). The side topics, when given, never hold back a result or a commit:
     `shadow` is offered every classified ticket (shadow.py), `review` every result written (review.py).
+    `decoder` reads record values that are not plain JSON tickets (`input.format`, `input.fields`); None:
+    plain JSON, `decode_ticket`. `result_encoder` writes triage records in another format than JSON
+    (`output.format`); the side topics stay JSON.
     """
 
     def __init__(
@@ -108,8 +121,13 @@ class Pipeline:
         shadow: Shadow | None = None,
         cascade: Cascade | None = None,
         review: Review | None = None,
+        decoder: TicketDecoding | None = None,
+        result_encoder: Callable[[TriageResult], bytes] | None = None,
     ) -> None:
         self._pipeline = settings.pipeline
+        self._decoder = decoder
+        self._input_format = settings.input.format
+        self._encode_result = result_encoder or encode_result
         self._topics = settings.topics
         clients = clients or KafkaClients(settings)
         self._failure = Failure()
@@ -140,6 +158,11 @@ class Pipeline:
         self._paused = PausedPartitions(self._consumer)
         # Every assigned partition starts at an offset the worker looked up itself (worker/kafka/starts.py).
         self._starts = StartPositions(self._consumer, consumer_options["auto.offset.reset"], clock)
+        # Partitions held at a record the Schema Registry could not answer for (registry_wait.py).
+        self.metrics.registry = RegistryState() if decoder is not None else None
+        self._registry = RegistryWait(
+            self._consumer, self._paused.pause, self.metrics.registry or RegistryState(), clock
+        )
         consumer, pause = self._consumer, self._paused.pause
         self._guarantee = guarantee_for(
             settings, clients, consumer, self._tracker, self.metrics, clock, pause, self._failure
@@ -183,6 +206,7 @@ class Pipeline:
             dispatch_window=self._window,
             model=self._classifier.model_id,
             guarantee=self._pipeline.guarantee,
+            input_format=self._input_format,
             escalation=None if self._cascade is None else self._cascade.model_id,
             escalate_below=None if self._cascade is None else self._cascade.escalate_below,
         )
@@ -224,11 +248,14 @@ class Pipeline:
         self._serve_work(wait_s)
         self._guarantee.advance()
         self._starts.resolve()
+        self._registry.due()
         self._update_gauge()
         if self._gate.paused or self._stopping:
             self._paused.pause(state.key for state in self._tracker)
         else:
-            self._paused.resume_all_but(self._tracker.blocked().keys() | self._starts.held)
+            self._paused.resume_all_but(
+                self._tracker.blocked().keys() | self._starts.held | self._registry.held.keys()
+            )
 
     def _serve_work(self, wait_s: float) -> None:
         """Move taken records forward: delivery reports, model answers, expiry, dispatch. Waits up to
@@ -282,6 +309,23 @@ class Pipeline:
         state = self._tracker.get((topic, partition))
         if state is None:
             return  # not owned (a record fetched for a partition revoked since); its owner reads it
+        decoded: TicketEvent | DecodeError | None = None
+        if self._decoder is not None:
+            # Decoded before it is tracked: a record the registry cannot answer for is not taken at all.
+            if (topic, partition) in self._registry.held:
+                return  # fetched before its partition was held and sought back: it is read again
+            key = message.key()
+            # A re-delivery is skipped below; a key over the limit is dead-lettered below, unread.
+            if state.is_new(offset) and (key is None or len(key) <= MAX_KEY_BYTES):
+                try:
+                    decoded = self._decoder.decode(message.value(), topic)
+                except DecodeError as problem:
+                    decoded = problem  # the registry answered (or was not needed): a dead letter below
+                except RegistryUnavailable as unavailable:
+                    if not self._registry.hold((topic, partition), offset, str(unavailable)):
+                        self._failure.set(f"cannot seek {topic}[{partition}] back to {offset}")
+                    return
+                self._registry.answered((topic, partition))
         if not state.track(offset):
             # Never expected: the partition's state starts where its fetch does (see `_poll_records`).
             self.metrics.redelivered += 1
@@ -305,7 +349,12 @@ class Pipeline:
             self._dead_letter(work, "key_too_large", reason)
             return
         try:
-            event = decode_ticket(work.value, self._pipeline.max_value_bytes)
+            if decoded is None:
+                event = decode_ticket(work.value, self._pipeline.max_value_bytes)
+            elif isinstance(decoded, DecodeError):
+                raise decoded
+            else:
+                event = decoded
             deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
         except DecodeError as problem:
             self._dead_letter(work, problem.error_type, problem.message)
@@ -414,7 +463,7 @@ class Pipeline:
         assert event is not None
         scan = work.scan
         assert scan is not None  # set with the event
-        value = encode_result(triage_result(event, answer, work.source, made_at or None, scan.kinds))
+        value = self._encode_result(triage_result(event, answer, work.source, made_at or None, scan.kinds))
         key = result_key(work.key, event)
         headers, left_off = carried_headers(work.headers, self._pipeline.max_header_bytes)
         if left_off:
@@ -456,6 +505,7 @@ class Pipeline:
         for key in keys:
             self._tracker.assign(key)
         self._paused.forget(keys)
+        self._registry.forget(keys)
         self._guarantee.assigned(keys)
         _log.info("partitions_assigned", partitions=names(keys))
         if not partitions:
@@ -504,6 +554,7 @@ class Pipeline:
         self._tracker.revoke(keys)
         self._paused.forget(keys)
         self._starts.forget(keys)
+        self._registry.forget(keys)
         self._update_gauge()
         _log.info(
             "partitions_revoked",
@@ -520,6 +571,7 @@ class Pipeline:
         self._tracker.revoke(keys)
         self._paused.forget(keys)
         self._starts.forget(keys)
+        self._registry.forget(keys)
         self._update_gauge()
         _log.warning(
             "partitions_lost", partitions=names(keys), effect="not committed; the new owner redoes them"

@@ -167,6 +167,17 @@ class PipelineCollector(Collector):
             yield from _escalation_families(metrics.escalation)
         if metrics.review is not None:
             yield from _review_families(metrics.review)
+        if metrics.registry is not None:  # the input format reads a Schema Registry
+            yield gauge(
+                "triage_schema_registry_waiting_partitions",
+                "Partitions held at a record the Schema Registry could not answer for (retried, never lost).",
+                len(metrics.registry.waiting),
+            )
+            yield CounterMetricFamily(
+                "triage_schema_registry_retries",
+                "Times a record was held back because the Schema Registry did not answer.",
+                value=metrics.registry.retries,
+            )
 
 
 def _escalation_families(escalation: EscalationMetrics) -> Iterator[Metric]:

@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient
 from worker.config import Settings
 from worker.kafka.admin import METADATA_ONLY
 from worker.kafka.clients import ClientErrorLog, producer_config
-from worker.pipeline.metrics import PartitionGauges, PipelineMetrics
+from worker.pipeline.metrics import PartitionGauges, PipelineMetrics, RegistryState
 from worker.telemetry.server import Check, Probes, report
 
 _log = structlog.get_logger("worker.telemetry")
@@ -87,6 +87,9 @@ class WorkerProbes(Probes):
     def ready(self) -> tuple[bool, dict[str, Any]]:
         warm = self.warm_contexts
         gauges = self.metrics.partitions if self.metrics is not None else None
+        registry = self.metrics.registry if self.metrics is not None else None
+        # Only where the input format reads a Schema Registry: plain JSON workers keep their checks.
+        registry_check = {} if registry is None else {"schema_registry": self._registry(registry)}
         return report(
             {
                 "pool": Check(True, f"{warm} contexts warm") if warm else Check(False, "warming up"),
@@ -98,8 +101,18 @@ class WorkerProbes(Probes):
                 ),
                 "loop": self._loop() if self.loop_age() is not None else Check(False, "not started"),
                 "partitions": self._partitions(gauges),
+                **registry_check,
             }
         )
+
+    @staticmethod
+    def _registry(registry: RegistryState) -> Check:
+        """Not ready while records wait for the Schema Registry (worker/pipeline/registry_wait.py): they are
+        retried, not lost, but this worker makes no progress on those partitions until it answers."""
+        if registry.outage is None:
+            return Check(True, "answering")
+        waiting = ", ".join(f"{topic}[{partition}]" for topic, partition in registry.waiting)
+        return Check(False, f"unavailable, records retried ({waiting or 'retrying now'}): {registry.outage}")
 
     @staticmethod
     def _partitions(gauges: PartitionGauges | None) -> Check:

@@ -1,0 +1,74 @@
+"""The backoff of records held back for the Schema Registry (worker/pipeline/registry_wait.py), on a fake
+clock: when a held partition is fetched again, and what readiness is told meanwhile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.pipeline.metrics import RegistryState
+from worker.pipeline.registry_wait import MAX_RETRY_S, RegistryWait
+
+KEY = ("tickets.raw", 0)
+OTHER = ("tickets.raw", 1)
+
+
+class _Consumer:
+    def __init__(self) -> None:
+        self.seeks: list[tuple[str, int, int]] = []
+
+    def seek(self, tp: Any) -> None:
+        self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+
+class _Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait() -> tuple[RegistryWait, _Consumer, _Clock, list[Any]]:
+    consumer, clock, paused = _Consumer(), _Clock(), []
+    wait = RegistryWait(consumer, paused.extend, RegistryState(), clock)  # type: ignore[arg-type]
+    return wait, consumer, clock, paused
+
+
+def _retry_after(wait: RegistryWait, clock: _Clock) -> float:
+    """Seconds until the held partition is released (fetched again)."""
+    return wait.held[KEY] - clock.now
+
+
+def test_a_held_record_is_sought_back_to_and_retried_after_1_s_doubling_to_30_s() -> None:
+    wait, consumer, clock, paused = _wait()
+    delays = []
+    for _ in range(7):
+        assert wait.hold(KEY, 42, "schema registry: connection refused")
+        delays.append(_retry_after(wait, clock))
+        clock.now += delays[-1] - 0.001
+        wait.due()
+        assert KEY in wait.held  # not a moment early
+        clock.now += 0.001
+        wait.due()
+        assert KEY not in wait.held
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, MAX_RETRY_S, MAX_RETRY_S]
+    assert consumer.seeks == [("tickets.raw", 0, 42)] * 7 and paused == [KEY] * 7
+    assert wait.state.retries == 7
+
+
+def test_readiness_hears_of_the_outage_until_a_record_decodes_again_and_backoff_starts_over() -> None:
+    wait, _, clock, _ = _wait()
+    wait.hold(KEY, 1, "schema registry: 503")
+    wait.hold(OTHER, 7, "schema registry: 503")
+    assert wait.state.outage == "schema registry: 503" and wait.state.waiting == (KEY, OTHER)
+    clock.now += 1.0
+    wait.due()
+    wait.answered(KEY)
+    assert wait.state.waiting == () and wait.state.outage is None
+    assert wait.hold(KEY, 2, "schema registry: timed out") and _retry_after(wait, clock) == 1.0
+
+
+def test_a_revoked_partition_is_no_longer_held() -> None:
+    wait, _, _, _ = _wait()
+    wait.hold(KEY, 5, "schema registry: refused")
+    wait.forget([KEY])
+    assert wait.held == {} and wait.state.outage is None and wait.state.waiting == ()
