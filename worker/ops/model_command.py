@@ -308,6 +308,8 @@ def _fine_tune(args: argparse.Namespace) -> int:
     base = Path(settings.inference.model)
     # A folder `model train` wrote learns from the verdicts alone; any other model needs BANKING77 to replay.
     trained_folder = compose.trained_kind(base) is not None
+    if trained_folder:
+        _require(ENCODER_STAGE_MODULES)  # before the verdicts are read, not as a traceback after
     if not trained_folder:
         data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
