@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import tomllib
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -362,7 +363,8 @@ def test_a_bad_out_folder_is_refused_before_any_work(tmp_path: Path) -> None:
 
 def test_a_zero_shot_model_runs_with_review_on_unless_review_is_configured(tmp_path: Path) -> None:
     from worker.config import load_settings
-    from worker.ops.run_command import ZERO_SHOT_REVIEW_THRESHOLD, _review_for_zero_shot
+    from worker.inference.loading import ZERO_SHOT_REVIEW_THRESHOLD
+    from worker.inference.loading import with_zero_shot_review as _review_for_zero_shot
 
     folder = _served_folder(tmp_path)
     settings = load_settings(None, overrides={"inference.model": str(folder)})
@@ -503,3 +505,21 @@ def test_the_time_bound_stops_embedding_and_the_card_says_what_was_learnt_from()
         "encoder_stage": report.as_dict(), "first_stage": None, "first_stage_missing": "not here",
     }  # fmt: skip
     assert f"learnt from the first {encoder_stage._SORT_CHUNK} training tickets" in compose.model_card(record)
+
+
+@pytest.mark.kafka
+def test_topics_create_for_a_zero_shot_model_makes_the_review_topics_run_needs(
+    tmp_path: Path, kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`run` of a zero-shot folder turns review on, so `topics create` with the same settings must create
+    the review and feedback topics too (it made only three, and `run` refused to start for want of one)."""
+    folder = _served_folder(tmp_path)
+    (folder / "VERSION").write_text("zero-shot\n")
+    run = uuid.uuid4().hex[:8]
+    names = {key: f"zs.{key}.{run}" for key in ("input", "output", "dead_letter", "review", "feedback")}
+    argv = ["topics", "create", "--bootstrap-servers", kafka_bootstrap, "--set", f"inference.model={folder}"]
+    argv += [f"--set=topics.{key}={name}" for key, name in names.items()]
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert all(f"{name}: created" in printed for name in names.values()), printed

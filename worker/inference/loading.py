@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from worker.config import InferenceSettings
+import msgspec
+
+from worker.config import InferenceSettings, Settings
 from worker.errors import UserError
 from worker.inference.genai import og, require_runtime
 from worker.inference.pairing import taxonomy_mark
@@ -115,3 +117,17 @@ def _provider_error(settings: InferenceSettings, error: Exception) -> UserError:
             f"(pip install 'triage-worker[{extra}]'): {message.splitlines()[0]}"
         )
     return UserError(f"cannot load model {settings.model} on {settings.provider}: {message.splitlines()[0]}")
+
+
+# A zero-shot model guesses from its taxonomy alone: unless review is configured, every result it classifies
+# goes to review, so that reviewers' verdicts become the tickets its few-shot successor learns from.
+ZERO_SHOT_REVIEW_THRESHOLD = 1.0
+
+
+def with_zero_shot_review(settings: Settings) -> Settings:
+    """`settings` with review on for a zero-shot model (`review.threshold` 1.0) when no threshold is set:
+    what `run` serves and what `topics create` makes topics for (the review and feedback topics)."""
+    if settings.review.threshold is not None or not is_zero_shot(Path(settings.inference.model).expanduser()):
+        return settings
+    review = msgspec.structs.replace(settings.review, threshold=ZERO_SHOT_REVIEW_THRESHOLD)
+    return msgspec.structs.replace(settings, review=review)

@@ -147,7 +147,12 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _create_topics(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
+    # Imported here: the inference room loads ONNX Runtime GenAI, which creating topics does not need.
+    from worker.inference.loading import with_zero_shot_review
+
+    settings = with_zero_shot_review(
+        settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
+    )
     specs = worker_topics(
         settings.topics,
         shadow=settings.inference.shadow_settings() is not None,

@@ -15,7 +15,6 @@ import os
 import signal
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -32,7 +31,7 @@ from worker.contracts.input import decoder_for
 from worker.contracts.output import result_encoder_for
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation, escalation_threshold
-from worker.inference.loading import is_zero_shot, resolve_taxonomy
+from worker.inference.loading import resolve_taxonomy, with_zero_shot_review
 from worker.inference.pool import (
     ClassifierPool,
     default_pool_kind,
@@ -234,21 +233,8 @@ def _check_topics(settings: Settings) -> Settings:
     return producer_record_limit(settings, record_size_limits(producer_config(settings), written))
 
 
-# A zero-shot model guesses from its taxonomy alone: unless review is configured, every result it classifies
-# goes to review, so that reviewers' verdicts become the tickets its few-shot successor learns from.
-ZERO_SHOT_REVIEW_THRESHOLD = 1.0
-
-
-def _review_for_zero_shot(settings: Settings) -> Settings:
-    """`settings` with review on for a zero-shot model (`review.threshold` 1.0) when no threshold is set."""
-    if settings.review.threshold is not None or not is_zero_shot(Path(settings.inference.model).expanduser()):
-        return settings
-    review = msgspec.structs.replace(settings.review, threshold=ZERO_SHOT_REVIEW_THRESHOLD)
-    return msgspec.structs.replace(settings, review=review)
-
-
 def run(args: argparse.Namespace) -> int:
-    settings = _review_for_zero_shot(settings_from_args(args, _overrides(args)))
+    settings = with_zero_shot_review(settings_from_args(args, _overrides(args)))
     configure_logging(settings.log)
     stop = _StopOnSignals(args.held_stop_signals.received)
     _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
@@ -271,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
     reloader = Reloader(
         settings,
-        lambda: _review_for_zero_shot(settings_from_args(args, _overrides(args))),
+        lambda: with_zero_shot_review(settings_from_args(args, _overrides(args))),
         taxonomy.fallback_label,
         telemetry.reloaded,
         escalation_labels=None if escalation.settings is None else taxonomy.labels,
