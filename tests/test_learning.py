@@ -396,6 +396,13 @@ def test_reviewers_verdicts_on_a_zero_shot_folder_train_its_few_shot_successor(
     assert (day1 / "taxonomy.toml").read_text() == BANK_DESK_PATH.read_text()
 
 
+def _copy_test_model(out_dir: Path) -> None:
+    """The test model's ORT GenAI files into `out_dir`, as a trained first stage leaves them."""
+    for name in ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json",
+                 "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
+        shutil.copyfile(TINY / name, out_dir / name)
+
+
 @dataclasses.dataclass(frozen=True)
 class _FirstStageReport:
     validation_accuracy: float | None
@@ -420,9 +427,7 @@ def test_the_first_stage_gets_the_contracts_arguments_and_the_folder_is_served_w
                       "path": taxonomy_path, "teacher": probabilities, "unlabelled": list(unlabelled),
                       "max_seconds": max_seconds, "seed": seed})  # fmt: skip
         progress(1, 1)
-        for name in ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json",
-                     "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
-            shutil.copyfile(TINY / name, out_dir / name)
+        _copy_test_model(out_dir)
         return _FirstStageReport(0.5, 0.1, 1.0, "int4", 1234)
 
     monkeypatch.setattr(compose, "_first_stage_trainer", lambda: (train_first_stage, None))
@@ -460,9 +465,7 @@ def test_the_first_stage_gets_the_contracts_arguments_and_the_folder_is_served_w
 def _stand_in_first_stage(labelled, validation, taxonomy, taxonomy_path, teacher, out_dir, *, unlabelled,
                           max_seconds, seed, progress):  # fmt: skip
     """The test model as the trained first stage (an ORT GenAI folder that answers confidently)."""
-    for name in ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json",
-                 "tokenizer_config.json", "chat_template.jinja"):  # fmt: skip
-        shutil.copyfile(TINY / name, out_dir / name)
+    _copy_test_model(out_dir)
     return _FirstStageReport(None, None, 1.0, "int4", 1234)
 
 
