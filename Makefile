@@ -72,7 +72,7 @@ lint: setup
 # Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
 # tests/test_docs.py fails when they are stale.
 docs: setup
-	$(BIN)/python -m worker.ops.reference --write
+	$(BIN)/python -m worker.dev.reference --write
 
 # Optional extras, each installed once into the same venv (torch only for `model`, scikit-learn and tokenizers
 # for the baselines and the teacher in `eval` and `model`).
@@ -156,7 +156,7 @@ image: $(ENCODER)
 
 broker-image: kafka-jars
 	$(BIN)/python deploy/container_engine.py build-broker --tag $(BROKER_IMAGE) \
-		--jars "$$($(BIN)/python -c 'from worker.kafka.local_broker import jars_dir; print(jars_dir())')" \
+		--jars "$$($(BIN)/python -c 'from worker.dev.local_broker import jars_dir; print(jars_dir())')" \
 		$(if $(KAFKA_BASE_IMAGE),--base-image $(KAFKA_BASE_IMAGE)) $(if $(IMAGE_BUILD_FLAGS),-- $(IMAGE_BUILD_FLAGS))
 
 # Base images from Debian packages (bookworm, debootstrap; needs root): one with Python for the worker, one with

@@ -45,7 +45,7 @@ from confluent_kafka import ConsumerGroupState
 from confluent_kafka.admin import AdminClient
 from container_engine import EngineError
 
-from worker.kafka import local_broker
+from worker.dev import local_broker
 from worker.messages import TriageResult
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 The broker comes from, in order (tests/kafka_source.py decides; `TRIAGE_TEST_BROKER` insists on one):
 `KAFKA_BOOTSTRAP_SERVERS` (a broker you already run), a container that testcontainers starts when a Docker
 API answers (`TRIAGE_KAFKA_IMAGE`, default apache/kafka:4.1.1, set up like the compose file's broker), else
-the project's own local broker (`worker/kafka/local_broker.py`: Apache Kafka from Maven-resolved jars) on a
+the project's own local broker (`worker/dev/local_broker.py`: Apache Kafka from Maven-resolved jars) on a
 free port with a fresh log dir, stopped when the session ends. The same tests run against any of the three.
 """
 
@@ -24,7 +24,7 @@ from testcontainers.core.container import DockerContainer
 from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
 from tools.harness import wait_until_served
-from worker.kafka import local_broker
+from worker.dev import local_broker
 from worker.kafka.admin import TopicSpec, create_topics
 
 
@@ -148,8 +148,8 @@ def secure_broker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
     """
     if _SOURCE.local is None:
         pytest.skip("SASL/TLS tests start a second local broker; this session uses another broker")
-    from worker.ops import broker_command
-    from worker.ops.cli import main
+    from worker.cli import broker_command
+    from worker.cli.cli import main
 
     state_dir = tmp_path_factory.mktemp("kafka-secure")
     port, secure_port = local_broker.free_port(), local_broker.free_port()

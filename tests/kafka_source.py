@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from worker.kafka.local_broker import KAFKA_VERSION
+from worker.dev.local_broker import KAFKA_VERSION
 
 SOURCES = ("given", "container", "local")
 DEFAULT_IMAGE = f"apache/kafka:{KAFKA_VERSION}"

@@ -49,6 +49,6 @@ def install(seconds: float) -> Callable[[], None]:
 if __name__ in ("__main__", "__mp_main__"):  # the worker and, re-imported, its pool's processes
     install(float(sys.argv[1]))
 if __name__ == "__main__":
-    from worker.ops.cli import main
+    from worker.cli.cli import main
 
     sys.exit(main(sys.argv[2:]))

@@ -8,7 +8,7 @@ from pathlib import Path
 import worker
 
 PACKAGE = Path(worker.__file__).parent
-# What each room may import besides the shared modules (worker/*.py); ops may import everything.
+# What each room may import besides the shared modules (worker/*.py); cli may import everything.
 ALLOWED = {
     "shared": {"privacy"},
     "kafka": {"privacy"},
@@ -16,21 +16,29 @@ ALLOWED = {
     "pipeline": {"kafka", "privacy"},
     "replay": {"kafka", "pipeline", "privacy"},
     "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
-    "learning": {"inference", "ops", "privacy"},
+    # The trainers, evaluation, fine-tuning on feedback (read from its topic, rejects dead-lettered with the
+    # pipeline's redaction of a value) and the artifact fetch: never the command line or the dev parts.
+    "learning": {"inference", "kafka", "pipeline", "privacy"},
     # Data contracts (Schema Registry formats): what a record's bytes mean; no Kafka client, no model.
     "contracts": {"privacy"},
-    "ops": {
-        *("kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "ops", "privacy"),
-    },
     # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
     "privacy": set(),
+    # The command line: every command, so everything.
+    "cli": {
+        *("kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy", "dev"),
+    },
+    # Development-only parts: the local broker and registry, sample tickets, and the generator of docs/'s
+    # reference parts, which reads the settings, the metrics' collectors and the CLI's flags and defaults.
+    "dev": {"kafka", "pipeline", "telemetry", "cli", "privacy"},
 }
+# The rooms the running worker is made of: none of them may import the command line or the dev parts.
+PRODUCTION = set(ALLOWED) - {"cli", "dev"}
 
 
 def _room(path: Path) -> str:
     relative = path.relative_to(PACKAGE)
     if relative.name == "__main__.py":
-        return "ops"  # `python -m worker` is the CLI
+        return "cli"  # `python -m worker` is the CLI
     return relative.parts[0] if len(relative.parts) > 1 else "shared"
 
 
@@ -57,6 +65,22 @@ def test_each_room_imports_only_what_it_may() -> None:
         for imported in _imported_rooms(path) - ALLOWED[room] - {room}:
             wrong.append(f"{path.relative_to(PACKAGE)} ({room}) imports worker.{imported}")
     assert wrong == []
+
+
+def test_the_rooms_are_the_folders() -> None:
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders | {"shared"} == set(ALLOWED)
+
+
+def test_no_production_room_imports_the_command_line_or_the_dev_parts() -> None:
+    wrong = [
+        f"{path.relative_to(PACKAGE)} ({_room(path)}) imports worker.{imported}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if _room(path) in PRODUCTION
+        for imported in _imported_rooms(path) & {"cli", "dev"}
+    ]
+    assert wrong == []
+    assert not {"cli", "dev"} & set().union(*(ALLOWED[room] for room in PRODUCTION))
 
 
 REPO = PACKAGE.parent

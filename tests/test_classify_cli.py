@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from worker.cli.classify_command import EXIT_LINES_SKIPPED
+from worker.cli.cli import main
 from worker.messages import TriageResult
-from worker.ops.classify_command import EXIT_LINES_SKIPPED
-from worker.ops.cli import main
 
 TINY = Path(__file__).parent / "models" / "tiny"
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.kafka import local_broker
-from worker.ops.pipes import READER_GONE_EXIT
+from worker.cli.pipes import READER_GONE_EXIT
+from worker.dev import local_broker
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "models" / "tiny"

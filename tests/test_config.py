@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from worker.cli.cli import main
 from worker.config import (
     DEFAULT_MODEL_DIR,
     PipelineSettings,
@@ -20,7 +21,6 @@ from worker.config import (
     settings_from_args,
 )
 from worker.errors import UserError
-from worker.ops.cli import main
 
 SECRET = "hunter2-very-secret"
 TINY = Path(__file__).parent / "models" / "tiny"
@@ -319,8 +319,8 @@ def test_settings_from_args_flags_beat_set_which_beat_env(
 
 
 def test_scheduling_is_earliest_deadline_first_unless_run_is_told_fifo() -> None:
-    from worker.ops.cli import build_parser
-    from worker.ops.run_command import _overrides
+    from worker.cli.cli import build_parser
+    from worker.cli.run_command import _overrides
 
     assert load_settings(env={}).pipeline.scheduling == "edf"
     args = build_parser().parse_args(["run", "--scheduling", "fifo"])

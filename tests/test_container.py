@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from worker.config import load_settings
-from worker.kafka.local_broker import KAFKA_VERSION
+from worker.dev.local_broker import KAFKA_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -24,8 +24,8 @@ import fastavro
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
 from worker.contracts.avro_schema import avro_schema
-from worker.kafka import local_broker
-from worker.kafka.local_registry import LocalRegistry
+from worker.dev import local_broker
+from worker.dev.local_registry import LocalRegistry
 from worker.messages import SourcePosition, TriageResult
 
 RELEASED = sorted((Path(__file__).parent.parent / "schemas" / "released").glob("triage_result-*.avsc"))

@@ -19,8 +19,8 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from worker.config import load_settings
 from worker.contracts.input import RegistryUnavailable, TicketDecoder, decoder_for, map_fields
 from worker.decoding import DecodeError
+from worker.dev import local_broker
 from worker.errors import UserError
-from worker.kafka import local_broker
 
 TOPIC = "helpdesk.tickets"
 LIMIT = 1_000_000

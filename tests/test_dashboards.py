@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from worker.ops.lag_command import GroupLagCollector
+from worker.cli.lag_command import GroupLagCollector
 from worker.pipeline.metrics import LATENCY_BUCKETS_S, PartitionGauges, PipelineMetrics
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes

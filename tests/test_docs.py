@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.kafka.local_broker import kafka_home
-from worker.ops import reference
-from worker.ops.cli import build_parser
-from worker.ops.defaults import default_of
-from worker.ops.run_command import flag_settings
+from worker.cli.cli import build_parser
+from worker.cli.defaults import default_of
+from worker.cli.run_command import flag_settings
+from worker.dev import reference
+from worker.dev.local_broker import kafka_home
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

@@ -16,12 +16,12 @@ import msgspec
 import pytest
 
 from worker.classification import ClassifyRequest
+from worker.cli.cli import main
 from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.engine import Engine
 from worker.inference.prompt import INTENT_OPENING
+from worker.learning.evaluation import canonical_label
 from worker.messages import TriageResult
-from worker.ops.cli import main
-from worker.ops.evaluation import canonical_label
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_CSV = REPO / "data" / "banking77" / "test.csv"

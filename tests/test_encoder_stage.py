@@ -22,8 +22,8 @@ from worker.inference.encoder import EncoderEngine, labels_fingerprint, read_man
 from worker.inference.escalation import EscalationChoice, choose_escalation
 from worker.inference.pool import measure_turnaround, open_pool
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
-from worker.ops.artifacts import fetch_encoder
-from worker.ops.evaluation import canonical_label, stratified_split
+from worker.learning.artifacts import fetch_encoder
+from worker.learning.evaluation import canonical_label, stratified_split
 
 REPO = Path(__file__).resolve().parents[1]
 BANKING77 = REPO / "taxonomies" / "banking77.toml"

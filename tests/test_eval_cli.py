@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from worker import shipped
-from worker.ops.cli import main
+from worker.cli.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 # A short evaluation, should a check not stop it: the embedded model on 5 tickets, nothing written.
@@ -18,7 +18,7 @@ SHORT = ["--modes", "score", "--limit", "5", "--no-cascade", "--out", ""]
 
 def test_without_the_eval_extra_model_eval_says_what_to_install_before_any_work() -> None:
     """It used to measure the model (10 s and more) and only then find scikit-learn missing."""
-    hide_sklearn = "import sys; sys.modules['sklearn'] = None; from worker.ops.cli import main; "
+    hide_sklearn = "import sys; sys.modules['sklearn'] = None; from worker.cli.cli import main; "
     done = subprocess.run(
         [sys.executable, "-c", hide_sklearn + f"sys.exit(main({['model', 'eval', *SHORT]!r}))"],
         cwd=REPO,

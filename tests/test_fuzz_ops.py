@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from worker.cli.classify_command import EXIT_LINES_SKIPPED
+from worker.cli.cli import main
+from worker.cli.replay_command import _print_report
 from worker.config import Settings
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
-from worker.ops.classify_command import EXIT_LINES_SKIPPED
-from worker.ops.cli import main
-from worker.ops.replay_command import _print_report
 from worker.replay.engine import Outcome, ReplayOptions, _Replay
 from worker.replay.transforms import TransformFailed, TransformFunction, apply_transform, describe_failure
 

@@ -11,7 +11,7 @@ import confluent_kafka
 import pytest
 
 from tools.harness import Worker, audit, committed_offsets, end_offsets, make_topics
-from worker.ops.samples import KIND_HEADER
+from worker.dev.samples import KIND_HEADER
 
 pytestmark = pytest.mark.kafka
 

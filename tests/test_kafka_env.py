@@ -15,10 +15,10 @@ import pytest
 from tools import librdkafka_properties
 from tools.harness import TINY_MODEL, Worker, audit, make_topics, publish, wait_until_committed
 from worker import config
+from worker.cli.cli import main
 from worker.config import load_settings
 from worker.errors import UserError
 from worker.librdkafka import LIBRDKAFKA_VERSION, PROPERTIES
-from worker.ops.cli import main
 
 
 def service_links(name: str, host: str, port: int, port_name: str = "tcp-client") -> dict[str, str]:

@@ -11,9 +11,9 @@ import pytest
 from confluent_kafka import Consumer, Message, Producer
 
 from tools.harness import wait_until_served
+from worker.cli.cli import main
 from worker.errors import UserError
 from worker.kafka.admin import TopicSpec, create_topics
-from worker.ops.cli import main
 
 pytestmark = pytest.mark.kafka
 

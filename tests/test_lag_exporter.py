@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry
 from test_telemetry_e2e import scrape
 
 from tools import REPO
+from worker.cli.lag_command import GroupLagCollector
+from worker.dev.local_broker import free_port
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader, TopicSpec, create_topics
 from worker.kafka.clients import kafka_call
-from worker.kafka.local_broker import free_port
-from worker.ops.lag_command import GroupLagCollector
 
 pytestmark = pytest.mark.kafka
 

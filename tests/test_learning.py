@@ -23,16 +23,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from worker.cli import model_command
+from worker.cli.cli import main
 from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder, read_manifest
 from worker.inference.escalation import choose_escalation
 from worker.inference.taxonomy import load_taxonomy
 from worker.learning import compose, encoder_stage
-from worker.ops import model_command
-from worker.ops.artifacts import fetch_jar_members
-from worker.ops.cli import main
-from worker.ops.evaluation import canonical_label
+from worker.learning.artifacts import fetch_jar_members
+from worker.learning.evaluation import canonical_label
 
 REPO = Path(__file__).resolve().parents[1]
 BANK_DESK_PATH = REPO / "taxonomies" / "bank-desk.toml"

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, Producer
 
+from worker.cli.cli import main
+from worker.dev import local_broker
 from worker.errors import UserError
-from worker.kafka import local_broker
 from worker.kafka.admin import TopicSpec, create_topics
-from worker.ops.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tools.harness import REPO, Worker, make_topics
-from worker.kafka.local_broker import LocalBroker
+from worker.dev.local_broker import LocalBroker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

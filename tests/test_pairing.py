@@ -12,10 +12,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from worker.cli.cli import main
 from worker.inference.pairing import read_trained_labels, taxonomy_version, write_trained_labels
 from worker.inference.taxonomy import load_taxonomy
 from worker.messages import TriageResult
-from worker.ops.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "models" / "tiny"

@@ -27,8 +27,8 @@ from tools.harness import (
     publish,
     wait_until_committed,
 )
-from worker.kafka.local_broker import LocalBroker
-from worker.ops.samples import KIND_HEADER
+from worker.dev.local_broker import LocalBroker
+from worker.dev.samples import KIND_HEADER
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -19,9 +19,9 @@ from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka
 
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
 from worker.config import load_settings
+from worker.dev.samples import SampleFactory
 from worker.kafka import dead_letters
 from worker.messages import TriageResult
-from worker.ops.samples import SampleFactory
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.runner import Pipeline
 

@@ -14,11 +14,11 @@ import structlog
 
 from tools.harness import REPO
 from tools.pii_corpus import corpus
+from worker.cli.cli import main
 from worker.config import LogSettings, load_settings
+from worker.learning.feedback import FeedbackBook
 from worker.logs import configure_logging
 from worker.messages import FeedbackEvent
-from worker.ops.cli import main
-from worker.ops.feedback import FeedbackBook
 from worker.pipeline.records import redacted_value
 from worker.privacy.detector import find, luhn_valid
 from worker.privacy.redaction import Redactor

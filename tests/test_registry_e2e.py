@@ -27,8 +27,8 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from worker.contracts.input import TicketDecoder
 from worker.decoding import DecodeError
-from worker.kafka import local_broker
-from worker.kafka.local_registry import LocalRegistry
+from worker.dev import local_broker
+from worker.dev.local_registry import LocalRegistry
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -44,9 +44,9 @@ from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.config import Settings
 from worker.contracts.input import decoder_for
 from worker.contracts.output import ResultEncoder, result_encoder_for
-from worker.kafka import local_broker
-from worker.kafka.local_registry import CCOMPAT_PATH, LocalRegistry
-from worker.ops.samples import KIND_HEADER
+from worker.dev import local_broker
+from worker.dev.local_registry import CCOMPAT_PATH, LocalRegistry
+from worker.dev.samples import KIND_HEADER
 from worker.pipeline.runner import Pipeline
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes

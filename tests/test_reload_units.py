@@ -19,12 +19,12 @@ from structlog.testing import capture_logs
 
 from tools.harness import TINY_MODEL
 from worker.classification import Classification, ClassifyRequest
+from worker.cli.reload import Reloader
 from worker.config import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
-from worker.ops.reload import Reloader
 from worker.pipeline.cascade import Cascade
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector

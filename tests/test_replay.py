@@ -18,8 +18,8 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from worker.cli.cli import main
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
-from worker.ops.cli import main
 from worker.pipeline.guarantees import smaller
 from worker.pipeline.ledger import Output, Work
 from worker.pipeline.offsets import PartitionOffsets

@@ -10,13 +10,13 @@ import msgspec
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from worker.cli.cli import main
+from worker.cli.replay_command import parse_offset_ranges, parse_rate, parse_seconds, parse_time
 from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
-from worker.ops.cli import main
-from worker.ops.replay_command import parse_offset_ranges, parse_rate, parse_seconds, parse_time
 from worker.replay.engine import (
     OffsetRange,
     Outcome,

@@ -34,8 +34,8 @@ from tools.harness import REPO, Topics, Worker, audit, make_topics, read_topic, 
 from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
+from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
-from worker.ops.feedback import read_feedback_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -29,8 +29,8 @@ from tools.harness import REPO, read_topic
 from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
+from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
-from worker.ops.feedback import read_feedback_topic
 
 pytestmark = [pytest.mark.kafka]
 

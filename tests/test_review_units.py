@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from worker.classification import Classification
+from worker.cli.review_command import Picker, matches
 from worker.config import ReviewSettings, load_settings
 from worker.errors import UserError
 from worker.kafka.admin import worker_topics
+from worker.learning.feedback import FeedbackBook, ReviewIndex, read_feedback_file
+from worker.learning.fine_tune import OutputLayer, Recipe, _quantize_int4, fit_rows, split_holdout
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition, TicketEvent
-from worker.ops.feedback import FeedbackBook, ReviewIndex, read_feedback_file
-from worker.ops.fine_tune import OutputLayer, Recipe, _quantize_int4, fit_rows, split_holdout
-from worker.ops.review_command import Picker, matches
 from worker.pipeline.review import Review, review_reason
 from worker.privacy.redaction import Redactor
 
@@ -204,7 +204,7 @@ def test_the_fit_moves_a_confused_pair_apart_and_keeps_the_rest() -> None:
 
 
 def test_held_out_corrections_are_a_share_of_each_intent() -> None:
-    from worker.ops.feedback import Correction
+    from worker.learning.feedback import Correction
 
     made = [Correction(f"T{i}", f"t{i}", LABELS[i % 2], None, "r", "x") for i in range(20)]
     made.append(Correction("single", "s", LABELS[2], None, "r", "x"))

@@ -10,10 +10,10 @@ import jsonschema
 import msgspec
 import pytest
 
+from worker.cli.cli import main
+from worker.cli.config_command import SCHEMA_DIR, drifted_schemas, schema_files
 from worker.kafka import dead_letters
 from worker.messages import SCHEMA_VERSION, SourcePosition, TriageResult
-from worker.ops.cli import main
-from worker.ops.config_command import SCHEMA_DIR, drifted_schemas, schema_files
 
 
 def test_schema_files_match_the_structs() -> None:

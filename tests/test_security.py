@@ -21,8 +21,8 @@ import pytest
 from conftest import SecureBroker
 
 from tools.harness import TINY_MODEL, Topics, Worker, audit, end_offsets, wait_until_committed
+from worker.dev import local_broker
 from worker.errors import UserError
-from worker.kafka import local_broker
 from worker.kafka.admin import check_cluster
 
 pytestmark = pytest.mark.kafka

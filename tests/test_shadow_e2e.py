@@ -27,12 +27,12 @@ from tools.harness import (
     wait_until_committed,
 )
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
+from worker.cli.cli import main
+from worker.cli.run_command import SHADOW_NICENESS
 from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer
 from worker.messages import ShadowResult
-from worker.ops.cli import main
-from worker.ops.run_command import SHADOW_NICENESS
 from worker.pipeline.runner import Pipeline
 from worker.pipeline.shadow import Shadow
 

@@ -9,10 +9,10 @@ import msgspec
 import pytest
 
 from worker.classification import Classification, ClassifyRequest
+from worker.cli.shadow_command import ShadowTally, render, summarize
 from worker.config import InferenceSettings, load_settings
 from worker.kafka.admin import worker_topics
 from worker.messages import ShadowResult, SourcePosition, TicketEvent
-from worker.ops.shadow_command import ShadowTally, render, summarize
 from worker.pipeline.shadow import Shadow, shadow_record
 
 

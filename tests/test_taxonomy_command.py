@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from worker.cli.cli import main
 from worker.inference.taxonomy import load_taxonomy
 from worker.learning.data import match_taxonomy, read_ticket_rows
-from worker.ops.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import pytest
 
 from worker.errors import UserError
 from worker.inference.encoder import mean_pool
-from worker.ops import artifacts, evaluation
+from worker.learning import artifacts, evaluation
 
 
 def test_mean_pool_ignores_padding_and_normalises() -> None:

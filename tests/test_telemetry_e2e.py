@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tools.harness import REPO, Worker, audit, make_topics, publish, wait_until_committed
+from worker.dev.local_broker import LocalBroker
 from worker.kafka.dead_letters import dead_letter_headers
-from worker.kafka.local_broker import LocalBroker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from worker.learning import compose
-from worker.ops.evaluation import canonical_label
+from worker.learning.evaluation import canonical_label
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "your-taxonomy.md"

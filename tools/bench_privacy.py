@@ -27,7 +27,7 @@ from tools.pii_corpus import card_number, iban, phone, us_ssn
 from worker.classification import ClassifyRequest
 from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.engine import Engine
-from worker.ops.evaluation import Example, read_examples, resolve_taxonomy
+from worker.learning.evaluation import Example, read_examples, resolve_taxonomy
 from worker.privacy.redaction import Redactor
 
 REPO = Path(__file__).resolve().parents[1]

@@ -40,7 +40,7 @@ import numpy as np
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import compose, encoder_stage
-from worker.ops.evaluation import baselines, read_examples
+from worker.learning.evaluation import baselines, read_examples
 
 REPO = Path(__file__).resolve().parent.parent
 BANKING77 = REPO / "data" / "banking77"

@@ -33,8 +33,8 @@ import confluent_kafka
 
 from tools import harness, load, promises
 from tools.promises import progress, promise
+from worker.dev.local_broker import LocalBroker, free_port
 from worker.kafka.admin import TopicSpec, create_topics
-from worker.kafka.local_broker import LocalBroker, free_port
 
 MAX_IN_FLIGHT = 64  # the default, stated so that the bound does not depend on it silently
 

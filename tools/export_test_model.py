@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from tools import REPO
-from worker.ops.model_command import export_model
+from worker.learning.export import export_model
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHAT_TEMPLATE = (

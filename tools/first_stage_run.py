@@ -3,7 +3,7 @@
     python -m tools.first_stage_run --out /tmp/fs-full                       # all of train.csv
     python -m tools.first_stage_run --out /tmp/fs-5 --per-intent 5           # 5 rows per intent
 
-The validation split is BANKING77's usual one (`worker.ops.evaluation.stratified_split`, seed 77, 10 %),
+The validation split is BANKING77's usual one (`worker.learning.evaluation.stratified_split`, seed 77, 10 %),
 so the teacher is the shipped encoder stage's head (`models/triage-encoder`), which was fit on exactly the
 other 90 %. With `--per-intent N` the first stage sees N rows per intent of that 90 % and is measured on the
 same validation rows; its teacher is then a logistic regression fit on the encoder's embeddings of those N
@@ -26,9 +26,9 @@ from typing import Any
 from tools import REPO
 from worker.inference.encoder import SentenceEmbedder, encoder_file, read_manifest
 from worker.inference.taxonomy import load_taxonomy
+from worker.learning.evaluation import read_examples, stratified_split
 from worker.learning.first_stage import Shape, train_first_stage
 from worker.learning.teachers import encoder_stage_teacher
-from worker.ops.evaluation import read_examples, stratified_split
 
 ENCODER = REPO / "models" / "triage-encoder"
 

@@ -27,12 +27,12 @@ import msgspec
 from confluent_kafka.admin import AdminClient
 
 from tools import REPO
+from worker.cli.launch import run_command
 from worker.config import Settings, load_settings
+from worker.dev.samples import KIND_HEADER, SampleFactory, produce_samples
 from worker.kafka import dead_letters
 from worker.kafka.admin import METADATA_ONLY
 from worker.messages import TriageResult
-from worker.ops.launch import run_command
-from worker.ops.samples import KIND_HEADER, SampleFactory, produce_samples
 
 TINY_MODEL = REPO / "tests" / "models" / "tiny"
 SLOW_MODEL_SCRIPT = REPO / "tests" / "slow_model.py"

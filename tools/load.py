@@ -27,11 +27,11 @@ import msgspec
 
 from tools import REPO
 from tools.harness import Position, Topics, WorkerProcess, headers_of, read_topic, worker_command
+from worker.dev.local_broker import LocalBroker, free_port
 from worker.kafka import dead_letters
 from worker.kafka.admin import TopicSpec, create_topics
-from worker.kafka.local_broker import LocalBroker, free_port
+from worker.learning.evaluation import canonical_label
 from worker.messages import TriageResult
-from worker.ops.evaluation import canonical_label
 
 BANKING77 = REPO / "data" / "banking77"
 INPUT_PARTITIONS = 3

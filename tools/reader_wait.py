@@ -47,8 +47,8 @@ import msgspec
 
 from tools import harness, load, promises
 from tools.promises import progress, promise
+from worker.dev.local_broker import LocalBroker, free_port
 from worker.kafka.admin import TopicSpec, create_topics
-from worker.kafka.local_broker import LocalBroker, free_port
 from worker.messages import TriageResult
 
 # The worker's transaction.timeout.ms (worker/kafka/clients.py), so both halves measure the same broker wait.

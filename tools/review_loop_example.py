@@ -26,9 +26,9 @@ from pathlib import Path
 import msgspec
 
 from tools import REPO
+from worker.learning.evaluation import read_examples
+from worker.learning.fine_tune import Featurizer
 from worker.messages import FeedbackEvent, utc_timestamp
-from worker.ops.evaluation import read_examples
-from worker.ops.fine_tune import Featurizer
 
 
 def main() -> int:

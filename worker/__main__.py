@@ -1,3 +1,3 @@
-from worker.ops.cli import main
+from worker.cli.cli import main
 
 raise SystemExit(main())

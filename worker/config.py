@@ -418,7 +418,7 @@ _SERVICE_LINK = re.compile(
     r"(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)?)"
 )
 _warned_service_links: set[str] = set()
-# TRIAGE_* variables that are not settings: read by the local broker (`worker/kafka/local_broker.py`) and by
+# TRIAGE_* variables that are not settings: read by the local broker (`worker/dev/local_broker.py`) and by
 # the test session's broker choice (`tests/kafka_source.py`). Any other TRIAGE_* must name a setting.
 _TOOL_VARIABLES = frozenset({"TRIAGE_KAFKA_HOME", "TRIAGE_TEST_BROKER", "TRIAGE_KAFKA_IMAGE"})
 

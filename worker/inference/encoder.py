@@ -6,7 +6,7 @@ onnxruntime-gpu gives it CUDA) and the Hugging Face `tokenizers` library. Its fo
 one) holds the tokenizer, the head (`head.npz`: weight LxD, bias L), the labels the head was trained for in
 its row order with their fingerprint, and the taxonomy they come from; the ONNX encoder is in the folder too,
 or, too large for the repository, in the user cache, where `triage-worker model fetch` resolves it with Maven
-(worker/ops/artifacts.py). `model train --encoder` builds the folder (worker/learning/encoder_stage.py).
+(worker/learning/artifacts.py). `model train --encoder` builds the folder (worker/learning/encoder_stage.py).
 
 It fills the same `Classification` as the ORT GenAI engine (`confidence` is the head's calibrated
 probability, `scores` the top labels, the priority the taxonomy's policy priority of the intent), so any

@@ -286,7 +286,8 @@ class Context:
 
     def answer_logits(self, text: str) -> FloatArray:
         """The logits over the whole vocabulary where `score` mode reads the intent (right after
-        `{"intent": "`): what fine-tuning the output layer's intent rows starts from (ops/fine_tune.py)."""
+        `{"intent": "`): what fine-tuning the output layer's intent rows starts from
+        (worker/learning/fine_tune.py)."""
         score_ids, _, _ = self.engine.prepare(text)
         try:
             generator = self._require()

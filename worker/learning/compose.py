@@ -48,7 +48,7 @@ from worker.inference.loading import ZERO_SHOT_VERSION
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy
 from worker.learning import encoder_stage
-from worker.ops.evaluation import stratified_split
+from worker.learning.evaluation import stratified_split
 
 Kind = Literal["zero-shot", "few-shot", "full"]
 ENCODER_DIR = "encoder"

@@ -46,8 +46,8 @@ from worker.inference.encoder import (
     read_manifest,
 )
 from worker.inference.taxonomy import Taxonomy
-from worker.ops.artifacts import fetch_encoder
-from worker.ops.evaluation import TEACHER_C, expected_calibration_error
+from worker.learning.artifacts import fetch_encoder
+from worker.learning.evaluation import TEACHER_C, expected_calibration_error
 
 Progress = Callable[[int, int], None]
 # The shipped stage's manifest names where its encoder comes from; a trained stage records the same source.

@@ -486,7 +486,7 @@ def served_figures(model_dir: Path, rows: Sequence[tuple[str, str]]) -> tuple[fl
     thread): the chosen intent and its renormalised probability, `confidence`."""
     from worker.config import InferenceSettings
     from worker.inference.engine import Engine
-    from worker.ops.evaluation import expected_calibration_error
+    from worker.learning.evaluation import expected_calibration_error
 
     settings = InferenceSettings(
         model=str(model_dir), taxonomy=str(model_dir / "taxonomy.toml"), mode="score", escalation="off"
@@ -535,8 +535,8 @@ def train_first_stage(
     import numpy as np
     import torch
 
-    from worker.ops.evaluation import fit_temperature, stratified_split
-    from worker.ops.model_command import export_model
+    from worker.learning.evaluation import fit_temperature, stratified_split
+    from worker.learning.export import export_model
 
     deadline = started + max_seconds
     shape = shape or Shape()

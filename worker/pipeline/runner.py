@@ -89,7 +89,7 @@ _COMMIT_BEFORE_POLL_S = 1.0
 
 
 class TicketDecoding(Protocol):
-    """What the pipeline needs of `worker.contracts.input.TicketDecoder` (built by the ops room from
+    """What the pipeline needs of `worker.contracts.input.TicketDecoder` (built by the cli room from
     `input.*` and `schema_registry.*`): a TicketEvent, or DecodeError (dead letter), or RegistryUnavailable
     (the record is retried, see registry_wait.py)."""
 

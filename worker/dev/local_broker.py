@@ -459,7 +459,7 @@ class LocalBroker:
             "group.initial.rebalance.delay.ms": "0",
             **secure,
         }
-        text = "# Written by triage-worker (worker/kafka/local_broker.py); rewritten on every start.\n"
+        text = "# Written by triage-worker (worker/dev/local_broker.py); rewritten on every start.\n"
         text += "".join(f"{key}={value}\n" for key, value in properties.items())
         self.properties_file.write_text(text)
 

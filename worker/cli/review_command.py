@@ -43,8 +43,8 @@ from worker.kafka.clients import (
     produce,
     producer_config,
 )
+from worker.learning.feedback import ticket_text
 from worker.messages import FeedbackEvent, ReviewRecord, utc_timestamp
-from worker.ops.feedback import ticket_text
 
 _DECODER = msgspec.json.Decoder(ReviewRecord)
 _ENCODER = msgspec.json.Encoder()

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Engine
-from worker.ops.feedback import Correction
+from worker.learning.feedback import Correction
 
 FloatArray = npt.NDArray[np.float64]
 Example = tuple[str, str]  # (text, intent)
@@ -490,7 +490,7 @@ def _write_card(
         f"Fine-tuned from `{base.name}` on {outcome.corrections} reviewers' corrections "
         f"({outcome.trained_on} trained on, {outcome.held_out} held out to measure), mixed with "
         f"{outcome.replayed} of its original training tickets, in {outcome.minutes} min. Only the output "
-        "layer's intent rows changed (`triage-worker model train --feedback`, worker/ops/fine_tune.py); "
+        "layer's intent rows changed (`triage-worker model train --feedback`, worker/learning/fine_tune.py); "
         "training.json has the recipe and the base model's own training record.\n\n"
         f"| tickets | count | before | after |\n|---|---|---|---|\n{table}\n\n"
         "BANKING77 test leaves out any ticket used as a correction. Corrections (model's intent -> "

@@ -2,16 +2,15 @@
 
 `model train` trains a model folder for a team's taxonomy, from its labelled tickets or from the taxonomy
 alone (worker/learning/; the `train` extra), or trains BANKING77's first stage alone into a folder, taught by
-the shipped encoder stage (worker/learning/first_stage.py). `model eval` measures a model
-on BANKING77's test split next to classical baselines and the teacher (worker/ops/evaluation.py; the `eval`
-extra).
+the shipped encoder stage (worker/learning/first_stage.py). `model eval` measures a model on BANKING77's test
+split next to classical baselines and the teacher (worker/learning/evaluation.py; the `eval` extra).
 
 `model export` converts a local Hugging Face folder (config.json + safetensors + tokenizer files with a chat
-template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline. It needs torch,
-transformers and onnx, which are never runtime dependencies: they come with the optional `export` extra and
-are imported only by the builder, in a child process, so the worker itself never loads them. A folder with
-a `taxonomy.toml` (a model trained for it) also gets `trained_labels.json`, which every start checks the
-configured taxonomy against (worker/inference/pairing.py).
+template) into an ORT GenAI folder with onnxruntime-genai's model builder, fully offline
+(worker/learning/export.py). It needs torch, transformers and onnx, which are never runtime dependencies: they
+come with the optional `export` extra and are imported only by the builder, in a child process, so the worker
+itself never loads them. A folder with a `taxonomy.toml` (a model trained for it) also gets
+`trained_labels.json`, which every start checks the configured taxonomy against (worker/inference/pairing.py).
 
 Each `model` sub-command registers itself in `register` below; more are added there.
 """
@@ -26,12 +25,9 @@ import json
 import os
 import platform
 import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from rich.console import Console
@@ -46,70 +42,22 @@ from worker.config import (
 )
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation
-from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import load_taxonomy
+from worker.learning.export import export_model
 from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
     from worker.inference.taxonomy import Taxonomy
-    from worker.ops import feedback
-    from worker.ops.evaluation import Example, Figures
+    from worker.learning import feedback
+    from worker.learning.evaluation import Example, Figures
 
-Precision = Literal["int4", "int8", "fp16", "fp32"]
-_EXPORT_MODULES = ("torch", "transformers", "onnx", "onnx_ir")
-# Files the builder does not know about but the worker reads from a model folder.
-_CARRIED_FILES = ("taxonomy.toml",)
 BANKING77 = "data/banking77"
-
-
-def export_model(
-    hf_dir: Path, out_dir: Path, precision: Precision = "int4", provider: str = "cpu", quiet: bool = False
-) -> None:
-    """Run the ORT GenAI builder on `hf_dir`, writing the model folder to `out_dir`.
-
-    The builder runs as `python -m onnxruntime_genai.models.builder` (its documented interface) with this
-    interpreter; its cache goes to a temporary folder so nothing is left behind in the working directory.
-    """
-    missing = [name for name in _EXPORT_MODULES if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UserError(f"model export needs {', '.join(missing)}: pip install 'triage-worker[export]'")
-    if not (hf_dir / "config.json").is_file():
-        raise UserError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="triage-export-") as cache:
-        command = [
-            sys.executable, "-m", "onnxruntime_genai.models.builder",
-            "-i", str(hf_dir), "-o", str(out_dir), "-p", precision, "-e", provider, "-c", cache,
-        ]  # fmt: skip
-        result = subprocess.run(command, capture_output=quiet, text=True, check=False)
-    if result.returncode != 0:
-        detail = (result.stderr or "").strip().splitlines()[-1:] if quiet else []
-        raise UserError(f"model builder failed (exit {result.returncode}) {' '.join(detail)}".strip())
-    for name in _CARRIED_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, out_dir / name)
-    if (out_dir / "taxonomy.toml").is_file():
-        # A model trained for its taxonomy: starts check the configured one against this record.
-        write_trained_labels(out_dir, load_taxonomy(out_dir / "taxonomy.toml"))
-    _portable_tokenizer_class(out_dir / "tokenizer_config.json")
-
-
-def _portable_tokenizer_class(path: Path) -> None:
-    """transformers 5 saves its fast tokenizer's class as TokenizersBackend, which ORT GenAI refuses before
-    0.13 (DirectML's newest installable build is 0.12.2); PreTrainedTokenizerFast names the same
-    tokenizer.json to every version (measured: identical answers under 0.12.2 and 0.18.0)."""
-    if not path.is_file():
-        return
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if config.get("tokenizer_class") == "TokenizersBackend":
-        config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _fetch(args: argparse.Namespace) -> int:
     """Resolve the escalation stage's encoder into the user cache (what the worker also does on first use)."""
     from worker.inference.encoder import is_encoder_folder
-    from worker.ops.artifacts import fetch_encoder
+    from worker.learning.artifacts import fetch_encoder
 
     folder = escalation_dir(args.escalation)
     if not is_encoder_folder(folder):
@@ -171,8 +119,7 @@ def _train_first_stage(args: argparse.Namespace) -> int:
 
     --out is required: the shipped models/triage-mini came from an earlier, slower recipe and scores higher
     than this time-bounded one (docs/model.md), so no default overwrites it."""
-    from worker.learning import first_stage, teachers
-    from worker.ops import evaluation
+    from worker.learning import evaluation, first_stage, teachers
 
     _refuse_options(args, "model train without --data", ("unlabelled", "text_column", "label_column"))
     if args.out is None:
@@ -253,7 +200,7 @@ def _train_encoder(args: argparse.Namespace) -> int:
     encoder left in the user cache); defaults: BANKING77 and models/triage-encoder of a checkout."""
     from worker.learning import data as learning_data
     from worker.learning import encoder_stage
-    from worker.ops.evaluation import stratified_split
+    from worker.learning.evaluation import stratified_split
 
     _refuse_options(args, "model train --encoder", ("unlabelled", "zero_shot"))
     _require(ENCODER_STAGE_MODULES)
@@ -290,9 +237,8 @@ def _train_encoder(args: argparse.Namespace) -> int:
 
 def _fine_tune(args: argparse.Namespace) -> int:
     """Learn from reviewers' verdicts: a folder `model train --data/--zero-shot` wrote is trained again on
-    them (few-shot, both stages); any other model is fine-tuned on them (worker/ops/fine_tune.py)."""
-    from worker.learning import compose
-    from worker.ops import evaluation, feedback, fine_tune
+    them (few-shot, both stages); any other model is fine-tuned on them (worker/learning/fine_tune.py)."""
+    from worker.learning import compose, evaluation, feedback, fine_tune
 
     if args.feedback_topic is not None and args.feedback is not None:
         raise UserError("give --feedback-topic or --feedback, not both")
@@ -399,7 +345,7 @@ def _missing_for_eval(args: argparse.Namespace) -> list[str]:
 
 def _eval(args: argparse.Namespace) -> int:
     """Evaluate the model in each mode and the baselines; print the table and write the results files."""
-    from worker.ops import evaluation
+    from worker.learning import evaluation
 
     missing = _missing_for_eval(args)
     if missing:
@@ -488,8 +434,8 @@ def _eval_cascade(
 ) -> tuple[list[Figures], dict[str, Any] | None]:
     """The escalation stage alone and the cascade at each threshold on test.csv; the threshold chosen on the
     validation split of train.csv (both stages classify it first). None: no stage fits the taxonomy."""
-    from worker.ops import evaluation
-    from worker.ops.artifacts import fetch_stage_files
+    from worker.learning import evaluation
+    from worker.learning.artifacts import fetch_stage_files
 
     escalation_overrides = {**overrides, "inference.mode": "score"}
     if args.escalation is not None:
@@ -550,7 +496,7 @@ def _eval_cascade(
 
 def _thresholds(text: str | None) -> tuple[float, ...]:
     if not text:
-        from worker.ops.evaluation import CASCADE_THRESHOLDS
+        from worker.learning.evaluation import CASCADE_THRESHOLDS
 
         return CASCADE_THRESHOLDS
     try:

@@ -4,7 +4,7 @@ Every pipeline, topic, inference and log setting has a flag here; flags beat `--
 environment and the `--config` file (see worker/config.py). The process runs until SIGTERM/SIGINT, then
 shuts down gracefully (exit 0); a second signal exits at once (exit 128+signal). SIGHUP (and `POST /reload`
 when metrics.port and metrics.reload_token_file are set) reloads the model without leaving the group (see
-worker/ops/reload.py).
+worker/cli/reload.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any, cast
 import msgspec
 import structlog
 
+from worker.cli.defaults import with_default
+from worker.cli.reload import Reloader
 from worker.config import (
     InferenceSettings,
     Settings,
@@ -49,10 +51,8 @@ from worker.kafka.clients import (
     producer_config,
     producer_record_limit,
 )
+from worker.learning.artifacts import fetch_stage_files
 from worker.logs import configure_logging, librdkafka_logger
-from worker.ops.artifacts import fetch_stage_files
-from worker.ops.defaults import with_default
-from worker.ops.reload import Reloader
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.review import Review
 from worker.pipeline.runner import Pipeline
@@ -66,7 +66,7 @@ _log = structlog.get_logger("worker.run")
 SHADOW_NICENESS = 10
 
 # (flag, dotted settings key, help). Types are parsed by the settings loader, so flags take text; each help
-# gets its default from Settings (worker/ops/defaults.py).
+# gets its default from Settings (worker/cli/defaults.py).
 _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--bootstrap-servers", "kafka.bootstrap.servers", "Kafka bootstrap servers, host:port[,host:port]"),
     ("--group-id", "pipeline.group_id", "consumer group id"),

@@ -25,8 +25,8 @@ from worker.kafka.dead_letters import (
     OPTIONAL_HEADER_DOCS,
     PIPELINE_ERROR_DOCS,
 )
+from worker.learning.feedback import FEEDBACK_ERROR_DOCS
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
-from worker.ops.feedback import FEEDBACK_ERROR_DOCS
 from worker.shipped import is_source_checkout, shipped_path
 
 SCHEMA_DIR = shipped_path("schemas")

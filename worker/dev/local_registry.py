@@ -3,7 +3,7 @@ Confluent-compatible API (`/apis/ccompat/v7`) confluent-kafka's `SchemaRegistryC
 
 Maven Central holds Apicurio's application jars but no runnable build, so the pom in `deploy/registry/` runs
 Quarkus's build over them once, into the cache (`registry_home`): a runner jar and its `lib/`. The registry
-then runs as a detached JVM on 127.0.0.1, like the local broker (`worker/kafka/local_broker.py`), with
+then runs as a detached JVM on 127.0.0.1, like the local broker (`worker/dev/local_broker.py`), with
 `registry.pid`, `registry.port` and `logs/stdout.log` in its state directory.
 
 Storage is the app's in-memory H2 database: schemas last as long as the process, so a stopped registry
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.cache import cache_root
-from worker.errors import UserError
-from worker.kafka.local_broker import (
+from worker.dev.local_broker import (
     Echo,
     _pid_alive,
     _print,
@@ -33,6 +32,7 @@ from worker.kafka.local_broker import (
     require_java,
     require_tool,
 )
+from worker.errors import UserError
 from worker.shipped import SOURCE_ROOT, checkout_file
 
 APICURIO_VERSION = "2.4.2.Final"

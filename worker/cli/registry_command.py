@@ -1,5 +1,5 @@
 """`triage-worker registry start|stop|status`: a local Schema Registry (Apicurio Registry built from Maven
-Central jars, see `worker/kafka/local_registry.py`) for the registry input and output formats."""
+Central jars, see `worker/dev/local_registry.py`) for the registry input and output formats."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from worker.kafka import local_registry
+from worker.dev import local_registry
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:

@@ -3,7 +3,7 @@
 Every command module exposes `register(subparsers)`, which adds its parser and sets `handler` to a function
 `(args) -> int` (the exit code). Errors the user can fix (bad config, bad input file, missing runtime) are
 raised as `UserError` and printed as one line, without a traceback. A reader of its output that goes away
-(`| head`) ends the command quietly, its cleanup done, with exit code 141 (see `worker/ops/pipes.py`).
+(`| head`) ends the command quietly, its cleanup done, with exit code 141 (see `worker/cli/pipes.py`).
 """
 
 from __future__ import annotations
@@ -16,27 +16,27 @@ import types
 from collections.abc import Sequence
 
 from worker import __version__
+from worker.cli.pipes import READER_GONE_EXIT, guard_standard_streams
 from worker.errors import UserError
-from worker.ops.pipes import READER_GONE_EXIT, guard_standard_streams
 from worker.privacy.redaction import Redactor
 
 # Modules that add a sub-command, in the order `--help` lists them.
 COMMAND_MODULES: tuple[str, ...] = (
-    "worker.ops.run_command",
-    "worker.ops.samples_command",
-    "worker.ops.send_command",
-    "worker.ops.watch_command",
-    "worker.ops.demo_command",
-    "worker.ops.classify_command",
-    "worker.ops.replay_command",
-    "worker.ops.shadow_command",
-    "worker.ops.review_command",
-    "worker.ops.lag_command",
-    "worker.ops.broker_command",
-    "worker.ops.registry_command",
-    "worker.ops.config_command",
-    "worker.ops.model_command",
-    "worker.ops.taxonomy_command",
+    "worker.cli.run_command",
+    "worker.cli.samples_command",
+    "worker.cli.send_command",
+    "worker.cli.watch_command",
+    "worker.cli.demo_command",
+    "worker.cli.classify_command",
+    "worker.cli.replay_command",
+    "worker.cli.shadow_command",
+    "worker.cli.review_command",
+    "worker.cli.lag_command",
+    "worker.cli.broker_command",
+    "worker.cli.registry_command",
+    "worker.cli.config_command",
+    "worker.cli.model_command",
+    "worker.cli.taxonomy_command",
 )
 
 

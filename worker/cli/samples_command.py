@@ -9,10 +9,10 @@ import threading
 from typing import Any
 
 from worker.config import add_config_argument, settings_from_args
+from worker.dev.samples import SampleFactory, produce_samples
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
-from worker.ops.samples import SampleFactory, produce_samples
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:

@@ -1,7 +1,7 @@
 """`triage-worker broker start|stop|status|fetch` and `triage-worker topics create`.
 
 The broker commands drive the local development broker (real Apache Kafka from Maven Central jars, see
-`worker/kafka/local_broker.py`); `topics create` works against any cluster the settings point at.
+`worker/dev/local_broker.py`); `topics create` works against any cluster the settings point at.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.config import add_config_argument, settings_from_args
-from worker.kafka import local_broker
+from worker.dev import local_broker
 from worker.kafka.admin import create_topics, worker_topics
 
 SASL_USER = "triage"

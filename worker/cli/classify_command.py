@@ -32,6 +32,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from worker.classification import Classification, ClassifyRequest, ticket_text
+from worker.cli.arguments import checked_argument_text
+from worker.cli.run_command import start_cascade
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
@@ -40,11 +42,9 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.pool import open_engine, open_pool
 from worker.inference.taxonomy import Taxonomy
+from worker.learning.artifacts import fetch_stage_files
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
-from worker.ops.arguments import checked_argument_text
-from worker.ops.artifacts import fetch_stage_files
-from worker.ops.run_command import start_cascade
 from worker.pipeline.cascade import Cascade, first_standing, is_unsure
 from worker.pipeline.records import encode_result, triage_result
 from worker.privacy.redaction import Redactor

@@ -5,7 +5,7 @@
 - `metrics`: every metric the worker, the lag exporter and replay export (from their registered collectors).
 
 A generated part sits between ``<!-- generated: NAME ... -->`` and ``<!-- end generated -->`` in a page;
-``python -m worker.ops.reference --write`` (`make docs`) rewrites them all, ``--check`` lists the stale ones
+``python -m worker.dev.reference --write`` (`make docs`) rewrites them all, ``--check`` lists the stale ones
 and exits 1 (tests/test_docs.py does the same).
 """
 
@@ -23,11 +23,11 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from worker.cli.defaults import default_of
+from worker.cli.lag_command import GroupLagCollector
+from worker.cli.run_command import flag_settings
 from worker.config import Settings
 from worker.messages import ReviewReason
-from worker.ops.defaults import default_of
-from worker.ops.lag_command import GroupLagCollector
-from worker.ops.run_command import flag_settings
 from worker.pipeline.metrics import (
     EscalationMetrics,
     PartitionGauges,
@@ -278,7 +278,7 @@ def stale(paths: Iterable[Path]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.ops.reference", description=__doc__.splitlines()[0]
+        prog="python -m worker.dev.reference", description=__doc__.splitlines()[0]
     )
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(

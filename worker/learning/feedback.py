@@ -1,5 +1,5 @@
 """Reviewers' feedback: FeedbackEvents read from the feedback topic or a JSON-lines file, each checked, the
-latest verdict per ticket kept: the corrections a fine-tune learns from (worker/ops/fine_tune.py).
+latest verdict per ticket kept: the corrections a fine-tune learns from (worker/learning/fine_tune.py).
 
 A record is rejected, with a reason, when it is not a FeedbackEvent (`invalid_feedback`), names an intent
 outside the taxonomy (`unknown_intent`), or names a ticket whose text cannot be found (`unknown_ticket`: no
@@ -33,8 +33,8 @@ from worker.kafka.clients import (
     record_headers,
 )
 from worker.kafka.dead_letters import dead_letter_headers
+from worker.kafka.side_topics import read_side_topic
 from worker.messages import FeedbackEvent, ReviewRecord
-from worker.ops.shadow_command import read_side_topic
 from worker.pipeline.records import redacted_value
 from worker.privacy.redaction import Redactor
 
