@@ -1,12 +1,13 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in nine rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in ten rooms, one folder each, plus a few shared modules; each room has one contract.
 
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
   and the transactional producer's life cycle (`commits`), topic admin and the group's lag read from the
-  broker, the dead-letter header contract, the local development broker. Imports only the shared modules.
+  broker, the dead-letter header contract, a side topic read from its beginning to its end by assignment
+  (`side_topics`). Imports only the shared modules.
 - ``worker/inference`` (inference): loads an ORT GenAI model (checking it was trained for the taxonomy's
   labels, `pairing`), builds the prompt from a taxonomy, scores or generates an answer in prefix-reusing
   contexts, and serves them from a pool. Its contract is a
@@ -24,14 +25,21 @@ The code is in nine rooms, one folder each, plus a few shared modules; each room
   readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
 - ``worker/learning`` (learning): the trainers as a library: ticket exports in (`data`), the encoder stage
   from tickets or zero-shot (`encoder_stage`), the first stage (`first_stage`), both stages into one model
-  folder (`compose`). Imports the shared modules, `worker.inference`, and `worker.ops`' evaluation figures and
-  artifact fetch.
+  folder (`compose`), the ORT GenAI export (`export`), evaluation on BANKING77 (`evaluation`), reviewers'
+  feedback (`feedback`) and the fine-tune on it (`fine_tune`), model files fetched with Maven (`artifacts`).
+  Imports the shared modules, `worker.inference`, `worker.kafka` and `worker.pipeline` (the feedback topic
+  read, its rejects dead-lettered with the pipeline's redaction); never `worker.cli` or `worker.dev`.
 - ``worker/contracts`` (data contracts): tickets in the Schema Registry formats (Avro, JSON Schema,
   Protobuf in the Confluent wire format) mapped to a TicketEvent or a dead-letter reason (`input`), and the
   Avro schema generated from the message contracts (`avro_schema`). Imports only the shared modules.
-- ``worker/ops`` (operations): the CLI commands, sample tickets, the lag exporter, hot reload of the model
-  (`reload`), model training and evaluation, the generated parts of docs/ (`reference`). May import
+- ``worker/cli`` (the command line): `triage-worker` (`cli`) and one `*_command` module per sub-command
+  (the lag exporter is `lag_command`), with what only the commands use: argument checks, flag defaults, the
+  terminal viewer, pipes, the start of a `run` child, hot reload of the model (`reload`). May import
   everything.
+- ``worker/dev`` (development only): the local broker and Schema Registry (`local_broker`, `local_registry`),
+  the sample tickets (`samples`, `sample_tickets.csv`), the generated parts of docs/ (`reference`). Imports
+  the shared modules, `worker.kafka`, and for `reference` the settings' and collectors' rooms and the CLI's
+  flags (`worker.pipeline`, `worker.telemetry`, `worker.cli`). Of the worker, only `worker.cli` imports it.
 - ``worker/privacy`` (personal data): finds card numbers, IBANs, e-mail addresses, phone numbers and US
   SSNs in ticket text and redacts them (`Redactor.scan`, once per ticket); every copy the worker makes of a
   ticket (review records, logs, dead-letter messages, training corrections) takes its text from it.
@@ -40,7 +48,7 @@ The code is in nine rooms, one folder each, plus a few shared modules; each room
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files
   and taxonomies, read with a bound), `logs`, `errors`.
 
-`tests/test_architecture.py` checks the import rules.
+`tests/test_architecture.py` checks the import rules, and that no room but `cli` and `dev` imports either.
 """
 
 __version__ = "0.1.0"
