@@ -48,7 +48,7 @@ from worker.inference.loading import ZERO_SHOT_VERSION
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy
 from worker.learning import encoder_stage
-from worker.learning.evaluation import stratified_split
+from worker.learning.evaluation import CASCADE_THRESHOLDS, Prediction, choose_threshold, stratified_split
 
 Kind = Literal["zero-shot", "few-shot", "full"]
 ENCODER_DIR = "encoder"
@@ -58,6 +58,12 @@ FULL_ROWS_PER_INTENT = 20
 # Share of the time bound the encoder stage may take when a first stage follows (embedding is most of it).
 ENCODER_SHARE = 0.4
 FIRST_STAGE_MODULE = "worker.learning.first_stage"
+# The thresholds a full folder's cascade is measured at on its validation part (`measured_cascade`): those
+# `model eval` measures, and 1.0, which sends every ticket to the encoder stage.
+THRESHOLDS = (*CASCADE_THRESHOLDS, 1.0)
+# Seconds per validation ticket that measuring the cascade takes (both stages answer each one), reserved
+# from the first stage's time: an encoder pass and a first-stage score on 2 cores, with room to spare.
+MEASURE_SECONDS_PER_TICKET = 0.015
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +234,8 @@ def _finish(
 
     first = None
     if trainer is not None:
-        remaining = max(60.0, max_seconds - (time.monotonic() - started))
+        reserved = MEASURE_SECONDS_PER_TICKET * len(validation)
+        remaining = max(60.0, max_seconds - (time.monotonic() - started) - reserved)
         with _progress(console) as progress:
             first = trainer(
                 train,
@@ -254,9 +261,12 @@ def _finish(
             (folder / "VERSION").write_text(ZERO_SHOT_VERSION + "\n", encoding="utf-8")
         else:
             (folder / "VERSION").unlink(missing_ok=True)
+    cascade = cascade_choice(kind)
+    if first is not None and validation:
+        cascade = _cascade_on_validation(out_dir, validation, teacher, taxonomy, console)
     outcome = TrainingOutcome(out_dir, kind, report, first, missing, time.monotonic() - started)
     record = _training_record(outcome, taxonomy, train, validation, data, unlabelled, seed)
-    record["cascade"] = cascade_choice(kind)
+    record["cascade"] = cascade
     (out_dir / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     (out_dir / "README.md").write_text(model_card(record), encoding="utf-8")
     return outcome
@@ -274,17 +284,73 @@ def trained_kind(folder: Path) -> Kind | None:
 
 
 def cascade_choice(kind: Kind) -> dict[str, Any]:
-    """The folder's `inference.escalate_below` (used when the setting is left unset) and why.
+    """The folder's `inference.escalate_below` (used when the setting is left unset) and why, where it cannot
+    be measured (`measured_cascade` where it can: a full folder with both stages).
 
     A first stage that saw no held-out ticket is not calibrated, and it is sure of wrong answers: on
     bank-desk, a zero-shot folder served at 0.8 answered 161 of 240 BANKING77 test tickets from its first
     stage and got 42.9 % right, its encoder stage alone 76.6 %. Such folders send every ticket to the
     calibrated encoder stage (1.0); the first stage still answers when the encoder stage cannot in time."""
     if kind == "full":
-        return {"escalate_below": DEFAULT_ESCALATE_BELOW, "why": "the first stage was validated on held-out "
-                "tickets; 0.8 is what `model eval` chose for the shipped model"}  # fmt: skip
+        return {"escalate_below": DEFAULT_ESCALATE_BELOW, "why": "no first stage to measure the cascade "
+                "with; 0.8 is what `model eval` chose for the shipped model"}  # fmt: skip
     return {"escalate_below": 1.0, "why": f"{kind}: the first stage saw no held-out ticket, so its "
             "confidence is not calibrated; every ticket goes to the encoder stage"}  # fmt: skip
+
+
+def measured_cascade(
+    first: Sequence[tuple[str, float]], encoder: Sequence[str], truth: Sequence[str]
+) -> dict[str, Any]:
+    """The cascade's threshold from both stages' answers on the same held-out tickets: `first` the first
+    stage's (intent, confidence), `encoder` the encoder stage's intent, `truth` the labels.
+
+    A ticket under the threshold is served the encoder stage's answer, one at or over it the first stage's.
+    The threshold is the one `model eval` chooses (`choose_threshold`: the best served accuracy, the lowest
+    threshold within one ticket of it), among `THRESHOLDS`: the first stage answers every ticket it can
+    without costing accuracy, and escalations (an encoder pass each, shed first under load) go where they
+    change answers. 1.0 is among them: a first stage that is no help sends every ticket on."""
+    firsts = [Prediction(intent, "", confidence) for intent, confidence in first]
+    encoders = [Prediction(intent, "", None) for intent in encoder]
+    chosen, accuracy = choose_threshold(firsts, encoders, truth, THRESHOLDS)
+    count = len(truth)
+    escalated = {t: sum(1 for _, confidence in first if confidence < t) / count for t in THRESHOLDS}
+    first_alone = sum(1 for (f, _), t in zip(first, truth, strict=True) if f == t) / count
+    encoder_alone = sum(1 for e, t in zip(encoder, truth, strict=True) if e == t) / count
+    return {
+        "escalate_below": chosen,
+        "why": f"measured on {count} held-out tickets: {accuracy[chosen]:.1%} served, "
+        f"{escalated[chosen]:.0%} escalated; first stage alone {first_alone:.1%}, encoder stage alone "
+        f"{encoder_alone:.1%}",
+        "validation": {
+            "tickets": count,
+            "served_accuracy": accuracy[chosen],
+            "escalated": escalated[chosen],
+            "first_stage_accuracy": first_alone,
+            "encoder_stage_accuracy": encoder_alone,
+            "by_threshold": {
+                str(t): {"served_accuracy": accuracy[t], "escalated": escalated[t]} for t in THRESHOLDS
+            },
+        },
+    }
+
+
+def _cascade_on_validation(
+    out_dir: Path,
+    validation: Sequence[tuple[str, str]],
+    teacher: Callable[[Sequence[str]], Any],
+    taxonomy: Taxonomy,
+    console: Console,
+) -> dict[str, Any]:
+    """`measured_cascade` on the validation part, the first stage served from the written folder."""
+    from worker.learning.first_stage import served_answers
+
+    console.print(f"cascade: both stages answer the {len(validation)} held-out tickets")
+    texts = [text for text, _ in validation]
+    first = served_answers(out_dir, texts)
+    encoder = [taxonomy.labels[i] for i in teacher(texts).argmax(axis=1)]
+    cascade = measured_cascade(first, encoder, [intent for _, intent in validation])
+    console.print(f"cascade: escalate_below {cascade['escalate_below']} ({cascade['why']})")
+    return cascade
 
 
 def _prepare(out_dir: Path) -> None:
@@ -432,6 +498,15 @@ def model_card(record: dict[str, Any]) -> str:
         "|---|---|---|---|",
         encoder_row,
         first_rows,
+        *(
+            [
+                f"| served cascade (first stage, escalated under {cascade['escalate_below']}: "
+                f"{cascade['validation']['escalated']:.0%} of tickets) | "
+                f"{cascade['validation']['served_accuracy']:.1%} | | |"
+            ]
+            if "validation" in cascade
+            else []
+        ),
         "",
         f"**How validation and calibration adapt:** {adapts}",
         "",

@@ -481,25 +481,31 @@ def check_parity(model_dir: Path, builder: PromptBuilder, hf_tokenizer: Any, tex
             raise RuntimeError(f"ORT GenAI tokenizer parity failed on {text!r}")
 
 
-def served_figures(model_dir: Path, rows: Sequence[tuple[str, str]]) -> tuple[float, float]:
-    """(accuracy, ECE) of an exported folder on `rows`, as the engine serves it in `score` mode (one
-    thread): the chosen intent and its renormalised probability, `confidence`."""
+def served_answers(model_dir: Path, texts: Sequence[str]) -> list[tuple[str, float]]:
+    """(intent, confidence) for each of `texts`, as the engine serves an exported folder in `score` mode
+    (one thread): the chosen intent and its renormalised probability."""
     from worker.config import InferenceSettings
     from worker.inference.engine import Engine
-    from worker.learning.evaluation import expected_calibration_error
 
     settings = InferenceSettings(
         model=str(model_dir), taxonomy=str(model_dir / "taxonomy.toml"), mode="score", escalation="off"
     )
     context = Engine(settings).new_context("score")
-    correct: list[bool] = []
-    confidences: list[float] = []
-    for text, intent in rows:
+    answers = []
+    for text in texts:
         distribution = context.label_distribution(text)
         chosen = max(distribution, key=lambda label: distribution[label])
-        correct.append(chosen == intent)
-        confidences.append(distribution[chosen])
-    return sum(correct) / len(rows), expected_calibration_error(confidences, correct)
+        answers.append((chosen, distribution[chosen]))
+    return answers
+
+
+def served_figures(model_dir: Path, rows: Sequence[tuple[str, str]]) -> tuple[float, float]:
+    """(accuracy, ECE) of an exported folder on `rows`, as the engine serves it (`served_answers`)."""
+    from worker.learning.evaluation import expected_calibration_error
+
+    answers = served_answers(model_dir, [text for text, _ in rows])
+    correct = [chosen == intent for (chosen, _), (_, intent) in zip(answers, rows, strict=True)]
+    return sum(correct) / len(rows), expected_calibration_error([c for _, c in answers], correct)
 
 
 def _export_seconds(parameters: int) -> float:
