@@ -469,9 +469,24 @@ class ExactlyOnce(_Base):
 
     in_order = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clients: ClientFactory,
+        consumer: confluent_kafka.Consumer,
+        tracker: OffsetTracker,
+        ledger: Ledger,
+        metrics: PipelineMetrics,
+        clock: Callable[[], float],
+        pause: Callable[[Sequence[TopicPartitionKey]], None],
+        failure: Failure,
+        observer: Observer | None = None,
+    ) -> None:
+        # Declared before the base constructor runs: it calls `_commit_call`, which makes the transactions.
         self._transactions: Transactions | None = None
-        super().__init__(*args, **kwargs)
+        super().__init__(
+            settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer
+        )
         # No records go into the transaction (a commit is due or on its way); why it must be aborted, and by
         # when at the latest; when the commit on its way was sent.
         self._closing = False
