@@ -18,7 +18,7 @@ import pytest
 from worker.classification import ClassifyRequest
 from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_dir, load_settings
 from worker.errors import UserError
-from worker.inference.encoder import EncoderEngine, labels_fingerprint, read_manifest
+from worker.inference.encoder import EncoderEngine, ordered_labels_sha256, read_manifest
 from worker.inference.escalation import EscalationChoice, choose_escalation
 from worker.inference.pool import measure_turnaround, open_pool
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
@@ -56,7 +56,7 @@ def test_the_folder_records_the_labels_it_was_trained_for_and_its_encoder_is_the
     manifest = read_manifest(DEFAULT_ESCALATION_DIR)
     assert manifest.labels == load_taxonomy(DEFAULT_ESCALATION_DIR / "taxonomy.toml").labels
     assert manifest.labels == load_taxonomy(BANKING77).labels
-    assert manifest.labels_sha256 == labels_fingerprint(manifest.labels)
+    assert manifest.labels_sha256 == ordered_labels_sha256(manifest.labels)
     # Too large for git: in the folder, where `make setup` copied it from the user cache, with its digest.
     ignored = subprocess.run(["git", "check-ignore", "-q", ENCODER], cwd=REPO, check=False)
     assert ignored.returncode == 0, f"{ENCODER} must stay out of git"

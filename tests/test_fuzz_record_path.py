@@ -58,7 +58,9 @@ def _process(
     except DecodeError as error:
         headers: Headers = [("trace", b"t")]
         return "dead_letter", dead_letter_headers(headers, error.error_type, error.message, "in", 0, offset)
-    answer = context.classify(ClassifyRequest(offset, ticket_text(event), time.monotonic() + 30.0))
+    answer = context.classify(
+        ClassifyRequest(offset, ticket_text(event.subject, event.body), time.monotonic() + 30.0)
+    )
     source = SourcePosition(topic="in", partition=0, offset=offset)
     return "result", encode_result(triage_result(event, answer, source))
 

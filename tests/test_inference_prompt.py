@@ -12,7 +12,6 @@ from worker.classification import ticket_text
 from worker.errors import UserError
 from worker.inference.prompt import PromptBuilder, answer_json, chatml, truncate_ticket
 from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
-from worker.messages import TicketEvent
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "models" / "tiny"
@@ -69,8 +68,8 @@ def test_rendering_follows_the_contract() -> None:
     assert builder.full("hi") == builder.prefix + builder.suffix("hi")
     assert answer_json("card_arrival", "Low") == '{"intent": "card_arrival", "priority": "Low"}'
     assert builder.training_text("hi", "card_arrival", "Low").endswith('"Low"}<|im_end|>')
-    assert ticket_text(TicketEvent(ticket_id="1", subject="S", body="B")) == "S\nB"
-    assert ticket_text(TicketEvent(ticket_id="1", body="B")) == "B"
+    assert ticket_text("S", "B") == "S\nB"
+    assert ticket_text(None, "B") == ticket_text("", "B") == "B"
 
 
 def test_schema_is_closed_with_strict_whitespace() -> None:

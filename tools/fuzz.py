@@ -345,7 +345,7 @@ class ModelPath:
     def run(self, event: Any, offset: int) -> None:
         mode = ("score", "generate")[self.calls % 2]
         self.calls += 1
-        request = self.request(offset, self.ticket_text(event), time.monotonic() + 30.0)
+        request = self.request(offset, self.ticket_text(event.subject, event.body), time.monotonic() + 30.0)
         answer = self.contexts[mode].classify(request)
         source = self.source(topic=SOURCE_TOPIC, partition=0, offset=offset)
         record = self.triage_result(event, answer, source)

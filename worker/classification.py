@@ -14,12 +14,13 @@ from typing import Protocol
 
 import msgspec
 
-from worker.messages import EscalationSkip, FallbackReason, Priority, Stage, TicketEvent
+from worker.messages import EscalationSkip, FallbackReason, Priority, Stage
 
 
-def ticket_text(event: TicketEvent) -> str:
-    """The text a classifier gets: the subject on its own line (when there is one), then the body."""
-    return f"{event.subject}\n{event.body}" if event.subject else event.body
+def ticket_text(subject: str | None, body: str) -> str:
+    """The text a classifier gets for a ticket (a TicketEvent, or a review record that copies one): the
+    subject on its own line (when there is one), then the body."""
+    return f"{subject}\n{body}" if subject else body
 
 
 class ClassifyRequest(msgspec.Struct, frozen=True, array_like=True):

@@ -48,7 +48,7 @@ InferenceMode = Literal["score", "generate"]
 PoolKind = Literal["process", "thread", "batch"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["console", "json"]
-Guarantee = Literal["at_least_once", "exactly_once"]
+GuaranteeName = Literal["at_least_once", "exactly_once"]
 Scheduling = Literal["edf", "fifo"]
 # How record values of the input topic are written: plain JSON, or one of the Schema Registry formats in
 # the Confluent wire format (worker/contracts/input.py).
@@ -101,7 +101,7 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     max_header_bytes: PositiveInt = 16384
     # exactly_once: results, dead letters and input offsets are written in Kafka transactions (see
     # worker/pipeline/guarantees.py); downstream consumers then need isolation.level=read_committed.
-    guarantee: Guarantee = "at_least_once"
+    guarantee: GuaranteeName = "at_least_once"
     # The transactional producer's id in exactly_once mode; None means "<group_id>-<host name>". It must be
     # unique among live workers (two with one id fence each other) and should survive a restart of the same
     # instance, so that the restart aborts the crashed instance's open transaction at once.

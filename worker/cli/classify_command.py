@@ -190,7 +190,9 @@ def _classify_tickets(
                         break
                     line, event = ticket
                     order.hold(line, event)
-                    sent[line] = ClassifyRequest(line, ticket_text(event), time.monotonic() + deadline_s)
+                    sent[line] = ClassifyRequest(
+                        line, ticket_text(event.subject, event.body), time.monotonic() + deadline_s
+                    )
                     pool.submit(sent[line])
                 if not order.held:
                     if tickets.ended:

@@ -31,6 +31,7 @@ import msgspec
 from rich.console import Console
 from rich.markup import escape
 
+from worker.classification import ticket_text
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
@@ -43,7 +44,6 @@ from worker.kafka.clients import (
     produce,
     producer_config,
 )
-from worker.learning.feedback import ticket_text
 from worker.messages import FeedbackEvent, ReviewRecord, utc_timestamp
 
 _DECODER = msgspec.json.Decoder(ReviewRecord)

@@ -66,7 +66,7 @@ class EncoderManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     head: str = "head.npz"
     # Tokens per ticket (special tokens included); longer tickets are cut and reported `truncated`.
     max_tokens: int = 128
-    # Head rows, in order, and `labels_fingerprint` of them.
+    # Head rows, in order, and `ordered_labels_sha256` of them.
     labels: tuple[str, ...]
     labels_sha256: str
     # Divides the head's logits before the softmax (fitted out of fold at training: calibrated confidence).
@@ -75,7 +75,7 @@ class EncoderManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     source: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-def labels_fingerprint(labels: Sequence[str]) -> str:
+def ordered_labels_sha256(labels: Sequence[str]) -> str:
     """sha256 of the labels in order, one a line: a model folder's record of the taxonomy it knows."""
     return hashlib.sha256("\n".join(labels).encode("utf-8")).hexdigest()
 
@@ -89,7 +89,7 @@ def read_manifest(folder: Path) -> EncoderManifest:
         manifest = msgspec.json.decode((folder / MANIFEST).read_bytes(), type=EncoderManifest)
     except (OSError, msgspec.DecodeError) as error:
         raise UserError(f"{folder / MANIFEST}: {error}") from None
-    if labels_fingerprint(manifest.labels) != manifest.labels_sha256:
+    if ordered_labels_sha256(manifest.labels) != manifest.labels_sha256:
         raise UserError(f"{folder / MANIFEST}: labels_sha256 does not match its labels (edited by hand?)")
     return manifest
 

@@ -23,6 +23,7 @@ import structlog
 
 from worker.kafka import errors
 
+# A partition as the worker keys it, in every room (one definition).
 TopicPartitionKey = tuple[str, int]
 _log = structlog.get_logger("worker.kafka")
 _T = TypeVar("_T")

@@ -32,8 +32,8 @@ import confluent_kafka
 import structlog
 
 from worker.kafka import errors
+from worker.kafka.commits import TopicPartitionKey
 
-TopicPartitionKey = tuple[str, int]
 _log = structlog.get_logger("worker.kafka")
 
 # The lookup in the assign callback: answered in one round trip unless a transaction holds the offsets.

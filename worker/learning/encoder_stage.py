@@ -42,7 +42,7 @@ from worker.inference.encoder import (
     EncoderManifest,
     FloatArray,
     SentenceEmbedder,
-    labels_fingerprint,
+    ordered_labels_sha256,
     read_manifest,
 )
 from worker.inference.taxonomy import Taxonomy
@@ -407,7 +407,7 @@ def write_encoder_stage(
         encoder_sha256=shipped.encoder_sha256 or _sha256(onnx_file),
         max_tokens=shipped.max_tokens,
         labels=tuple(labels),
-        labels_sha256=labels_fingerprint(labels),
+        labels_sha256=ordered_labels_sha256(labels),
         temperature=head.temperature,
         source={"encoder": ENCODER_SOURCE, "pooling": POOLING, "head": head_source},
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 import confluent_kafka
 import msgspec
 
+from worker.classification import ticket_text
 from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.admin import existing_topics
@@ -76,11 +77,6 @@ def training_redactor(settings: Settings) -> Redactor:
     """What masks the corrections' texts: every kind `privacy.detect` names, `privacy.keep` or not (that
     setting is for reviewers' eyes; a training file is a copy on disk)."""
     return Redactor(settings.privacy.detect, (), settings.privacy.phone_region or None)
-
-
-def ticket_text(subject: str | None, body: str) -> str:
-    """What the model got for a ticket (`worker.classification.ticket_text`, from a review record)."""
-    return f"{subject}\n{body}" if subject else body
 
 
 @dataclass

@@ -45,12 +45,18 @@ from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import ClientErrorLog, ClientFactory, produce
-from worker.kafka.commits import CommitOutcome, TransactionFailed, Transactions, consumer_commit
+from worker.kafka.commits import (
+    CommitOutcome,
+    TopicPartitionKey,
+    TransactionFailed,
+    Transactions,
+    consumer_commit,
+)
 from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
 from worker.pipeline.committer import Committer
 from worker.pipeline.ledger import Ledger, Output, Work
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
+from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.records import dead_letter
 
 _log = structlog.get_logger("worker.pipeline")

@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable
 import confluent_kafka
 
 from worker.kafka.clients import partitions_of
-from worker.pipeline.offsets import TopicPartitionKey
+from worker.kafka.commits import TopicPartitionKey
 
 
 class Flow(enum.Enum):

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 from worker.classification import Classification
 from worker.config import Scheduling
+from worker.kafka.commits import TopicPartitionKey
 from worker.messages import SourcePosition, TicketEvent
-from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
+from worker.pipeline.offsets import PartitionOffsets
 from worker.privacy.redaction import TicketScan
 
 Headers = list[tuple[str, bytes | None]]

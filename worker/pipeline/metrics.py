@@ -20,7 +20,8 @@ from typing import Any
 
 import confluent_kafka
 
-from worker.pipeline.offsets import PartitionOffsets, TopicPartitionKey
+from worker.kafka.commits import TopicPartitionKey
+from worker.pipeline.offsets import PartitionOffsets
 
 # Seconds: from a 1 ms model step to a deadline overrun. 2.0 is the default deadline: an alert on "p99 above
 # the deadline" must sit on a bucket bound, or histogram_quantile interpolates across the deadline and the

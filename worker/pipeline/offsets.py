@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-TopicPartitionKey = tuple[str, int]
+from worker.kafka.commits import TopicPartitionKey
 
 
 class PartitionOffsets:

@@ -22,9 +22,9 @@ import confluent_kafka
 import structlog
 
 from worker.kafka import errors
+from worker.kafka.commits import TopicPartitionKey
 from worker.logs import Throttle
 from worker.pipeline.metrics import RegistryState
-from worker.pipeline.offsets import TopicPartitionKey
 
 _log = structlog.get_logger("worker.pipeline")
 

@@ -392,7 +392,9 @@ class Pipeline:
                 continue
             self.metrics.queue_wait.observe(self._clock() - work.polled_at)
             request_id = self._ledger.to_model(work)
-            self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), work.deadline))
+            self._classifier.submit(
+                ClassifyRequest(request_id, ticket_text(event.subject, event.body), work.deadline)
+            )
 
     def _collect(self, wait_s: float) -> None:
         """Take the answers of the model (waiting up to `wait_s` for one) and of the escalation stage."""
@@ -435,7 +437,9 @@ class Pipeline:
         if (skipped := self._cascade.gate(work.deadline - now, now, pressed)) is not None:
             return self._cascade.first_stands(first, skipped)
         request_id = ledger.to_escalation(work, first)
-        self._cascade.submit(ClassifyRequest(request_id, ticket_text(work.event), work.deadline), now)
+        self._cascade.submit(
+            ClassifyRequest(request_id, ticket_text(work.event.subject, work.event.body), work.deadline), now
+        )
         return None
 
     def _take_escalations(self, answers: Sequence[tuple[int, Classification]]) -> None:

@@ -96,7 +96,7 @@ class Shadow:
         self._outstanding[request_id] = _Offer(event, source, key, headers, primary, tuple(pii))
         self.metrics.outstanding = len(self._outstanding)
         deadline = self._clock() + self._budget_s
-        self._classifier.submit(ClassifyRequest(request_id, ticket_text(event), deadline))
+        self._classifier.submit(ClassifyRequest(request_id, ticket_text(event.subject, event.body), deadline))
 
     def serve(self) -> None:
         """Take the answers that are ready (no waiting), write their side records, serve delivery reports."""

@@ -47,13 +47,14 @@ from confluent_kafka import KafkaError, TopicPartition
 from worker.config import Settings, mask_secrets
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
+from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
 from worker.kafka.errors import PURGED
 from worker.logs import librdkafka_logger
 from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_for
 from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.offsets import OffsetTracker, PartitionOffsets, TopicPartitionKey
+from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
 from worker.replay.transforms import TransformFailed, TransformStopped
 
 Header = tuple[str, bytes | None]
