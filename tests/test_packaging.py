@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import worker
 from tools.harness import Topics, audit, make_topics
 from worker.inference.genai import MISSING_RUNTIME
 
@@ -318,3 +319,27 @@ def test_the_installed_wheel_carries_the_escalation_stage_with_its_encoder(insta
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("triage-encoder: encoder at ")
     assert "/site-packages/worker/_shipped/models/triage-encoder/model.onnx" in done.stdout
+
+
+_PRINT_METADATA_VERSION = "import importlib.metadata as m; print(m.version('triage-worker'))"
+
+
+@pytest.mark.slow
+def test_the_wheel_its_metadata_and_its_cli_carry_the_packages_one_version(
+    wheel: Path, installed: Installed
+) -> None:
+    """pyproject.toml reads the version from worker/__init__.py: the wheel's name, its installed metadata and
+    `triage-worker --version` all say `worker.__version__`."""
+    assert wheel.name.startswith(f"triage_worker-{worker.__version__}-"), wheel.name
+    done = installed.cli("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"triage-worker {worker.__version__}"
+    metadata = subprocess.run(
+        [str(installed.bin / "python"), "-c", _PRINT_METADATA_VERSION],
+        env=installed.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert metadata.stdout.strip() == worker.__version__
