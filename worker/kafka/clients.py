@@ -316,12 +316,17 @@ def kafka_call(what: str, call: Callable[[], Any], kafka_config: Mapping[str, st
             raise UserError(f"Kafka: cannot {what}: {mask_secrets(text, kafka_config or {})}") from None
 
 
-class ClientFactory(Protocol):
+class ProducerFactory(Protocol):
+    """Builds a producer reporting its errors to `on_error`: all a delivery guarantee needs (it makes a new
+    one when a fatal error ends the old), so that a replay, which reads on its own, gives only this."""
+
+    def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer: ...
+
+
+class ClientFactory(ProducerFactory, Protocol):
     """Builds the pipeline's consumer and producer, each reporting its errors to `on_error`."""
 
     def consumer(self, on_error: ErrorCallback) -> confluent_kafka.Consumer: ...
-
-    def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer: ...
 
 
 @dataclass(frozen=True)

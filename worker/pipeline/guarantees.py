@@ -44,7 +44,7 @@ import structlog
 from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import errors
-from worker.kafka.clients import ClientErrorLog, ClientFactory, produce
+from worker.kafka.clients import ClientErrorLog, ProducerFactory, produce
 from worker.kafka.commits import (
     CommitOutcome,
     TopicPartitionKey,
@@ -140,7 +140,7 @@ class Guarantee(Protocol):
 
 def guarantee_for(
     settings: Settings,
-    clients: ClientFactory,
+    clients: ProducerFactory,
     consumer: confluent_kafka.Consumer,
     tracker: OffsetTracker,
     metrics: PipelineMetrics,
@@ -148,11 +148,18 @@ def guarantee_for(
     pause: Callable[[Sequence[TopicPartitionKey]], None],
     failure: Failure,
     observer: Observer | None = None,
+    *,
+    dead_letters: bool = True,
 ) -> AtLeastOnce | ExactlyOnce:
-    """The guarantee `pipeline.guarantee` names, with a ledger in input order where it needs one."""
+    """The guarantee `pipeline.guarantee` names, with a ledger in input order where it needs one.
+    `dead_letters=False`: outputs have no dead-letter topic (a replay's go back where they came from), so
+    none is written smaller and a refused one fails as any other."""
     kind = ExactlyOnce if settings.pipeline.guarantee == "exactly_once" else AtLeastOnce
     ledger = Ledger(settings.pipeline.scheduling, in_order=kind.in_order)
-    return kind(settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer)
+    return kind(
+        settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer,
+        dead_letters=dead_letters,
+    )  # fmt: skip
 
 
 def smaller(work: Work, output: Output, shrunk: int) -> Output:
@@ -178,7 +185,7 @@ class _Base:
     def __init__(
         self,
         settings: Settings,
-        clients: ClientFactory,
+        clients: ProducerFactory,
         consumer: confluent_kafka.Consumer,
         tracker: OffsetTracker,
         ledger: Ledger,
@@ -187,9 +194,11 @@ class _Base:
         pause: Callable[[Sequence[TopicPartitionKey]], None],
         failure: Failure,
         observer: Observer | None = None,
+        *,
+        dead_letters: bool = True,
     ) -> None:
         self._pipeline = settings.pipeline
-        self._dead_letter_topic = settings.topics.dead_letter
+        self._dead_letter_topic = settings.topics.dead_letter if dead_letters else None
         self._redactor = settings.privacy.redactor()
         self._redact_dead_letters = settings.dead_letter.redact
         self._clients = clients
@@ -323,7 +332,7 @@ class _Base:
         for its content (another record to the topic would go through), so no single ticket can stop its
         partition. Not without a dead-letter topic (replay's outputs go back where they came from)."""
         return (
-            bool(self._dead_letter_topic)
+            self._dead_letter_topic is not None
             and output.topic != self._dead_letter_topic
             and error.code() in errors.REFUSED_CONTENT
         )
@@ -339,6 +348,7 @@ class _Base:
             effect="the ticket is dead-lettered",
         )
         reason = f"the triage record was refused: {error.name()}: {error.str()}"
+        assert self._dead_letter_topic is not None  # `_refused_for_content` said so
         return dead_letter(
             work, self._dead_letter_topic, RESULT_REFUSED, reason, self._redactor, self._redact_dead_letters
         )
@@ -478,7 +488,7 @@ class ExactlyOnce(_Base):
     def __init__(
         self,
         settings: Settings,
-        clients: ClientFactory,
+        clients: ProducerFactory,
         consumer: confluent_kafka.Consumer,
         tracker: OffsetTracker,
         ledger: Ledger,
@@ -487,12 +497,15 @@ class ExactlyOnce(_Base):
         pause: Callable[[Sequence[TopicPartitionKey]], None],
         failure: Failure,
         observer: Observer | None = None,
+        *,
+        dead_letters: bool = True,
     ) -> None:
         # Declared before the base constructor runs: it calls `_commit_call`, which makes the transactions.
         self._transactions: Transactions | None = None
         super().__init__(
-            settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer
-        )
+            settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer,
+            dead_letters=dead_letters,
+        )  # fmt: skip
         # No records go into the transaction (a commit is due or on its way); why it must be aborted, and by
         # when at the latest; when the commit on its way was sent.
         self._closing = False

@@ -504,13 +504,11 @@ def fatal_reason(reason: str, fenced: bool, group: str, kafka_config: Mapping[st
 
 @dataclass(frozen=True)
 class _ReplayClients:
-    """The replay's producer for its guarantee: transactional under the replay's own id in exactly_once."""
+    """The replay's producer for its guarantee (a `ProducerFactory`: the replay reads with a consumer of its
+    own): transactional under the replay's own id in exactly_once."""
 
     settings: Settings
     transactional: str | None
-
-    def consumer(self, on_error: Callable[[KafkaError], None]) -> Any:
-        raise NotImplementedError("the replay makes its own consumer")
 
     def producer(self, on_error: Callable[[KafkaError], None]) -> Any:
         settings, transactional = self.settings, self.transactional
@@ -561,12 +559,10 @@ class _Replay(Observer):
         self.guarantee: Guarantee | None = None
         if not options.dry_run:
             transactional = replay_transactional_id(settings, options.group) if self.exactly_once else None
-            # Progress committed often, so a kill re-sends little; no record is written smaller (a replay's
-            # targets are the original topics, never the dead-letter topic).
+            # Progress committed often, so a kill re-sends little.
             replay_settings = msgspec.structs.replace(
                 settings,
                 pipeline=msgspec.structs.replace(settings.pipeline, commit_interval_ms=COMMIT_INTERVAL_MS),
-                topics=msgspec.structs.replace(settings.topics, dead_letter=""),
             )
             self.guarantee = guarantee_for(
                 replay_settings,
@@ -578,6 +574,9 @@ class _Replay(Observer):
                 self._stop_reading,
                 self.failure,
                 self,
+                # A replay's targets are the original topics: nothing goes to the dead-letter topic from
+                # here (nothing written smaller, a refused record is a failed one in the report).
+                dead_letters=False,
             )
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
