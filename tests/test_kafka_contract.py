@@ -210,6 +210,40 @@ def test_poll_gives_none_when_nothing_comes_within_its_timeout(
     assert consumer.consume(10, 0.2) == []
 
 
+def test_consume_takes_a_batch_and_position_and_watermarks_follow_it(
+    backend: Backend, consumers: Callable[..., Any]
+) -> None:
+    """What the lag gauge (worker/pipeline/metrics.py) and the side-topic reader (consume) rely on."""
+    topic = backend.topic("batch", partitions=1)
+    clients = backend.clients(f"group-{uuid.uuid4().hex[:8]}")
+    send(clients.producer(_no_error), topic, [(b"k", b"%d" % n) for n in range(4)])
+    consumer = consumers(clients, [topic])
+    partition = TopicPartition(topic, 0)
+    deadline = time.monotonic() + backend.patience_s
+    batch: list[Any] = []
+    while len(batch) < 4 and time.monotonic() < deadline:
+        batch += consumer.consume(num_messages=4 - len(batch), timeout=0.1)
+    assert [(r.offset(), r.value()) for r in batch] == [(0, b"0"), (1, b"1"), (2, b"2"), (3, b"3")]
+    assert [tp.offset for tp in consumer.position([partition])] == [4]
+    assert consumer.get_watermark_offsets(partition, timeout=10) == (0, 4)
+
+
+def test_the_position_is_unknown_before_the_first_record(
+    backend: Backend, consumers: Callable[..., Any]
+) -> None:
+    # Differs, relied on by nobody: the fake knows the start offset at assignment; the lag gauge skips both.
+    if backend.name == "memory":
+        pytest.skip("the fake's position is the start offset from the assignment on (only a gauge reads it)")
+    topic = backend.topic("position", partitions=1)
+    rebalances = Rebalances()
+    consumer = consumers(backend.clients(f"group-{uuid.uuid4().hex[:8]}"), [topic], rebalances)
+    until_assigned(consumer, rebalances, backend.patience_s)
+    assert consumer.poll(0.5) is None
+    assert [tp.offset for tp in consumer.position([TopicPartition(topic, 0)])] == [
+        confluent_kafka.OFFSET_INVALID
+    ]
+
+
 # -- the group ---------------------------------------------------------------------------------------------
 
 
