@@ -1,4 +1,5 @@
-"""Test doubles that more than one test module uses: stand-in classifiers and a pipeline run on a thread.
+"""Test doubles that more than one test module uses: stand-in classifiers, a pipeline run on a thread and a
+broker check that always answers.
 
 One-offs stay in their module; a double moves here once a second module needs the same behaviour.
 """
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 from worker.classification import Classification, ClassifyRequest
 from worker.pipeline.runner import Pipeline
+from worker.telemetry.server import Check
 
 
 def instant_answer(model: str = "instant@test") -> Classification:
@@ -106,3 +108,9 @@ class Running:
         self.pipeline.request_stop()
         self.join(timeout)
         return self.code
+
+
+class HealthyBroker:
+    """What `WorkerProbes` asks of the broker watch: a broker that answers."""
+
+    state = Check(True, "metadata answered")
