@@ -11,6 +11,7 @@ the reason.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import uuid
 import zlib
@@ -80,10 +81,12 @@ class KafkaBackend:
 
 
 @pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])
-def backend(request: pytest.FixtureRequest) -> Backend:
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     if request.param == "memory":
-        return MemoryBackend()
-    return KafkaBackend(request.getfixturevalue("kafka_bootstrap"), request.getfixturevalue("unique_topic"))
+        yield MemoryBackend()
+        return
+    yield KafkaBackend(request.getfixturevalue("kafka_bootstrap"), request.getfixturevalue("unique_topic"))
+    gc.collect()  # the test's producers (librdkafka's go with their last reference, cycles included)
 
 
 def _no_error(error: KafkaError) -> None:
