@@ -122,9 +122,11 @@ class Hooks:
 class MemoryKafka:
     """Topics, one consumer group and transactional ids, shared by the clients it makes (thread-safe)."""
 
-    def __init__(self, prefetch: int = 2) -> None:
+    def __init__(self, prefetch: int = 2, message_max_bytes: int = 1_000_000) -> None:
         self.lock = threading.RLock()
         self.prefetch = prefetch
+        # librdkafka's `message.max.bytes` (its default): a larger record is refused by `produce` itself.
+        self.message_max_bytes = message_max_bytes
         self.logs: dict[str, list[list[Record]]] = {}
         self.committed: dict[str, dict[Key, int]] = collections.defaultdict(dict)
         self.generation = 0
@@ -483,12 +485,19 @@ class MemoryProducer:
         self._check()
         if self.transactional_id is not None and self._transaction is None:
             raise KafkaException(KafkaError(KafkaError._STATE, "no transaction open"))
-        self._queue.append((topic, value, key, headers, on_delivery))
+        size = len(value or b"") + len(key or b"") + sum(len(n) + len(v or b"") for n, v in headers or [])
+        if size > self.kafka.message_max_bytes:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Message size too large"))
+        self._queue.append((topic, value, key, headers, on_delivery or (lambda _error, _message: None)))
 
     def poll(self, timeout: float = 0) -> int:
         """Writes the queued records and serves their delivery reports."""
         queue, self._queue = self._queue, []
         for topic, value, key, headers, on_delivery in queue:
+            if topic not in self.kafka.logs:  # as librdkafka reports it where the broker creates no topic
+                error = KafkaError(KafkaError._UNKNOWN_TOPIC, f"Local: Unknown topic {topic}")
+                on_delivery(error, Message(topic, -1, None, error))
+                continue
             partitions = self.kafka.logs[topic]
             partition = zlib.crc32(key or b"") % len(partitions)
             error = self.kafka.hooks.delivery(topic, value)

@@ -13,12 +13,12 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 import pytest
+from doubles import Running
 from memory_kafka import MemoryKafka
 from test_pipeline_memory import (
     FALLBACK,
     INPUT,
     OUTPUT,
-    Running,
     assert_exactly_once,
     fill_texts,
     kafka,

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import confluent_kafka
 import msgspec
 import pytest
 import slow_model
+from doubles import HoldingClassifier, InstantClassifier, RecordingClassifier, Running
 
 from tools.harness import (
     TINY_MODEL,
@@ -26,7 +26,7 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
-from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
+from worker.classification import Classifier, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.messages import TriageResult
@@ -38,37 +38,18 @@ FALLBACK = FallbackLabel("unclassified", "Medium")
 BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 
 
-class _Running:
-    """`pipeline.run()` on a thread; `stop()` asks for the graceful shutdown and returns its exit code."""
-
-    def __init__(self, pipeline: Pipeline, group: str) -> None:
-        self.pipeline = pipeline
-        self.group = group
-        self.code: int | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        self.code = self.pipeline.run()
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        self.pipeline.request_stop()
-        self._thread.join(timeout)
-        return self.code
-
-
-Start = Callable[..., _Running]
+Start = Callable[..., Running]
 
 
 @pytest.fixture
 def start(kafka_bootstrap: str) -> Iterator[Start]:
     """`start(topics, classifier, dispatch_window=64, **settings)`: a pipeline in its own group, running."""
-    started: list[_Running] = []
+    started: list[Running] = []
 
-    def run(topics: Topics, classifier: Classifier, dispatch_window: int = 64, **settings: str) -> _Running:
+    def run(topics: Topics, classifier: Classifier, dispatch_window: int = 64, **settings: str) -> Running:
         group = f"inprocess-{uuid.uuid4().hex[:8]}"
         config = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group, **settings})
-        started.append(_Running(Pipeline(config, classifier, FALLBACK, dispatch_window), group))
+        started.append(Running(Pipeline(config, classifier, FALLBACK, dispatch_window), group))
         return started[-1]
 
     yield run
@@ -95,45 +76,6 @@ def test_the_loop_in_process_gives_every_record_one_result_or_dead_letter(
     assert worker.pipeline.metrics.dead_lettered == sum(len(d) for d in report.dead.values()) > 0
 
 
-class _HoldingClassifier:
-    """Answers at once, except the tickets whose text contains "hold": those wait until `release()`."""
-
-    model_id = "holding@test"
-
-    def __init__(self) -> None:
-        self._ready: list[ClassifyRequest] = []
-        self._held: list[ClassifyRequest] = []
-        self._lock = threading.Lock()
-
-    def submit(self, request: ClassifyRequest) -> None:
-        with self._lock:
-            (self._held if "hold" in request.text else self._ready).append(request)
-
-    def release(self) -> None:
-        with self._lock:
-            self._ready.extend(self._held)
-            self._held.clear()
-
-    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
-        with self._lock:
-            ready, self._ready = self._ready, []
-        if not ready:
-            time.sleep(min(timeout, 0.005))
-        return [(request.request_id, _answer()) for request in ready]
-
-
-def _answer() -> Classification:
-    return Classification(
-        intent="card_arrival",
-        priority="Low",
-        confidence=0.9,
-        scores={"card_arrival": 0.9},
-        model="holding@test",
-        latency_ms=1.0,
-        truncated=False,
-    )
-
-
 def _publish_tickets(bootstrap: str, topics: Topics, bodies: list[str]) -> None:
     producer = confluent_kafka.Producer({"bootstrap.servers": bootstrap})
     for index, body in enumerate(bodies):
@@ -149,7 +91,7 @@ def test_the_committed_offset_never_passes_an_unanswered_ticket(
     bodies = ["where is my card?"] * 40
     bodies[10] = "hold this one"
     _publish_tickets(kafka_bootstrap, topics, bodies)
-    classifier = _HoldingClassifier()
+    classifier = HoldingClassifier()
     worker = start(topics, classifier, **{"pipeline.commit_interval_ms": "100"})
 
     # Everything after the held ticket is answered and acknowledged, but the position stays at it.
@@ -179,7 +121,7 @@ def test_exactly_once_writes_a_partition_s_results_in_input_order_and_only_with_
     bodies = ["where is my card?"] * 40
     bodies[10] = "hold this one"
     _publish_tickets(kafka_bootstrap, topics, bodies)
-    classifier = _HoldingClassifier()
+    classifier = HoldingClassifier()
     worker = start(
         topics, classifier, **{"pipeline.commit_interval_ms": "100", "pipeline.guarantee": "exactly_once"}
     )
@@ -229,7 +171,7 @@ def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
     the member in the group; released, everything finishes."""
     topics = make_topics(unique_topic, partitions=1)
     _publish_tickets(kafka_bootstrap, topics, ["hold: my card is late"] * 30)
-    classifier = _HoldingClassifier()
+    classifier = HoldingClassifier()
     worker = start(topics, classifier, **{"pipeline.max_in_flight": "8"})
 
     deadline = time.monotonic() + 30
@@ -244,10 +186,6 @@ def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
     wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
     assert metrics.in_flight_max == 8 and metrics.max_poll_exceeded == 0 and metrics.lost == 0
-
-
-class _InstantClassifier(_HoldingClassifier):
-    """Never holds (no ticket here says so)."""
 
 
 @BOTH_GUARANTEES
@@ -271,7 +209,7 @@ def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_not
     for key, value in records:
         producer.produce(topics.input, key=key, value=value)
     assert producer.flush(30) == 0
-    worker = start(topics, _InstantClassifier(), dispatch_window=4, **{"pipeline.guarantee": guarantee})
+    worker = start(topics, InstantClassifier(), dispatch_window=4, **{"pipeline.guarantee": guarantee})
     wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
 
@@ -291,7 +229,7 @@ def test_a_ticket_with_no_text_is_dead_lettered_as_empty_ticket_and_never_reache
 ) -> None:
     topics = make_topics(unique_topic, partitions=1)
     _publish_tickets(kafka_bootstrap, topics, ["", " \n\t", "where is my card?"])
-    classifier = _RecordingClassifier()
+    classifier = RecordingClassifier()
     worker = start(topics, classifier)
     wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
@@ -301,18 +239,6 @@ def test_a_ticket_with_no_text_is_dead_lettered_as_empty_ticket_and_never_reache
     assert list(report.results) == [(0, 2)]
     assert classifier.texts == ["where is my card?"]
     assert worker.pipeline.metrics.dead_lettered_by_type == {"empty_ticket": 2}
-
-
-class _RecordingClassifier(_InstantClassifier):
-    """Answers at once and keeps every text it was given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.texts: list[str] = []
-
-    def submit(self, request: ClassifyRequest) -> None:
-        self.texts.append(request.text)
-        super().submit(request)
 
 
 def _omitted_headers(bootstrap: str, topic: str) -> dict[int, int]:
@@ -351,7 +277,7 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
     for body in (*bodies, bodies[0]):
         producer.produce(topics.input, value=body.encode())
     assert producer.flush(30) == 0
-    worker = start(topics, _InstantClassifier(), dispatch_window=4)
+    worker = start(topics, InstantClassifier(), dispatch_window=4)
     wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=60)
     assert worker.stop() == 0
     report = audit(kafka_bootstrap, topics)
@@ -404,7 +330,7 @@ def _answers_in_order(bootstrap: str, topic: str) -> list[tuple[TriageResult, fl
     return found
 
 
-def _wait_produced(worker: _Running, count: int) -> None:
+def _wait_produced(worker: Running, count: int) -> None:
     deadline = time.monotonic() + 60
     while worker.pipeline.metrics.produced < count and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -10,14 +10,15 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
 import confluent_kafka
 import msgspec
 import pytest
+from doubles import HoldingClassifier, InstantClassifier, RecordingClassifier, Running
 from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka
 
-from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel
+from worker.classification import Classifier, FallbackLabel
 from worker.config import load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka import dead_letters
@@ -27,55 +28,6 @@ from worker.pipeline.runner import Pipeline
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 INPUT, OUTPUT, DEAD = "tickets", "triaged", "dead"
-
-
-class InstantClassifier:
-    """Answers every ticket at its next poll."""
-
-    model_id = "instant@test"
-
-    def __init__(self) -> None:
-        self._asked: list[ClassifyRequest] = []
-        self._lock = threading.Lock()
-
-    def submit(self, request: ClassifyRequest) -> None:
-        with self._lock:
-            self._asked.append(request)
-
-    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
-        with self._lock:
-            asked, self._asked = self._asked, []
-        answer = Classification(
-            intent="card_lost", priority="High", confidence=0.9, scores={}, model=self.model_id,
-            latency_ms=0.1, truncated=False,
-        )  # fmt: skip
-        return [(request.request_id, answer) for request in asked]
-
-
-class Running:
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
-        self.code: int | None = None
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.code = self.pipeline.run()
-        except BaseException as error:
-            self.error = error
-            raise
-
-    def join(self) -> None:
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "the pipeline did not stop"
-
-    def stop(self) -> int | None:
-        self.pipeline.request_stop()
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "the pipeline did not stop"
-        return self.code
 
 
 def fill(kafka: MemoryKafka, partition: int, count: int, seed: int) -> None:
@@ -225,25 +177,6 @@ def test_records_fetched_before_a_rebalance_callback_never_start_a_partition_ove
     assert_exactly_once(kafka, "memory-group")
     assert worker.metrics.transactions_aborted >= 1
     assert worker.metrics.redelivered == 0
-
-
-class HoldingClassifier(InstantClassifier):
-    """Answers at once, except the tickets of the partitions in `held`: those wait until `release()`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: list[ClassifyRequest] = []
-        self.holding = True
-
-    def submit(self, request: ClassifyRequest) -> None:
-        with self._lock:
-            (self.held if self.holding and "hold" in request.text else self._asked).append(request)
-
-    def release(self) -> None:
-        with self._lock:
-            self.holding = False
-            self._asked.extend(self.held)
-            self.held.clear()
 
 
 def fill_texts(kafka: MemoryKafka, partition: int, bodies: list[str]) -> None:
@@ -493,18 +426,6 @@ def test_a_ticket_whose_deadline_had_passed_on_arrival_is_answered_expired_on_ar
     assert results["T-0"].fallback and results["T-0"].fallback_reason == "expired_on_arrival"
     assert not results["T-1"].fallback
     assert worker.metrics.fallback == {"expired_on_arrival": 1}
-
-
-class RecordingClassifier(InstantClassifier):
-    """Answers at once and keeps the texts it was given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.texts: list[str] = []
-
-    def submit(self, request: ClassifyRequest) -> None:
-        self.texts.append(request.text)
-        super().submit(request)
 
 
 @pytest.mark.parametrize("redact", [True, False])

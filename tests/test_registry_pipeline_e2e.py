@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerialize
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
 from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
+from doubles import InstantClassifier, Running
 
 from tools.harness import (
     Topics,
@@ -40,7 +41,7 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
-from worker.classification import Classification, ClassifyRequest, FallbackLabel
+from worker.classification import FallbackLabel
 from worker.config import Settings
 from worker.contracts.input import decoder_for
 from worker.contracts.output import ResultEncoder, result_encoder_for
@@ -98,56 +99,18 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry
         started.stop()
 
 
-class _Instant:
-    """Answers every ticket at once: these tests are about what reaches the model, not the model."""
-
-    model_id = "instant@test"
-
-    def __init__(self) -> None:
-        self._ready: list[ClassifyRequest] = []
-        self._lock = threading.Lock()
-
-    def submit(self, request: ClassifyRequest) -> None:
-        with self._lock:
-            self._ready.append(request)
-
-    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
-        with self._lock:
-            ready, self._ready = self._ready, []
-        if not ready:
-            time.sleep(min(timeout, 0.005))
-        answer = Classification(
-            intent="card_arrival",
-            priority="Low",
-            confidence=0.9,
-            scores={"card_arrival": 0.9},
-            model=self.model_id,
-            latency_ms=1.0,
-            truncated=False,
-        )
-        return [(request.request_id, answer) for request in ready]
-
-
-class _Running:
-    """The pipeline that `settings` describe (its decoder built as `triage-worker run` builds it), run on a
-    thread; `stop()` asks for the graceful shutdown and returns its exit code."""
-
-    def __init__(self, settings: Settings, result_encoder: ResultEncoder | None = None) -> None:
-        self.group = settings.pipeline.group_id
-        self.pipeline = Pipeline(
-            settings, _Instant(), FALLBACK, 64, decoder=decoder_for(settings), result_encoder=result_encoder
-        )
-        self.code: int | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        self.code = self.pipeline.run()
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        self.pipeline.request_stop()
-        self._thread.join(timeout)
-        return self.code
+def _running(settings: Settings, result_encoder: ResultEncoder | None = None) -> Running:
+    """The pipeline that `settings` describe (its decoder built as `triage-worker run` builds it), answering
+    at once (these tests are about what reaches the model, not the model), run on a thread."""
+    pipeline = Pipeline(
+        settings,
+        InstantClassifier(),
+        FALLBACK,
+        64,
+        decoder=decoder_for(settings),
+        result_encoder=result_encoder,
+    )
+    return Running(pipeline, settings.pipeline.group_id)
 
 
 def _settings(bootstrap: str, topics: Topics, input_format: str, url: str, **more: str) -> Settings:
@@ -233,7 +196,7 @@ def test_registry_tickets_with_a_mapped_layout_get_one_result_each_and_bad_recor
     ]
     _produce(kafka_bootstrap, topics.input, good[:4] + bad + good[4:])
     extra = {"input.protobuf_message": "helpdesk_proto:HelpdeskTicket"} if input_format == "protobuf" else {}
-    worker = _Running(_settings(kafka_bootstrap, topics, input_format, registry.url, **extra))
+    worker = _running(_settings(kafka_bootstrap, topics, input_format, registry.url, **extra))
     try:
         wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
     finally:
@@ -331,7 +294,7 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
     )
 
     link = _Link(registry.port)  # cut from the start: the worker has never seen the schema
-    worker = _Running(
+    worker = _running(
         _settings(kafka_bootstrap, topics, "avro", link.url, **{"pipeline.guarantee": guarantee})
     )
     probes = WorkerProbes(60.0, _AnsweringBroker(), time.monotonic)  # type: ignore[arg-type]
@@ -386,7 +349,7 @@ def test_a_registry_cut_mid_stream_holds_back_only_what_needs_it_and_loses_nothi
     first, _ = _serializers("avro", producer_side)
     link = _Link(registry.port)
     link.restore()
-    worker = _Running(_settings(kafka_bootstrap, topics, "avro", link.url))
+    worker = _running(_settings(kafka_bootstrap, topics, "avro", link.url))
     try:
         _produce(
             kafka_bootstrap, topics.input, [(first(_helpdesk(n), topics.input), "ticket") for n in range(6)]
@@ -451,7 +414,7 @@ def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clien
             "schema_registry.url": registry.url,
         },
     )
-    worker = _Running(settings, result_encoder=result_encoder_for(settings))
+    worker = _running(settings, result_encoder=result_encoder_for(settings))
     try:
         wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
     finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from doubles import HealthyBroker
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
@@ -29,7 +30,7 @@ from worker.pipeline.cascade import Cascade
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
-from worker.telemetry.server import Check, TelemetryServer, new_registry
+from worker.telemetry.server import TelemetryServer, new_registry
 from worker.telemetry.worker import WorkerTelemetry
 
 
@@ -203,10 +204,6 @@ def test_requests_during_a_reload_are_coalesced_into_one_more(tiny_switch: Switc
 # -- POST /reload and the counter ------------------------------------------------------------------------
 
 
-class _Broker:
-    state = Check(True, "metadata answered")
-
-
 TOKEN = "0123456789abcdef-unit-test-token"
 
 
@@ -225,7 +222,7 @@ def _call(port: int, path: str, method: str, token: str | None = None) -> tuple[
 
 
 def _telemetry(access: ReloadAccess) -> WorkerTelemetry:
-    probes = WorkerProbes(60.0, _Broker(), time.monotonic)  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), time.monotonic)  # type: ignore[arg-type]
     info = {"version": "0.1.0", "model": "tiny", "mode": "score", "provider": "cpu", "pool": "process"}
     registry = new_registry()
     registry.register(PipelineCollector(probes, info))

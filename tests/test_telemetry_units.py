@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from doubles import HealthyBroker
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,11 +33,7 @@ from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics
-from worker.telemetry.server import Check, TelemetryServer, new_registry
-
-
-class _Broker:
-    state = Check(True, "metadata answered")
+from worker.telemetry.server import TelemetryServer, new_registry
 
 
 class _Clock:
@@ -71,7 +68,7 @@ def test_a_value_on_a_bucket_bound_counts_in_that_bucket() -> None:
 
 def test_metrics_page_parses_and_carries_the_pipeline_numbers() -> None:
     clock = _Clock()
-    probes = WorkerProbes(60.0, _Broker(), clock)  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), clock)  # type: ignore[arg-type]
     metrics = PipelineMetrics(consumed=10, classified=6, produced=10, committed=10)
     metrics.fallback["deadline_exceeded"] += 2
     metrics.dead_letter("invalid_json")
@@ -110,7 +107,7 @@ def test_metrics_page_parses_and_carries_the_pipeline_numbers() -> None:
 
 def test_healthz_fails_once_the_loop_stalls_and_readyz_names_what_is_missing() -> None:
     clock = _Clock()
-    probes = WorkerProbes(60.0, _Broker(), clock)  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), clock)  # type: ignore[arg-type]
     with _serve(probes) as server:
         # Loading the model: alive, not ready, and the body says why.
         assert _get(server, "/healthz")[0] == 200
@@ -135,7 +132,7 @@ def test_a_stopped_partition_makes_the_worker_not_ready_and_is_named_by_readyz_a
     /readyz at 200. It is now a failed check naming the partition, and a labelled series the
     TriagePartitionBlocked alert names it by."""
     clock = _Clock()
-    probes = WorkerProbes(60.0, _Broker(), clock)  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), clock)  # type: ignore[arg-type]
     metrics = PipelineMetrics(loop_turned_at=clock.now)
     metrics.partitions = PartitionGauges(assigned=(("in", 0), ("in", 1)), blocked=(("in", 1),), member=True)
     probes.metrics, probes.pool_contexts, probes.warm_contexts = metrics, 2, 2
@@ -162,7 +159,7 @@ def test_metrics_settings_come_from_env_and_a_taken_port_is_one_line() -> None:
     assert load_settings(env={}).metrics.port is None  # off unless asked
     with pytest.raises(UserError, match=r"metrics\.port: expected int <= 65535"):
         load_settings(env={"TRIAGE_METRICS__PORT": "70000"})
-    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), _Clock())  # type: ignore[arg-type]
     with _serve(probes) as first, pytest.raises(UserError, match=r"cannot serve metrics on 127\.0\.0\.1:"):
         TelemetryServer(MetricsSettings(port=first.port, host="127.0.0.1"), new_registry(), probes)
 
@@ -176,7 +173,7 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
 
 
 def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None:
-    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), _Clock())  # type: ignore[arg-type]
     probes.metrics = PipelineMetrics()
     probes.metrics.dead_letter("invalid_json")
     probes.metrics.shadow = ShadowMetrics()
@@ -222,7 +219,7 @@ def test_latency_buckets_have_the_default_and_the_configured_deadline_as_bounds(
         assert 1.5 in histogram.bounds and list(histogram.bounds) == sorted(histogram.bounds)
     metrics.end_to_end.observe(1.5)
     metrics.end_to_end.observe(1.6)
-    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), _Clock())  # type: ignore[arg-type]
     probes.metrics = metrics
     registry = CollectorRegistry()
     registry.register(PipelineCollector(probes, {}))
@@ -237,7 +234,7 @@ def test_shadow_disagreement_is_exported_per_primary_intent_only() -> None:
     for primary, other in [("a", "x"), ("a", "y"), ("a", "y"), ("b", "x")]:
         shadow.compared(primary, other)
     shadow.compared("b", "b")
-    probes = WorkerProbes(60.0, _Broker(), _Clock())  # type: ignore[arg-type]
+    probes = WorkerProbes(60.0, HealthyBroker(), _Clock())  # type: ignore[arg-type]
     probes.metrics = PipelineMetrics(shadow=shadow)
     registry = CollectorRegistry()
     registry.register(PipelineCollector(probes, {}))
