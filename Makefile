@@ -23,7 +23,7 @@ BENCH_ARGS ?=
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-inference eval model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
-.PHONY: help format test-fast test-broker
+.PHONY: help format test-fast test-slow
 
 ## Creates .venv with the package, its runtime and the dev tools (once; again when pyproject.toml changes)
 setup: $(STAMP) $(ENCODER)
@@ -68,27 +68,27 @@ run: setup kafka-jars
 # `make test` runs the two tiers in turn, the fast one first, and stops at the first that fails; together they
 # run every test once. Each prints its time. PYTEST_ARGS goes to both: a tier left with no test among the
 # ones it names passes (pytest's exit status 5).
-## Every test: test-fast, then test-broker (stops at the first failing tier)
+## Every test: test-fast, then test-slow (stops at the first failing tier)
 test: setup
 	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-fast || rc=$$?; \
 		echo "=== test-fast: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
-	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-broker || rc=$$?; \
-		echo "=== test-broker: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
+	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-slow || rc=$$?; \
+		echo "=== test-slow: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
 
 # pytest with a marker expression, exit status 5 (no test selected) taken as a pass.
 pytest_tier = rc=0; $(BIN)/pytest -m $(1) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "(no test of this tier among those selected)"; else exit $$rc; fi
 
-## The tests that need no broker (-m "not kafka"): no Java, no Kafka jars
+## The tests that need no broker and take seconds (-m "not kafka and not slow"): no Java, no Kafka jars
 test-fast: setup
-	@$(call pytest_tier,'not kafka')
+	@$(call pytest_tier,'not kafka and not slow')
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one or a Docker API
 # answers (testcontainers then starts one; tests/kafka_source.py decides): Java and Maven only for the former.
-## The broker-backed tests (-m kafka), against a real broker
-test-broker: setup
+## The rest (-m "kafka or slow"): the real broker, the demo, wheels installed in fresh venvs
+test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
-	@$(call pytest_tier,kafka)
+	@$(call pytest_tier,'kafka or slow')
 
 ## ruff (lint and format check) and mypy --strict, as CI runs them
 lint: setup
