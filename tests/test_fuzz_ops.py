@@ -19,7 +19,7 @@ from worker.cli.replay_command import _print_report
 from worker.config import Settings
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
-from worker.replay.engine import Outcome, ReplayOptions, _Replay
+from worker.replay.engine import ReplayOptions, ReplayOutcome, _Replay
 from worker.replay.transforms import TransformFailed, TransformFunction, apply_transform, describe_failure
 
 TINY = Path(__file__).parent / "models" / "tiny"
@@ -162,7 +162,7 @@ def test_every_dead_letter_settles_with_one_outcome_and_the_report_prints(
             read_dead_letter(headers)
         except ValueError:
             unreadable += 1
-    assert summary.counts[Outcome.UNREADABLE] == unreadable
+    assert summary.counts[ReplayOutcome.UNREADABLE] == unreadable
     # All settled, a rerun would not see them again; unless none matched (no filter here: all unreadable),
     # when nothing is committed.
     assert replay.trackers[0].position == (len(records) if unreadable < len(records) else None)
@@ -182,20 +182,20 @@ def _valid_dead_letter(offset: int) -> _Message:
 @pytest.mark.parametrize(
     ("name", "outcome", "detail"),
     [
-        ("huge error", Outcome.TRANSFORM_FAILED, "ValueError: xxx"),
-        ("sys.exit", Outcome.TRANSFORM_FAILED, "SystemExit: 3"),
-        ("unprintable", Outcome.TRANSFORM_FAILED, "_Unprintable: (no description)"),
+        ("huge error", ReplayOutcome.TRANSFORM_FAILED, "ValueError: xxx"),
+        ("sys.exit", ReplayOutcome.TRANSFORM_FAILED, "SystemExit: 3"),
+        ("unprintable", ReplayOutcome.TRANSFORM_FAILED, "_Unprintable: (no description)"),
         (
             "returns str",
-            Outcome.TRANSFORM_FAILED,
+            ReplayOutcome.TRANSFORM_FAILED,
             "TypeError: transform returned str, expected bytes",
         ),
-        ("skip", Outcome.TRANSFORM_SKIPPED, None),
-        ("bytearray", Outcome.REPLAYED, None),
+        ("skip", ReplayOutcome.TRANSFORM_SKIPPED, None),
+        ("bytearray", ReplayOutcome.REPLAYED, None),
     ],
 )
 def test_a_transform_failing_any_way_is_reported_for_its_record_only(
-    name: str, outcome: Outcome, detail: str | None
+    name: str, outcome: ReplayOutcome, detail: str | None
 ) -> None:
     replay = _replay(TRANSFORMS[name])
     try:
@@ -204,14 +204,16 @@ def test_a_transform_failing_any_way_is_reported_for_its_record_only(
     finally:
         replay.consumer.close()
     counts = replay.summary.counts
-    assert counts[outcome] == 1 and counts[Outcome.UNREADABLE] == 1
+    assert counts[outcome] == 1 and counts[ReplayOutcome.UNREADABLE] == 1
     if detail is not None:
         (first,) = [report for report in replay.summary.attention if report.offset == 0]
         assert first.detail is not None and first.detail.startswith(detail) and len(first.detail) <= 200
         assert "\udcff" not in first.detail
     out = io.StringIO()
     _print_report(Console(file=out, width=300), replay.summary, replay.options)
-    if outcome is not Outcome.TRANSFORM_SKIPPED:  # listed, with its key shown as text, not read as markup
+    if (
+        outcome is not ReplayOutcome.TRANSFORM_SKIPPED
+    ):  # listed, with its key shown as text, not read as markup
         assert "[/red]" in out.getvalue()
 
 
@@ -222,7 +224,7 @@ def test_a_target_the_client_refuses_is_a_publish_failure_not_a_crash() -> None:
     finally:
         replay.consumer.close()
     (report,) = replay.summary.attention
-    assert report.outcome is Outcome.PUBLISH_FAILED and "embedded null" in (report.detail or "")
+    assert report.outcome is ReplayOutcome.PUBLISH_FAILED and "embedded null" in (report.detail or "")
     assert replay.trackers[0].position is None  # not settled: nothing to commit, a rerun retries it
 
 

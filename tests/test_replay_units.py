@@ -19,15 +19,15 @@ from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
 from worker.replay.engine import (
     OffsetRange,
-    Outcome,
     RecordReport,
     ReplayOptions,
+    ReplayOutcome,
     ReplaySummary,
     TokenBucket,
     check_source,
-    classify,
     fatal_reason,
     replay_transactional_id,
+    why_not_replayed,
 )
 from worker.replay.transforms import (
     TransformFailed,
@@ -159,14 +159,16 @@ def test_filters_select_and_max_replays_stop_loops() -> None:
         source_topic="t",
         source_partition=1,
     )
-    assert classify(_info(partition=1), options) is None
-    assert classify(_info("missing_field", partition=1), options) is Outcome.SKIPPED_FILTER
-    assert classify(_info(topic="other", partition=1), options) is Outcome.SKIPPED_FILTER
-    assert classify(_info(partition=2), options) is Outcome.SKIPPED_FILTER
-    assert classify(_info(partition=1, count=2), options) is None
-    assert classify(_info(partition=1, count=3), options) is Outcome.SKIPPED_MAX_REPLAYS
+    assert why_not_replayed(_info(partition=1), options) is None
+    assert why_not_replayed(_info("missing_field", partition=1), options) is ReplayOutcome.SKIPPED_FILTER
+    assert why_not_replayed(_info(topic="other", partition=1), options) is ReplayOutcome.SKIPPED_FILTER
+    assert why_not_replayed(_info(partition=2), options) is ReplayOutcome.SKIPPED_FILTER
+    assert why_not_replayed(_info(partition=1, count=2), options) is None
+    assert why_not_replayed(_info(partition=1, count=3), options) is ReplayOutcome.SKIPPED_MAX_REPLAYS
     shrunk = msgspec.structs.replace(_info(partition=1, count=3), omitted_bytes=5000)
-    assert classify(shrunk, options) is Outcome.SHRUNK  # whatever its count: it can never be replayed
+    assert (
+        why_not_replayed(shrunk, options) is ReplayOutcome.SHRUNK
+    )  # whatever its count: it can never be replayed
 
 
 def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:
@@ -185,13 +187,13 @@ def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:
 def test_summary_counts_by_error_type_and_lists_what_needs_attention() -> None:
     summary = ReplaySummary("dlq", "g", dry_run=False)
 
-    def report(offset: int, outcome: Outcome, error_type: str | None) -> RecordReport:
+    def report(offset: int, outcome: ReplayOutcome, error_type: str | None) -> RecordReport:
         return RecordReport(0, offset, outcome, error_type, 0, "t", b"k", None)
 
-    summary.add(report(0, Outcome.REPLAYED, "invalid_json"))
-    summary.add(report(1, Outcome.SKIPPED_MAX_REPLAYS, "invalid_json"))
-    summary.add(report(2, Outcome.PUBLISH_FAILED, "missing_field"))
-    summary.add(report(3, Outcome.UNREADABLE, None))
+    summary.add(report(0, ReplayOutcome.REPLAYED, "invalid_json"))
+    summary.add(report(1, ReplayOutcome.SKIPPED_MAX_REPLAYS, "invalid_json"))
+    summary.add(report(2, ReplayOutcome.PUBLISH_FAILED, "missing_field"))
+    summary.add(report(3, ReplayOutcome.UNREADABLE, None))
     data = summary.to_json()
     assert data["counts"]["replayed"] == 1
     assert data["counts"]["transform_failed"] == 0

@@ -28,7 +28,7 @@ from worker.pipeline.metrics import (
     PipelineMetrics,
     ShadowMetrics,
 )
-from worker.replay.engine import Outcome
+from worker.replay.engine import ReplayOutcome
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
@@ -209,7 +209,7 @@ def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None
     outcomes = {
         dict(labels)["outcome"]: v for (n, labels), v in _samples(replay).items() if n.endswith("_total")
     }
-    assert outcomes == dict.fromkeys([outcome.value for outcome in Outcome], 0)
+    assert outcomes == dict.fromkeys([outcome.value for outcome in ReplayOutcome], 0)
 
 
 def test_latency_buckets_have_the_default_and_the_configured_deadline_as_bounds() -> None:

@@ -36,10 +36,10 @@ from worker.replay.engine import (
     DEFAULT_MAX_REPLAYS,
     INTERRUPT_DRAIN_S,
     OffsetRange,
-    Outcome,
     PartitionPlan,
     RecordReport,
     ReplayOptions,
+    ReplayOutcome,
     ReplaySummary,
     default_group,
     printable,
@@ -59,15 +59,15 @@ examples:
   triage-worker replay --since 2h --to tickets.replay-check --group triage-replay.check-1
 """
 
-_COLUMNS: tuple[tuple[Outcome, str], ...] = (
-    (Outcome.REPLAYED, "replayed"),
-    (Outcome.SKIPPED_FILTER, "filtered out"),
-    (Outcome.SKIPPED_MAX_REPLAYS, "at max replays"),
-    (Outcome.SHRUNK, "value not kept"),
-    (Outcome.TRANSFORM_SKIPPED, "transform skipped"),
-    (Outcome.TRANSFORM_FAILED, "transform failed"),
-    (Outcome.PUBLISH_FAILED, "publish failed"),
-    (Outcome.UNREADABLE, "unreadable"),
+_COLUMNS: tuple[tuple[ReplayOutcome, str], ...] = (
+    (ReplayOutcome.REPLAYED, "replayed"),
+    (ReplayOutcome.SKIPPED_FILTER, "filtered out"),
+    (ReplayOutcome.SKIPPED_MAX_REPLAYS, "at max replays"),
+    (ReplayOutcome.SHRUNK, "value not kept"),
+    (ReplayOutcome.TRANSFORM_SKIPPED, "transform skipped"),
+    (ReplayOutcome.TRANSFORM_FAILED, "transform failed"),
+    (ReplayOutcome.PUBLISH_FAILED, "publish failed"),
+    (ReplayOutcome.UNREADABLE, "unreadable"),
 )
 
 
@@ -505,17 +505,17 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
             "Note: the selection matched none of the records read, so nothing was committed: the group can "
             "run again with other filters."
         )
-    elif summary.counts[Outcome.SKIPPED_FILTER] and not summary.dry_run:
+    elif summary.counts[ReplayOutcome.SKIPPED_FILTER] and not summary.dry_run:
         console.print(
-            f"Note: {summary.counts[Outcome.SKIPPED_FILTER]} records skipped by the filters are behind the "
-            "committed position of this group: replay them with another --group (or after --reset-group)."
+            f"Note: {summary.counts[ReplayOutcome.SKIPPED_FILTER]} records skipped by the filters are behind "
+            "the committed position of this group: replay them with another --group (or after --reset-group)."
         )
-    if summary.counts[Outcome.SHRUNK]:
+    if summary.counts[ReplayOutcome.SHRUNK]:
         console.print(
-            f"Note: {summary.counts[Outcome.SHRUNK]} dead letters were too large to keep whole and carry no "
-            "value: they are never republished; the detail names each original in its source topic."
+            f"Note: {summary.counts[ReplayOutcome.SHRUNK]} dead letters were too large to keep whole and "
+            "carry no value: they are never republished; the detail names each original in its source topic."
         )
-    if summary.counts[Outcome.TRANSFORM_FAILED] and not summary.dry_run:
+    if summary.counts[ReplayOutcome.TRANSFORM_FAILED] and not summary.dry_run:
         console.print(
             "Note: records the transform failed on stay in the dead-letter topic; after fixing it, replay "
             "them with --offsets and another --group."

@@ -69,7 +69,7 @@ INTERRUPT_DRAIN_S = 30.0
 FINISH_S = 600.0
 
 
-class Outcome(StrEnum):
+class ReplayOutcome(StrEnum):
     """What happened to one dead letter; the values are the summary's and the JSON's count names."""
 
     REPLAYED = "replayed"
@@ -85,19 +85,24 @@ class Outcome(StrEnum):
 
 # Outcomes of records the selection took (they count for --limit).
 SELECTED = frozenset(
-    {Outcome.REPLAYED, Outcome.TRANSFORM_SKIPPED, Outcome.TRANSFORM_FAILED, Outcome.PUBLISH_FAILED}
+    {
+        ReplayOutcome.REPLAYED,
+        ReplayOutcome.TRANSFORM_SKIPPED,
+        ReplayOutcome.TRANSFORM_FAILED,
+        ReplayOutcome.PUBLISH_FAILED,
+    }
 )
 # Outcomes of records the selection did not match. Until a record matches, the run commits past none of them:
 # a run that matched nothing commits nothing, so a filter that was wrong costs a rerun, not the records.
-UNMATCHED = frozenset({Outcome.SKIPPED_FILTER, Outcome.UNREADABLE})
+UNMATCHED = frozenset({ReplayOutcome.SKIPPED_FILTER, ReplayOutcome.UNREADABLE})
 # Outcomes listed record by record in the report: each one needs a person to look at it.
 ATTENTION = frozenset(
     {
-        Outcome.SKIPPED_MAX_REPLAYS,
-        Outcome.SHRUNK,
-        Outcome.TRANSFORM_FAILED,
-        Outcome.PUBLISH_FAILED,
-        Outcome.UNREADABLE,
+        ReplayOutcome.SKIPPED_MAX_REPLAYS,
+        ReplayOutcome.SHRUNK,
+        ReplayOutcome.TRANSFORM_FAILED,
+        ReplayOutcome.PUBLISH_FAILED,
+        ReplayOutcome.UNREADABLE,
     }
 )
 
@@ -159,7 +164,7 @@ class RecordReport:
 
     partition: int
     offset: int
-    outcome: Outcome
+    outcome: ReplayOutcome
     error_type: str | None
     replay_count: int | None
     target: str | None
@@ -177,8 +182,8 @@ class ReplaySummary:
     group: str
     dry_run: bool
     plan: list[PartitionPlan] = field(default_factory=list)
-    counts: Counter[Outcome] = field(default_factory=Counter)
-    by_error_type: dict[str, Counter[Outcome]] = field(default_factory=dict)
+    counts: Counter[ReplayOutcome] = field(default_factory=Counter)
+    by_error_type: dict[str, Counter[ReplayOutcome]] = field(default_factory=dict)
     attention: list[RecordReport] = field(default_factory=list)
     # Dry runs list every record they would replay, so ops can see exactly what a real run would send.
     would_replay: list[RecordReport] = field(default_factory=list)
@@ -194,12 +199,12 @@ class ReplaySummary:
         self.by_error_type.setdefault(report.error_type or "(unreadable)", Counter())[report.outcome] += 1
         if report.outcome in ATTENTION:
             self.attention.append(report)
-        elif report.outcome is Outcome.REPLAYED and self.dry_run:
+        elif report.outcome is ReplayOutcome.REPLAYED and self.dry_run:
             self.would_replay.append(report)
 
     @property
     def failed(self) -> bool:
-        return self.counts[Outcome.PUBLISH_FAILED] > 0
+        return self.counts[ReplayOutcome.PUBLISH_FAILED] > 0
 
     @property
     def matched_nothing(self) -> bool:
@@ -235,9 +240,9 @@ class ReplaySummary:
                 for p in self.plan
             ],
             "committed": {str(partition): offset for partition, offset in sorted(self.committed.items())},
-            "counts": {outcome.value: self.counts[outcome] for outcome in Outcome},
+            "counts": {outcome.value: self.counts[outcome] for outcome in ReplayOutcome},
             "by_error_type": {
-                error_type: {outcome.value: counts[outcome] for outcome in Outcome}
+                error_type: {outcome.value: counts[outcome] for outcome in ReplayOutcome}
                 for error_type, counts in sorted(self.by_error_type.items())
             },
             "attention": [record(report) for report in self.attention],
@@ -312,22 +317,22 @@ def _nearest(text: str, known: Sequence[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def classify(info: DeadLetterInfo, options: ReplayOptions) -> Outcome | None:
+def why_not_replayed(info: DeadLetterInfo, options: ReplayOptions) -> ReplayOutcome | None:
     """Why this dead letter is not replayed (a filter, a shrunk dead letter, the max-replay bound), or None
     if it is selected.
 
     A shrunk dead letter (`triage.omitted.bytes`) has no key and no value left: republishing it would send a
     null that the worker dead-letters again as `null_value`, and its real cause would be gone."""
     if options.error_types and info.error_type not in options.error_types:
-        return Outcome.SKIPPED_FILTER
+        return ReplayOutcome.SKIPPED_FILTER
     if options.source_topic is not None and info.topic != options.source_topic:
-        return Outcome.SKIPPED_FILTER
+        return ReplayOutcome.SKIPPED_FILTER
     if options.source_partition is not None and info.partition != options.source_partition:
-        return Outcome.SKIPPED_FILTER
+        return ReplayOutcome.SKIPPED_FILTER
     if info.omitted_bytes is not None:
-        return Outcome.SHRUNK
+        return ReplayOutcome.SHRUNK
     if info.replay_count >= options.max_replays:
-        return Outcome.SKIPPED_MAX_REPLAYS
+        return ReplayOutcome.SKIPPED_MAX_REPLAYS
     return None
 
 
@@ -694,13 +699,15 @@ class _Replay(Observer):
         try:
             info = read_dead_letter(message.headers() or [])
         except ValueError as problem:
-            self._settle(message, Outcome.UNREADABLE, None, detail=str(problem))
+            self._settle(message, ReplayOutcome.UNREADABLE, None, detail=str(problem))
             return
-        skipped = classify(info, self.options)
-        if skipped is not Outcome.SKIPPED_FILTER:
+        skipped = why_not_replayed(info, self.options)
+        if skipped is not ReplayOutcome.SKIPPED_FILTER:
             self._matched()
         if skipped is not None:
-            self._settle(message, skipped, info, detail=not_kept(info) if skipped is Outcome.SHRUNK else None)
+            self._settle(
+                message, skipped, info, detail=not_kept(info) if skipped is ReplayOutcome.SHRUNK else None
+            )
             return
         if self.options.limit is not None and self.selected >= self.options.limit:
             self.active.clear()
@@ -713,14 +720,20 @@ class _Replay(Observer):
             except TransformStopped:
                 return  # Not taken: the committed position stays before this record.
             except TransformFailed as problem:
-                self._settle(message, Outcome.TRANSFORM_FAILED, info, detail=problem.detail)
+                self._settle(message, ReplayOutcome.TRANSFORM_FAILED, info, detail=problem.detail)
                 return
             if value is None:
-                self._settle(message, Outcome.TRANSFORM_SKIPPED, info)
+                self._settle(message, ReplayOutcome.TRANSFORM_SKIPPED, info)
                 return
         target = self.options.to_topic or info.topic
         report = RecordReport(
-            partition, offset, Outcome.REPLAYED, info.error_type, info.replay_count, target, message.key()
+            partition,
+            offset,
+            ReplayOutcome.REPLAYED,
+            info.error_type,
+            info.replay_count,
+            target,
+            message.key(),
         )
         if self.guarantee is None:  # dry run
             self.trackers[partition].track(offset)
@@ -799,7 +812,7 @@ class _Replay(Observer):
         self._record(failed)
 
     def _settle(
-        self, message: Any, outcome: Outcome, info: DeadLetterInfo | None, detail: str | None = None
+        self, message: Any, outcome: ReplayOutcome, info: DeadLetterInfo | None, detail: str | None = None
     ) -> None:
         """A record that needs no output: done at once, or held while the selection matched nothing."""
         self.trackers[message.partition()].track(message.offset())
@@ -862,7 +875,7 @@ def _failed(report: RecordReport, detail: str) -> RecordReport:
     return RecordReport(
         report.partition,
         report.offset,
-        Outcome.PUBLISH_FAILED,
+        ReplayOutcome.PUBLISH_FAILED,
         report.error_type,
         report.replay_count,
         report.target,

@@ -14,7 +14,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from worker.config import MetricsSettings
-from worker.replay.engine import Outcome
+from worker.replay.engine import ReplayOutcome
 
 if TYPE_CHECKING:
     from worker.replay.engine import PartitionPlan, RecordReport, ReplayObserver
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 from worker.telemetry.collectors import by_label, gauge
 from worker.telemetry.server import Probes, TelemetryServer, new_registry
 
-REPLAY_OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in Outcome)
+REPLAY_OUTCOMES: tuple[str, ...] = tuple(outcome.value for outcome in ReplayOutcome)
 
 
 class ReplayMetrics(Collector):
