@@ -23,9 +23,13 @@ ALLOWED = {
     "contracts": {"privacy"},
     # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
     "privacy": set(),
+    # The assembly point: the running worker built from its settings, so every production room, and the
+    # hot-reload thread; never the command line or the dev parts.
+    "app": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"},
     # The command line: every command, so everything.
     "cli": {
-        *("kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy", "dev"),
+        *("app", "kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"),
+        "dev",
     },
     # Development-only parts: the local broker and registry, sample tickets, and the generator of docs/'s
     # reference parts, which reads the settings, the metrics' collectors and the CLI's flags and defaults.
@@ -81,6 +85,23 @@ def test_no_production_room_imports_the_command_line_or_the_dev_parts() -> None:
     ]
     assert wrong == []
     assert not {"cli", "dev"} & set().union(*(ALLOWED[room] for room in PRODUCTION))
+
+
+def test_no_command_module_imports_another() -> None:
+    """What two commands share lives in a module that is not a command (a cli helper, `worker.app`, the room
+    its meaning belongs to): a command module is only ever imported by `cli.build_parser`."""
+    wrong = []
+    for path in sorted((PACKAGE / "cli").glob("*_command.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+                if node.module == "worker.cli":  # `from worker.cli import x_command`
+                    names += [f"worker.cli.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            wrong += [f"{path.name} imports {name}" for name in names if name.endswith("_command")]
+    assert wrong == []
 
 
 REPO = PACKAGE.parent

@@ -320,11 +320,11 @@ def test_settings_from_args_flags_beat_set_which_beat_env(
 
 def test_scheduling_is_earliest_deadline_first_unless_run_is_told_fifo() -> None:
     from worker.cli.cli import build_parser
-    from worker.cli.run_command import _overrides
+    from worker.cli.flags import overrides
 
     assert load_settings(env={}).pipeline.scheduling == "edf"
     args = build_parser().parse_args(["run", "--scheduling", "fifo"])
-    assert settings_from_args(args, _overrides(args)).pipeline.scheduling == "fifo"
+    assert settings_from_args(args, overrides(args)).pipeline.scheduling == "fifo"
     assert _error(env={}, overrides={"pipeline.scheduling": "lifo"}).startswith(
         'config error: pipeline.scheduling: expected one of "edf", "fifo", got lifo (from command line)'
     )

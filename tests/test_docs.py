@@ -15,7 +15,7 @@ import pytest
 
 from worker.cli.cli import build_parser
 from worker.cli.defaults import default_of
-from worker.cli.run_command import flag_settings
+from worker.cli.flags import flag_settings
 from worker.dev import reference
 from worker.dev.local_broker import kafka_home
 

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from tools.harness import TINY_MODEL
+from worker.app.reload import Reloader
 from worker.classification import Classification, ClassifyRequest
-from worker.cli.reload import Reloader
 from worker.config import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy

@@ -26,9 +26,9 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
+from worker.app.stages import SHADOW_NICENESS
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.cli.cli import main
-from worker.cli.run_command import SHADOW_NICENESS
 from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer

@@ -1,7 +1,7 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in ten rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in eleven rooms, one folder each, plus a few shared modules; each room has one contract.
 
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
@@ -32,10 +32,16 @@ The code is in ten rooms, one folder each, plus a few shared modules; each room 
 - ``worker/contracts`` (data contracts): tickets in the Schema Registry formats (Avro, JSON Schema,
   Protobuf in the Confluent wire format) mapped to a TicketEvent or a dead-letter reason (`input`), and the
   Avro schema generated from the message contracts (`avro_schema`). Imports only the shared modules.
+- ``worker/app`` (the assembly point): the running worker built from its settings
+  (`application.WorkerApp`): the primary pool behind a switch, the cascade's escalation stage, the shadow,
+  the review (started by `stages`, which `classify` uses offline too), the `Pipeline`, the telemetry port
+  and the hot reloader (`reload`, on SIGHUP or `POST /reload`); it owns the life cycle: start, run until
+  stopped, drain, close, exit code. Imports every production room; never `worker.cli` or `worker.dev`.
 - ``worker/cli`` (the command line): `triage-worker` (`cli`) and one `*_command` module per sub-command
-  (the lag exporter is `lag_command`), with what only the commands use: argument checks, flag defaults, the
-  terminal viewer, pipes, the start of a `run` child, hot reload of the model (`reload`). May import
-  everything.
+  (the lag exporter is `lag_command`), each thin (arguments, settings, then `worker.app` or a room's
+  library, then the exit code; no command module imports another), with what only the commands use:
+  argument checks, `run`'s setting flags (`flags`), flag defaults, the terminal viewer, pipes, the start
+  of a `run` child. May import everything.
 - ``worker/dev`` (development only): the local broker and Schema Registry (`local_broker`, `local_registry`),
   the sample tickets (`samples`, `sample_tickets.csv`), the generated parts of docs/ (`reference`). Imports
   the shared modules, `worker.kafka`, and for `reference` the settings' and collectors' rooms and the CLI's
@@ -48,7 +54,8 @@ The code is in ten rooms, one folder each, plus a few shared modules; each room 
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files
   and taxonomies, read with a bound), `logs`, `errors`.
 
-`tests/test_architecture.py` checks the import rules, and that no room but `cli` and `dev` imports either.
+`tests/test_architecture.py` checks the import rules, that no room but `cli` and `dev` imports either, and
+that no command module imports another.
 """
 
 __version__ = "0.1.0"

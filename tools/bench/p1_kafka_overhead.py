@@ -14,8 +14,8 @@ import msgspec
 from tools.bench.measure import bracket, group_name, progress, rate_of
 from tools.harness import Topics, settings_for
 from tools.load import Offsets, Tickets, new_topics, produce_tickets
+from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest
-from worker.cli.run_command import dispatch_window
 from worker.config import InferenceSettings, Settings
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config

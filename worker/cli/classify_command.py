@@ -31,9 +31,9 @@ from typing import IO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from worker.app.stages import open_cascade
 from worker.classification import Classification, ClassifyRequest, ticket_text
 from worker.cli.arguments import checked_argument_text
-from worker.cli.run_command import start_cascade
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
@@ -42,7 +42,6 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.pool import open_engine, open_pool
 from worker.inference.taxonomy import Taxonomy
-from worker.learning.artifacts import fetch_stage_files
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.cascade import Cascade, first_standing, is_unsure
@@ -270,9 +269,11 @@ def _escalation_stage(
         return None
 
     def start() -> Cascade:
-        fetch_stage_files(escalation, lambda line: print(line, file=sys.stderr))
-        pool = stack.enter_context(open_pool(escalation, settings.log))
-        return start_cascade(settings, escalation, pool, taxonomy, first_contexts=1, window=window)
+        pool, cascade = open_cascade(
+            settings, escalation, taxonomy, 1, lambda line: print(line, file=sys.stderr), window=window
+        )
+        stack.callback(pool.close)
+        return cascade
 
     return start
 

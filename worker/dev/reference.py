@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from worker.cli.defaults import default_of
+from worker.cli.flags import flag_settings
 from worker.cli.lag_command import GroupLagCollector
-from worker.cli.run_command import flag_settings
 from worker.config import Settings
 from worker.messages import ReviewReason
 from worker.pipeline.metrics import (

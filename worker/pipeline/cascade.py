@@ -107,7 +107,7 @@ class Cascade:
         self._submitted: dict[int, float] = {}  # request id -> when it was submitted
         self.metrics = EscalationMetrics.starting(labels)
         # False while a hot reload runs a first stage whose labels the stage was not started for (the
-        # reloader sets it, see worker/cli/reload.py): every first answer stands meanwhile.
+        # reloader sets it, see worker/app/reload.py): every first answer stands meanwhile.
         self.fits_first_stage = True
 
     @property

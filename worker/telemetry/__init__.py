@@ -11,7 +11,7 @@ background thread with its own admin client, so a probe never waits on the broke
   group; otherwise 503 with the failing checks in the JSON body.
 - `POST /reload` (the worker only, for holders of the token in `metrics.reload_token_file`; closed without
   one): starts a hot reload of the model and answers 202 at once, or 409 while one waits or runs; the
-  outcome goes to the logs and `triage_reloads_total{outcome}` (see worker/cli/reload.py).
+  outcome goes to the logs and `triage_reloads_total{outcome}` (see worker/app/reload.py).
 
 Modules: `server` (the HTTP server and the `Probes` contract), `access` (who may `POST /reload`),
 `probes` (the worker's liveness and readiness, the background broker check), `collectors` (the Prometheus

@@ -1,0 +1,233 @@
+"""The worker assembled from its settings: `WorkerApp(settings, reread).run()` is `triage-worker run`.
+
+Contract:
+- `WorkerApp(settings, reread, metrics_interval_s=..., held_stop_signals=...)` does nothing yet; `settings`
+  as loaded (worker/config.py), `reread` loads them again the same way for a hot reload (an edited config
+  file takes effect), `held_stop_signals` are SIGTERM/SIGINT received before (the CLI holds them while the
+  modules import, `cli.HeldStopSignals`).
+- `start()` configures logging, takes SIGTERM/SIGINT (and SIGHUP) and checks before it loads anything heavy:
+  the reload token file, the input's decoder, the model and taxonomy pairs, the cascade's choice, then the
+  broker and topics (one line each, as a `UserError`), then registers the output schema. Then it starts the
+  telemetry port, the hot reloader, the primary pool (behind a `SwitchingClassifier`), the cascade's
+  escalation stage, the shadow and the review, and builds the `Pipeline` over them. What it opened before a
+  failure is closed by `close()`.
+- `run()` starts it (unless started), runs the pipeline until it is stopped, and closes everything: its
+  value is the pipeline's exit code (0 after a graceful stop). A `UserError` leaves it for the caller to
+  print.
+- Stopping: SIGTERM, SIGINT or `request_stop()` stop it gracefully (in-flight tickets drain, finished
+  offsets are committed, within `pipeline.shutdown_timeout_ms`); a stop asked for before the pipeline exists
+  stops it as soon as it does. A second signal exits the process at once (exit 128+signal): nothing
+  uncommitted is lost, the next owner of the partitions reads it again.
+- Reloading: SIGHUP, or `POST /reload` when metrics.port and metrics.reload_token_file are set, loads the
+  model again without leaving the consumer group (worker/app/reload.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import types
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from worker.app.reload import Reloader
+from worker.app.stages import (
+    dispatch_window,
+    open_cascade,
+    open_shadow_pool,
+    start_review,
+    start_shadow,
+)
+from worker.config import Settings, masked_kafka_config
+from worker.contracts.input import decoder_for
+from worker.contracts.output import result_encoder_for
+from worker.errors import UserError
+from worker.inference.escalation import choose_escalation
+from worker.inference.loading import resolve_taxonomy, with_zero_shot_review
+from worker.inference.pool import ClassifierPool, open_pool
+from worker.inference.switch import SwitchingClassifier
+from worker.kafka.admin import existing_topics, record_size_limits
+from worker.kafka.clients import KafkaClients, producer_config, producer_record_limit
+from worker.logs import configure_logging, librdkafka_logger
+from worker.pipeline.runner import Pipeline
+from worker.telemetry.access import ReloadAccess
+from worker.telemetry.worker import WorkerTelemetry
+
+_log = structlog.get_logger("worker.run")
+
+
+class WorkerApp:
+    """One running worker: consume tickets, classify them, produce one record each (see the module's
+    contract)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        reread: Callable[[], Settings],
+        *,
+        metrics_interval_s: float = 10.0,
+        held_stop_signals: Sequence[int] = (),
+    ) -> None:
+        self._configured = settings
+        self._reread = reread
+        self._metrics_interval_s = metrics_interval_s
+        self._held = held_stop_signals  # read at start: the CLI's holder may still be appending
+        self._stop_requested = False
+        self._pipeline: Pipeline | None = None
+        self._telemetry: WorkerTelemetry | None = None
+        self._reloader: Reloader | None = None
+        self._classifier: SwitchingClassifier | None = None
+        self._escalation_pool: ClassifierPool | None = None
+        self._shadow_pool: ClassifierPool | None = None
+
+    def run(self) -> int:
+        """Start (unless started), run until stopped, close; the pipeline's exit code."""
+        try:
+            pipeline = self._pipeline or self.start()
+            return pipeline.run()
+        finally:
+            self.close()
+
+    def request_stop(self) -> None:
+        """Stop gracefully, as SIGTERM does (from any thread, or a signal handler: no lock is taken)."""
+        self._stop_requested = True
+        if self._pipeline is not None:
+            self._pipeline.request_stop()
+
+    def start(self) -> Pipeline:
+        """Check, load and assemble everything (see the contract); the pipeline, not running yet."""
+        settings = with_zero_shot_review(self._configured)
+        configure_logging(settings.log)
+        stop = _StopOnSignals(self._held, self.request_stop)
+        _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
+        reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
+        # The input's decoder (with its registry client) reads only input settings: a Protobuf class that
+        # does not import stops the start here, before the broker is asked.
+        decoder = decoder_for(settings)
+        # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
+        taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
+        if (shadow_inference := settings.inference.shadow_settings()) is not None:
+            resolve_taxonomy(shadow_inference)
+        escalation = choose_escalation(settings.inference, taxonomy, taxonomy_path)
+        if escalation.why_off is not None:
+            _log.info("cascade_off", reason=escalation.why_off)
+        settings = check_topics(settings)
+        # Registered once, here: a registry that refuses the output schema stops the start in one line.
+        result_encoder = result_encoder_for(settings)
+        # A no-op unless metrics.port is set.
+        telemetry = self._telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
+        # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
+        reloader = self._reloader = Reloader(
+            settings,
+            lambda: with_zero_shot_review(self._reread()),
+            taxonomy.fallback_label,
+            telemetry.reloaded,
+            escalation_labels=None if escalation.settings is None else taxonomy.labels,
+        )
+        if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
+            # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
+            signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
+        classifier = self._classifier = SwitchingClassifier(open_pool(settings.inference, settings.log))
+        cascade = None
+        if escalation.settings is not None:
+            self._escalation_pool, cascade = open_cascade(
+                settings,
+                escalation.settings,
+                taxonomy,
+                classifier.current.size,
+                lambda line: _log.info("fetching", what=line),
+            )
+        shadow = None
+        if (shadow_settings := settings.inference.shadow_settings()) is not None:
+            self._shadow_pool = open_shadow_pool(shadow_settings, settings)
+            shadow = start_shadow(settings, shadow_settings, self._shadow_pool)
+        review = start_review(settings) if settings.review.enabled else None
+        pipeline = Pipeline(
+            settings,
+            classifier,
+            taxonomy.fallback_label,
+            dispatch_window=dispatch_window(settings),
+            metrics_interval_s=self._metrics_interval_s,
+            clients=KafkaClients(settings, librdkafka_logger()),
+            shadow=shadow,
+            cascade=cascade,
+            review=review,
+            decoder=decoder,
+            result_encoder=result_encoder,
+        )
+        telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
+        telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
+        if self._shadow_pool is not None:
+            telemetry.watch_model_processes("shadow", self._shadow_pool.worker_pids)
+        if self._escalation_pool is not None:
+            telemetry.watch_model_processes("escalation", self._escalation_pool.worker_pids)
+        telemetry.serve_reload(lambda: reloader.request_unless_busy("POST /reload"))
+        self._pipeline = pipeline
+        if stop.received or self._stop_requested:
+            pipeline.request_stop()
+        reloader.start(classifier, cascade)
+        return pipeline
+
+    def close(self) -> None:
+        """Stop the reloader and close the pools and the telemetry port (what was started of them)."""
+        if self._reloader is not None:
+            self._reloader.close()
+        if self._classifier is not None:
+            self._classifier.close()
+        if self._shadow_pool is not None:
+            self._shadow_pool.close()
+        if self._escalation_pool is not None:
+            self._escalation_pool.close()
+        if self._telemetry is not None:
+            self._telemetry.close()
+
+
+def check_topics(settings: Settings) -> Settings:
+    """Fail at start, in one line, when the broker is unreachable, refuses the credentials or certificate,
+    or a topic is missing; returns `settings` with the producer's record limit fitted to the topics it
+    writes (`producer_record_limit`)."""
+    bootstrap = settings.kafka.get("bootstrap.servers", "")
+    # In the configured log format (JSON logs stay JSON), not a bare line on stderr.
+    existing = existing_topics(
+        producer_config(settings), on_wait=lambda line: _log.info("waiting_for_kafka", line=line)
+    )
+    topics = settings.topics
+    needed = [topics.input, topics.output, topics.dead_letter]
+    if settings.inference.shadow_settings() is not None:
+        needed.append(topics.shadow)
+    if settings.review.enabled:
+        needed.append(topics.review)
+    missing = [t for t in needed if t not in existing]
+    if missing:
+        raise UserError(
+            f"topic(s) {', '.join(missing)} do not exist on {bootstrap}; create them with "
+            "`triage-worker topics create` (same settings)"
+        )
+    written = [topic for topic in needed if topic != topics.input]
+    return producer_record_limit(settings, record_size_limits(producer_config(settings), written))
+
+
+class _StopOnSignals:
+    """SIGTERM/SIGINT from the very start: a stop asked for while the modules import (`held`, see
+    `cli.HeldStopSignals`) or the model loads (a pod stopped during start-up) is remembered and the pipeline
+    stops as soon as it exists (exit 0), instead of the process dying by the signal's default action. A
+    second signal exits at once."""
+
+    def __init__(self, held: Sequence[int], stop: Callable[[], None]) -> None:
+        self.received: list[int] = []
+        self._stop = stop
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        if held:  # held signals count as one: the next one is the one that exits at once
+            self.received.append(held[0])
+            name = signal.Signals(held[0]).name
+            _log.info("stop_requested", signal=name, when="while the modules imported")
+
+    def _on_signal(self, signum: int, _frame: types.FrameType | None) -> None:
+        if self.received:
+            # Second signal: leave now. Nothing uncommitted is lost; the next owner re-reads it.
+            os._exit(128 + signum)
+        self.received.append(signum)
+        _log.info("stop_requested", signal=signal.Signals(signum).name, again="exits at once")
+        self._stop()
