@@ -393,7 +393,38 @@ def test_reviewers_verdicts_on_a_zero_shot_folder_train_its_few_shot_successor(
     assert record["kind"] == "few-shot" and record["data"]["verdicts"] == 36
     assert record["encoder_stage"]["calibration"] == "cross-validation (3 folds)"
     assert not (day1 / "VERSION").exists()  # its records no longer say zero-shot
-    assert (day1 / "taxonomy.toml").read_text() == BANK_DESK_PATH.read_text()
+    served = load_taxonomy(day1 / "taxonomy.toml")
+    assert served.labels == BANK_DESK.labels and not served.prompt.list_intents
+
+
+@pytest.mark.parametrize(
+    "prompt_table",
+    ["", '[prompt]\ninstructions = "Sort it."\n', "[prompt]\nlist_intents = true # the long prompt\n"],
+    ids=["no prompt table", "a prompt table without the key", "list_intents = true"],
+)
+def test_the_folder_serves_a_prompt_without_the_intent_list_and_keeps_the_rest_of_the_file(
+    tmp_path: Path, prompt_table: str
+) -> None:
+    """A first stage trained from scratch learns the intents; a list of them in the prompt is a constant
+    prefix it pays for in steps (bank-desk's: 24.9 % of held-out tickets after 5 minutes with it)."""
+    source = tmp_path / "team.toml"
+    intents = "".join(
+        f'[[intents]]\nname = "{name}"\ndescription = "about {name}"\npriority = "Low"\n\n'
+        for name in ("billing", "login", "shipping")
+    )
+    source.write_text(f'# our desk\nname = "desk"\n{prompt_table}\n{intents}')
+    out = tmp_path / "folder"
+    out.mkdir()
+    served, path = compose._served_taxonomy(load_taxonomy(source), source, out)
+    assert path == out / "taxonomy.toml" and not served.prompt.list_intents
+    assert served.labels == load_taxonomy(source).labels and "Intents:" not in served.system_text()
+    assert "Intents:" in load_taxonomy(source).system_text()  # the team's own file is left as it was
+    assert path.read_text().startswith("# our desk\n")
+    if "instructions" in prompt_table:
+        assert served.prompt.instructions == "Sort it."
+    # A file that lists no intents is copied as it is.
+    again, _ = compose._served_taxonomy(served, path, tmp_path)
+    assert (tmp_path / "taxonomy.toml").read_text() == path.read_text() and again == served
 
 
 def _copy_test_model(out_dir: Path) -> None:

@@ -21,9 +21,11 @@ import datetime
 import importlib
 import json
 import random
+import re
 import shutil
 import statistics
 import time
+import tomllib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,7 +48,7 @@ from worker.inference import escalation
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import ZERO_SHOT_VERSION
 from worker.inference.pairing import write_trained_labels
-from worker.inference.taxonomy import Taxonomy
+from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import encoder_stage
 from worker.learning.evaluation import CASCADE_THRESHOLDS, Prediction, choose_threshold, stratified_split
 
@@ -224,6 +226,7 @@ def _finish(
     """Write the encoder stage, train the first stage with the head as its teacher, then the folder's
     records (taxonomy, trained labels, VERSION, training.json, model card)."""
     _prepare(out_dir)
+    taxonomy, taxonomy_path = _served_taxonomy(taxonomy, taxonomy_path, out_dir)
     console.print(_encoder_line(report))
     encoder_stage.write_encoder_stage(
         out_dir / ENCODER_DIR, head, taxonomy, taxonomy_path, head_source, copy_encoder=True
@@ -254,7 +257,6 @@ def _finish(
             f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs with "
             f"--model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
         )
-    shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
     write_trained_labels(out_dir, taxonomy)
     for folder in (out_dir, out_dir / ENCODER_DIR):
         if kind == "zero-shot":
@@ -351,6 +353,32 @@ def _cascade_on_validation(
     cascade = measured_cascade(first, encoder, [intent for _, intent in validation])
     console.print(f"cascade: escalate_below {cascade['escalate_below']} ({cascade['why']})")
     return cascade
+
+
+def _served_taxonomy(taxonomy: Taxonomy, taxonomy_path: Path, out_dir: Path) -> tuple[Taxonomy, Path]:
+    """The folder's `taxonomy.toml`: the team's file with `[prompt] list_intents = false`, the prompt the
+    first stage is trained on and served with.
+
+    A model that learns the intents needs no list of them in its prompt, and a from-scratch model in a time
+    bound pays for one: bank-desk's list (names and descriptions, 1,926 characters against 154 without it)
+    is a constant prefix every ticket attends through. Trained on it for 5 minutes, the first stage got
+    24.9 % of 301 held-out tickets (12 intents); BANKING77's own taxonomy lists none, and its first stage
+    reached 83 % in 7 minutes (77 intents). The rest of the file (comments included) is kept as written."""
+    text = taxonomy_path.read_text(encoding="utf-8")
+    target = out_dir / "taxonomy.toml"
+    if taxonomy.prompt.list_intents:
+        line = "list_intents = false  # written by `model train`: the first stage learnt the intents"
+        if "list_intents" in tomllib.loads(text).get("prompt", {}):
+            text = re.sub(r"(?m)^(\s*)list_intents\s*=\s*true\b.*$", r"\g<1>" + line, text, count=1)
+        elif "prompt" in tomllib.loads(text):
+            text = re.sub(r"(?m)^\[prompt\][^\n]*$", r"\g<0>\n" + line, text, count=1)
+        else:
+            text = text.rstrip("\n") + f"\n\n[prompt]\n{line}\n"
+    target.write_text(text, encoding="utf-8")
+    served = load_taxonomy(target)
+    if served.labels != taxonomy.labels or served.prompt.list_intents:
+        raise RuntimeError(f"{target}: rewriting the prompt changed the taxonomy")  # a bug, not a user error
+    return served, target
 
 
 def _prepare(out_dir: Path) -> None:
