@@ -368,9 +368,10 @@ def _served_taxonomy(taxonomy: Taxonomy, taxonomy_path: Path, out_dir: Path) -> 
     target = out_dir / "taxonomy.toml"
     if taxonomy.prompt.list_intents:
         line = "list_intents = false  # written by `model train`: the first stage learnt the intents"
-        if "list_intents" in tomllib.loads(text).get("prompt", {}):
+        prompt = tomllib.loads(text).get("prompt")
+        if prompt is not None and "list_intents" in prompt:
             text = re.sub(r"(?m)^(\s*)list_intents\s*=\s*true\b.*$", r"\g<1>" + line, text, count=1)
-        elif "prompt" in tomllib.loads(text):
+        elif prompt is not None:
             text = re.sub(r"(?m)^\[prompt\][^\n]*$", r"\g<0>\n" + line, text, count=1)
         else:
             text = text.rstrip("\n") + f"\n\n[prompt]\n{line}\n"
