@@ -21,8 +21,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from worker.cli.cli import main
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
 from worker.pipeline.guarantees import smaller
-from worker.pipeline.ledger import Output, Work
 from worker.pipeline.offsets import PartitionOffsets
+from worker.pipeline.work import Output, Work
 
 pytestmark = pytest.mark.kafka
 

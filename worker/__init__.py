@@ -15,7 +15,7 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. Imports only the shared
   modules.
 - ``worker/pipeline`` (the pipeline): the consumer loop (`runner.Pipeline`): the in-flight bound, deadlines,
-  the ledger of records between poll and acknowledgement, offsets committed only over a finished prefix;
+  the records between poll and acknowledgement, offsets committed only over a finished prefix;
   the delivery guarantee behind one seam (`guarantees`: at-least-once, or exactly-once in Kafka
   transactions), committed on a committer thread; the shadow model's side records (`shadow`). Imports the
   shared modules and `worker.kafka`; never ONNX Runtime.

@@ -8,7 +8,7 @@ confidence under `escalate_below` (a fallback is never escalated):
 - `deadline`: the ticket's time left is under the stage's recent p95 turnaround (`StageLatency`): the
   answer would most likely come too late, so the first answer stands;
 - `overloaded`: the stage already holds `window` tickets (its bound), or the first stage is under pressure
-  (`first_stage_pressed`, from the ledger's figures the pipeline passes: it shed a ticket in the last
+  (`first_stage_pressed`, from the dispatch queue's figures the pipeline passes: it shed a ticket in the last
   `SHED_MEMORY_S`, or the tickets waiting for it would not all start before the earliest of their deadlines).
   Escalations are the first thing shed: never a first-stage ticket's deadline for a second opinion.
 
@@ -16,7 +16,7 @@ Otherwise the ticket goes to the stage and its record waits for the answer. The 
 stage's answer (`stage = "escalation"`, its `model`, `intent`, `confidence`, `scores`), the first stage's
 intent and confidence, and the model time of both stages in `latency_ms`. A stage answer that is a fallback
 (error, or its own deadline check) leaves the first answer standing (`escalation_skipped = "deadline"` or
-`"error"`). Every ticket still gets exactly one record: the ledger keeps an escalated ticket in flight, so
+`"error"`). Every ticket still gets exactly one record: an escalated ticket stays in flight, so
 rebalances, shutdown and both delivery guarantees treat it like one at the first stage.
 """
 

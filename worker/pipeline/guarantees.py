@@ -7,7 +7,7 @@ it is written and when the input offsets past it are committed. Two implementati
 - `AtLeastOnce`: outputs are produced at once; a partition's done prefix is committed to the group. A crash
   re-delivers at most the uncommitted records (duplicates, never loss).
 - `ExactlyOnce`: a commit is a transaction holding the outputs of exactly the offsets it commits. Outputs of
-  a partition are produced in input order (held in the ledger until the records before them are produced),
+  a partition are produced in input order (held until the records before them are produced, `deliveries.py`),
   nothing is produced while a commit is on its way, and a commit is sent only once every record in it is
   acknowledged. A transaction that cannot commit is aborted and its work *redone*: every owned partition is
   sought back to its first uncommitted offset.
@@ -15,7 +15,9 @@ it is written and when the input offsets past it are committed. Two implementati
 The contract, every call on the loop's thread (one small step each, as getsentry/arroyo's strategies):
 
 - `start()` once before the consumer subscribes; raises UserError when the guarantee cannot work at all;
+- `taken(work)`: a record was taken, in consume order (in order, its output waits for its predecessors');
 - `write(work, output)`: the output for one record; its offset counts as done once the broker acknowledged it;
+  `outstanding`: outputs written and not acknowledged yet;
 - `serve(wait_s)`: delivery reports, waiting up to `wait_s` for one;
 - `advance()`: apply commit outcomes (an abort or a stuck commit is handled here), start a commit when one is
   due (every `commit_interval_ms`, or early when done work fills half of the in-flight bound);
@@ -25,17 +27,21 @@ The contract, every call on the loop's thread (one small step each, as getsentry
 - `settle(limit)`, `commit_now(states, limit)`: on revoke, before and after the revoked partitions' work is
   drained: their progress is committed synchronously so the new owner starts where this worker stopped;
 - `assigned(keys)`, `lost(keys)`: partitions came, or were taken without a revoke (nothing of theirs may be
-  committed any more);
+  committed any more); `give_up(keys)`: after a revoke or a loss, their outputs not acknowledged are not
+  the worker's any more (held ones are dropped, produced ones become orphans);
 - `stop(limit)`: at shutdown, flush and commit what is done; returns how many records were not flushed.
 
-Why the run must end (a fatal client error, a fenced producer) is written to the `Failure` both share. A
-caller that reports record by record (replay) passes an `Observer`; the pipeline needs none.
+Why the run must end (a fatal client error, a fenced producer) is written to the `Failure` both share. The
+caller passes an `Observer`: replay reports record by record with it, the pipeline drops the tickets of
+partitions redone. What the guarantee does not own: the order tickets go to the model in
+(`dispatch_queue.py`) and the tickets at the model (`requests.py`) are the pipeline's.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import confluent_kafka
@@ -54,10 +60,11 @@ from worker.kafka.commits import (
 )
 from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
 from worker.pipeline.committer import Committer
-from worker.pipeline.ledger import Ledger, Output, Work
+from worker.pipeline.deliveries import Deliveries
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.records import dead_letter
+from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")
 _T = TypeVar("_T")
@@ -103,7 +110,8 @@ class Failure:
 class Observer:
     """Told what a guarantee did with each record: a delivery report (`error` None: acknowledged; the work
     may be an orphan of an aborted transaction), confirmed commit positions, and a redo (records produced
-    since the last commit will be read and written again). This default ignores everything."""
+    since the last commit will be read and written again). This default ignores everything; the pipeline
+    drops the redone partitions' tickets still waiting or at the model."""
 
     def delivered(self, work: Work, error: confluent_kafka.KafkaError | None) -> None:
         pass
@@ -111,19 +119,21 @@ class Observer:
     def committed(self, positions: dict[TopicPartitionKey, int]) -> None:
         pass
 
-    def redone(self) -> None:
-        pass
+    def redone(self, keys: set[TopicPartitionKey]) -> None:
+        """`keys`: the partitions sought back; their records not yet written must not be written."""
 
 
 class Guarantee(Protocol):
     """See the module docstring for the contract."""
 
     in_order: ClassVar[bool]
-    ledger: Ledger
-    give_up_at: float | None
+    deliveries: Deliveries
 
     def start(self) -> None: ...
+    def taken(self, work: Work) -> None: ...
     def write(self, work: Work, output: Output) -> None: ...
+    @property
+    def outstanding(self) -> int: ...
     def serve(self, wait_s: float) -> None: ...
     def advance(self) -> None: ...
     @property
@@ -135,31 +145,39 @@ class Guarantee(Protocol):
     def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None: ...
     def assigned(self, keys: Sequence[TopicPartitionKey]) -> None: ...
     def lost(self, keys: set[TopicPartitionKey]) -> None: ...
+    def give_up(self, keys: set[TopicPartitionKey]) -> None: ...
     def stop(self, limit: float) -> int: ...
 
 
-def guarantee_for(
-    settings: Settings,
-    clients: ProducerFactory,
-    consumer: confluent_kafka.Consumer,
-    tracker: OffsetTracker,
-    metrics: PipelineMetrics,
-    clock: Callable[[], float],
-    pause: Callable[[Sequence[TopicPartitionKey]], None],
-    failure: Failure,
-    observer: Observer | None = None,
-    *,
-    dead_letters: bool = True,
-) -> AtLeastOnce | ExactlyOnce:
-    """The guarantee `pipeline.guarantee` names, with a ledger in input order where it needs one.
-    `dead_letters=False`: outputs have no dead-letter topic (a replay's go back where they came from), so
-    none is written smaller and a refused one fails as any other."""
-    kind = ExactlyOnce if settings.pipeline.guarantee == "exactly_once" else AtLeastOnce
-    ledger = Ledger(settings.pipeline.scheduling, in_order=kind.in_order)
-    return kind(
-        settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer,
-        dead_letters=dead_letters,
-    )  # fmt: skip
+@dataclass(frozen=True)
+class GuaranteeWiring:
+    """What a guarantee works with, given by its caller (the pipeline or a replay).
+
+    `consumer` is the caller's: a guarantee commits through it and seeks it back on a redo; `tracker` holds
+    the taken offsets; `pause` stops a partition a guarantee cannot go on with; `give_up_at()` is the
+    caller's instant (a `clock()` value, None: none) after which a produce stops waiting for room in the
+    client's queue: set while revoking or stopping. `dead_letters=False`: outputs have no dead-letter topic
+    (a replay's go back where they came from), so none is written smaller and a refused one fails as any
+    other.
+    """
+
+    settings: Settings
+    clients: ProducerFactory
+    consumer: confluent_kafka.Consumer
+    tracker: OffsetTracker
+    metrics: PipelineMetrics
+    clock: Callable[[], float]
+    pause: Callable[[Sequence[TopicPartitionKey]], None]
+    failure: Failure
+    observer: Observer = field(default_factory=Observer)
+    give_up_at: Callable[[], float | None] = lambda: None
+    dead_letters: bool = True
+
+
+def guarantee_for(wiring: GuaranteeWiring) -> AtLeastOnce | ExactlyOnce:
+    """The guarantee `pipeline.guarantee` names."""
+    kind = ExactlyOnce if wiring.settings.pipeline.guarantee == "exactly_once" else AtLeastOnce
+    return kind(wiring)
 
 
 def smaller(work: Work, output: Output, shrunk: int) -> Output:
@@ -182,38 +200,24 @@ class _Base:
 
     in_order: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        settings: Settings,
-        clients: ProducerFactory,
-        consumer: confluent_kafka.Consumer,
-        tracker: OffsetTracker,
-        ledger: Ledger,
-        metrics: PipelineMetrics,
-        clock: Callable[[], float],
-        pause: Callable[[Sequence[TopicPartitionKey]], None],
-        failure: Failure,
-        observer: Observer | None = None,
-        *,
-        dead_letters: bool = True,
-    ) -> None:
+    def __init__(self, wiring: GuaranteeWiring) -> None:
+        settings = wiring.settings
         self._pipeline = settings.pipeline
-        self._dead_letter_topic = settings.topics.dead_letter if dead_letters else None
+        self._dead_letter_topic = settings.topics.dead_letter if wiring.dead_letters else None
         self._redactor = settings.privacy.redactor()
         self._redact_dead_letters = settings.dead_letter.redact
-        self._clients = clients
-        self._consumer = consumer
-        self._tracker = tracker
-        self.ledger = ledger
-        self._metrics = metrics
-        self._clock = clock
-        self._pause = pause
-        self._failure = failure
-        self._observer = observer or Observer()
-        self._producer = clients.producer(self._on_producer_error)
+        self._clients = wiring.clients
+        self._consumer = wiring.consumer
+        self._tracker = wiring.tracker
+        self.deliveries = Deliveries(in_order=self.in_order)
+        self._metrics = wiring.metrics
+        self._clock = clock = wiring.clock
+        self._pause = wiring.pause
+        self._failure = wiring.failure
+        self._observer = wiring.observer
+        self._give_up_at = wiring.give_up_at
+        self._producer = wiring.clients.producer(self._on_producer_error)
         self._committer = Committer(self._commit_call())
-        # While revoking or stopping: the instant a produce stops waiting for room in the client's queue.
-        self.give_up_at: float | None = None
         now = clock()
         self._last_commit = now
         # A failed commit is retried after a commit interval, not at once (a broker outage fails them all).
@@ -223,6 +227,15 @@ class _Base:
 
     def start(self) -> None:
         pass
+
+    def taken(self, work: Work) -> None:
+        """A record was taken, in consume order (in order, its output waits for its predecessors')."""
+        self.deliveries.taken(work)
+
+    @property
+    def outstanding(self) -> int:
+        """Outputs written and not yet acknowledged (held ones included)."""
+        return len(self.deliveries)
 
     def serve(self, wait_s: float) -> None:
         """Serve delivery reports. A fatal producer error is raised here too (confluent-kafka raises it from
@@ -260,10 +273,13 @@ class _Base:
     def lost(self, keys: set[TopicPartitionKey]) -> None:
         pass
 
+    def give_up(self, keys: set[TopicPartitionKey]) -> None:
+        self.deliveries.give_up(keys)
+
     # -- producing and delivery -----------------------------------------------------------------------------
 
     def _send(self, work: Work, output: Output) -> None:
-        delivery_id = self.ledger.to_broker(work)
+        delivery_id = self.deliveries.to_broker(work)
         on_delivery = functools.partial(self._on_delivery, delivery_id, output)
         try:
             # A full local queue (the broker is slow or away) is waited out, bounded on revoke and shutdown.
@@ -274,7 +290,7 @@ class _Base:
                 output.key,
                 output.headers,
                 on_delivery,
-                self.give_up_at,
+                self._give_up_at(),
             )
         except BufferError:
             self._on_delivery(delivery_id, output, confluent_kafka.KafkaError(_QUEUE_FULL), None)
@@ -294,7 +310,7 @@ class _Base:
         _msg: Any,
         queued: bool = True,
     ) -> None:
-        work = self.ledger.delivered(delivery_id)
+        work = self.deliveries.delivered(delivery_id)
         if work is None:
             return
         self._observer.delivered(work, error)
@@ -485,27 +501,10 @@ class ExactlyOnce(_Base):
 
     in_order = True
 
-    def __init__(
-        self,
-        settings: Settings,
-        clients: ProducerFactory,
-        consumer: confluent_kafka.Consumer,
-        tracker: OffsetTracker,
-        ledger: Ledger,
-        metrics: PipelineMetrics,
-        clock: Callable[[], float],
-        pause: Callable[[Sequence[TopicPartitionKey]], None],
-        failure: Failure,
-        observer: Observer | None = None,
-        *,
-        dead_letters: bool = True,
-    ) -> None:
+    def __init__(self, wiring: GuaranteeWiring) -> None:
         # Declared before the base constructor runs: it calls `_commit_call`, which makes the transactions.
         self._transactions: Transactions | None = None
-        super().__init__(
-            settings, clients, consumer, tracker, ledger, metrics, clock, pause, failure, observer,
-            dead_letters=dead_letters,
-        )  # fmt: skip
+        super().__init__(wiring)
         # No records go into the transaction (a commit is due or on its way); why it must be aborted, and by
         # when at the latest; when the commit on its way was sent.
         self._closing = False
@@ -547,7 +546,7 @@ class ExactlyOnce(_Base):
         tries = self._redo_smaller.get(position, 0)
         if tries and output.topic == self._dead_letter_topic:
             output = smaller(work, output, tries)
-        self.ledger.hold(work, output)
+        self.deliveries.hold(work, output)
         self._release(work.state)
 
     def advance(self) -> None:
@@ -556,7 +555,7 @@ class ExactlyOnce(_Base):
             return
         # All reports of a doomed transaction come first (bounded): they name the records the broker refuses.
         aborting = self._abort_reason is not None and not self._committer.busy
-        if aborting and (not self.ledger.at_producer or self._clock() >= self._abort_by):
+        if aborting and (not self.deliveries.at_producer or self._clock() >= self._abort_by):
             self._abort_and_redo()
         if self._committer.busy and self._clock() - self._commit_sent_at >= _STUCK_COMMIT_S:
             self._replace_reason = f"commit on its way for {_STUCK_COMMIT_S:.0f} s"
@@ -581,9 +580,9 @@ class ExactlyOnce(_Base):
         if self._failure.reason is not None or self._committer.busy or self._taking_over is not None:
             return  # the commit on its way holds the transaction (its outcome is applied later), or none runs
         self._closing = True
-        while self.ledger.at_producer and self._abort_reason is None and self._clock() < limit:
+        while self.deliveries.at_producer and self._abort_reason is None and self._clock() < limit:
             self.serve(_BUSY_WAIT_S)
-        if self.ledger.at_producer or self._abort_reason is not None:
+        if self.deliveries.at_producer or self._abort_reason is not None:
             self._abort_reason = self._abort_reason or "records not acknowledged in time"
             self._abort_and_redo()
             return
@@ -622,7 +621,7 @@ class ExactlyOnce(_Base):
         """Produce the held outputs that may go (of `state`'s partition, or of all), unless the transaction
         takes no records."""
         if not self._closing and self._abort_reason is None:
-            for work in self.ledger.release(state):
+            for work in self.deliveries.release(state):
                 assert work.output is not None
                 self._send(work, work.output)
 
@@ -631,7 +630,7 @@ class ExactlyOnce(_Base):
             return False
         # The transaction takes no more records; its offsets are known once all of them are acknowledged.
         self._closing = True
-        if self.ledger.at_producer or self._abort_reason is not None:
+        if self.deliveries.at_producer or self._abort_reason is not None:
             return False
         self._commit_sent_at = self._clock()
         return True
@@ -739,7 +738,7 @@ class ExactlyOnce(_Base):
         self._abandoned.append((self._producer, self._committer))
         self._producer = self._clients.producer(self._on_producer_error)
         self._committer = Committer(self._commit_call())
-        self.ledger.forget_produced()
+        self.deliveries.forget_produced()
         self._closing = True  # nothing is produced until the new producer owns the transactional id
         self._taken_over = False
         self._take_over(reason)
@@ -772,9 +771,10 @@ class ExactlyOnce(_Base):
         group's `committed` offset where the outcome of the last commit is not known here."""
         self._abort_reason = None
         self._metrics.transactions_aborted += 1
-        self._observer.redone()
         states = list(self._tracker)
-        self.ledger.give_up({state.key for state in states})
+        keys = {state.key for state in states}
+        self._observer.redone(keys)
+        self.deliveries.give_up(keys)
         redo_from: dict[str, int] = {}
         for state in states:
             start = state.first_uncommitted

@@ -14,7 +14,7 @@ import msgspec
 from worker.classification import Classification
 from worker.kafka.dead_letters import dead_letter_headers
 from worker.messages import SCHEMA_VERSION, PiiKind, SourcePosition, TicketEvent, TriageResult, utc_timestamp
-from worker.pipeline.ledger import Headers, Output, Work
+from worker.pipeline.work import Headers, Output, Work
 from worker.privacy.redaction import Redactor
 
 _ENCODER = msgspec.json.Encoder()

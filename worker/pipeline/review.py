@@ -17,10 +17,10 @@ import structlog
 from worker.classification import Classification
 from worker.config import ReviewSettings
 from worker.messages import ReviewReason, ReviewRecord, SourcePosition, TicketEvent
-from worker.pipeline.ledger import Headers
 from worker.pipeline.metrics import ReviewMetrics
 from worker.pipeline.records import encode_result, triage_result
 from worker.pipeline.side_topic import SideTopic
+from worker.pipeline.work import Headers
 from worker.privacy.redaction import TicketScan
 
 _log = structlog.get_logger("worker.review")

@@ -57,20 +57,23 @@ from worker.config import Settings
 from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
+from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.starts import StartPositions
 from worker.messages import FallbackReason, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.cascade import Cascade
 from worker.pipeline.deadlines import ticket_deadline
-from worker.pipeline.guarantees import Failure, guarantee_for, names
+from worker.pipeline.dispatch_queue import DispatchQueue
+from worker.pipeline.guarantees import Failure, GuaranteeWiring, Observer, guarantee_for, names
 from worker.pipeline.inflight import Flow, InFlightGate, PausedPartitions
 from worker.pipeline.latency import LatencyEstimate
-from worker.pipeline.ledger import Output, Work
 from worker.pipeline.metrics import PipelineMetrics, RegistryState
 from worker.pipeline.offsets import OffsetTracker
 from worker.pipeline.records import carried_headers, dead_letter, encode_result, result_key, triage_result
 from worker.pipeline.registry_wait import RegistryWait
+from worker.pipeline.requests import ModelRequests
 from worker.pipeline.review import Review
 from worker.pipeline.shadow import Shadow
+from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -94,6 +97,18 @@ class TicketDecoding(Protocol):
     (the record is retried, see registry_wait.py)."""
 
     def decode(self, value: bytes | None, topic: str) -> TicketEvent: ...
+
+
+class _DropRedone(Observer):
+    """An exactly-once redo seeks partitions back: their tickets waiting or at the model are read again,
+    so none of them may be written now."""
+
+    def __init__(self, queue: DispatchQueue, requests: ModelRequests) -> None:
+        self._queue, self._requests = queue, requests
+
+    def redone(self, keys: set[TopicPartitionKey]) -> None:
+        self._queue.give_up(keys)
+        self._requests.give_up(keys)
 
 
 class Pipeline:
@@ -163,11 +178,17 @@ class Pipeline:
         self._registry = RegistryWait(
             self._consumer, self._paused.pause, self.metrics.registry or RegistryState(), clock
         )
-        consumer, pause = self._consumer, self._paused.pause
+        # The tickets waiting for the model, and those at it: the guarantee only sees their outputs.
+        self._queue = DispatchQueue(self._pipeline.scheduling)
+        self._requests = ModelRequests()
+        # While revoking or stopping: the instant a produce stops waiting for room in the client's queue.
+        self._give_up_at: float | None = None
         self._guarantee = guarantee_for(
-            settings, clients, consumer, self._tracker, self.metrics, clock, pause, self._failure
-        )
-        self._ledger = self._guarantee.ledger
+            GuaranteeWiring(
+                settings, clients, self._consumer, self._tracker, self.metrics, clock, self._paused.pause,
+                self._failure, _DropRedone(self._queue, self._requests), lambda: self._give_up_at,
+            )
+        )  # fmt: skip
         self._latency = LatencyEstimate()
         self._stopping = False
         self._stop_by: float | None = None
@@ -218,9 +239,9 @@ class Pipeline:
 
     def _turn(self) -> None:
         self._service(wait_s=0.0)
-        busy = self._ledger.at_model + self._ledger.at_escalation > 0
+        busy = len(self._requests) > 0
         if self._may_poll():
-            idle = not busy and len(self._tracker) == 0 and self._ledger.orphans == 0
+            idle = not busy and len(self._tracker) == 0 and self._orphans() == 0
             wait_s = self._pipeline.poll_timeout_ms / 1000.0 if idle else _BUSY_WAIT_S
             # With partitions paused (no capacity) the poll only serves callbacks and keeps the member alive.
             self._last_poll = self._clock()
@@ -260,13 +281,13 @@ class Pipeline:
     def _serve_work(self, wait_s: float) -> None:
         """Move taken records forward: delivery reports, model answers, expiry, dispatch. Waits up to
         `wait_s` for an answer, or for a report when nothing is at the model."""
-        if self._ledger.at_model or self._ledger.at_escalation:
+        if self._requests:
             self._guarantee.serve(0)
             self._collect(wait_s)
         else:
             self._guarantee.serve(wait_s)
         # Tickets whose deadline passed while they waited for the model get `overloaded`, without it.
-        for work in self._ledger.expired(self._clock()):
+        for work in self._queue.expired(self._clock()):
             self._write_result(work, self._fallback_for(work, "overloaded"))
         self._dispatch()
         for side in self._side_topics:
@@ -343,7 +364,7 @@ class Pipeline:
             deadline=now + self._pipeline.deadline_ms / 1000.0,
             value=message.value(),
         )
-        self._ledger.taken(work)
+        self._guarantee.taken(work)
         if work.key is not None and len(work.key) > MAX_KEY_BYTES:
             reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
             self._dead_letter(work, "key_too_large", reason)
@@ -376,38 +397,38 @@ class Pipeline:
         if deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
             self._write_result(work, self._fallback_for(work, "expired_on_arrival"))
             return
-        self._ledger.wait(work)
+        self._queue.wait(work)
 
     # -- classification -------------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
-        while self._ledger.at_model < self._window and (work := self._ledger.next_waiting()) is not None:
+        while self._requests.at_model < self._window and (work := self._queue.next()) is not None:
             event = work.event
             assert event is not None  # only tickets wait for the model
             # A ticket the model would most likely not finish in time is answered now. With nothing at the
             # model it is tried anyway: that costs no other ticket model time and keeps the estimate learning.
-            expected_s = self._latency.expected_s if self._ledger.at_model else 0.0
+            expected_s = self._latency.expected_s if self._requests.at_model else 0.0
             if self._clock() + expected_s >= work.deadline:
                 self._write_result(work, self._fallback_for(work, "overloaded"))
                 continue
             self.metrics.queue_wait.observe(self._clock() - work.polled_at)
-            request_id = self._ledger.to_model(work)
+            request_id = self._requests.to_model(work)
             self._classifier.submit(
                 ClassifyRequest(request_id, ticket_text(event.subject, event.body), work.deadline)
             )
 
     def _collect(self, wait_s: float) -> None:
         """Take the answers of the model (waiting up to `wait_s` for one) and of the escalation stage."""
-        if self._ledger.at_model:
+        if self._requests.at_model:
             self._take_answers(self._classifier.poll(wait_s))
             wait_s = 0.0
-        if self._cascade is not None and self._ledger.at_escalation:
+        if self._cascade is not None and self._requests.at_escalation:
             self._take_escalations(self._cascade.poll(wait_s, self._clock))
 
     def _take_answers(self, answers: Sequence[tuple[int, Classification]]) -> None:
         made_at = utc_timestamp() if answers else ""  # one clock read per batch, not per record
         for request_id, answer in answers:
-            work = self._ledger.answered(request_id)
+            work = self._requests.answered(request_id)
             if work is None:
                 continue
             self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
@@ -430,13 +451,12 @@ class Pipeline:
         if not self._cascade.unsure(first):
             return self._cascade.first_stands(first)
         now = self._clock()
-        ledger = self._ledger
         pressed = self._cascade.first_stage_pressed(
-            now, ledger.waiting, ledger.earliest_waiting_deadline(), self._latency.expected_s
+            now, len(self._queue), self._queue.earliest_deadline(), self._latency.expected_s
         )
         if (skipped := self._cascade.gate(work.deadline - now, now, pressed)) is not None:
             return self._cascade.first_stands(first, skipped)
-        request_id = ledger.to_escalation(work, first)
+        request_id = self._requests.to_escalation(work, first)
         self._cascade.submit(
             ClassifyRequest(request_id, ticket_text(work.event.subject, work.event.body), work.deadline), now
         )
@@ -446,7 +466,7 @@ class Pipeline:
         assert self._cascade is not None
         made_at = utc_timestamp() if answers else ""
         for request_id, answer in answers:
-            work = self._ledger.escalation_answered(request_id)
+            work = self._requests.escalation_answered(request_id)
             if work is None:
                 continue
             if work.orphan:
@@ -495,7 +515,7 @@ class Pipeline:
     # -- flow control ---------------------------------------------------------------------------------------
 
     def _update_gauge(self) -> None:
-        flow = self._gate.update(len(self._tracker) + self._ledger.orphans, self._clock())
+        flow = self._gate.update(len(self._tracker) + self._orphans(), self._clock())
         self.metrics.in_flight = self._gate.in_flight
         self.metrics.in_flight_max = self._gate.max_seen
         self.metrics.paused = self._gate.paused
@@ -543,17 +563,17 @@ class Pipeline:
         self._guarantee.settle(limit)
         # Their waiting tickets go to the model first. They must finish, not be dropped: dead letters and
         # answers for later offsets may already be written, and the new owner would write them again.
-        self._ledger.first_to_model(keys)
+        self._queue.first_to_model(keys)
         states = [state for key in keys if (state := self._tracker.get(key)) is not None]
-        self._guarantee.give_up_at = limit
+        self._give_up_at = limit
         # Not while outputs no longer go out (a doomed exactly-once transaction): waiting is pointless.
-        while self._ledger.pending(keys) and self._guarantee.producing and self._clock() < limit:
+        while self._pending(keys) and self._guarantee.producing and self._clock() < limit:
             self._serve_work(_BUSY_WAIT_S)
-        self._guarantee.give_up_at = self._stop_by
-        left = self._ledger.pending(keys)
+        self._give_up_at = self._stop_by
+        left = self._pending(keys)
         # Tickets that did not make it are left to the new owner; those at the model or the producer are
         # still counted (orphans) until their answer or report arrives.
-        self._ledger.give_up(keys)
+        self._give_up(keys)
         self._guarantee.commit_now(states, limit)
         self._tracker.revoke(keys)
         self._paused.forget(keys)
@@ -571,7 +591,7 @@ class Pipeline:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.lost += len(keys)
         self._guarantee.lost(keys)
-        self._ledger.give_up(keys)
+        self._give_up(keys)
         self._tracker.revoke(keys)
         self._paused.forget(keys)
         self._starts.forget(keys)
@@ -581,22 +601,42 @@ class Pipeline:
             "partitions_lost", partitions=names(keys), effect="not committed; the new owner redoes them"
         )
 
+    def _pending(self, keys: set[TopicPartitionKey]) -> int:
+        """Records of `keys` taken and not finished: waiting, at the model, at the producer or held."""
+        deliveries = self._guarantee.deliveries
+        return self._queue.pending(keys) + self._requests.pending(keys) + deliveries.pending(keys)
+
+    def _orphans(self) -> int:
+        """Records of partitions given up, still at the model or the producer (counted as in flight)."""
+        return self._requests.orphans + self._guarantee.deliveries.orphans
+
+    def _give_up(self, keys: set[TopicPartitionKey]) -> None:
+        """Partitions no longer owned: their waiting tickets are dropped (the new owner reads them), those
+        at the model or the producer become orphans."""
+        self._queue.give_up(keys)
+        self._requests.give_up(keys)
+        self._guarantee.give_up(keys)
+
     # -- shutdown -------------------------------------------------------------------------------------------
 
     def _shutdown(self) -> int:
         started = self._clock()
         limit = started + self._pipeline.shutdown_timeout_ms / 1000.0
-        self._stop_by = self._guarantee.give_up_at = limit
+        self._stop_by = self._give_up_at = limit
         reason = self._failure.reason or "signal"
         _log.info("pipeline_stopping", in_flight=self._gate.in_flight, reason=reason)
         # Stop fetching, but keep polling: the member must stay in the group while in-flight work finishes.
         self._paused.pause(state.key for state in self._tracker)
-        while not self._ledger.is_empty() and self._clock() < limit and self._failure.reason is None:
+        while (
+            (self._queue or self._requests or self._guarantee.outstanding)
+            and self._clock() < limit
+            and self._failure.reason is None
+        ):
             self._service(wait_s=_BUSY_WAIT_S)
             if self._may_poll():
                 self._last_poll = self._clock()
                 self._consumer.poll(0.0)  # paused: serves callbacks; a record is left to the next owner
-        unfinished = self._ledger.waiting + self._ledger.at_model + self._ledger.at_escalation
+        unfinished = len(self._queue) + len(self._requests)
         not_flushed = self._guarantee.stop(limit)
         self._consumer.close()
         for side in self._side_topics:  # after the last commit: side topics never hold one back
@@ -624,12 +664,12 @@ class Pipeline:
     def _log_metrics(self, kind: str) -> None:
         self._last_metrics = self._clock()
         blocked = {f"{t}[{p}]": offset for (t, p), offset in sorted(self._tracker.blocked().items())}
-        ledger = self._ledger
+        requests, deliveries = self._requests, self._guarantee.deliveries
         # Where the in-flight records are: waiting, at the model, at the producer, held for order; orphans;
         # escalated (last, so that readers of the first five keep their meaning).
         where = [
-            ledger.waiting, ledger.at_model, ledger.at_producer, ledger.held, ledger.orphans,
-            ledger.at_escalation,
+            len(self._queue), requests.at_model, deliveries.at_producer, deliveries.held, self._orphans(),
+            requests.at_escalation,
         ]  # fmt: skip
         _log.info(
             "metrics", kind=kind, blocked_partitions=blocked, in_flight_at=where, **self.metrics.snapshot()

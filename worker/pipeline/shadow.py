@@ -6,7 +6,7 @@ It is off the critical path: the shadow never delays, changes or blocks a primar
 - Its model runs in its own pool (its own processes): `submit` never waits for the model, and answers are
   taken with a zero timeout once per turn of the loop.
 - Side records go through their own producer (`side_topic.SideTopic`, as the review topic's do) and are
-  tracked neither in the ledger nor in the offsets: no commit ever waits for one, and they never take part
+  counted neither in flight nor in the offsets: no commit ever waits for one, and they never take part
   in the primary's transactions or flushes.
 - Drop rule: at most `window` shadow requests are outstanding. A ticket offered while the shadow is at that
   bound is not classified by the shadow (counted as dropped, `full`): under load the shadow gives way, never
@@ -36,10 +36,10 @@ import structlog
 
 from worker.classification import Classification, Classifier, ClassifyRequest, ticket_text
 from worker.messages import PiiKind, ShadowResult, SourcePosition, TicketEvent, utc_timestamp
-from worker.pipeline.ledger import Headers
 from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
 from worker.pipeline.records import encode_result, triage_result
 from worker.pipeline.side_topic import SideTopic
+from worker.pipeline.work import Headers
 
 _log = structlog.get_logger("worker.shadow")
 

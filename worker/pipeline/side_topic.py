@@ -1,7 +1,7 @@
 """Side topics: records *about* tickets (the shadow model's answers, results sent to review) written next
 to the primary output, at least once and off the critical path.
 
-A side record goes through a producer of its own and is tracked neither in the ledger nor in the offsets:
+A side record goes through a producer of its own and is counted neither in flight nor in the offsets:
 no commit ever waits for one, and none takes part in the primary's transactions or flushes. A record that
 cannot be queued at once (the local queue is full) is dropped and counted, never waited for; delivery
 failures are counted, never retried. Where the primary redoes a ticket (a crash, a rebalance, an aborted
@@ -16,7 +16,7 @@ import confluent_kafka
 import structlog
 
 from worker.kafka.clients import produce
-from worker.pipeline.ledger import Headers
+from worker.pipeline.work import Headers
 
 _log = structlog.get_logger("worker.side_topic")
 

@@ -51,10 +51,10 @@ from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
 from worker.kafka.errors import PURGED
 from worker.logs import librdkafka_logger
-from worker.pipeline.guarantees import Failure, Guarantee, Observer, guarantee_for
-from worker.pipeline.ledger import Output, Work
+from worker.pipeline.guarantees import Failure, Guarantee, GuaranteeWiring, Observer, guarantee_for
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
+from worker.pipeline.work import Output, Work
 from worker.replay.transforms import TransformFailed, TransformStopped
 
 Header = tuple[str, bytes | None]
@@ -570,18 +570,20 @@ class _Replay(Observer):
                 pipeline=msgspec.structs.replace(settings.pipeline, commit_interval_ms=COMMIT_INTERVAL_MS),
             )
             self.guarantee = guarantee_for(
-                replay_settings,
-                _ReplayClients(settings, transactional),
-                self.consumer,
-                self.tracker,
-                PipelineMetrics(),
-                time.monotonic,
-                self._stop_reading,
-                self.failure,
-                self,
-                # A replay's targets are the original topics: nothing goes to the dead-letter topic from
-                # here (nothing written smaller, a refused record is a failed one in the report).
-                dead_letters=False,
+                GuaranteeWiring(
+                    replay_settings,
+                    _ReplayClients(settings, transactional),
+                    self.consumer,
+                    self.tracker,
+                    PipelineMetrics(),
+                    time.monotonic,
+                    self._stop_reading,
+                    self.failure,
+                    self,
+                    # A replay's targets are the original topics: nothing goes to the dead-letter topic
+                    # from here (nothing written smaller, a refused record is a failed one in the report).
+                    dead_letters=False,
+                )
             )
         self.starts: dict[int, int] = {}
         self.ends: dict[int, int] = {}
@@ -655,18 +657,14 @@ class _Replay(Observer):
         """Partitions left to read, or records whose outcome is still open (an abort may yet redo them)."""
         if self.active or self.guarantee is None:
             return bool(self.active)
-        ledger = self.guarantee.ledger
-        return bool(ledger.at_producer or ledger.held or not self.guarantee.producing)
+        return bool(self.guarantee.outstanding or not self.guarantee.producing)
 
     def _finish(self) -> None:
         """Wait for the records in flight (bounded when interrupted), commit what is confirmed."""
         if self.guarantee is not None:
             wait_s = INTERRUPT_DRAIN_S if self.summary.interrupted else FINISH_S
             limit = time.monotonic() + wait_s
-            ledger = self.guarantee.ledger
-            while (
-                (ledger.at_producer or ledger.held) and time.monotonic() < limit and not self.failure.reason
-            ):
+            while self.guarantee.outstanding and time.monotonic() < limit and not self.failure.reason:
                 self._serve(0.1)
             self.guarantee.stop(limit)
         if self.exactly_once and not self.matched:
@@ -752,7 +750,7 @@ class _Replay(Observer):
         state.track(offset)
         now = time.monotonic()
         work = Work(state, self.options.dlq_topic, partition, offset, message.key(), None, now, now)
-        self.guarantee.ledger.taken(work)
+        self.guarantee.taken(work)
         self.sent[id(work)] = report
         headers = replay_headers(message.headers())
         self.guarantee.write(work, Output(target, message.key(), value, headers))
@@ -784,7 +782,7 @@ class _Replay(Observer):
             for report in confirmed:
                 self._record(report)
 
-    def redone(self) -> None:
+    def redone(self, keys: set[TopicPartitionKey]) -> None:
         """The aborted transaction published nothing: its records are read (every partition from its last
         commit, even one read to its end already) and reported again."""
         self.pending.clear()
