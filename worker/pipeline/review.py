@@ -19,7 +19,7 @@ from worker.config import ReviewSettings
 from worker.messages import ReviewReason, ReviewRecord, SourcePosition, TicketEvent
 from worker.pipeline.metrics import ReviewMetrics
 from worker.pipeline.records import encode_result, triage_result
-from worker.pipeline.side_topic import SideTopic
+from worker.pipeline.side_topic import SideTopic, WrittenResult
 from worker.pipeline.work import Headers
 from worker.privacy.redaction import TicketScan
 
@@ -75,6 +75,17 @@ class Review:
         self.metrics.sent[(answer.intent, reason)] += 1
         record = review_record(event, scan, answer, source, reason, classified_at)
         self._side.write(encode_result(record), key, headers)
+
+    def written(self, result: WrittenResult) -> None:
+        self.consider(
+            result.event,
+            result.scan,
+            result.answer,
+            result.source,
+            result.key,
+            result.headers,
+            result.made_at,
+        )
 
     def serve(self) -> None:
         self._side.serve()

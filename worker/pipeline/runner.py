@@ -4,20 +4,19 @@ One thread owns the consumer, the producer and the offset tracker; the model run
 (other processes or threads), so a slow model never stops this loop from polling. Each turn of the loop:
 
 1. serves the producer's delivery reports (a record is *done* only once the broker acknowledged it);
-2. takes the pool's answers and produces one TriageResult per ticket (with the cascade, see `cascade.py`,
-   sends the tickets the model is unsure of to the escalation stage when the gate lets them, and takes
-   that stage's answers);
-3. turns tickets whose deadline passed while they waited for the model into `overloaded` fallbacks;
-4. hands waiting tickets to the pool earliest deadline first (`pipeline.scheduling`), at most
-   `dispatch_window` at a time (the rest wait here, where their deadline is watched); while the pool is busy,
-   a ticket that cannot finish before its deadline given the pool's recent latency is answered `overloaded`;
+2. takes the model's answers and writes one TriageResult per ticket (`model_stage.py`, `outputs.py`; with
+   a cascade, unsure answers go on to the escalation stage first);
+3. answers `overloaded` the tickets whose deadline passed while they waited, without the model;
+4. hands waiting tickets to the model earliest deadline first, at most `dispatch_window` at a time
+   (`dispatch_queue.py`, `model_stage.py`);
 5. commits the highest contiguous done offset + 1 of each partition (see `guarantees.py`);
 6. at `max_in_flight` stops polling while a commit frees slots; when the bound holds for longer (a slow
    model) pauses every partition and polls again, so the group never evicts the worker; resumes below the
    low-water mark;
-7. polls records up to the free capacity, one per poll (see `_poll_records`), decodes each, dead-letters
-   what is not a ticket and queues the rest with its deadline. In a Schema Registry format (`input.format`)
-   a record the registry cannot answer for is not taken: its partition waits at it (`registry_wait.py`).
+7. polls records up to the free capacity, one per poll (see `_poll_records`), reads each (`intake.py`),
+   dead-letters what is not a ticket and queues the rest with its deadline. In a Schema Registry format
+   (`input.format`) a record the registry cannot answer for is not taken: its partition waits at it
+   (`registry_wait.py`).
 
 Rebalances (cooperative-sticky by default): nothing new is taken from revoked partitions; the tickets already
 taken from them (queued ones go to the model first) get up to `revoke_timeout_ms` to finish, done offsets are
@@ -38,42 +37,39 @@ the pool; exit code 0. A second signal exits at once; anything not committed is 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import confluent_kafka
-import msgspec
 import structlog
 
 from worker.classification import (
-    Classification,
     Classifier,
-    ClassifyRequest,
     FallbackLabel,
-    fallback_answer,
-    ticket_text,
 )
 from worker.config import Settings
-from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
+from worker.decoding import DecodeError, RegistryUnavailable
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.starts import StartPositions
-from worker.messages import FallbackReason, TicketEvent, TriageResult, utc_timestamp
+from worker.messages import TicketEvent, TriageResult
 from worker.pipeline.cascade import Cascade
-from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.dispatch_queue import DispatchQueue
-from worker.pipeline.guarantees import Failure, GuaranteeWiring, Observer, guarantee_for, names
+from worker.pipeline.guarantees import Failure, GuaranteeWiring, guarantee_for, names
 from worker.pipeline.inflight import Flow, InFlightGate, PausedPartitions
-from worker.pipeline.latency import LatencyEstimate
+from worker.pipeline.intake import MAX_KEY_BYTES, Intake, TicketDecoding
 from worker.pipeline.metrics import PipelineMetrics, RegistryState
+from worker.pipeline.model_stage import ModelStage, Redone
 from worker.pipeline.offsets import OffsetTracker
-from worker.pipeline.records import carried_headers, dead_letter, encode_result, result_key, triage_result
+from worker.pipeline.outputs import Outputs
+from worker.pipeline.records import encode_result
 from worker.pipeline.registry_wait import RegistryWait
 from worker.pipeline.requests import ModelRequests
 from worker.pipeline.review import Review
 from worker.pipeline.shadow import Shadow
-from worker.pipeline.work import Output, Work
+from worker.pipeline.side_topic import ResultWatcher
+from worker.pipeline.work import Work
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -83,32 +79,10 @@ _BUSY_WAIT_S = 0.01
 # How long the bound may hold before the partitions are paused. Shorter pauses cost more than they save:
 # librdkafka refetches a resumed partition only about a second later. Longer delays rebalance callbacks.
 _FULL_BEFORE_PAUSE_S = 0.5
-# Results are keyed by the input key: a bound keeps every result small (see `guarantees.smaller`).
-MAX_KEY_BYTES = 4096
 # librdkafka's default max.poll.interval.ms.
 _LIBRDKAFKA_MAX_POLL_MS = 300000
 # The longest background commits hold back polling in a row (see `_may_poll`).
 _COMMIT_BEFORE_POLL_S = 1.0
-
-
-class TicketDecoding(Protocol):
-    """What the pipeline needs of `worker.contracts.input.TicketDecoder` (built by the cli room from
-    `input.*` and `schema_registry.*`): a TicketEvent, or DecodeError (dead letter), or RegistryUnavailable
-    (the record is retried, see registry_wait.py)."""
-
-    def decode(self, value: bytes | None, topic: str) -> TicketEvent: ...
-
-
-class _DropRedone(Observer):
-    """An exactly-once redo seeks partitions back: their tickets waiting or at the model are read again,
-    so none of them may be written now."""
-
-    def __init__(self, queue: DispatchQueue, requests: ModelRequests) -> None:
-        self._queue, self._requests = queue, requests
-
-    def redone(self, keys: set[TopicPartitionKey]) -> None:
-        self._queue.give_up(keys)
-        self._requests.give_up(keys)
 
 
 class Pipeline:
@@ -142,14 +116,10 @@ class Pipeline:
         self._pipeline = settings.pipeline
         self._decoder = decoder
         self._input_format = settings.input.format
-        self._encode_result = result_encoder or encode_result
         self._topics = settings.topics
         clients = clients or KafkaClients(settings)
         self._failure = Failure()
         self._consumer = clients.consumer(self._failure.client_error)
-        self._classifier = classifier
-        self._fallback = fallback
-        self._window = max(1, dispatch_window)
         self._metrics_interval_s = metrics_interval_s
         self._clock = clock
         consumer_options = consumer_config(settings)
@@ -162,11 +132,8 @@ class Pipeline:
             self._pipeline.max_in_flight, self._pipeline.resume_threshold, _FULL_BEFORE_PAUSE_S
         )
         self.metrics = PipelineMetrics.for_deadline(settings.pipeline.deadline_ms / 1000.0)
-        self._shadow, self._review, self._cascade = shadow, review, cascade
-        self._redactor = settings.privacy.redactor()
-        self._redact_input = settings.inference.redact_input
-        self._redact_dead_letters = settings.dead_letter.redact
-        self._side_topics: list[Shadow | Review] = [side for side in (shadow, review) if side is not None]
+        self._intake = Intake(settings, self.metrics)
+        self._side_topics: list[ResultWatcher] = [side for side in (shadow, review) if side is not None]
         self.metrics.shadow = shadow.metrics if shadow is not None else None
         self.metrics.review = review.metrics if review is not None else None
         self.metrics.escalation = cascade.metrics if cascade is not None else None
@@ -186,10 +153,16 @@ class Pipeline:
         self._guarantee = guarantee_for(
             GuaranteeWiring(
                 settings, clients, self._consumer, self._tracker, self.metrics, clock, self._paused.pause,
-                self._failure, _DropRedone(self._queue, self._requests), lambda: self._give_up_at,
+                self._failure, Redone(self._queue, self._requests), lambda: self._give_up_at,
             )
         )  # fmt: skip
-        self._latency = LatencyEstimate()
+        self._outputs = Outputs(
+            settings, result_encoder or encode_result, self._guarantee.write, self._side_topics, self.metrics
+        )
+        self._model = ModelStage(
+            classifier, cascade, dispatch_window, fallback, self._queue, self._requests, self.metrics, clock,
+            self._outputs.result,
+        )  # fmt: skip
         self._stopping = False
         self._stop_by: float | None = None
         now = clock()
@@ -224,12 +197,9 @@ class Pipeline:
             resume_below=self._pipeline.resume_threshold,
             deadline_ms=self._pipeline.deadline_ms,
             scheduling=self._pipeline.scheduling,
-            dispatch_window=self._window,
-            model=self._classifier.model_id,
             guarantee=self._pipeline.guarantee,
             input_format=self._input_format,
-            escalation=None if self._cascade is None else self._cascade.model_id,
-            escalate_below=None if self._cascade is None else self._cascade.escalate_below,
+            **self._model.described(),
         )
         while not self._stopping and self._failure.reason is None:
             self._turn()
@@ -251,8 +221,11 @@ class Pipeline:
         elif not busy:
             self._guarantee.wait(_BUSY_WAIT_S)
         if busy:
-            self._collect(_BUSY_WAIT_S)
-        self._maybe_log_metrics()
+            self._model.collect(_BUSY_WAIT_S)
+        now = self._clock()
+        self.metrics.turned(now, self._consumer, self._tracker, self._paused.keys)
+        if now - self._last_metrics >= self._metrics_interval_s:
+            self._log_metrics("interval")
 
     def _may_poll(self) -> bool:
         """Poll when the gate allows it (room for records, or partitions paused) and no background commit is
@@ -283,13 +256,13 @@ class Pipeline:
         `wait_s` for an answer, or for a report when nothing is at the model."""
         if self._requests:
             self._guarantee.serve(0)
-            self._collect(wait_s)
+            self._model.collect(wait_s)
         else:
             self._guarantee.serve(wait_s)
         # Tickets whose deadline passed while they waited for the model get `overloaded`, without it.
         for work in self._queue.expired(self._clock()):
-            self._write_result(work, self._fallback_for(work, "overloaded"))
-        self._dispatch()
+            self._outputs.result(work, self._model.fallback_for(work, "overloaded"))
+        self._model.dispatch()
         for side in self._side_topics:
             side.serve()
 
@@ -365,152 +338,13 @@ class Pipeline:
             value=message.value(),
         )
         self._guarantee.taken(work)
-        if work.key is not None and len(work.key) > MAX_KEY_BYTES:
-            reason = f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
-            self._dead_letter(work, "key_too_large", reason)
+        if (rejected := self._intake.ticket(work, decoded, now, wall)) is not None:
+            self._outputs.dead_letter(work, *rejected)
             return
-        try:
-            if decoded is None:
-                event = decode_ticket(work.value, self._pipeline.max_value_bytes)
-            elif isinstance(decoded, DecodeError):
-                raise decoded
-            else:
-                event = decoded
-            deadline = ticket_deadline(now, wall, self._pipeline.deadline_ms, event.metadata)
-        except DecodeError as problem:
-            self._dead_letter(work, problem.error_type, problem.message)
-            return
-        except Exception as error:  # no record may stop the worker, whatever a library raises
-            # The log's redacting processor masks the ticket's personal data in the traceback's messages.
-            _log.exception("record_failed", topic=topic, partition=partition, offset=offset)
-            self._dead_letter(work, "internal_error", f"{type(error).__name__}: {error}")
-            return
-        # Personal data is looked for once per ticket: every copy made of it later takes this scan.
-        scan = work.scan = self._redactor.scan(event.subject, event.body)
-        if scan.kinds:
-            self.metrics.pii_tickets += 1
-            self.metrics.pii_found.update(dict(scan.counts))
-        if self._redact_input:  # the model, the shadow and the cascade get the redacted ticket
-            event = msgspec.structs.replace(event, subject=scan.subject, body=scan.body)
-        work.event = event
-        work.deadline = deadline
-        if deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
-            self._write_result(work, self._fallback_for(work, "expired_on_arrival"))
+        if work.deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
+            self._outputs.result(work, self._model.fallback_for(work, "expired_on_arrival"))
             return
         self._queue.wait(work)
-
-    # -- classification -------------------------------------------------------------------------------------
-
-    def _dispatch(self) -> None:
-        while self._requests.at_model < self._window and (work := self._queue.next()) is not None:
-            event = work.event
-            assert event is not None  # only tickets wait for the model
-            # A ticket the model would most likely not finish in time is answered now. With nothing at the
-            # model it is tried anyway: that costs no other ticket model time and keeps the estimate learning.
-            expected_s = self._latency.expected_s if self._requests.at_model else 0.0
-            if self._clock() + expected_s >= work.deadline:
-                self._write_result(work, self._fallback_for(work, "overloaded"))
-                continue
-            self.metrics.queue_wait.observe(self._clock() - work.polled_at)
-            request_id = self._requests.to_model(work)
-            self._classifier.submit(
-                ClassifyRequest(request_id, ticket_text(event.subject, event.body), work.deadline)
-            )
-
-    def _collect(self, wait_s: float) -> None:
-        """Take the answers of the model (waiting up to `wait_s` for one) and of the escalation stage."""
-        if self._requests.at_model:
-            self._take_answers(self._classifier.poll(wait_s))
-            wait_s = 0.0
-        if self._cascade is not None and self._requests.at_escalation:
-            self._take_escalations(self._cascade.poll(wait_s, self._clock))
-
-    def _take_answers(self, answers: Sequence[tuple[int, Classification]]) -> None:
-        made_at = utc_timestamp() if answers else ""  # one clock read per batch, not per record
-        for request_id, answer in answers:
-            work = self._requests.answered(request_id)
-            if work is None:
-                continue
-            self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
-            self._latency.observe(answer)
-            if work.orphan:
-                self.metrics.discarded_after_revoke += 1
-                continue
-            if answer.fallback:
-                self.metrics.fallback[answer.fallback_reason or "unknown"] += 1
-            else:
-                self.metrics.classified += 1
-            written = answer if self._cascade is None else self._escalate_or_stand(work, answer)
-            if written is not None:  # None: at the escalation stage, its record waits for that answer
-                self._write_result(work, written, made_at)
-
-    def _escalate_or_stand(self, work: Work, first: Classification) -> Classification | None:
-        """The cascade's gate for a ticket the first stage answered (see worker/pipeline/cascade.py): the
-        answer to write now, or None when the ticket went to the escalation stage (its record waits)."""
-        assert self._cascade is not None and work.event is not None
-        if not self._cascade.unsure(first):
-            return self._cascade.first_stands(first)
-        now = self._clock()
-        pressed = self._cascade.first_stage_pressed(
-            now, len(self._queue), self._queue.earliest_deadline(), self._latency.expected_s
-        )
-        if (skipped := self._cascade.gate(work.deadline - now, now, pressed)) is not None:
-            return self._cascade.first_stands(first, skipped)
-        request_id = self._requests.to_escalation(work, first)
-        self._cascade.submit(
-            ClassifyRequest(request_id, ticket_text(work.event.subject, work.event.body), work.deadline), now
-        )
-        return None
-
-    def _take_escalations(self, answers: Sequence[tuple[int, Classification]]) -> None:
-        assert self._cascade is not None
-        made_at = utc_timestamp() if answers else ""
-        for request_id, answer in answers:
-            work = self._requests.escalation_answered(request_id)
-            if work is None:
-                continue
-            if work.orphan:
-                self.metrics.discarded_after_revoke += 1
-                continue
-            assert work.first is not None
-            self._write_result(work, self._cascade.escalated(work.first, answer), made_at)
-
-    def _fallback_for(self, work: Work, reason: FallbackReason) -> Classification:
-        self.metrics.fallback[reason] += 1
-        if reason == "overloaded" and self._cascade is not None:
-            self._cascade.first_stage_shed(self._clock())
-        latency_ms = (self._clock() - work.polled_at) * 1000.0
-        return fallback_answer(reason, self._fallback, self._classifier.model_id, latency_ms)
-
-    def _write_result(self, work: Work, answer: Classification, made_at: str = "") -> None:
-        event = work.event
-        assert event is not None
-        scan = work.scan
-        assert scan is not None  # set with the event
-        value = self._encode_result(triage_result(event, answer, work.source, made_at or None, scan.kinds))
-        key = result_key(work.key, event)
-        headers, left_off = carried_headers(work.headers, self._pipeline.max_header_bytes)
-        if left_off:
-            self.metrics.headers_left_off += left_off
-            _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
-        self._guarantee.write(work, Output(self._topics.output, key, value, headers))
-        if self._shadow is not None and not answer.fallback:
-            self._shadow.offer(event, work.source, key, headers, answer, scan.kinds)
-        if self._review is not None:
-            self._review.consider(event, scan, answer, work.source, key, headers, made_at or None)
-
-    def _dead_letter(self, work: Work, error_type: str, message: str) -> None:
-        self.metrics.dead_letter(error_type)
-        _log.debug(
-            "dead_lettered",
-            topic=work.topic,
-            partition=work.partition,
-            offset=work.offset,
-            error_type=error_type,
-        )
-        topic = self._topics.dead_letter
-        letter = dead_letter(work, topic, error_type, message, self._redactor, self._redact_dead_letters)
-        self._guarantee.write(work, letter)
 
     # -- flow control ---------------------------------------------------------------------------------------
 
@@ -567,19 +401,20 @@ class Pipeline:
         states = [state for key in keys if (state := self._tracker.get(key)) is not None]
         self._give_up_at = limit
         # Not while outputs no longer go out (a doomed exactly-once transaction): waiting is pointless.
-        while self._pending(keys) and self._guarantee.producing and self._clock() < limit:
+
+        def pending() -> int:
+            return self._model.pending(keys) + self._guarantee.deliveries.pending(keys)
+
+        while pending() and self._guarantee.producing and self._clock() < limit:
             self._serve_work(_BUSY_WAIT_S)
         self._give_up_at = self._stop_by
-        left = self._pending(keys)
+        left = pending()
         # Tickets that did not make it are left to the new owner; those at the model or the producer are
         # still counted (orphans) until their answer or report arrives.
-        self._give_up(keys)
+        self._model.give_up(keys)
+        self._guarantee.give_up(keys)
         self._guarantee.commit_now(states, limit)
-        self._tracker.revoke(keys)
-        self._paused.forget(keys)
-        self._starts.forget(keys)
-        self._registry.forget(keys)
-        self._update_gauge()
+        self._forget(keys)
         _log.info(
             "partitions_revoked",
             partitions=names(keys),
@@ -591,31 +426,24 @@ class Pipeline:
         keys = {(tp.topic, tp.partition) for tp in partitions}
         self.metrics.lost += len(keys)
         self._guarantee.lost(keys)
-        self._give_up(keys)
+        self._model.give_up(keys)
+        self._guarantee.give_up(keys)
+        self._forget(keys)
+        _log.warning(
+            "partitions_lost", partitions=names(keys), effect="not committed; the new owner redoes them"
+        )
+
+    def _forget(self, keys: set[TopicPartitionKey]) -> None:
+        """After a revoke or a loss: nothing of `keys` is tracked, paused or held any more."""
         self._tracker.revoke(keys)
         self._paused.forget(keys)
         self._starts.forget(keys)
         self._registry.forget(keys)
         self._update_gauge()
-        _log.warning(
-            "partitions_lost", partitions=names(keys), effect="not committed; the new owner redoes them"
-        )
-
-    def _pending(self, keys: set[TopicPartitionKey]) -> int:
-        """Records of `keys` taken and not finished: waiting, at the model, at the producer or held."""
-        deliveries = self._guarantee.deliveries
-        return self._queue.pending(keys) + self._requests.pending(keys) + deliveries.pending(keys)
 
     def _orphans(self) -> int:
-        """Records of partitions given up, still at the model or the producer (counted as in flight)."""
-        return self._requests.orphans + self._guarantee.deliveries.orphans
-
-    def _give_up(self, keys: set[TopicPartitionKey]) -> None:
-        """Partitions no longer owned: their waiting tickets are dropped (the new owner reads them), those
-        at the model or the producer become orphans."""
-        self._queue.give_up(keys)
-        self._requests.give_up(keys)
-        self._guarantee.give_up(keys)
+        """Records of partitions given up, still at a model or the producer (counted as in flight)."""
+        return self._model.orphans + self._guarantee.deliveries.orphans
 
     # -- shutdown -------------------------------------------------------------------------------------------
 
@@ -628,7 +456,7 @@ class Pipeline:
         # Stop fetching, but keep polling: the member must stay in the group while in-flight work finishes.
         self._paused.pause(state.key for state in self._tracker)
         while (
-            (self._queue or self._requests or self._guarantee.outstanding)
+            (self._model or self._guarantee.outstanding)
             and self._clock() < limit
             and self._failure.reason is None
         ):
@@ -636,7 +464,7 @@ class Pipeline:
             if self._may_poll():
                 self._last_poll = self._clock()
                 self._consumer.poll(0.0)  # paused: serves callbacks; a record is left to the next owner
-        unfinished = len(self._queue) + len(self._requests)
+        unfinished = len(self._model)
         not_flushed = self._guarantee.stop(limit)
         self._consumer.close()
         for side in self._side_topics:  # after the last commit: side topics never hold one back
@@ -654,12 +482,6 @@ class Pipeline:
         return 0
 
     # -- metrics --------------------------------------------------------------------------------------------
-
-    def _maybe_log_metrics(self) -> None:
-        now = self._clock()
-        self.metrics.turned(now, self._consumer, self._tracker, self._paused.keys)
-        if now - self._last_metrics >= self._metrics_interval_s:
-            self._log_metrics("interval")
 
     def _log_metrics(self, kind: str) -> None:
         self._last_metrics = self._clock()

@@ -38,7 +38,7 @@ from worker.classification import Classification, Classifier, ClassifyRequest, t
 from worker.messages import PiiKind, ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
 from worker.pipeline.records import encode_result, triage_result
-from worker.pipeline.side_topic import SideTopic
+from worker.pipeline.side_topic import SideTopic, WrittenResult
 from worker.pipeline.work import Headers
 
 _log = structlog.get_logger("worker.shadow")
@@ -97,6 +97,13 @@ class Shadow:
         self.metrics.outstanding = len(self._outstanding)
         deadline = self._clock() + self._budget_s
         self._classifier.submit(ClassifyRequest(request_id, ticket_text(event.subject, event.body), deadline))
+
+    def written(self, result: WrittenResult) -> None:
+        """Every classified result is offered (fallbacks are not: the model gave no answer to compare)."""
+        if not result.answer.fallback:
+            self.offer(
+                result.event, result.source, result.key, result.headers, result.answer, result.scan.kinds
+            )
 
     def serve(self) -> None:
         """Take the answers that are ready (no waiting), write their side records, serve delivery reports."""

@@ -10,15 +10,42 @@ transaction), its side records are written again: readers count each source posi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import confluent_kafka
 import structlog
 
+from worker.classification import Classification
 from worker.kafka.clients import produce
+from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.work import Headers
+from worker.privacy.redaction import TicketScan
 
 _log = structlog.get_logger("worker.side_topic")
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenResult:
+    """A triage record the pipeline wrote, as a side topic sees it: the ticket (`scan`: its personal data),
+    the answer, where the ticket came from, the record's key and headers, and when it was made (None: now)."""
+
+    event: TicketEvent
+    scan: TicketScan
+    answer: Classification
+    source: SourcePosition
+    key: bytes
+    headers: Headers | None
+    made_at: str | None
+
+
+class ResultWatcher(Protocol):
+    """A side topic of the pipeline (the shadow, the review): told of every result written, served once per
+    turn of the loop, closed after the last commit. It never holds a result or a commit back."""
+
+    def written(self, result: WrittenResult) -> None: ...
+    def serve(self) -> None: ...
+    def close(self, flush_s: float) -> None: ...
 
 
 class DeliveryCounts(Protocol):

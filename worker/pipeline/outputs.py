@@ -1,0 +1,77 @@
+"""What the pipeline writes for a ticket: its triage record, or a dead letter, handed to the guarantee.
+
+- `result(work, answer, made_at)`: the `TriageResult` in the output format (`output.format`), keyed by the
+  input key (or the ticket id), with the input's headers carried up to `pipeline.max_header_bytes`; then
+  every side topic (`side_topic.ResultWatcher`: the shadow, the review) is told of it. Side topics never
+  hold the record or a commit back.
+- `dead_letter(work, error_type, message)`: the original record with the reason, its personal data masked
+  where `dead_letter.redact` asks (worker/pipeline/records.py).
+
+How and when each output reaches Kafka is the guarantee's (`guarantees.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from worker.classification import Classification
+from worker.config import Settings
+from worker.messages import TriageResult
+from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.records import carried_headers, dead_letter, result_key, triage_result
+from worker.pipeline.side_topic import ResultWatcher, WrittenResult
+from worker.pipeline.work import Output, Work
+
+_log = structlog.get_logger("worker.pipeline")
+
+
+class Outputs:
+    """Builds each record's output and hands it to `write` (the guarantee's)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        encode: Callable[[TriageResult], bytes],
+        write: Callable[[Work, Output], None],
+        side_topics: Sequence[ResultWatcher],
+        metrics: PipelineMetrics,
+    ) -> None:
+        self._output_topic = settings.topics.output
+        self._dead_letter_topic = settings.topics.dead_letter
+        self._max_header_bytes = settings.pipeline.max_header_bytes
+        self._redactor = settings.privacy.redactor()
+        self._redact_dead_letters = settings.dead_letter.redact
+        self._encode, self._write = encode, write
+        self._side_topics = side_topics
+        self._metrics = metrics
+
+    def result(self, work: Work, answer: Classification, made_at: str = "") -> None:
+        event, scan = work.event, work.scan
+        assert event is not None and scan is not None  # a ticket: set by the intake
+        value = self._encode(triage_result(event, answer, work.source, made_at or None, scan.kinds))
+        key = result_key(work.key, event)
+        headers, left_off = carried_headers(work.headers, self._max_header_bytes)
+        if left_off:
+            self._metrics.headers_left_off += left_off
+            _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
+        self._write(work, Output(self._output_topic, key, value, headers))
+        if self._side_topics:
+            written = WrittenResult(event, scan, answer, work.source, key, headers, made_at or None)
+            for side in self._side_topics:
+                side.written(written)
+
+    def dead_letter(self, work: Work, error_type: str, message: str) -> None:
+        self._metrics.dead_letter(error_type)
+        _log.debug(
+            "dead_lettered",
+            topic=work.topic,
+            partition=work.partition,
+            offset=work.offset,
+            error_type=error_type,
+        )
+        letter = dead_letter(
+            work, self._dead_letter_topic, error_type, message, self._redactor, self._redact_dead_letters
+        )
+        self._write(work, letter)
