@@ -20,7 +20,7 @@ tickets `{"ticket_id", "body"}` everywhere and an input topic of 3 partitions:
 - CPU cost: CPU-ms per ticket of the worker's process tree vs the pool's.
 
 Writes bench.json, bench.md, bench-latency.png and bench-timeline.png into --out; `--only p7` runs P7 alone
-and writes bench-p7.json and bench-p7.md.
+and writes bench-p7.json and bench-p7.md (`--only p2`: P2 alone, bench-p2.*).
 """
 
 from __future__ import annotations
@@ -66,6 +66,16 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _p2(bootstrap: str, tickets: Tickets, sizes: dict[str, int], logs: Path) -> dict[str, Any]:
+    """The worker between two runs of the raw pool (the baseline is their mean)."""
+    pool_before = p2_inference_overhead.measure_pool(tickets, sizes["p2"])
+    worker = p2_inference_overhead.measure_worker(bootstrap, tickets, sizes["p2"], sizes["p2_budget_s"], logs)
+    pool = bracket(pool_before, p2_inference_overhead.measure_pool(tickets, sizes["p2"]))
+    ratio = round(worker["rate"] / pool["rate"], 3)
+    progress(f"P2 ratio {ratio}")
+    return {"pool": pool, "worker": worker, "ratio": ratio}
+
+
 def _p7(bootstrap: str, sizes: dict[str, int], logs: Path) -> dict[str, Any]:
     p7 = p7_cascade.measure(bootstrap, sizes["p7"], sizes["p7_budget_s"], logs)
     progress(f"P7 ratio cascade/first stage {p7['ratio']}")
@@ -82,7 +92,7 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("results"), help="folder for bench.* (default results)"
     )
-    parser.add_argument("--only", choices=["p7"], help="run one figure alone (writes bench-<figure>.*)")
+    parser.add_argument("--only", choices=["p2", "p7"], help="run one figure alone (writes bench-<figure>.*)")
     args = parser.parse_args()
     sizes = (
         {
@@ -132,23 +142,16 @@ def main() -> int:
     ):
         logs = Path(tmp)
         try:
-            if args.only == "p7":
-                figures["p7"] = _p7(bootstrap, sizes, logs)
-                report.write_only(figures, args.out, "p7")
-                print((args.out / "bench-p7.md").read_text())
+            if args.only is not None:
+                figures[args.only] = (
+                    _p2(bootstrap, tickets, sizes, logs) if args.only == "p2" else _p7(bootstrap, sizes, logs)
+                )
+                report.write_only(figures, args.out, args.only)
+                print((args.out / f"bench-{args.only}.md").read_text())
                 return 0
             figures["p1"] = p1_kafka_overhead.measure(bootstrap, tickets, sizes["p1"], sizes["p1_budget_s"])
             progress(f"P1 ratio {figures['p1']['ratio']}")
-            pool_before = p2_inference_overhead.measure_pool(tickets, sizes["p2"])
-            worker = p2_inference_overhead.measure_worker(
-                bootstrap, tickets, sizes["p2"], sizes["p2_budget_s"], logs
-            )
-            p2 = figures["p2"] = {
-                "pool": bracket(pool_before, p2_inference_overhead.measure_pool(tickets, sizes["p2"]))
-            }
-            p2["worker"] = worker
-            p2["ratio"] = round(p2["worker"]["rate"] / p2["pool"]["rate"], 3)
-            progress(f"P2 ratio {p2['ratio']}")
+            p2 = figures["p2"] = _p2(bootstrap, tickets, sizes, logs)
             figures["p3"] = {"seed": p3_seed_design.measure(tickets, sizes["p3"])}
             figures["p3"]["ratio"] = round(p2["worker"]["rate"] / figures["p3"]["seed"]["rate"], 2)
             progress(f"P3 ratio {figures['p3']['ratio']}")

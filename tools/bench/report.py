@@ -204,6 +204,17 @@ def _p7_rows(p7: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     ]
 
 
+def _p2_row(p2: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
+    return (
+        "P2 inference overhead: `triage-worker run` (defaults) vs raw pool",
+        f"{p2['pool']['rate']:,.1f} tickets/s{_spread(p2['pool'])}",
+        f"{p2['worker']['rate']:,.1f} tickets/s{_partial(p2['worker'], p2['pool']['tickets'])}",
+        f"{p2['ratio']:.2f}x",
+        "≥ 0.9x",
+        _met(p2["ratio"] >= 0.9),
+    )
+
+
 def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     """(figure, baseline, measured, ratio, goal, met?) for the table."""
     p1, p2, p3, p4 = figures["p1"], figures["p2"], figures["p3"], figures["p4"]
@@ -230,14 +241,7 @@ def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             "≥ 0.8x",
             _met(p1["lifted_ratio"] >= 0.8),
         ),
-        (
-            "P2 inference overhead: `triage-worker run` (defaults) vs raw pool",
-            f"{p2['pool']['rate']:,.1f} tickets/s{_spread(p2['pool'])}",
-            f"{p2['worker']['rate']:,.1f} tickets/s{_partial(p2['worker'], p2['pool']['tickets'])}",
-            f"{p2['ratio']:.2f}x",
-            "≥ 0.9x",
-            _met(p2["ratio"] >= 0.9),
-        ),
+        _p2_row(p2),
         (
             "P3 beyond the seed design: worker vs new Generator + guided generation per ticket",
             f"{p3['seed']['rate']:,.1f} tickets/s",
@@ -441,11 +445,13 @@ def plots(figures: dict[str, Any], out: Path) -> None:
 def write_only(figures: dict[str, Any], out: Path, figure: str) -> None:
     """A run of one figure (`python -m tools.bench --only`): bench-<figure>.json and .md beside the full
     run's files."""
-    assert figure == "p7"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench-{figure}.json").write_text(json.dumps(figures, indent=1) + "\n")
-    table = ["| " + " | ".join(row) + " |" for row in _p7_rows(figures["p7"])]
-    (out / f"bench-{figure}.md").write_text("\n".join([*_header(figures), *table, "", P7_HOW, ""]))
+    figure_rows, how = (
+        ([_p2_row(figures["p2"])], HOW) if figure == "p2" else (_p7_rows(figures["p7"]), P7_HOW)
+    )
+    table = ["| " + " | ".join(row) + " |" for row in figure_rows]
+    (out / f"bench-{figure}.md").write_text("\n".join([*_header(figures), *table, "", how, ""]))
 
 
 def write(figures: dict[str, Any], out: Path) -> None:
