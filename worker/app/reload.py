@@ -39,7 +39,7 @@ from worker.pipeline.cascade import Cascade
 
 _log = structlog.get_logger("worker.reload")
 
-Outcome = Literal["succeeded", "failed"]
+ReloadOutcome = Literal["succeeded", "failed"]
 _CANARY_TICKET = "Where is my new card? I ordered it two weeks ago and it has not arrived."
 _CANARY_TIMEOUT_S = 60.0
 # How often the reload thread looks for requests: a signal handler cannot safely wake it.
@@ -63,7 +63,8 @@ class Reloader:
         running: Settings,
         load: Callable[[], Settings],
         fallback: FallbackLabel,
-        on_outcome: Callable[[Outcome, InferenceSettings | None, ClassifierPool | None], None] | None = None,
+        on_outcome: Callable[[ReloadOutcome, InferenceSettings | None, ClassifierPool | None], None]
+        | None = None,
         escalation_labels: tuple[str, ...] | None = None,
     ) -> None:
         """`escalation_labels`: the running taxonomy's labels when a cascade runs (a reload keeps them)."""

@@ -357,7 +357,7 @@ def _accuracy(decided: Sequence[str], expected: Sequence[str]) -> float | None:
 
 
 @dataclass
-class Outcome:
+class FineTuneOutcome:
     """What a fine-tune did and measured (the model card's figures)."""
 
     corrections: int
@@ -380,7 +380,7 @@ def fine_tune(
     recipe: Recipe,
     say: Callable[[str], None],
     command: str = "",
-) -> Outcome:
+) -> FineTuneOutcome:
     """Fine-tune `base` on `corrections` mixed with `original` tickets, write it to `out`, measure both on
     `test` and the held-out corrections."""
     started = time.monotonic()
@@ -430,7 +430,7 @@ def fine_tune(
     trained_after = tuned.decide([c.text for c in trained])
     test_after = tuned.decide([t for t, _ in test], progress("test tickets (fine-tuned)"))
     expected_test = [i for _, i in test]
-    outcome = Outcome(
+    outcome = FineTuneOutcome(
         corrections=len(corrections),
         trained_on=len(trained),
         held_out=len(held),
@@ -456,7 +456,12 @@ def _percent(value: float | None) -> str:
 
 
 def _write_card(
-    base: Path, out: Path, corrections: Sequence[Correction], recipe: Recipe, outcome: Outcome, command: str
+    base: Path,
+    out: Path,
+    corrections: Sequence[Correction],
+    recipe: Recipe,
+    outcome: FineTuneOutcome,
+    command: str,
 ) -> None:
     pairs: dict[str, int] = defaultdict(int)
     for correction in corrections:
@@ -499,7 +504,7 @@ def _write_card(
     (out / "README.md").write_text(card, encoding="utf-8")
 
 
-def outcome_lines(outcome: Outcome) -> list[str]:
+def outcome_lines(outcome: FineTuneOutcome) -> list[str]:
     return [
         f"BANKING77 test ({outcome.test_tickets}): {_percent(outcome.test_accuracy[0])} -> "
         f"{_percent(outcome.test_accuracy[1])}",
