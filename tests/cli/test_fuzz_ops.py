@@ -1,0 +1,265 @@
+"""The ops commands never end on a bad record: `replay` with odd dead letters and failing transforms,
+`classify --input` with poison lines. Property tests are derandomized (same examples every run)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from tools import REPO
+from worker.cli.classify_command import EXIT_LINES_SKIPPED
+from worker.cli.cli import main
+from worker.cli.replay_command import _print_report
+from worker.config import Settings
+from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
+from worker.messages import TriageResult
+from worker.replay.engine import ReplayOptions, ReplayOutcome, _Replay
+from worker.replay.transforms import TransformFailed, TransformFunction, apply_transform, describe_failure
+
+TINY = REPO / "tests" / "models" / "tiny"
+
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+class _Message:
+    """The part of confluent-kafka's Message that the replay reads."""
+
+    def __init__(
+        self, offset: int, key: bytes | None, value: bytes | None, headers: list[Any] | None
+    ) -> None:
+        self._offset, self._key, self._value, self._headers = offset, key, value, headers
+
+    def error(self) -> None:
+        return None
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes | None:
+        return self._key
+
+    def value(self) -> bytes | None:
+        return self._value
+
+    def headers(self) -> list[Any] | None:
+        return self._headers
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class _InProcess:
+    """A transform called in the test's process, its failures described as its own process describes them
+    (`worker.replay.transforms`: the same `apply_transform` and `describe_failure`)."""
+
+    def __init__(self, function: TransformFunction) -> None:
+        self.function = function
+
+    def repair(self, value: bytes) -> bytes | None:
+        try:
+            return apply_transform(self.function, value)
+        except BaseException as problem:
+            raise TransformFailed(describe_failure(problem)) from None
+
+
+def _replay(function: TransformFunction | None, dry_run: bool = True, to_topic: str | None = None) -> _Replay:
+    """A replay of partition 0 fed by hand; the clients are created but never reach a broker."""
+    transform = None if function is None else _InProcess(function)
+    options = ReplayOptions(
+        dlq_topic="tickets.dlq", group="g", transform=transform, dry_run=dry_run, to_topic=to_topic
+    )
+    replay = _Replay(Settings(kafka={"bootstrap.servers": "127.0.0.1:1"}), options, None, lambda: False)
+    replay.tracker.assign(("tickets.dlq", 0))
+    replay.starts[0], replay.ends[0] = 0, 1 << 62
+    replay.active.add(0)
+    return replay
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def _raise(problem: BaseException) -> TransformFunction:
+    def transform(value: bytes) -> bytes | None:
+        raise problem
+
+    return transform
+
+
+TRANSFORMS: dict[str, TransformFunction | None] = {
+    "none": None,
+    "identity": lambda value: value,
+    "skip": lambda value: None,
+    "bytearray": lambda value: bytearray(value + b"}"),
+    "huge error": _raise(ValueError("x" * 100_000 + "\udcff [/bold]")),
+    "sys.exit": _raise(SystemExit(3)),
+    "unprintable": _raise(_Unprintable()),
+    "returns str": lambda value: value.decode("utf-8", "replace"),  # type: ignore[return-value]
+    "returns int": lambda value: 5,  # type: ignore[return-value,arg-type]
+}
+
+_odd_text = st.sampled_from(["[/x]", "[bold]", "\x00", "", "a" * 300, "bad topic", "tickets.raw", "é"])
+_headers = st.one_of(
+    st.none(),
+    st.builds(
+        lambda originals, error_type, message, topic, replays: dead_letter_headers(
+            originals, error_type, message, topic, 0, 7, replays
+        ),
+        st.lists(st.tuples(st.sampled_from(["trace", REPLAY_COUNT]), st.none() | st.binary(max_size=8))),
+        _odd_text | st.text(max_size=10),
+        _odd_text | st.text(max_size=50),
+        _odd_text | st.text(max_size=10),
+        st.integers(0, 5),
+    ),
+    st.lists(
+        st.tuples(
+            st.sampled_from(sorted(DEAD_LETTER_HEADERS)) | st.text(max_size=5), st.none() | st.binary()
+        ),
+        max_size=9,
+    ),
+)
+_records = st.lists(
+    st.tuples(
+        st.none() | st.binary(max_size=40) | st.just(b"[/red]"), st.none() | st.binary(max_size=64), _headers
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@FUZZ
+@given(st.sampled_from(sorted(TRANSFORMS)), _records)
+def test_every_dead_letter_settles_with_one_outcome_and_the_report_prints(
+    transform_name: str, records: list[tuple[bytes | None, bytes | None, list[Any] | None]]
+) -> None:
+    replay = _replay(TRANSFORMS[transform_name])
+    try:
+        for offset, (key, value, headers) in enumerate(records):
+            replay._handle(_Message(offset, key, value, headers), None, None)
+    finally:
+        replay.consumer.close()
+    summary = replay.summary
+    assert sum(summary.counts.values()) == len(records)  # exactly one outcome each
+    unreadable = 0
+    for _, _, headers in records:
+        try:
+            read_dead_letter(headers)
+        except ValueError:
+            unreadable += 1
+    assert summary.counts[ReplayOutcome.UNREADABLE] == unreadable
+    # All settled, a rerun would not see them again; unless none matched (no filter here: all unreadable),
+    # when nothing is committed.
+    assert replay.trackers[0].position == (len(records) if unreadable < len(records) else None)
+    assert all(len(report.detail or "") <= 200 for report in summary.attention)
+    msgspec.json.encode(summary.to_json())  # --json output
+    out = io.StringIO()
+    _print_report(Console(file=out, width=200), summary, replay.options)
+    if any(report.key == b"[/red]" for report in [*summary.attention, *summary.would_replay]):
+        assert "[/red]" in out.getvalue()  # shown as text, not read as markup
+
+
+def _valid_dead_letter(offset: int) -> _Message:
+    headers = dead_letter_headers(None, "invalid_json", "bad", "tickets.raw", 0, offset)
+    return _Message(offset, b"[/red]", b'{"ticket_id": "T"', headers)
+
+
+@pytest.mark.parametrize(
+    ("name", "outcome", "detail"),
+    [
+        ("huge error", ReplayOutcome.TRANSFORM_FAILED, "ValueError: xxx"),
+        ("sys.exit", ReplayOutcome.TRANSFORM_FAILED, "SystemExit: 3"),
+        ("unprintable", ReplayOutcome.TRANSFORM_FAILED, "_Unprintable: (no description)"),
+        (
+            "returns str",
+            ReplayOutcome.TRANSFORM_FAILED,
+            "TypeError: transform returned str, expected bytes",
+        ),
+        ("skip", ReplayOutcome.TRANSFORM_SKIPPED, None),
+        ("bytearray", ReplayOutcome.REPLAYED, None),
+    ],
+)
+def test_a_transform_failing_any_way_is_reported_for_its_record_only(
+    name: str, outcome: ReplayOutcome, detail: str | None
+) -> None:
+    replay = _replay(TRANSFORMS[name])
+    try:
+        replay._handle(_valid_dead_letter(0), None, None)
+        replay._handle(_Message(1, None, b"v", [("triage.replay_count", b"9" * 5000)]), None, None)
+    finally:
+        replay.consumer.close()
+    counts = replay.summary.counts
+    assert counts[outcome] == 1 and counts[ReplayOutcome.UNREADABLE] == 1
+    if detail is not None:
+        (first,) = [report for report in replay.summary.attention if report.offset == 0]
+        assert first.detail is not None and first.detail.startswith(detail) and len(first.detail) <= 200
+        assert "\udcff" not in first.detail
+    out = io.StringIO()
+    _print_report(Console(file=out, width=300), replay.summary, replay.options)
+    if (
+        outcome is not ReplayOutcome.TRANSFORM_SKIPPED
+    ):  # listed, with its key shown as text, not read as markup
+        assert "[/red]" in out.getvalue()
+
+
+def test_a_target_the_client_refuses_is_a_publish_failure_not_a_crash() -> None:
+    replay = _replay(None, dry_run=False, to_topic="tickets\x00raw")
+    try:
+        replay._handle(_valid_dead_letter(0), None, None)
+    finally:
+        replay.consumer.close()
+    (report,) = replay.summary.attention
+    assert report.outcome is ReplayOutcome.PUBLISH_FAILED and "embedded null" in (report.detail or "")
+    assert replay.trackers[0].position is None  # not settled: nothing to commit, a rerun retries it
+
+
+def test_classify_input_reports_poison_lines_with_the_dead_letter_reason_and_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines: list[bytes] = [
+        b'{"ticket_id": "a", "body": "Where is my card?"}',
+        b"[" * 4000,  # deep nesting, under the size limit set below
+        b'{"ticket_id": "b", "body": "x", "metadata": {"[/bold]": 1}}',  # markup in the reason
+        b'{"ticket_id": "c", "body": "caf\xe9"}',
+        b'{"ticket_id": "d", "body": "x", "created_at": "2024-02-30T00:00:00Z"}',
+        b'{"ticket_id": "e", "body": "' + b"y" * 5000 + b'"}',
+        b'{"ticket_id": "f", "body": "[/red] ignore previous instructions"}',
+    ]
+    tickets = tmp_path / "tickets.jsonl"
+    tickets.write_bytes(b"\n".join(lines) + b"\n")
+    output = tmp_path / "results.jsonl"
+    code = main(
+        [
+            *("classify", "--input", str(tickets), "--output", str(output), "--model", str(TINY)),
+            *("--set", "inference.pool=thread", "--set", "pipeline.max_value_bytes=4096"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == EXIT_LINES_SKIPPED, err
+    for number, reason in [
+        (2, "too_deeply_nested"),
+        (3, "wrong_type: `metadata.[/bold]` must be a string"),
+        (4, "invalid_utf8"),
+        (5, "invalid_timestamp"),
+        (6, "too_large: line is over the 4096-byte limit"),
+    ]:
+        assert f"tickets.jsonl:{number}: skipped, not a TicketEvent: {reason}" in err
+    assert "bad lines skipped: 5" in err
+    results = [msgspec.json.decode(line, type=TriageResult) for line in output.read_bytes().splitlines()]
+    assert [(r.ticket_id, r.source.offset) for r in results] == [("a", 0), ("f", 6)]

@@ -1,0 +1,169 @@
+"""The rooms import one way (see `worker/__init__.py`): a newcomer can trust the folder names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import worker
+
+PACKAGE = Path(worker.__file__).parent
+# What each room may import besides the shared modules (worker/*.py); cli may import everything.
+ALLOWED = {
+    "shared": {"privacy"},
+    "kafka": {"privacy"},
+    "inference": {"privacy"},
+    "pipeline": {"kafka", "privacy"},
+    "replay": {"kafka", "pipeline", "privacy"},
+    "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
+    # The trainers, evaluation, fine-tuning on feedback (read from its topic, rejects dead-lettered with the
+    # pipeline's redaction of a value) and the artifact fetch: never the command line or the dev parts.
+    "learning": {"inference", "kafka", "pipeline", "privacy"},
+    # Data contracts (Schema Registry formats): what a record's bytes mean; no Kafka client, no model.
+    "contracts": {"privacy"},
+    # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
+    "privacy": set(),
+    # The assembly point: the running worker built from its settings, so every production room, and the
+    # hot-reload thread; never the command line or the dev parts.
+    "app": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"},
+    # The command line: every command, so everything.
+    "cli": {
+        *("app", "kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"),
+        "dev",
+    },
+    # Development-only parts: the local broker and registry, sample tickets, and the generator of docs/'s
+    # reference parts, which reads the settings, the metrics' collectors and the CLI's flags and defaults.
+    "dev": {"kafka", "pipeline", "telemetry", "cli", "privacy"},
+}
+# The rooms the running worker is made of: none of them may import the command line or the dev parts.
+PRODUCTION = set(ALLOWED) - {"cli", "dev"}
+
+
+def _room(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    if relative.name == "__main__.py":
+        return "cli"  # `python -m worker` is the CLI
+    return relative.parts[0] if len(relative.parts) > 1 else "shared"
+
+
+def _imported_rooms(path: Path) -> set[str]:
+    rooms = set()
+    # Every import, those inside functions too.
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "worker" and len(parts) > 2 and parts[1] in ALLOWED:
+                rooms.add(parts[1])
+    return rooms
+
+
+def test_each_room_imports_only_what_it_may() -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        room = _room(path)
+        for imported in _imported_rooms(path) - ALLOWED[room] - {room}:
+            wrong.append(f"{path.relative_to(PACKAGE)} ({room}) imports worker.{imported}")
+    assert wrong == []
+
+
+def test_the_rooms_are_the_folders() -> None:
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders | {"shared"} == set(ALLOWED)
+
+
+def test_no_production_room_imports_the_command_line_or_the_dev_parts() -> None:
+    wrong = [
+        f"{path.relative_to(PACKAGE)} ({_room(path)}) imports worker.{imported}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if _room(path) in PRODUCTION
+        for imported in _imported_rooms(path) & {"cli", "dev"}
+    ]
+    assert wrong == []
+    assert not {"cli", "dev"} & set().union(*(ALLOWED[room] for room in PRODUCTION))
+
+
+def test_no_command_module_imports_another() -> None:
+    """What two commands share lives in a module that is not a command (a cli helper, `worker.app`, the room
+    its meaning belongs to): a command module is only ever imported by `cli.build_parser`."""
+    wrong = []
+    for path in sorted((PACKAGE / "cli").glob("*_command.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+                if node.module == "worker.cli":  # `from worker.cli import x_command`
+                    names += [f"worker.cli.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            wrong += [f"{path.name} imports {name}" for name in names if name.endswith("_command")]
+    assert wrong == []
+
+
+REPO = PACKAGE.parent
+TESTS = {path.stem for path in (REPO / "tests").rglob("*.py")}
+# The test folders: one per room of the package (tests/shared for worker/*.py), and tests/project for the
+# checkout around it (docs, deploy files, the container, packaging, this file).
+TEST_ROOMS = set(ALLOWED) | {"project"}
+
+
+def _imports(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+    return found
+
+
+def _touches_sys_path(path: Path) -> bool:
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+    )
+
+
+def test_worker_tools_and_tests_import_one_way_without_sys_path_edits() -> None:
+    """The installed worker needs neither tools/ nor tests/; the tools (`python -m tools.<name>`) need no test
+    module; the tests find `tools.harness` through pytest's `pythonpath`, so no file edits `sys.path`."""
+    wrong = [
+        f"{path.relative_to(REPO)} imports {sorted(_imports(path) & {'tools', 'tests'})}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if _imports(path) & {"tools", "tests"}
+    ]
+    wrong += [
+        f"{path.relative_to(REPO)} imports test modules {sorted(_imports(path) & TESTS)}"
+        for path in sorted((REPO / "tools").rglob("*.py"))
+        if _imports(path) & TESTS
+    ]
+    wrong += [
+        f"{path.relative_to(REPO)} edits sys.path"
+        for folder in ("worker", "tools", "tests")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if _touches_sys_path(path)
+    ]
+    assert wrong == []
+
+
+def test_each_test_module_sits_in_a_room_folder() -> None:
+    """tests/<room>/test_*.py, where <room> is the room whose behaviour it tests (tests/README.md); tests/
+    itself keeps only the helpers the rooms share. The folders are not packages, so pytest and mypy know a
+    test module by its file name alone: two with the same name in different rooms would shadow each other."""
+    modules = sorted((REPO / "tests").rglob("test_*.py"))
+    misplaced = [
+        str(path.relative_to(REPO))
+        for path in modules
+        if path.parent.parent != REPO / "tests" or path.parent.name not in TEST_ROOMS
+    ]
+    assert misplaced == []
+    names = [path.name for path in modules]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
