@@ -102,7 +102,7 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 # Rewrites the generated parts of docs/ (settings and flags from Settings, metrics from the collectors);
-# tests/test_docs.py fails when they are stale.
+# tests/project/test_docs.py fails when they are stale.
 ## Rewrites the generated parts of docs/
 docs: setup
 	$(BIN)/python -m worker.dev.reference --write

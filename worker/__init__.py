@@ -54,8 +54,8 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files
   and taxonomies, read with a bound), `logs`, `errors`.
 
-`tests/test_architecture.py` checks the import rules, that no room but `cli` and `dev` imports either, and
-that no command module imports another.
+`tests/project/test_architecture.py` checks the import rules, that no room but `cli` and `dev` imports
+either, and that no command module imports another.
 """
 
 __version__ = "0.1.0"

@@ -1,8 +1,8 @@
 """Triage records in Avro, in the Schema Registry wire format (`output.format = "avro"`).
 
 The schema is the one generated from `TriageResult` (`avro_schema`, the same as schemas/triage_result.avsc,
-which `tests/test_contract_compatibility.py` keeps BACKWARD compatible). It is registered once, at start,
-under the output topic's value subject (`<topic>-value`, the client's default `TopicNameStrategy`, so
+which `tests/contracts/test_contract_compatibility.py` keeps BACKWARD compatible). It is registered once, at
+start, under the output topic's value subject (`<topic>-value`, the client's default `TopicNameStrategy`, so
 confluent-kafka's `AvroDeserializer` and other consumers find it); each record is then written with that id
 by fastavro, with no registry call per record: a registry outage after start never holds a result back.
 """

@@ -6,7 +6,7 @@
 
 A generated part sits between ``<!-- generated: NAME ... -->`` and ``<!-- end generated -->`` in a page;
 ``python -m worker.dev.reference --write`` (`make docs`) rewrites them all, ``--check`` lists the stale ones
-and exits 1 (tests/test_docs.py does the same).
+and exits 1 (tests/project/test_docs.py does the same).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the answer is dropped and the partition is started with no offset, so `earliest`
 (exactly-once chaos, seed 29: 8,478 duplicates) and `latest` skips unread tickets. Seen in librdkafka 2.16
 (`rd_kafka_assignment_apply_offsets`: the UNSTABLE partition goes back to the pending list with the offset
 the broker answered, -1, where a stale-epoch one is reset to "stored"); reproduced with bare clients in
-`tests/test_start_positions.py`.
+`tests/kafka/test_start_positions.py`.
 
 So the worker never lets librdkafka pick: every partition is assigned with an explicit start.
 

@@ -275,7 +275,7 @@ class Pipeline:
         back records it dequeued before the callback ran; the first of them would start the partition's
         new state at a later offset than the seek, and the records in between, fetched again, would be
         skipped as re-deliveries while the next commit passed them: tickets committed with no output
-        (issue #25, reproduced in tests/test_pipeline_memory.py).
+        (issue #25, reproduced in tests/pipeline/test_pipeline_memory.py).
         """
         message = self._consumer.poll(timeout)
         now, wall = self._clock(), time.time()  # one clock read per poll round, not per record
