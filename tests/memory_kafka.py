@@ -35,9 +35,11 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import confluent_kafka
+
+from worker.kafka.clients import ClientFactory
 
 Key = tuple[str, int]
 Headers = list[tuple[str, bytes | None]] | None
@@ -495,8 +497,8 @@ class MemoryProducer:
         queue, self._queue = self._queue, []
         for topic, value, key, headers, on_delivery in queue:
             if topic not in self.kafka.logs:  # as librdkafka reports it where the broker creates no topic
-                error = KafkaError(KafkaError._UNKNOWN_TOPIC, f"Local: Unknown topic {topic}")
-                on_delivery(error, Message(topic, -1, None, error))
+                unknown = KafkaError(KafkaError._UNKNOWN_TOPIC, f"Local: Unknown topic {topic}")
+                on_delivery(unknown, Message(topic, -1, None, unknown))
                 continue
             partitions = self.kafka.logs[topic]
             partition = zlib.crc32(key or b"") % len(partitions)
@@ -590,3 +592,10 @@ class MemoryClients:
 
     def producer(self, on_error: Callable[[KafkaError], None]) -> MemoryProducer:
         return MemoryProducer(self.kafka, self.transactional_id, on_error)
+
+
+def as_client_factory(clients: MemoryClients) -> ClientFactory:
+    """`clients` where the pipeline takes a `ClientFactory`. The seam names confluent-kafka's classes, which
+    the fake does not subclass; it answers the calls the pipeline makes as they do, which
+    tests/kafka/test_kafka_contract.py checks against a real broker."""
+    return cast(ClientFactory, clients)

@@ -3,7 +3,7 @@
 A deadline that passes during the wait gives `deadline_exceeded`, like a deadline checked between model
 steps. Three ways in:
 - in this process: `install(seconds)` (undo with the returned function);
-- in a process pool's workers: `ProcessPool(..., initializer=functools.partial(install, seconds))`;
+- in a process pool's workers: `ProcessPool(..., initializer=functools.partial(install_for_good, seconds))`;
 - a whole worker: `python tests/slow_model.py SECONDS run ...` runs `triage-worker run ...`; its pool's
   processes (spawned) re-import this script as their main module, so they install the delay too.
 """
@@ -27,14 +27,14 @@ def install(seconds: float) -> Callable[[], None]:
     """Slow down every `Context.classify` of this process by `seconds`; returns the undo."""
     original = Context.classify
 
-    def classify(context: Context, request: ClassifyRequest) -> Classification:
+    def classify(self: Context, request: ClassifyRequest) -> Classification:
         started = time.monotonic()
         until = started + seconds
         while (now := time.monotonic()) < until:
             if now >= request.deadline:
-                return context.engine.fallback("deadline_exceeded", started)
+                return self.engine.fallback("deadline_exceeded", started)
             time.sleep(min(_SLICE_S, until - now))
-        answer = original(context, request)
+        answer = original(self, request)
         # The answer's latency includes the delay, as a slow model's would.
         return msgspec.structs.replace(answer, latency_ms=(time.monotonic() - started) * 1000.0)
 
@@ -44,6 +44,11 @@ def install(seconds: float) -> Callable[[], None]:
         Context.classify = original  # type: ignore[method-assign]
 
     return undo
+
+
+def install_for_good(seconds: float) -> None:
+    """`install` for the life of this process: a pool's `initializer`, which returns nothing."""
+    install(seconds)
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the worker and, re-imported, its pool's processes

@@ -101,7 +101,7 @@ def test_sighup_switches_the_model_mid_stream_without_loss_duplicates_or_rebalan
     shutil.copytree(TINY_MODEL, broken)
     (broken / "model.onnx").write_bytes(b"truncated in transit")
     token_file, token = _token_file(tmp_path)
-    args = ("--config", str(config), "--metrics-port", "0", "--metrics-host", "127.0.0.1")
+    args: tuple[str, ...] = ("--config", str(config), "--metrics-port", "0", "--metrics-host", "127.0.0.1")
     args += ("--reload-token-file", str(token_file))
     worker = Worker(kafka_bootstrap, topics, group, tmp_path, "reload", model=None, args=args)
     try:
@@ -163,8 +163,8 @@ def test_sighup_switches_the_model_mid_stream_without_loss_duplicates_or_rebalan
         models = [model for _, model in sorted(records)]
         first_new = models.index(NEW) if NEW in models else len(models)
         assert set(models[:first_new]) <= {OLD} and set(models[first_new:]) <= {NEW}, partition
-    models = collections.Counter(r[0].model for r in report.results.values())
-    assert models[OLD] > 0 and models[NEW] > 0, models
+    answers_per_model = collections.Counter(r[0].model for r in report.results.values())
+    assert answers_per_model[OLD] > 0 and answers_per_model[NEW] > 0, answers_per_model
     # The broken folder was refused; the 200 tickets sent after that went to the model that was running.
     assert str(broken) in failed["reason"] and "cannot load model" in failed["reason"]
     late = [r[0] for r in report.results.values() if r[0].ticket_id.startswith("T32")]

@@ -25,10 +25,12 @@ import confluent_kafka
 import msgspec
 import pytest
 
-from tools.harness import REPO, read_topic
+from tools import REPO
+from tools.harness import read_topic
 from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
+from worker.kafka.clients import record_headers
 from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
 
@@ -229,7 +231,7 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
     assert [r.error_type for r in refused] == ["invalid_feedback", "unknown_intent", "unknown_ticket"]
     dead = list(read_topic(kafka_bootstrap, dead_letter_topic))
     assert [m.value() for m in dead] == bad_feedback
-    infos = [dead_letters.read_dead_letter(m.headers()) for m in dead]
+    infos = [dead_letters.read_dead_letter(record_headers(m)) for m in dead]
     assert [(i.error_type, i.topic, i.offset) for i in infos] == [
         ("invalid_feedback", feedback, 2),
         ("unknown_intent", feedback, 3),

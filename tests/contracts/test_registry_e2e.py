@@ -78,7 +78,9 @@ def _roundtrip(kafka_config: dict[str, str], topic: str, values: list[bytes]) ->
             message = consumer.poll(30)
             assert message is not None, f"only {len(received)} of {len(values)} records came back"
             assert message.error() is None, message.error()
-            received.append(message.value())
+            record_value = message.value()
+            assert record_value is not None, "a record came back without its value"
+            received.append(record_value)
     finally:
         consumer.close()
     return received
@@ -91,7 +93,7 @@ def test_avro_tickets_through_the_real_registry_and_broker_decode_with_a_mapping
     client: Any = SchemaRegistryClient({"url": registry.url})
     serialize = AvroSerializer(client, HELPDESK_AVRO)
     ctx = SerializationContext(topic, MessageField.VALUE)
-    records = [
+    records: list[dict[str, Any]] = [
         {"id": f"HD-{n}", "description": f"charged twice ({n})", "requester": {"email": f"c{n}@example.com"}}
         for n in range(3)
     ]

@@ -21,7 +21,7 @@ from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_
 from worker.errors import UserError
 from worker.inference.encoder import EncoderEngine, ordered_labels_sha256, read_manifest
 from worker.inference.escalation import EscalationChoice, choose_escalation
-from worker.inference.pool import measure_turnaround, open_pool
+from worker.inference.pool import Result, measure_turnaround, open_pool
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import canonical_label, stratified_split
@@ -208,7 +208,7 @@ def test_the_process_pool_runs_it_and_its_warm_turnaround_is_measured() -> None:
                 7, "I still have not received my new card, when will it arrive?", time.monotonic() + 60
             )
         )
-        answers = []
+        answers: list[Result] = []
         while not answers:
             answers = pool.poll(1.0)
         assert answers[0][0] == 7 and answers[0][1].intent == "card_arrival"

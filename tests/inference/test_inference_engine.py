@@ -18,7 +18,7 @@ from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.prompt import INTENT_OPENING
-from worker.messages import SourcePosition, TicketEvent, TriageResult
+from worker.messages import FallbackReason, SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.records import encode_result, triage_result
 
 TINY = REPO / "tests" / "models" / "tiny"
@@ -175,8 +175,8 @@ def test_a_thousand_requests_with_random_deadlines_do_not_leak(contexts: dict[st
     rng = random.Random(7)
     context = contexts["generate"]
 
-    def run(count: int) -> set[str | None]:
-        reasons = set()
+    def run(count: int) -> set[FallbackReason | None]:
+        reasons: set[FallbackReason | None] = set()
         for index in range(count):
             text = rng.choice(ADVERSARIAL[:12]) + " ticket " * rng.randint(0, 40)
             # Deadlines of 0-12 ms cut generation at random points; every tenth request has time to finish

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import confluent_kafka
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
-from memory_kafka import MemoryKafka
+from memory_kafka import MemoryKafka, as_client_factory
 
 from worker.config import load_settings
 from worker.kafka.clients import ClientFactory, KafkaClients, produce
@@ -53,7 +53,7 @@ class MemoryBackend:
         return topic
 
     def clients(self, group: str, transactional_id: str | None = None) -> ClientFactory:
-        return self.kafka.clients(group, transactional_id)  # type: ignore[return-value]
+        return as_client_factory(self.kafka.clients(group, transactional_id))
 
 
 class KafkaBackend:

@@ -4,7 +4,6 @@ log end to end is tests/kafka/test_outage_logs.py)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import confluent_kafka
 from structlog.testing import capture_logs
@@ -93,7 +92,7 @@ def test_an_outage_is_one_line_per_cause_and_level_saying_how_many_it_stands_for
         handler.handle(_record(logging.WARNING, DISCONNECTED))
         clock.now += 10.0
         handler.handle(_record(logging.ERROR, REFUSED_AGAIN))
-    lines: list[dict[str, Any]] = [log for log in logs if log["event"] == "librdkafka"]
+    lines = [log for log in logs if log["event"] == "librdkafka"]
     assert [(line["log_level"], line["message"], line["suppressed_since_last"]) for line in lines] == [
         ("error", REFUSED, 0),
         ("info", DISCONNECTED, 0),

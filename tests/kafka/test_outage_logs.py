@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from tools.harness import REPO, Worker, make_topics
+from tools import REPO
+from tools.harness import Worker, make_topics
 from worker.dev.local_broker import LocalBroker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -100,8 +100,11 @@ def test_librdkafka_alone_starts_such_a_partition_at_the_beginning_when_its_assi
         until = time.monotonic() + seconds
         while time.monotonic() < until:
             message = consumer.poll(0.05)
-            if message is not None and message.error() is None and message.partition() is not None:
-                first_offsets.setdefault((name, message.partition()), message.offset() or 0)
+            if message is None or message.error() is not None:
+                continue
+            partition = message.partition()
+            if partition is not None:
+                first_offsets.setdefault((name, partition), message.offset() or 0)
 
     with _open_transaction(kafka_bootstrap, group, {(topic, p): 60 for p in (0, 1)}):
         first = confluent_kafka.Consumer(config)

@@ -18,22 +18,23 @@ import shutil
 import tomllib
 import uuid
 import zipfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tools import REPO
-from worker.cli import model_command
 from worker.cli.cli import main
-from worker.config import InferenceSettings
+from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder, read_manifest
 from worker.inference.escalation import choose_escalation
-from worker.inference.taxonomy import load_taxonomy
+from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import compose, encoder_stage
 from worker.learning.artifacts import fetch_jar_members
 from worker.learning.evaluation import canonical_label
+from worker.learning.first_stage import Teacher
 
 BANK_DESK_PATH = REPO / "taxonomies" / "bank-desk.toml"
 BANK_DESK = load_taxonomy(BANK_DESK_PATH)
@@ -130,12 +131,14 @@ def test_training_takes_the_tokenizer_from_the_stage_folder_not_a_shared_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The situation after `make setup`: a cache with the encoder alone and its marker."""
-    cache = tmp_path / "triage-worker" / read_manifest(model_command.DEFAULT_ESCALATION_DIR).cache  # type: ignore[operator]
+    manifest = read_manifest(DEFAULT_ESCALATION_DIR)
+    assert manifest.cache is not None  # the shipped stage's encoder is fetched into the user cache
+    cache = tmp_path / "triage-worker" / manifest.cache
     cache.mkdir(parents=True)
     (cache / ".complete").write_text("digest\n")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     onnx_file, tokenizer = encoder_stage.shipped_encoder_files(echo=lambda _: None)
-    assert tokenizer == model_command.DEFAULT_ESCALATION_DIR / "tokenizer.json" and tokenizer.is_file()
+    assert tokenizer == DEFAULT_ESCALATION_DIR / "tokenizer.json" and tokenizer.is_file()
     SentenceEmbedder(onnx_file, tokenizer, threads=1)  # what raised "No such file or directory"
 
 
@@ -153,7 +156,7 @@ def test_training_takes_the_tokenizer_from_the_stage_folder_not_a_shared_cache(
 def test_the_missing_packages_line_names_an_extra_that_installs_them(
     argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(model_command.importlib.util, "find_spec", lambda name, *_: None)
+    monkeypatch.setattr("worker.cli.model_command.importlib.util.find_spec", lambda name, *_: None)
     assert main(["model", "train", *argv]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("triage-worker: error: model train needs "), line
@@ -451,8 +454,20 @@ def test_the_first_stage_gets_the_contracts_arguments_and_the_folder_is_served_w
     escalating to DIR/encoder."""
     calls: list[dict[str, object]] = []
 
-    def train_first_stage(labelled, validation, taxonomy, taxonomy_path, teacher, out_dir, *, unlabelled,
-                          max_seconds, seed, progress):  # fmt: skip
+    def train_first_stage(
+        labelled: Sequence[tuple[str, str]],
+        validation: Sequence[tuple[str, str]],
+        taxonomy: Taxonomy,
+        taxonomy_path: Path,
+        teacher: Teacher | None,
+        out_dir: Path,
+        *,
+        unlabelled: Sequence[str],
+        max_seconds: float,
+        seed: int,
+        progress: Callable[[int, int], None],
+    ) -> _FirstStageReport:
+        assert teacher is not None  # the composition hands its encoder stage to the first stage
         probabilities = teacher([text for text, _ in labelled[:3]])
         calls.append({"labelled": len(labelled), "validation": len(validation), "taxonomy": taxonomy.name,
                       "path": taxonomy_path, "teacher": probabilities, "unlabelled": list(unlabelled),
@@ -522,8 +537,19 @@ def test_the_cascade_threshold_is_the_lowest_that_serves_the_best_accuracy_measu
     assert compose.measured_cascade([(t, 0.3) for t in truth], truth, truth)["escalate_below"] == 0.5
 
 
-def _stand_in_first_stage(labelled, validation, taxonomy, taxonomy_path, teacher, out_dir, *, unlabelled,
-                          max_seconds, seed, progress):  # fmt: skip
+def _stand_in_first_stage(
+    labelled: Sequence[tuple[str, str]],
+    validation: Sequence[tuple[str, str]],
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    teacher: Teacher | None,
+    out_dir: Path,
+    *,
+    unlabelled: Sequence[str],
+    max_seconds: float,
+    seed: int,
+    progress: Callable[[int, int], None],
+) -> _FirstStageReport:
     """The test model as the trained first stage (an ORT GenAI folder that answers confidently)."""
     _copy_test_model(out_dir)
     return _FirstStageReport(None, None, 1.0, "int4", 1234)

@@ -9,7 +9,7 @@ import pytest
 
 from worker.errors import UserError
 from worker.inference.encoder import mean_pool
-from worker.learning import artifacts, evaluation
+from worker.learning import evaluation
 
 
 def test_mean_pool_ignores_padding_and_normalises() -> None:
@@ -27,7 +27,7 @@ def test_fetch_teacher_without_maven_says_how_to_get_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(artifacts.shutil, "which", lambda _name: None)
+    monkeypatch.setattr("worker.learning.artifacts.shutil.which", lambda _name: None)
     with pytest.raises(UserError, match="mvn"):
         evaluation.fetch_teacher(lambda _line: None)
     assert not (evaluation.teacher_dir() / ".complete").exists()

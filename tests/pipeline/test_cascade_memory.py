@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 import pytest
@@ -89,10 +89,12 @@ def cascade_pipeline(
     stage: Stage,
     window: int = 8,
     prior_s: float = 0.0,
-    **settings: object,
+    settings: Mapping[str, object] | None = None,
 ) -> tuple[Pipeline, Cascade]:
     cascade = Cascade(stage, 0.5, window, prior_s, first_contexts=1, labels=LABELS)
-    return pipeline(kafka, guarantee, classifier=Stage("first@test"), cascade=cascade, **settings), cascade
+    return pipeline(
+        kafka, guarantee, classifier=Stage("first@test"), cascade=cascade, settings=settings
+    ), cascade
 
 
 def records(kafka: MemoryKafka) -> dict[tuple[int, int], TriageResult]:
@@ -223,7 +225,7 @@ def test_escalation_answers_after_the_revoke_timeout_are_discarded_not_written(
 ) -> None:
     fill_texts(kafka, 1, ["where is my card"] * 2 + ["unsure, hold"] + ["where is my card"] * 2)
     stage = Stage("encoder@test", escalation=True)
-    worker, _ = cascade_pipeline(kafka, guarantee, stage, **{"pipeline.revoke_timeout_ms": 200})
+    worker, _ = cascade_pipeline(kafka, guarantee, stage, settings={"pipeline.revoke_timeout_ms": 200})
     running = Running(worker)
     wait_until(lambda: len(stage.held) == 1 and worker.metrics.consumed == 5, "the held ticket")
     consumer = kafka.members[0]

@@ -352,7 +352,12 @@ def test_deadline_below_model_latency_still_gives_every_ticket_a_record(
 def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_committed_past(
     kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
 ) -> None:
-    from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.admin._config import (  # re-exported untyped by confluent_kafka.admin
+        AlterConfigOpType,
+        ConfigEntry,
+        ConfigResource,
+    )
 
     topics = make_topics(unique_topic)
     # Output and dead-letter topics whose size limit no record fits: a result refused for its size would be
@@ -396,7 +401,8 @@ def test_a_ticket_that_can_be_written_nowhere_stops_its_partition_and_is_never_c
 
 def _create_limited_topic(bootstrap: str, topic: str, max_message_bytes: int, partitions: int = 1) -> None:
     """Create `topic` whose broker-side record size limit (`max.message.bytes`) is `max_message_bytes`."""
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     config = {"max.message.bytes": str(max_message_bytes)}

@@ -7,7 +7,7 @@ import datetime
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import confluent_kafka
 import msgspec
@@ -29,6 +29,7 @@ from tools.harness import (
 from worker.classification import Classifier, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool
+from worker.kafka.clients import record_headers
 from worker.messages import TriageResult
 from worker.pipeline.runner import Pipeline
 
@@ -192,7 +193,8 @@ def test_the_pipeline_stays_under_its_bound_and_resumes_when_slots_free(
 def test_records_too_large_for_the_dead_letter_topic_are_written_smaller_and_nothing_stops(
     kafka_bootstrap: str, unique_topic: Callable[..., str], start: Start, guarantee: str
 ) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
     topics = make_topics(unique_topic, partitions=1)
     topics.dead_letter = f"dlq-small-{uuid.uuid4().hex[:8]}"
@@ -249,8 +251,10 @@ def _omitted_headers(bootstrap: str, topic: str) -> dict[int, int]:
     deadline = time.monotonic() + 30
     while len(found) < 3 and time.monotonic() < deadline:
         for message in consumer.consume(10, 1.0):
-            headers = dict(message.headers() or [])
-            found[int(headers["triage.source.offset"])] = int(headers["triage.omitted.bytes"])
+            headers = dict(record_headers(message) or [])
+            offset, omitted = headers["triage.source.offset"], headers["triage.omitted.bytes"]
+            assert offset is not None and omitted is not None
+            found[int(offset)] = int(omitted)
     consumer.close()
     return found
 
@@ -261,16 +265,16 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
     start: Start,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.pipeline import runner
+    from worker.pipeline.deadlines import ticket_deadline as real_deadline
 
-    real_deadline = runner.ticket_deadline
-
-    def deadline_that_breaks(now: float, wall: float, budget_ms: int, metadata: object) -> float:
+    def deadline_that_breaks(
+        now: float, wall: float, budget_ms: int, metadata: Mapping[str, str] | None
+    ) -> float:
         if metadata:  # stands for any library failing on one record's content
             raise ZeroDivisionError("a bug reached by one record")
-        return real_deadline(now, wall, budget_ms, metadata)  # type: ignore[arg-type]
+        return real_deadline(now, wall, budget_ms, metadata)
 
-    monkeypatch.setattr(runner, "ticket_deadline", deadline_that_breaks)
+    monkeypatch.setattr("worker.pipeline.intake.ticket_deadline", deadline_that_breaks)
     topics = make_topics(unique_topic, partitions=1)
     bodies = ['{"ticket_id": "A", "body": "x"}', '{"ticket_id": "B", "body": "y", "metadata": {"k": "v"}}']
     producer = confluent_kafka.Producer({"bootstrap.servers": kafka_bootstrap})

@@ -10,13 +10,13 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import confluent_kafka
 import msgspec
 import pytest
 from doubles import HoldingClassifier, InstantClassifier, RecordingClassifier, Running
-from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka
+from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka, as_client_factory
 
 from worker.classification import Classifier, FallbackLabel
 from worker.config import load_settings
@@ -92,7 +92,7 @@ def pipeline(
     classifier: Classifier | None = None,
     clock: Callable[[], float] = time.monotonic,
     cascade: Cascade | None = None,
-    **settings: object,
+    settings: Mapping[str, object] | None = None,
 ) -> Pipeline:
     """A pipeline in group "memory-group"; by default it commits only when its in-flight bound is half full,
     on revoke and at shutdown (a commit interval of an hour), so that a test decides what is uncommitted."""
@@ -107,10 +107,10 @@ def pipeline(
             "pipeline.group_id": group,
             "pipeline.guarantee": guarantee,
             "pipeline.commit_interval_ms": 3_600_000,
-            **settings,
+            **(settings or {}),
         },
     )
-    clients = kafka.clients(group, "memory-tid" if guarantee == "exactly_once" else None)
+    clients = as_client_factory(kafka.clients(group, "memory-tid" if guarantee == "exactly_once" else None))
     return Pipeline(
         config,
         classifier or InstantClassifier(),
@@ -163,7 +163,7 @@ def test_records_fetched_before_a_rebalance_callback_never_start_a_partition_ove
     fill(kafka, 1, 5, seed=2)
     fill(kafka, 2, 5, seed=3)
     worker = pipeline(
-        kafka, "exactly_once", **{"pipeline.poll_batch_size": 4, "pipeline.max_in_flight": 1000}
+        kafka, "exactly_once", settings={"pipeline.poll_batch_size": 4, "pipeline.max_in_flight": 1000}
     )
     fired = threading.Event()
     kafka.hooks.consumer_call = _events_in_one_poll(kafka, events, fired)
@@ -219,7 +219,7 @@ def test_answers_that_come_after_the_revoke_timeout_are_discarded_not_written(
     commit stops before it, and its late answer is discarded (writing it too would be a duplicate)."""
     fill_texts(kafka, 1, ["where is my card"] * 3 + ["hold: card stolen"] + ["where is my card"] * 3)
     classifier = HoldingClassifier()
-    worker = pipeline(kafka, guarantee, classifier=classifier, **{"pipeline.revoke_timeout_ms": 200})
+    worker = pipeline(kafka, guarantee, classifier=classifier, settings={"pipeline.revoke_timeout_ms": 200})
     running = Running(worker)
     wait_until(lambda: len(classifier.held) == 1 and worker.metrics.consumed == 7, "the held ticket")
     consumer = kafka.members[0]
@@ -281,7 +281,7 @@ def test_a_failed_delivery_aborts_the_transaction_and_the_redo_writes_each_outpu
         return None
 
     kafka.hooks.delivery = fail_once
-    worker = pipeline(kafka, "exactly_once", **{"pipeline.commit_interval_ms": 100})
+    worker = pipeline(kafka, "exactly_once", settings={"pipeline.commit_interval_ms": 100})
     running = Running(worker)
     ends = kafka.end_offsets(INPUT)
     wait_until(lambda: worker.metrics.transactions_aborted == 1, "the abort")
@@ -330,7 +330,9 @@ def test_a_stuck_commit_is_settled_by_a_new_producer_and_the_work_redone_once(ka
     redone from the group's committed offsets."""
     fill_texts(kafka, 0, ["where is my card"] * 20)
     kafka.hooks.commit = stuck = StuckFirstCommit()
-    worker = pipeline(kafka, "exactly_once", clock=fast_clock(), **{"pipeline.commit_interval_ms": 1000})
+    worker = pipeline(
+        kafka, "exactly_once", clock=fast_clock(), settings={"pipeline.commit_interval_ms": 1000}
+    )
     running = Running(worker)
     try:
         wait_until(stuck.stuck.is_set, "the first commit")
@@ -359,7 +361,9 @@ def test_a_new_producer_whose_coordinator_does_not_answer_yet_tries_again_and_th
             raise confluent_kafka.KafkaException(error)
 
     kafka.hooks.commit, kafka.hooks.init = stuck, coordinator_away_for_a_while
-    worker = pipeline(kafka, "exactly_once", clock=fast_clock(), **{"pipeline.commit_interval_ms": 1000})
+    worker = pipeline(
+        kafka, "exactly_once", clock=fast_clock(), settings={"pipeline.commit_interval_ms": 1000}
+    )
     running = Running(worker)
     try:
         wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 20, "the redone work committed")
@@ -387,9 +391,9 @@ def test_a_partition_whose_committed_offset_an_open_transaction_holds_starts_the
     dead.begin_transaction()
     held = [confluent_kafka.TopicPartition(INPUT, p, 15) for p in (0, 1)]
     dead.send_offsets_to_transaction(held, GroupMetadata("memory-group", kafka.generation, "dead"))
-    worker = pipeline(kafka, guarantee, **{"pipeline.commit_interval_ms": 100})
+    worker = pipeline(kafka, guarantee, settings={"pipeline.commit_interval_ms": 100})
     running = Running(worker)
-    wait_until(lambda: bool(kafka.members) and kafka.members[0].assigned, "the assignment")
+    wait_until(lambda: bool(kafka.members and kafka.members[0].assigned), "the assignment")
     consumer = kafka.members[0]
     kafka.revoke(consumer, [(INPUT, 1)])  # the assignment changes while the offsets are unstable
     wait_until(lambda: (INPUT, 1) not in consumer.assigned, "the revoke")
@@ -415,7 +419,7 @@ def test_a_ticket_whose_deadline_had_passed_on_arrival_is_answered_expired_on_ar
         ticket = {"ticket_id": f"T-{index}", "body": "my card is blocked", "metadata": {"deadline_at": due}}
         kafka.append(INPUT, 0, msgspec.json.encode(ticket), f"customer-{index}".encode())
     classifier = InstantClassifier()
-    worker = pipeline(kafka, guarantee, classifier=classifier, **{"pipeline.commit_interval_ms": 100})
+    worker = pipeline(kafka, guarantee, classifier=classifier, settings={"pipeline.commit_interval_ms": 100})
     running = Running(worker)
     wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 2, "both tickets committed")
     assert running.stop() == 0
@@ -442,7 +446,7 @@ def test_redact_input_and_dead_letter_redact_decide_what_the_model_and_the_dead_
     kafka.append(INPUT, 0, poison, b"poison")
     classifier = RecordingClassifier()
     settings = {"inference.redact_input": redact, "dead_letter.redact": redact}
-    running = Running(pipeline(kafka, "at_least_once", classifier, **settings))
+    running = Running(pipeline(kafka, "at_least_once", classifier, settings=settings))
     wait_until(lambda: len(kafka.read_committed(OUTPUT)) + len(kafka.read_committed(DEAD)) == 3, "3 outputs")
     assert running.stop() == 0
     sent = "card [card ••••1111] lost" if redact else f"card {card} lost"

@@ -13,8 +13,8 @@ from worker.classification import Classification, FallbackLabel, fallback_answer
 from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
-from worker.messages import SourcePosition, TicketEvent, TriageResult
-from worker.pipeline.deadlines import DEADLINE_METADATA_KEY, ticket_deadline
+from worker.messages import DEADLINE_METADATA_KEY, SourcePosition, TicketEvent, TriageResult
+from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.inflight import Flow, InFlightGate
 from worker.pipeline.records import encode_result, result_key, triage_result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.metrics import RegistryState
 from worker.pipeline.registry_wait import MAX_RETRY_S, RegistryWait
 
@@ -27,8 +28,9 @@ class _Clock:
         return self.now
 
 
-def _wait() -> tuple[RegistryWait, _Consumer, _Clock, list[Any]]:
-    consumer, clock, paused = _Consumer(), _Clock(), []
+def _wait() -> tuple[RegistryWait, _Consumer, _Clock, list[TopicPartitionKey]]:
+    consumer, clock = _Consumer(), _Clock()
+    paused: list[TopicPartitionKey] = []
     wait = RegistryWait(consumer, paused.extend, RegistryState(), clock)  # type: ignore[arg-type]
     return wait, consumer, clock, paused
 
@@ -63,7 +65,7 @@ def test_readiness_hears_of_the_outage_until_a_record_decodes_again_and_backoff_
     clock.now += 1.0
     wait.due()
     wait.answered(KEY)
-    assert wait.state.waiting == () and wait.state.outage is None
+    assert not wait.state.waiting and wait.state.outage is None
     assert wait.hold(KEY, 2, "schema registry: timed out") and _retry_after(wait, clock) == 1.0
 
 

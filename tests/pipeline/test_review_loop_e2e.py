@@ -30,10 +30,12 @@ import confluent_kafka
 import msgspec
 import pytest
 
-from tools.harness import REPO, Topics, Worker, audit, make_topics, read_topic, wait_until_committed
+from tools import REPO
+from tools.harness import Topics, Worker, audit, make_topics, read_topic, wait_until_committed
 from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
+from worker.kafka.clients import record_headers
 from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
 
@@ -191,9 +193,7 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
     assert json.loads((tuned / "training.json").read_text())["outcome"]["corrections"] == len(to_review)
     refused = {}
     for message in read_topic(kafka_bootstrap, feedback_dead_letters):
-        info = dead_letters.read_dead_letter(
-            [(k, v) for k, v in (message.headers() or [])]  # type: ignore[misc]
-        )
+        info = dead_letters.read_dead_letter(record_headers(message))
         refused[info.error_type] = info
     assert sorted(refused) == ["invalid_feedback", "unknown_intent", "unknown_ticket"]
     assert {info.topic for info in refused.values()} == {side["feedback"]}

@@ -23,8 +23,10 @@ import confluent_kafka
 import msgspec
 import pytest
 
-from tools.harness import REPO, TINY_MODEL, Topics, Worker, make_topics, read_topic, wait_until_committed
+from tools import REPO
+from tools.harness import TINY_MODEL, Topics, Worker, make_topics, read_topic, wait_until_committed
 from tools.pii_corpus import CorpusTicket, corpus
+from worker.kafka.clients import record_headers
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -57,7 +59,7 @@ def _texts(messages: list[confluent_kafka.Message]) -> Iterable[str]:
             yield json.dumps(json.loads(value), ensure_ascii=False)
         except ValueError:
             yield value.decode("utf-8", errors="replace")
-        for _name, header in message.headers() or []:
+        for _name, header in record_headers(message) or []:
             yield (header or b"").decode("utf-8", errors="replace")
 
 
@@ -142,7 +144,7 @@ def test_no_identifier_leaves_the_input_topic_in_clear(
     letters = _values(kafka_bootstrap, topics.dead_letter)
     assert sorted((m.key() or b"").decode() for m in letters) == sorted(POISON)
     assert {m.value() for m in letters} == set(POISON.values())
-    headers = [(v or b"").decode() for m in letters for _, v in m.headers() or []]
+    headers = [(v or b"").decode() for m in letters for _, v in record_headers(m) or []]
     assert _leaks(headers, identifiers) == []
 
     # The worker's own log, at debug level.

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import structlog
 
-from tools.harness import REPO
+from tools import REPO
 from tools.pii_corpus import corpus
 from worker.cli.cli import main
 from worker.config import LogSettings, load_settings

@@ -54,7 +54,7 @@ def _runtime_env() -> dict[str, str]:
 def _default_bases() -> list[str]:
     """Each stage's FROM with the build arguments at their defaults (as `docker build .` resolves them)."""
     args: dict[str, str] = {}
-    bases = []
+    bases: list[str] = []
     for item in _instructions():
         if item.keyword == "ARG" and not bases:
             name, _, default = item.args.partition("=")

@@ -3,6 +3,7 @@ the README's five-minute tour, run line by line against a broker it starts itsel
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -83,7 +84,8 @@ def test_every_setting_has_a_meaning_and_every_meaning_a_setting() -> None:
 def test_run_help_states_the_defaults_of_settings() -> None:
     run = next(
         parser
-        for action in build_parser()._subparsers._group_actions  # type: ignore[union-attr]
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
         for name, parser in action.choices.items()
         if name == "run"
     )

@@ -16,10 +16,12 @@ from typing import Any
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
 from tools import REPO
 from worker.cli.cli import main
+from worker.kafka.clients import record_headers
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
 from worker.pipeline.guarantees import smaller
 from worker.pipeline.offsets import PartitionOffsets
@@ -62,7 +64,10 @@ def _seed(
         positions[message.value() or b""] = (message.partition() or 0, message.offset() or 0)
 
     for index, letter in enumerate(letters):
-        original = [("trace-id", f"trace-{index}".encode()), ("producer", b"shop")]
+        original: list[tuple[str, bytes | None]] = [
+            ("trace-id", f"trace-{index}".encode()),
+            ("producer", b"shop"),
+        ]
         output = Output(
             dlq,
             f"key-{index}".encode(),
@@ -81,17 +86,29 @@ def _seed(
             where = PartitionOffsets((source, letter.source_partition))
             work = Work(where, source, letter.source_partition, 100 + index, output.key, original, 0.0, 0.0)
             output = smaller(work, output, shrunk=1)
+        # The client's header type takes str values too (and list is invariant).
+        headers: list[tuple[str, str | bytes | None]] | None = (
+            None if output.headers is None else [*output.headers]
+        )
         producer.produce(
             dlq,
             key=output.key,
             value=output.value,
             partition=letter.source_partition,
-            headers=output.headers,
+            headers=headers,
             timestamp=letter.timestamp_ms,
             on_delivery=delivered,
         )
     assert producer.flush(30) == 0
     return positions
+
+
+def _read_values(bootstrap: str, topic: str) -> list[bytes]:
+    """The value of every record in `topic` (read_committed): the replay writes none without one."""
+    records = _read_all(bootstrap, topic)
+    values = [record.value for record in records if record.value is not None]
+    assert len(values) == len(records), f"a record of {topic} has no value"
+    return values
 
 
 def _read_all(bootstrap: str, topic: str, isolation: str = "read_committed") -> list[Record]:
@@ -120,13 +137,15 @@ def _read_all(bootstrap: str, topic: str, isolation: str = "read_committed") -> 
                     if error.code() == KafkaError._PARTITION_EOF:
                         pending.discard(message.partition() or 0)
                     continue
+                partition, offset = message.partition(), message.offset()
+                assert partition is not None and offset is not None  # a consumed record has both
                 records.append(
                     Record(
-                        message.partition(),
-                        message.offset(),
+                        partition,
+                        offset,
                         message.key(),
                         message.value(),
-                        list(message.headers() or []),
+                        record_headers(message) or [],
                         message.timestamp()[1],
                     )
                 )
@@ -297,7 +316,7 @@ def test_offsets_and_limit_replay_in_resumable_slices(
     slices = [_replay_json(capsys, args)["counts"]["replayed"] for _ in range(3)]
 
     assert slices == [2, 2, 0]
-    assert sorted(r.value for r in _read_all(kafka_bootstrap, source)) == [b"v2", b"v3", b"v4", b"v5"]
+    assert sorted(_read_values(kafka_bootstrap, source)) == [b"v2", b"v3", b"v4", b"v5"]
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 6}
 
 
@@ -319,7 +338,7 @@ def test_time_window_selects_by_when_records_were_dead_lettered(
     )
 
     assert summary["counts"]["replayed"] == 2
-    assert sorted(r.value for r in _read_all(kafka_bootstrap, source)) == [b"2h", b"3h"]
+    assert sorted(_read_values(kafka_bootstrap, source)) == [b"2h", b"3h"]
     # The record after --until is left for a later run, not committed past.
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 3}
 
@@ -353,7 +372,7 @@ def test_sigterm_stops_cleanly_and_a_rerun_sends_no_duplicates(
     assert json.loads(out)["interrupted"] is True
     # In-flight records finished and their progress was committed: readers see exactly what it passed.
     committed = _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3)
-    visible = [record.value for record in _read_all(kafka_bootstrap, source)]
+    visible = _read_values(kafka_bootstrap, source)
     assert sorted(visible) == sorted(
         v for v, (p, offset) in positions.items() if offset < committed.get(p, 0)
     )
@@ -411,9 +430,9 @@ def test_sigkill_then_rerun_republishes_everything_with_duplicates_only_from_in_
             replay.kill()
     time.sleep(0.5)  # let produce requests already on the wire land
 
-    sent = _read_all(kafka_bootstrap, source)
+    sent = _read_values(kafka_bootstrap, source)
     committed = _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 3)
-    in_flight = sum(1 for r in sent if positions[r.value][1] >= committed.get(positions[r.value][0], 0))
+    in_flight = sum(1 for value in sent if positions[value][1] >= committed.get(positions[value][0], 0))
     assert 0 < len(sent) < total  # killed mid-way
     assert in_flight < len(sent)  # confirmed progress was committed before the kill
 
@@ -607,7 +626,7 @@ def test_a_shrunk_dead_letter_is_never_republished_and_needs_attention_with_its_
         assert f"{source} [0] offset 101" in attention["detail"]
     assert [item["offset"] for item in dry["would_replay"]] == [0, 2]
     # Nothing went out for it: no null value that the worker would dead-letter again as null_value.
-    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0", b"v2"]
+    assert sorted(_read_values(kafka_bootstrap, source)) == [b"v0", b"v2"]
 
 
 def test_a_mistyped_filter_is_refused_before_anything_is_read_and_the_corrected_one_finds_everything(
@@ -735,7 +754,7 @@ def test_a_transform_that_never_returns_fails_its_record_at_the_time_limit_and_t
     (failure,) = summary["attention"]
     assert (failure["offset"], failure["outcome"]) == (positions[b"hang"][1], "transform_failed")
     assert failure["detail"].startswith("TransformTimeout: no answer within 1 s (--transform-timeout)")
-    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0}", b"v2}", b"v3}"]
+    assert sorted(_read_values(kafka_bootstrap, source)) == [b"v0}", b"v2}", b"v3}"]
     # As for a transform that raises: reported, and behind the group's position (--offsets and another
     # --group replay it once the transform is fixed).
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 4}
@@ -793,5 +812,5 @@ def test_a_signal_stops_a_replay_inside_a_transform_that_never_returns(
     assert json.loads(out)["interrupted"] is True
     # Committed only past what was republished: the record inside the transform, and what follows, are not.
     assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 1) == {0: 2}
-    assert sorted(record.value for record in _read_all(kafka_bootstrap, source)) == [b"v0}", b"v1}"]
+    assert sorted(_read_values(kafka_bootstrap, source)) == [b"v0}", b"v1}"]
     assert not any(Path(f"/proc/{pid}").exists() for pid in transform_processes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from types import FrameType
 
 import msgspec
 import pytest
@@ -185,7 +186,8 @@ def test_the_same_value_gets_the_same_answer_however_deep_the_callers_stack() ->
 
 
 def _stack_depth() -> int:
-    frame, depth = sys._getframe(), 0
+    frame: FrameType | None = sys._getframe()
+    depth = 0
     while frame is not None:
         frame, depth = frame.f_back, depth + 1
     return depth

@@ -59,7 +59,15 @@ json_scalars = st.none() | st.booleans() | json_ints | json_floats | plain_text
 json_values = st.recursive(
     json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(plain_text, inner, max_size=4)
 )
-tickets = st.fixed_dictionaries(
+
+
+def _has_text_to_classify(ticket: dict[str, Any]) -> bool:
+    body: str = ticket["body"]
+    subject: str | None = ticket.get("subject")
+    return (body + (subject or "")).strip() != ""
+
+
+tickets: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {"ticket_id": st.text(min_size=1, max_size=20), "body": plain_text},
     optional={
         "subject": st.none() | plain_text,
@@ -69,7 +77,7 @@ tickets = st.fixed_dictionaries(
         "metadata": st.none() | st.dictionaries(plain_text, plain_text, max_size=4),
         "producer_only": json_values,
     },
-).filter(lambda ticket: (ticket["body"] + (ticket.get("subject") or "")).strip() != "")  # text to classify
+).filter(_has_text_to_classify)
 
 
 def _json(document: Any, ascii_only: bool) -> bytes:

@@ -17,7 +17,8 @@ import confluent_kafka
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.harness import REPO, Worker, audit, make_topics, publish, wait_until_committed
+from tools import REPO
+from tools.harness import Worker, audit, make_topics, publish, wait_until_committed
 from worker.dev.local_broker import LocalBroker
 from worker.kafka.dead_letters import dead_letter_headers
 
@@ -254,7 +255,10 @@ def test_replay_serves_its_progress_while_it_runs(
     dlq, source = unique_topic("dlq"), unique_topic("source")
     producer = confluent_kafka.Producer({"bootstrap.servers": kafka_bootstrap})
     for index in range(40):
-        headers = dead_letter_headers([], "invalid_json", "bad", source, 0, index)
+        # The client's header type takes str values too (and list is invariant).
+        headers: list[tuple[str, str | bytes | None]] = [
+            *dead_letter_headers([], "invalid_json", "bad", source, 0, index)
+        ]
         producer.produce(dlq, value=f"v{index}".encode(), partition=0, headers=headers)
     assert producer.flush(30) == 0
     command = [

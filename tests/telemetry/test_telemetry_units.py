@@ -205,7 +205,7 @@ def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None
         def settled(self, report: object) -> None: ...
 
     replay = CollectorRegistry()
-    replay.register(ReplayMetrics(_Inner()))  # type: ignore[arg-type]
+    replay.register(ReplayMetrics(_Inner()))
     outcomes = {
         dict(labels)["outcome"]: v for (n, labels), v in _samples(replay).items() if n.endswith("_total")
     }
