@@ -90,11 +90,11 @@ test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
 	@$(call pytest_tier,'kafka or slow')
 
-## ruff (lint and format check) and mypy --strict, as CI runs them
+## ruff (lint and format check) and mypy --strict (the tests too), as CI runs them
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy --strict worker tools deploy/*.py
+	$(BIN)/mypy --strict worker tools deploy/*.py tests
 
 ## Rewrites the code in the project's style: ruff format, then ruff check --fix
 format: setup
