@@ -67,6 +67,7 @@ def test_a_row_counts_each_test_once_and_a_teardown_error_as_a_failure(tmp_path:
     junit.write_text(JUNIT)
 
     assert broker_matrix.count_outcomes(junit) == (1, 2, 1)
+    assert broker_matrix.skip_reasons(junit) == ("test_skips: no local broker",)
 
 
 def _row(version: str, announced: str, failed: int = 0) -> broker_matrix.Row:
@@ -79,5 +80,9 @@ def test_a_row_passes_only_when_every_test_passed_against_the_release_asked_for(
     assert not _row("4.4.0", "Kafka 4.1.1 broker came up from the Maven-resolved jars").ok
     assert not _row("4.4.0", "using the broker given by KAFKA_BOOTSTRAP_SERVERS=x").ok
 
-    table = broker_matrix.render([_row("4.4.0", "Kafka 4.1.1 broker came up")], "now", "1.0")
+    wrong_broker = _row("4.4.0", "Kafka 4.1.1 broker came up")
+    skipping = broker_matrix.Row("3.9.2", 20, 0, 1, 61.0, 0, "Kafka 3.9.2 broker", (), ("test_x: why",))
+    table = broker_matrix.render([wrong_broker, skipping], "now", "1.0")
     assert "| 4.4.0 | 21 | 0 | 0 | 6 min 40 s | **fail** (the session met another broker) |" in table
+    assert "| 3.9.2 | 20 | 0 | 1 | 1 min 01 s | pass |" in table
+    assert "- 3.9.2: test_x: why" in table

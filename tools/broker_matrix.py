@@ -58,6 +58,7 @@ class Row:
     exit_code: int
     announced: str  # the session's "[kafka] ..." line: which broker the tests really met
     failures: tuple[str, ...]  # pytest's short summary lines (FAILED/ERROR ...)
+    skips: tuple[str, ...] = ()  # "test: why", so that a skip is read, not just counted
 
     @property
     def met_the_release(self) -> bool:
@@ -101,6 +102,15 @@ def count_outcomes(junit_xml: Path) -> tuple[int, int, int]:
     return len(seen - failed - skipped), len(failed), len(skipped)
 
 
+def skip_reasons(junit_xml: Path) -> tuple[str, ...]:
+    reasons: dict[str, None] = {}
+    for case in ElementTree.parse(junit_xml).getroot().iter("testcase"):
+        skipped = case.find("skipped")
+        if skipped is not None:
+            reasons[f"{case.get('name')}: {skipped.get('message')}"] = None
+    return tuple(reasons)
+
+
 def run_release(version: str, logs: Path) -> Row:
     fetch_jars(version=version, echo=progress)
     log, junit_xml = logs / f"pytest-{version}.log", logs / f"pytest-{version}.xml"
@@ -130,6 +140,7 @@ def run_release(version: str, logs: Path) -> Row:
         done.returncode,
         announced.group(1) if announced else "(no broker announced)",
         failures,
+        skip_reasons(junit_xml) if junit_xml.is_file() else (),
     )
     verdict = "pass" if row.ok else "FAIL"
     progress(
@@ -170,6 +181,10 @@ def render(rows: list[Row], when: str, load: str) -> str:
     ]
     lines += ["restart test. The broker each session met:", ""]
     lines += [f"- {row.version}: {row.announced}" for row in rows]
+    skipping = [row for row in rows if row.skips]
+    if skipping:
+        lines += ["", "## Skipped", ""]
+        lines += [f"- {row.version}: {reason}" for row in skipping for reason in row.skips]
     failing = [row for row in rows if row.failures]
     if failing:
         lines += ["", "## Failures", ""]
