@@ -90,7 +90,7 @@ test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
 	@$(call pytest_tier,'kafka or slow')
 
-# The broker compatibility matrix, not part of `make test` (about 10 minutes per release on 2 cores): the
+# The broker compatibility matrix, not part of `make test` (4-7 minutes per release on 2 loaded cores): the
 # kill -9, broker restart and rebalance tests (both guarantees) and the Kafka contract suite against one local
 # broker per release in BROKER_VERSIONS, one after another; results/brokers.md and .json (tools/broker_matrix.py).
 BROKER_VERSIONS ?= 3.9.2 4.1.1 4.4.0
