@@ -23,7 +23,7 @@ BENCH_ARGS ?=
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-inference eval model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
-.PHONY: help format test-fast test-slow
+.PHONY: help format test-fast test-slow test-brokers
 
 ## Creates .venv with the package, its runtime and the dev tools (once; again when pyproject.toml changes)
 setup: $(STAMP) $(ENCODER)
@@ -89,6 +89,14 @@ test-fast: setup
 test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
 	@$(call pytest_tier,'kafka or slow')
+
+# The broker compatibility matrix, not part of `make test` (4-7 minutes per release on 2 loaded cores): the
+# kill -9, broker restart and rebalance tests (both guarantees) and the Kafka contract suite against one local
+# broker per release in BROKER_VERSIONS, one after another; results/brokers.md and .json (tools/broker_matrix.py).
+BROKER_VERSIONS ?= 3.9.2 4.1.1 4.4.0
+## The broker-backed accounting tests against Kafka 3.9.2, 4.1.1 and 4.4.0 into results/brokers.*
+test-brokers: setup
+	$(BIN)/python -m tools.broker_matrix --out results --versions $(BROKER_VERSIONS)
 
 ## ruff (lint and format check) and mypy --strict (the tests too), as CI runs them
 lint: setup

@@ -213,7 +213,7 @@ def _broker(given: str | None) -> Iterator[str]:
         broker = local_broker.LocalBroker(Path(state), port=local_broker.free_port())
         broker.start(fresh=True, echo=lambda line: say(f"broker: {line}"))
         try:
-            say(f"broker: local Kafka {local_broker.KAFKA_VERSION} at {broker.bootstrap}")
+            say(f"broker: local Kafka {broker.kafka_version} at {broker.bootstrap}")
             yield broker.bootstrap
         finally:
             broker.stop()

@@ -5,6 +5,8 @@ The broker comes from, in order (tests/kafka_source.py decides; `TRIAGE_TEST_BRO
 API answers (`TRIAGE_KAFKA_IMAGE`, default apache/kafka:4.1.1, set up like the compose file's broker), else
 the project's own local broker (`worker/dev/local_broker.py`: Apache Kafka from Maven-resolved jars) on a
 free port with a fresh log dir, stopped when the session ends. The same tests run against any of the three.
+`TRIAGE_KAFKA_VERSION=4.4.0` runs another release (the local broker's jars, the default image's tag); `make
+test-brokers` (tools/broker_matrix.py) runs the accounting tests so against each supported release.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ def kafka_bootstrap(
     _SOURCE.local = broker
     _announce(
         request.config,
-        f"broker came up from the Maven-resolved jars at {local_broker.jars_dir(broker.home)} "
-        f"on {broker.bootstrap} in {time.monotonic() - started:.1f}s (log {broker.log_file})",
+        f"Kafka {broker.kafka_version} broker came up from the Maven-resolved jars at "
+        f"{local_broker.jars_dir(broker.home)} on {broker.bootstrap} in {time.monotonic() - started:.1f}s "
+        f"(log {broker.log_file})",
     )
     try:
         yield broker.bootstrap

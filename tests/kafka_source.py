@@ -6,6 +6,9 @@ broker's jars only when that broker will run) decide it here, the same way:
    starts `TRIAGE_KAFKA_IMAGE` (default apache/kafka:<the local broker's version>).
 3. `local`: the project's local broker from Maven-resolved jars (Java 17+ and Maven).
 
+`TRIAGE_KAFKA_VERSION` (e.g. 4.4.0) picks the release of the last two: the local broker's jars, and the
+default image's tag.
+
 `TRIAGE_TEST_BROKER=container` or `=local` insists on one: a Docker API that does not answer is then an error,
 not a fallback to the local broker.
 
@@ -20,10 +23,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from worker.dev.local_broker import KAFKA_VERSION
+from worker.dev.local_broker import configured_kafka_version
 
 SOURCES = ("given", "container", "local")
-DEFAULT_IMAGE = f"apache/kafka:{KAFKA_VERSION}"
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
 
@@ -32,7 +34,7 @@ class SourceError(Exception):
 
 
 def kafka_image() -> str:
-    return os.environ.get("TRIAGE_KAFKA_IMAGE") or DEFAULT_IMAGE
+    return os.environ.get("TRIAGE_KAFKA_IMAGE") or f"apache/kafka:{configured_kafka_version()}"
 
 
 def _container_engine() -> ModuleType:

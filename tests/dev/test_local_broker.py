@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -10,7 +11,9 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from xml.etree import ElementTree
 
+import kafka_source
 import pytest
 from confluent_kafka import Consumer, Producer
 
@@ -109,3 +112,179 @@ def test_each_checkout_has_a_broker_state_folder_of_its_own(tmp_path: Path) -> N
     for state_dir, checkout in ((mine.parents[1], REPO), (theirs.parents[1], other_checkout)):
         assert state_dir.parent == tmp_path / "cache" / "triage-worker" / "broker"
         assert state_dir.name.startswith(f"{checkout.name}-")
+
+
+# --- Releases other than the default (issue #36's broker matrix) ---
+
+
+@pytest.mark.parametrize("text", ["3.9.0", "3.9.2", "4.1.1", " 4.4.0 ", "10.0.0"])
+def test_a_release_from_3_9_on_is_taken(text: str) -> None:
+    assert local_broker.parse_kafka_version(text) == text.strip()
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("latest", r"--kafka-version 'latest': expected a Kafka release such as 4\.1\.1"),
+        ("4.4", r"--kafka-version '4\.4': expected a Kafka release"),
+        ("4.2.0-rc1", r"expected a Kafka release"),
+        ("3.8.1", r"--kafka-version 3\.8\.1: the local broker needs Kafka 3\.9\.0 or later .*--standalone"),
+    ],
+)
+def test_a_version_the_local_broker_cannot_run_is_one_line_naming_where_it_came_from(
+    text: str, said: str
+) -> None:
+    with pytest.raises(UserError, match=said) as raised:
+        local_broker.parse_kafka_version(text, "--kafka-version")
+    assert "\n" not in str(raised.value)
+
+
+def test_the_release_comes_from_the_environment_else_the_default() -> None:
+    assert local_broker.configured_kafka_version({}) == local_broker.KAFKA_VERSION
+    assert local_broker.configured_kafka_version({"TRIAGE_KAFKA_VERSION": "4.4.0"}) == "4.4.0"
+    with pytest.raises(UserError, match=r"^TRIAGE_KAFKA_VERSION 'x': expected"):
+        local_broker.configured_kafka_version({"TRIAGE_KAFKA_VERSION": "x"})
+
+
+def test_each_release_has_a_jar_cache_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("TRIAGE_KAFKA_HOME", raising=False)
+    monkeypatch.setenv("TRIAGE_KAFKA_VERSION", "3.9.2")
+
+    assert local_broker.kafka_home() == tmp_path / "triage-worker" / "kafka" / "3.9.2"
+    assert local_broker.kafka_home("4.4.0") == tmp_path / "triage-worker" / "kafka" / "4.4.0"
+    assert local_broker.LocalBroker(tmp_path / "state").home.name == "3.9.2"
+    assert local_broker.LocalBroker(tmp_path / "state", kafka_version="4.4.0").home.name == "4.4.0"
+
+
+def test_the_pom_pins_the_default_release() -> None:
+    """Other releases override kafka.version on Maven's command line; the pom's own is the default."""
+    namespace = {"pom": "http://maven.apache.org/POM/4.0.0"}
+    pom = ElementTree.parse(REPO / local_broker.POM_FILE).getroot()
+    assert (
+        pom.findtext("pom:properties/pom:kafka.version", namespaces=namespace) == local_broker.KAFKA_VERSION
+    )
+    dependency = pom.find("pom:dependencies/pom:dependency[pom:artifactId='kafka_2.13']", namespace)
+    assert dependency is not None
+    assert dependency.findtext("pom:version", namespaces=namespace) == "${kafka.version}"
+
+
+def _fake_tools(bin_dir: Path, maven_body: str) -> Path:
+    """`java` that says 17 and an `mvn` running `maven_body` (bash; its arguments are logged to mvn.args), to
+    go first on PATH."""
+    bin_dir.mkdir()
+    (bin_dir / "java").write_text("#!/bin/sh\necho 'openjdk version \"17.0.15\" 2025-04-15' >&2\n")
+    (bin_dir / "mvn").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {bin_dir}/mvn.args\n{maven_body}\n')
+    for tool in ("java", "mvn"):
+        (bin_dir / tool).chmod(0o755)
+    return bin_dir / "mvn.args"
+
+
+def test_fetch_asks_maven_for_the_release_and_keeps_it_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fake Maven "resolves" the core jar of the release it was asked for into -DoutputDirectory.
+    body = """for arg in "$@"; do
+  case $arg in -DoutputDirectory=*) out=${arg#*=};; -Dkafka.version=*) release=${arg#*=};; esac
+done
+mkdir -p "$out" && touch "$out/kafka_2.13-$release.jar" "$out/kafka-clients-$release.jar\""""
+    maven_args = _fake_tools(tmp_path / "bin", body)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    home = tmp_path / "kafka-home"
+
+    libs = local_broker.fetch_jars(home, echo=lambda _line: None, version="4.4.0")
+
+    assert "-Dkafka.version=4.4.0" in maven_args.read_text().splitlines()
+    assert (libs / "kafka_2.13-4.4.0.jar").is_file()
+    assert local_broker.jars_ready(home, "4.4.0")
+    # One TRIAGE_KAFKA_HOME that served 4.4.0 is not taken for 3.9.2's jars.
+    assert not local_broker.jars_ready(home, "3.9.2")
+
+
+def test_a_release_maven_central_does_not_have_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = (
+        "echo '[ERROR] Failed to execute goal on project local-kafka-broker: Could not resolve dependencies "
+        "for project dev.triage-worker:local-kafka-broker:pom:1: Could not find artifact "
+        "org.apache.kafka:kafka_2.13:jar:4.9.7 in central (https://repo.maven.apache.org/maven2)'\n"
+        "exit 1"
+    )
+    _fake_tools(tmp_path / "bin", body)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    home = tmp_path / "kafka" / "4.9.7"
+
+    with pytest.raises(UserError) as raised:
+        local_broker.fetch_jars(home, echo=lambda _line: None, version="4.9.7")
+
+    assert str(raised.value) == "Kafka 4.9.7 is not on Maven Central (no org.apache.kafka:kafka_2.13:4.9.7)"
+    assert not home.exists()  # no cache folder for a release that is not there
+
+
+def test_a_log_dir_formatted_by_another_release_is_not_restarted_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting another release on old metadata is an upgrade or downgrade to plan, not a restart."""
+    _fake_tools(tmp_path / "bin", "exit 1")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    home = tmp_path / "kafka-home"  # the 4.4.0 jars, as a finished fetch leaves them
+    (home / "libs").mkdir(parents=True)
+    (home / "libs" / "kafka_2.13-4.4.0.jar").touch()
+    (home / ".complete").write_text(hashlib.sha256((REPO / local_broker.POM_FILE).read_bytes()).hexdigest())
+    state = tmp_path / "state"
+    (state / "data").mkdir(parents=True)
+    (state / "data" / "meta.properties").touch()
+    (state / "kafka.version").write_text("3.9.2\n")
+    broker = local_broker.LocalBroker(state, local_broker.free_port(), home=home, kafka_version="4.4.0")
+
+    assert broker.status().kafka_version == "3.9.2"
+    with pytest.raises(UserError, match=r"formatted by Kafka 3\.9\.2; start Kafka 4\.4\.0 with --fresh"):
+        broker.start(fresh=False, echo=lambda _line: None)
+
+
+def test_broker_commands_refuse_a_version_they_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["broker", "fetch", "--kafka-version", "3.8.1"]) == 2
+    assert main(["broker", "start", "--kafka-version", "four"]) == 2
+
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == [
+        "triage-worker: error: --kafka-version 3.8.1: the local broker needs Kafka 3.9.0 or later "
+        "(it formats one KRaft node with --standalone, new in 3.9)",
+        "triage-worker: error: --kafka-version 'four': expected a Kafka release such as 4.1.1",
+    ]
+
+
+@pytest.mark.kafka
+def test_broker_start_runs_the_release_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The oldest supported release through the CLI, beside the session's broker: its own jars, its version in
+    the broker's log and in `broker status`, and a record through it."""
+    if kafka_source.choose() != "local":  # like the SASL/TLS tests: such sessions may have no Java or Maven
+        pytest.skip("starts a second local broker; this session uses another broker")
+    state, port = tmp_path / "broker", local_broker.free_port()
+    start = ["broker", "start", "--fresh", "--kafka-version", "3.9.2", "--state-dir", str(state)]
+    assert main([*start, "--port", str(port)]) == 0
+    try:
+        assert main(["broker", "status", "--state-dir", str(state)]) == 0
+        assert "kafka:     3.9.2" in capsys.readouterr().out
+        assert "Kafka version: 3.9.2" in (state / "logs" / "server.log").read_text()
+        config = {"bootstrap.servers": f"127.0.0.1:{port}"}
+        topic = f"test.release.{uuid.uuid4().hex[:8]}"
+        create_topics(config, [TopicSpec(topic, 1, 1)])
+        producer = Producer(config)
+        producer.produce(topic, value=b"through 3.9.2")
+        assert producer.flush(15) == 0
+        consumer = Consumer(
+            {**config, "group.id": f"test-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"}
+        )
+        consumer.subscribe([topic])
+        try:
+            deadline, message = time.monotonic() + 30, None
+            while message is None and time.monotonic() < deadline:
+                message = consumer.poll(0.5)
+        finally:
+            consumer.close()
+        assert message is not None and message.error() is None and message.value() == b"through 3.9.2"
+    finally:
+        main(["broker", "stop", "--state-dir", str(state)])

@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from worker.cache import cache_root
 from worker.config import add_config_argument, settings_from_args
 from worker.dev import local_broker
 from worker.kafka.admin import create_topics, worker_topics
@@ -26,8 +27,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "broker",
         help="run a local Apache Kafka broker (no Docker needed)",
         description=(
-            f"Local single-node Kafka {local_broker.KAFKA_VERSION} (KRaft), from jars Maven resolves into "
-            f"{local_broker.kafka_home()} (override with TRIAGE_KAFKA_HOME). Needs java and mvn."
+            f"Local single-node Kafka (KRaft; {local_broker.KAFKA_VERSION} unless --kafka-version or "
+            f"{local_broker.KAFKA_VERSION_ENV} names another release, 3.9.0 or later), from jars Maven "
+            f"resolves into {cache_root() / 'kafka' / '<version>'} (override with "
+            "TRIAGE_KAFKA_HOME). Needs java and mvn."
         ),
     )
     actions = broker.add_subparsers(title="actions", metavar="ACTION", required=True)
@@ -46,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         ),
     )
     start.add_argument("--fresh", action="store_true", help="wipe topics and messages of earlier runs first")
+    _add_kafka_version(start)
     _add_state_dir(start)
     start.set_defaults(handler=_start)
 
@@ -60,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     status.set_defaults(handler=_status)
 
     fetch = actions.add_parser("fetch", help="resolve the broker's jars from Maven Central (once)")
+    _add_kafka_version(fetch)
     fetch.set_defaults(handler=_fetch)
 
     topics = subparsers.add_parser("topics", help="manage the worker's Kafka topics")
@@ -74,6 +79,23 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_config_argument(create)
     create.add_argument("--bootstrap-servers", metavar="SERVERS", help="Kafka bootstrap servers, host:port")
     create.set_defaults(handler=_create_topics)
+
+
+def _add_kafka_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kafka-version",
+        metavar="VERSION",
+        help=(
+            f"the Kafka release to run, 3.9.0 or later, resolved from Maven Central (default "
+            f"${local_broker.KAFKA_VERSION_ENV}, else {local_broker.KAFKA_VERSION})"
+        ),
+    )
+
+
+def _kafka_version(args: argparse.Namespace) -> str:
+    if args.kafka_version is None:
+        return local_broker.configured_kafka_version()
+    return local_broker.parse_kafka_version(args.kafka_version, "--kafka-version")
 
 
 def _add_state_dir(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +132,9 @@ def _start(args: argparse.Namespace) -> int:
     if args.sasl_ssl_port is not None:
         password = (None if args.fresh else _saved_password(client_file)) or secrets.token_urlsafe(18)
         sasl_ssl = local_broker.SaslSsl(args.sasl_ssl_port, {SASL_USER: password})
-    broker = local_broker.LocalBroker(state_dir, args.port, sasl_ssl=sasl_ssl)
+    broker = local_broker.LocalBroker(
+        state_dir, args.port, sasl_ssl=sasl_ssl, kafka_version=_kafka_version(args)
+    )
     before = broker.status()
     status = broker.start(fresh=args.fresh)
     if before.running:
@@ -135,6 +159,8 @@ def _status(args: argparse.Namespace) -> int:
     if status.running:
         print(f"running (pid {status.pid})")
         print(f"bootstrap: {status.bootstrap}")
+    if status.kafka_version is not None:
+        print(f"kafka:     {status.kafka_version}")
     else:
         print("not running")
     print(f"log file:  {status.log_file}")
@@ -142,7 +168,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    print(f"Kafka {local_broker.KAFKA_VERSION} jars: {local_broker.fetch_jars()}")
+    version = _kafka_version(args)
+    print(f"Kafka {version} jars: {local_broker.fetch_jars(version=version)}")
     return 0
 
 

@@ -10,6 +10,13 @@ JVM. Its state lives in one directory (by default one per checkout, see `default
 A stopped broker can be started again on the same data (`start(fresh=False)`), which tests use to prove the
 worker survives a broker restart.
 
+Any Kafka release from 3.9.0 on can be run (`kafka_version`, else `$TRIAGE_KAFKA_VERSION`, else
+`KAFKA_VERSION`): Maven resolves the pom with `-Dkafka.version=V`, each version's jars have a cache folder of
+their own, and the state directory records which version formatted its log dir, so a restart on the same data
+never meets another release's metadata by accident. 3.9.0 is the floor because the single node is formatted
+with `--standalone` and found through `controller.quorum.bootstrap.servers` (KIP-853, new in 3.9); from there
+to 4.4 the same properties and commands start it. A release Maven Central does not have is one line of error.
+
 With `sasl_ssl` it also serves a SASL_SSL listener, so authentication and encryption are tested against the
 real broker: SCRAM-SHA-512 users are written into the metadata when the log dir is formatted, and a local CA
 (`tls/ca.pem`, what clients trust) signs the broker's certificate for 127.0.0.1, both made with `openssl`.
@@ -38,7 +45,11 @@ from worker.cache import cache_root
 from worker.errors import UserError
 from worker.shipped import SOURCE_ROOT, checkout_file
 
+# The default release: deploy/kafka/pom.xml's kafka.version and the apache/kafka image tag in deploy/.
 KAFKA_VERSION = "4.1.1"
+KAFKA_VERSION_ENV = "TRIAGE_KAFKA_VERSION"
+OLDEST_KAFKA_VERSION = (3, 9, 0)
+_RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)")
 DEFAULT_PORT = 9092
 READY_LINE = "Kafka Server started"
 JAVA_MIN_MAJOR = 17  # Kafka 4.x brokers need Java 17+.
@@ -62,10 +73,30 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def kafka_home() -> Path:
+def parse_kafka_version(text: str, source: str = "Kafka version") -> str:
+    """A release number the local broker can run (`4.4.0`), or a one-line UserError naming `source`."""
+    match = _RELEASE.fullmatch(text.strip())
+    if match is None:
+        raise UserError(f"{source} {text!r}: expected a Kafka release such as {KAFKA_VERSION}")
+    if tuple(int(part) for part in match.groups()) < OLDEST_KAFKA_VERSION:
+        oldest = ".".join(map(str, OLDEST_KAFKA_VERSION))
+        raise UserError(
+            f"{source} {text.strip()}: the local broker needs Kafka {oldest} or later "
+            "(it formats one KRaft node with --standalone, new in 3.9)"
+        )
+    return text.strip()
+
+
+def configured_kafka_version(environ: Mapping[str, str] = os.environ) -> str:
+    """`$TRIAGE_KAFKA_VERSION` when set (tests and tools run another release with it), else the default."""
+    given = environ.get(KAFKA_VERSION_ENV, "").strip()
+    return parse_kafka_version(given, KAFKA_VERSION_ENV) if given else KAFKA_VERSION
+
+
+def kafka_home(version: str | None = None) -> Path:
     """Where the jars are cached: `$TRIAGE_KAFKA_HOME`, else `~/.cache/triage-worker/kafka/<version>`."""
     override = os.environ.get("TRIAGE_KAFKA_HOME")
-    return Path(override) if override else cache_root() / "kafka" / KAFKA_VERSION
+    return Path(override) if override else cache_root() / "kafka" / (version or configured_kafka_version())
 
 
 def default_state_dir() -> Path:
@@ -83,7 +114,7 @@ def require_tool(name: str, install_hint: str) -> str:
     return path
 
 
-def require_java() -> str:
+def require_java(version: str = KAFKA_VERSION) -> str:
     java = require_tool(
         "java", f"install a Java {JAVA_MIN_MAJOR}+ runtime, e.g. `apt-get install openjdk-17-jre`"
     )
@@ -92,7 +123,7 @@ def require_java() -> str:
     match = re.search(r'version "(?:1\.)?(\d+)', result.stderr)
     if match is None or int(match.group(1)) < JAVA_MIN_MAJOR:
         found = result.stderr.splitlines()[0] if result.stderr else "unknown version"
-        raise UserError(f"Kafka {KAFKA_VERSION} needs Java {JAVA_MIN_MAJOR}+, found: {found}")
+        raise UserError(f"Kafka {version} needs Java {JAVA_MIN_MAJOR}+, found: {found}")
     return java
 
 
@@ -104,25 +135,44 @@ def jars_dir(home: Path | None = None) -> Path:
     return (home or kafka_home()) / "libs"
 
 
-def jars_ready(home: Path | None = None) -> bool:
-    home = home or kafka_home()
+def _core_jar(version: str) -> str:
+    return f"kafka_2.13-{version}.jar"
+
+
+def jars_ready(home: Path | None = None, version: str | None = None) -> bool:
+    version = version or configured_kafka_version()
+    home = home or kafka_home(version)
     marker = home / ".complete"
-    return marker.is_file() and marker.read_text().strip() == _pom_digest()
+    # The core jar's name tells the release apart where one TRIAGE_KAFKA_HOME served another version before.
+    return (
+        marker.is_file()
+        and marker.read_text().strip() == _pom_digest()
+        and (jars_dir(home) / _core_jar(version)).is_file()
+    )
 
 
-def fetch_jars(home: Path | None = None, echo: Echo = _print) -> Path:
-    """Resolve the broker's jars into the cache once; later calls return at once.
+def _missing_release(version: str, maven_output: list[str]) -> bool:
+    """Maven's words when Central has no such kafka_2.13 (worded otherwise once the miss is cached)."""
+    artifact = rf"org\.apache\.kafka:kafka_2\.13:\w+:{re.escape(version)}\b"
+    wanted = re.compile(rf"(Could not find artifact|Failure to find) {artifact}|{artifact} was not found")
+    return any(wanted.search(line) for line in maven_output)
+
+
+def fetch_jars(home: Path | None = None, echo: Echo = _print, version: str | None = None) -> Path:
+    """Resolve the broker's jars for `version` (default: `configured_kafka_version()`) into the cache once;
+    later calls return at once.
 
     The jars are copied into a temporary folder and renamed into place, and a marker records which pom they
     came from, so an interrupted or outdated fetch is never mistaken for a complete one.
     """
-    home = home or kafka_home()
+    version = version or configured_kafka_version()
+    home = home or kafka_home(version)
     libs = jars_dir(home)
-    if jars_ready(home):
+    if jars_ready(home, version):
         return libs
     mvn = require_tool("mvn", "install Apache Maven 3.8+, e.g. `apt-get install maven`")
-    require_java()
-    echo(f"Fetching Kafka {KAFKA_VERSION} jars from Maven Central into {libs} (once; takes about a minute)")
+    require_java(version)
+    echo(f"Fetching Kafka {version} jars from Maven Central into {libs} (once; takes about a minute)")
     home.mkdir(parents=True, exist_ok=True)
     staging = home / "libs.partial"
     shutil.rmtree(staging, ignore_errors=True)
@@ -135,6 +185,8 @@ def fetch_jars(home: Path | None = None, echo: Echo = _print) -> Path:
         "dependency:copy-dependencies",
         f"-DoutputDirectory={staging}",
         "-DincludeScope=runtime",
+        # Overrides the pom's kafka.version (the default release), so one pom serves every release.
+        f"-Dkafka.version={version}",
     ]
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -152,6 +204,13 @@ def fetch_jars(home: Path | None = None, echo: Echo = _print) -> Path:
         process.wait()
         raise
     if process.wait() != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            home.rmdir()  # only if the failed fetch left it empty: no folder for a release that is not there
+        if _missing_release(version, output):
+            raise UserError(
+                f"Kafka {version} is not on Maven Central (no org.apache.kafka:kafka_2.13:{version})"
+            )
         tail = "\n".join(output[-25:])
         raise UserError(f"Maven could not resolve the Kafka jars (`{' '.join(command)}`):\n{tail}")
     shutil.rmtree(libs, ignore_errors=True)
@@ -300,6 +359,9 @@ class BrokerStatus:
     port: int | None
     state_dir: Path
     log_file: Path
+    # The release that formatted the log dir; None before the first start (or for a dir from before it was
+    # recorded).
+    kafka_version: str | None = None
 
     @property
     def bootstrap(self) -> str | None:
@@ -307,7 +369,8 @@ class BrokerStatus:
 
 
 class LocalBroker:
-    """One single-node KRaft broker whose whole state lives in `state_dir`."""
+    """One single-node KRaft broker of release `kafka_version` (default `configured_kafka_version()`) whose
+    whole state lives in `state_dir`."""
 
     def __init__(
         self,
@@ -315,10 +378,14 @@ class LocalBroker:
         port: int = DEFAULT_PORT,
         home: Path | None = None,
         sasl_ssl: SaslSsl | None = None,
+        kafka_version: str | None = None,
     ):
         self.state_dir = state_dir or default_state_dir()
         self.port = port
-        self.home = home or kafka_home()
+        self.kafka_version = (
+            parse_kafka_version(kafka_version) if kafka_version else configured_kafka_version()
+        )
+        self.home = home or kafka_home(self.kafka_version)
         self.sasl_ssl = sasl_ssl
 
     @property
@@ -381,6 +448,16 @@ class LocalBroker:
     def _port_file(self) -> Path:
         return self.state_dir / "broker.port"
 
+    @property
+    def _version_file(self) -> Path:
+        return self.state_dir / "kafka.version"
+
+    def _recorded_version(self) -> str | None:
+        try:
+            return self._version_file.read_text().strip() or None
+        except OSError:
+            return None
+
     def _recorded_pid(self) -> int | None:
         try:
             pid = int(self._pid_file.read_text().strip())
@@ -396,7 +473,9 @@ class LocalBroker:
                 port = int(self._port_file.read_text().strip())
             except (OSError, ValueError):
                 port = None
-        return BrokerStatus(pid is not None, pid, port, self.state_dir, self.log_file)
+        return BrokerStatus(
+            pid is not None, pid, port, self.state_dir, self.log_file, self._recorded_version()
+        )
 
     def _classpath(self) -> str:
         return str(jars_dir(self.home) / "*")
@@ -497,17 +576,29 @@ class LocalBroker:
                 raise UserError(
                     f"a local broker is already running (pid {current.pid}); stop it before a fresh start"
                 )
+            if current.kafka_version not in (None, self.kafka_version):
+                raise UserError(
+                    f"a local Kafka {current.kafka_version} broker is already running (pid {current.pid}); "
+                    f"stop it before starting Kafka {self.kafka_version}"
+                )
             return current
         if port_open(self.port):
             raise UserError(f"port {self.port} on 127.0.0.1 is already in use; pick another with --port")
         if self.sasl_ssl is not None and port_open(self.sasl_ssl.port):
             raise UserError(f"port {self.sasl_ssl.port} on 127.0.0.1 is already in use; pick another")
-        fetch_jars(self.home, echo)
-        java = require_java()
+        fetch_jars(self.home, echo, self.kafka_version)
+        java = require_java(self.kafka_version)
         if fresh:
             shutil.rmtree(self.state_dir, ignore_errors=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         formatted = (self.data_dir / "meta.properties").is_file()
+        formatted_by = self._recorded_version()
+        if formatted and formatted_by not in (None, self.kafka_version):
+            # Another release on the same metadata is an upgrade or downgrade to plan, not a restart.
+            raise UserError(
+                f"the log dir {self.data_dir} was formatted by Kafka {formatted_by}; "
+                f"start Kafka {self.kafka_version} with --fresh (a new, empty log dir)"
+            )
         if self.sasl_ssl is not None:
             if formatted and not self.ca_file.is_file():
                 raise UserError(
@@ -519,6 +610,7 @@ class LocalBroker:
         self._write_properties(self._controller_port())
         if not formatted:
             self._format(java)
+            self._version_file.write_text(f"{self.kafka_version}\n")
 
         started = time.monotonic()
         log_offset = self.log_file.stat().st_size if self.log_file.is_file() else 0
@@ -539,7 +631,8 @@ class LocalBroker:
                 _terminate(process.pid, _STOP_TIMEOUT_S)
             self._forget()
             raise
-        echo(f"Kafka {KAFKA_VERSION} broker ready in {time.monotonic() - started:.1f}s (pid {process.pid})")
+        took = time.monotonic() - started
+        echo(f"Kafka {self.kafka_version} broker ready in {took:.1f}s (pid {process.pid})")
         return self.status()
 
     def _wait_ready(self, process: subprocess.Popen[bytes], log_offset: int, deadline: float) -> None:
