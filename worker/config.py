@@ -420,7 +420,9 @@ _SERVICE_LINK = re.compile(
 _warned_service_links: set[str] = set()
 # TRIAGE_* variables that are not settings: read by the local broker (`worker/dev/local_broker.py`) and by
 # the test session's broker choice (`tests/kafka_source.py`). Any other TRIAGE_* must name a setting.
-_TOOL_VARIABLES = frozenset({"TRIAGE_KAFKA_HOME", "TRIAGE_TEST_BROKER", "TRIAGE_KAFKA_IMAGE"})
+_TOOL_VARIABLES = frozenset(
+    {"TRIAGE_KAFKA_HOME", "TRIAGE_KAFKA_VERSION", "TRIAGE_TEST_BROKER", "TRIAGE_KAFKA_IMAGE"}
+)
 
 
 def is_secret_key(key: str) -> bool:

@@ -120,7 +120,9 @@ def test_optional_values_and_tables_from_env() -> None:
         "TRIAGE_INFERENCE__POOL_SIZE": "3",
         "TRIAGE_INFERENCE__PROVIDER_OPTIONS__DEVICE_ID": "1",
         "TRIAGE_PIPELINE__RESUME_BELOW": "10",
-        "TRIAGE_KAFKA_HOME": "/opt/kafka-jars",  # the local broker's, not a setting
+        # The local broker's, not settings: a worker started beside `broker start` reads the same environment.
+        "TRIAGE_KAFKA_HOME": "/opt/kafka-jars",
+        "TRIAGE_KAFKA_VERSION": "4.4.0",
     }
     settings = load_settings(env=env, overrides={"inference.pool_size": ""})
     assert settings.inference.pool == "thread"
