@@ -56,7 +56,13 @@ from worker.classification import (
 from worker.config import Settings
 from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
-from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
+from worker.kafka.clients import (
+    ClientFactory,
+    KafkaClients,
+    consumer_config,
+    incremental_assignment,
+    record_headers,
+)
 from worker.kafka.starts import StartPositions
 from worker.messages import FallbackReason, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.cascade import Cascade
@@ -138,7 +144,7 @@ class Pipeline:
         self._metrics_interval_s = metrics_interval_s
         self._clock = clock
         consumer_options = consumer_config(settings)
-        self._cooperative = "cooperative" in consumer_options["partition.assignment.strategy"]
+        self._cooperative = incremental_assignment(consumer_options)
         # The revoke callback runs inside a poll: draining must end well before the group's poll deadline.
         max_poll_s = int(consumer_options.get("max.poll.interval.ms", _LIBRDKAFKA_MAX_POLL_MS)) / 1000.0
         self._revoke_drain_s = min(self._pipeline.revoke_timeout_ms / 1000.0, max_poll_s / 2)
