@@ -21,6 +21,7 @@ from worker.kafka.clients import (
     producer_config,
 )
 from worker.kafka.commits import consumer_commit
+from worker.pipeline.guarantees import Failure
 
 KafkaError = confluent_kafka.KafkaError
 TOPIC = "tickets.raw"
@@ -159,3 +160,21 @@ def test_the_error_table_classes_the_new_protocols_commit_errors() -> None:
     assert not errors.left_group(KafkaError(KafkaError.STALE_MEMBER_EPOCH))
     for code in (KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_MEMBER_EPOCH):
         assert errors.left_group(KafkaError(code)) and not errors.passing(KafkaError(code))
+
+
+def test_a_broker_without_the_consumer_protocol_ends_the_run_with_what_to_do() -> None:
+    """librdkafka 2.16 hands this fatal error to `poll()` as a `_FATAL` record error with its fatal flag
+    unset; a worker that took it for a passing one idled for ever outside its group (seen against a broker
+    with group.coordinator.rebalance.protocols=classic)."""
+    error = KafkaError(
+        KafkaError._FATAL,
+        "Fatal error: Broker: API version not supported: ConsumerGroupHeartbeat fatal error",
+    )
+    assert not error.fatal() and errors.consumer_fatal(error)
+    failure = Failure()
+    failure.client_error(error)
+    assert failure.reason is not None
+    assert failure.reason.startswith("_FATAL: Fatal error: Broker: API version not supported")
+    assert failure.reason.endswith(
+        "does not serve kafka.group.protocol = consumer (Kafka 4.0+ does): use classic"
+    )

@@ -93,6 +93,21 @@ def fenced(problem: confluent_kafka.KafkaException | KafkaError) -> bool:
     return error is not None and error.code() in FENCED
 
 
+def consumer_fatal(error: KafkaError) -> bool:
+    """A consumer error that ends the run: flagged fatal, or `_FATAL` as `poll()` hands one over with the flag
+    unset (seen when the broker does not serve `group.protocol=consumer`: "API version not supported:
+    ConsumerGroupHeartbeat"; the consumer never joins and would idle for ever)."""
+    return error.fatal() or error.code() == KafkaError._FATAL
+
+
+def consumer_fatal_reason(error: KafkaError) -> str:
+    """`describe(error)` with what to do when the broker does not serve the consumer-group protocol."""
+    reason = describe(error)
+    if "ConsumerGroupHeartbeat" in error.str():
+        reason += "; the broker does not serve kafka.group.protocol = consumer (Kafka 4.0+ does): use classic"
+    return reason
+
+
 def fatal(problem: confluent_kafka.KafkaException | KafkaError) -> bool:
     error = kafka_error(problem)
     return error is not None and (error.fatal() or error.code() in FENCED)

@@ -93,8 +93,8 @@ class Failure:
 
     def client_error(self, error: confluent_kafka.KafkaError) -> None:
         """error_cb of the consumer: transient errors are the client's to retry; fatal ones end the run."""
-        if error.fatal():
-            self.set(f"{error.name()}: {error.str()}")
+        if errors.consumer_fatal(error):
+            self.set(errors.consumer_fatal_reason(error))
             _log.error("kafka_fatal_error", code=error.name(), reason=error.str())
         else:
             self._error_log(error)

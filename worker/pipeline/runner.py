@@ -56,6 +56,7 @@ from worker.classification import (
 from worker.config import Settings
 from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
+from worker.kafka import errors
 from worker.kafka.clients import (
     ClientFactory,
     KafkaClients,
@@ -304,7 +305,7 @@ class Pipeline:
             if error.code() == confluent_kafka.KafkaError._MAX_POLL_EXCEEDED:
                 self.metrics.max_poll_exceeded += 1
                 _log.error("max_poll_interval_exceeded", reason=error.str())
-            elif error.fatal():
+            elif errors.consumer_fatal(error):
                 self._failure.client_error(error)
             else:
                 _log.warning("consumer_error", code=error.name(), reason=error.str())
