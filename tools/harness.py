@@ -411,6 +411,13 @@ def wait_until_served(bootstrap: str, topic: str, partitions: int, timeout_s: fl
     raise AssertionError(f"topic {topic} not served with {partitions} partitions within {timeout_s:.0f}s")
 
 
+def group_protocol_type(bootstrap: str, group: str) -> str:
+    """The protocol of a live group as the broker sees it: "CONSUMER" (KIP-848) or "CLASSIC"."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, **METADATA_ONLY})
+    described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+    return str(described.type.name)
+
+
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     """The group's committed offsets (-1001 where none), retrying while the coordinator settles."""
     consumer = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": group})
