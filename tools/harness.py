@@ -17,7 +17,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from worker.config import Settings, load_settings
 from worker.dev.samples import KIND_HEADER, SampleFactory, produce_samples
 from worker.kafka import dead_letters
 from worker.kafka.admin import METADATA_ONLY
+from worker.kafka.clients import CLASSIC_ONLY, CONSUMER_PROTOCOL, group_protocol
 from worker.messages import TriageResult
 
 TINY_MODEL = REPO / "tests" / "models" / "tiny"
@@ -42,6 +43,17 @@ FAST_GROUP_OPTIONS = {
     "kafka.heartbeat.interval.ms": "1000",
     "kafka.max.poll.interval.ms": "10000",
 }
+
+
+def fast_group_options(settings: Mapping[str, str]) -> dict[str, str]:
+    """FAST_GROUP_OPTIONS a worker with `settings` (dotted keys) may take: under the consumer-group protocol
+    the broker sets the session and heartbeat timings, and the worker refuses them (CLASSIC_ONLY)."""
+    kafka = {key.removeprefix("kafka."): value for key, value in settings.items() if key.startswith("kafka.")}
+    if group_protocol(kafka) != CONSUMER_PROTOCOL:
+        return dict(FAST_GROUP_OPTIONS)
+    options = FAST_GROUP_OPTIONS.items()
+    return {key: value for key, value in options if key.removeprefix("kafka.") not in CLASSIC_ONLY}
+
 
 Position = tuple[int, int]
 
@@ -209,7 +221,7 @@ class Worker(WorkerProcess):
         """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`); `env` is added
         to the worker's environment."""
         self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
-        sets = {**FAST_GROUP_OPTIONS, **(settings or {})}
+        sets = {**fast_group_options(settings or {}), **(settings or {})}
         options = [
             *(["--model", str(model)] if model is not None else []),
             *(f"--set={key}={value}" for key, value in sets.items()),
@@ -397,6 +409,13 @@ def wait_until_served(bootstrap: str, topic: str, partitions: int, timeout_s: fl
             return
         time.sleep(0.2)
     raise AssertionError(f"topic {topic} not served with {partitions} partitions within {timeout_s:.0f}s")
+
+
+def group_protocol_type(bootstrap: str, group: str) -> str:
+    """The protocol of a live group as the broker sees it: "CONSUMER" (KIP-848) or "CLASSIC"."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, **METADATA_ONLY})
+    described = admin.describe_consumer_groups([group])[group].result(timeout=30)
+    return str(described.type.name)
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int]:

@@ -2,7 +2,7 @@
 the gate's decisions, and the accounting when escalated tickets meet a revoke, in both guarantees.
 
 Both stages here are classifiers that answer on the loop's next poll (or when a test releases them), so each
-interleaving is exact; tests/test_cascade_e2e.py runs the real models against a real broker.
+interleaving is exact; tests/pipeline/test_cascade_e2e.py runs the real models against a real broker.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from tools.harness import (
     audit,
     committed_offsets,
     end_offsets,
+    group_protocol_type,
     make_topics,
     publish,
     wait_until_committed,
@@ -266,6 +267,52 @@ def test_a_second_worker_joins_and_leaves_mid_stream(
     assert report.misrouted == []
     # Revoked partitions are drained and committed before they move: no redone work.
     assert report.duplicates == 0
+
+
+@BOTH_GUARANTEES
+def test_the_consumer_group_protocol_takes_tickets_and_a_rebalance_loses_nothing(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path, guarantee: str
+) -> None:
+    """`group.protocol=consumer` (KIP-848): the broker assigns the partitions, incrementally; a second worker
+    joins mid-stream, takes tickets, and leaves, as in the classic protocol's test above."""
+    topics = make_topics(unique_topic, partitions=4)
+    count = 1500
+    group = _group()
+    protocol = {"kafka.group.protocol": "consumer"}
+    first_settings = {**protocol, **_mode(guarantee, group, "first")}
+    first = Worker(kafka_bootstrap, topics, group, tmp_path, "first", first_settings)
+    second: Worker | None = None
+    producer = Publisher(kafka_bootstrap, topics, count, 100.0, seed=15)
+    try:
+        first.wait_for("partitions_assigned", timeout=90)
+        producer.start()
+        time.sleep(3)
+        second_settings = {**protocol, **_mode(guarantee, group, "second")}
+        second = Worker(kafka_bootstrap, topics, group, tmp_path, "second", second_settings)
+        second.wait_for("partitions_assigned", timeout=90)
+        group_type = group_protocol_type(kafka_bootstrap, group)
+        time.sleep(6)  # the broker hands partitions over within a heartbeat or two (5 s by default)
+        assert second.stop() == 0
+        producer.finish(120)
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=180, worker=first)
+        assert first.stop() == 0
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()
+        producer.join(5)
+
+    report = audit(kafka_bootstrap, topics)
+    finals = [first.metrics()[-1], second.metrics()[-1]]
+    revoked = sum(final["partitions_revoked"] for final in finals)
+    _report(f"rebalance, consumer protocol, {guarantee}", f"{report.summary()}; partitions revoked {revoked}")
+    assert group_type == "CONSUMER"
+    assert all(final["consumed"] > 0 for final in finals)  # both workers took tickets
+    assert revoked > 0
+    assert len(report.inputs) == count
+    assert report.lost == []
+    assert report.misrouted == []
+    assert report.duplicates == 0  # revoked partitions are drained and committed before they move
 
 
 def test_slow_model_pauses_but_keeps_polling_within_the_bound(

@@ -1,5 +1,5 @@
 """Personal data in tickets (issue #33), pure logic: what the detector finds and leaves, what each copy the
-worker makes keeps of it. End to end against the broker: tests/test_privacy_e2e.py."""
+worker makes keeps of it. End to end against the broker: tests/privacy/test_privacy_e2e.py."""
 
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ Contract:
   file takes effect), `held_stop_signals` are SIGTERM/SIGINT received before (the CLI holds them while the
   modules import, `cli.HeldStopSignals`).
 - `start()` configures logging, takes SIGTERM/SIGINT (and SIGHUP) and checks before it loads anything heavy:
-  the reload token file, the input's decoder, the model and taxonomy pairs, the cascade's choice, then the
-  broker and topics (one line each, as a `UserError`), then registers the output schema. Then it starts the
-  telemetry port, the hot reloader, the primary pool (behind a `SwitchingClassifier`), the cascade's
-  escalation stage, the shadow and the review, and builds the `Pipeline` over them. What it opened before a
-  failure is closed by `close()`.
+  the reload token file, the consumer's options, the input's decoder, the model and taxonomy pairs, the
+  cascade's choice, then the broker and topics (one line each, as a `UserError`), then registers the output
+  schema. Then it starts the telemetry port, the hot reloader, the primary pool (behind a
+  `SwitchingClassifier`), the cascade's escalation stage, the shadow and the review, and builds the
+  `Pipeline` over them. What it opened before a failure is closed by `close()`.
 - `run()` starts it (unless started), runs the pipeline until it is stopped, and closes everything: its
   value is the pipeline's exit code (0 after a graceful stop). A `UserError` leaves it for the caller to
   print.
@@ -48,7 +48,7 @@ from worker.inference.loading import resolve_taxonomy, with_zero_shot_review
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics, record_size_limits
-from worker.kafka.clients import KafkaClients, producer_config, producer_record_limit
+from worker.kafka.clients import KafkaClients, consumer_config, producer_config, producer_record_limit
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.runner import Pipeline
 from worker.telemetry.access import ReloadAccess
@@ -102,6 +102,8 @@ class WorkerApp:
         stop = _StopOnSignals(self._held, self.request_stop)
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
+        # An option the group protocol refuses (or one the pipeline relies on, weakened) stops it here too.
+        consumer_config(settings)
         # The input's decoder (with its registry client) reads only input settings: a Protobuf class that
         # does not import stops the start here, before the broker is asked.
         decoder = decoder_for(settings)

@@ -4,8 +4,11 @@
 
 - the consumer never commits by itself (`enable.auto.commit=false`, `enable.auto.offset.store=false`): only
   the pipeline knows which tickets are finished, and an automatic commit could pass an unfinished one;
-- the group uses `cooperative-sticky` assignment unless configured otherwise, so a rebalance revokes only the
-  partitions that move and the others keep flowing;
+- the group uses the classic protocol (`group.protocol`, pinned here so that a librdkafka whose default
+  changes does not change the worker's) with `cooperative-sticky` assignment unless configured otherwise, so
+  a rebalance revokes only the partitions that move and the others keep flowing. With
+  `group.protocol=consumer` (KIP-848) the broker assigns partitions, always incrementally, and sets the
+  session and heartbeat timings: the classic-only options (`CLASSIC_ONLY`) are refused with one line;
 - a new group starts at the earliest offset unless configured otherwise: tickets published before the first
   worker started are still tickets;
 - the producer is idempotent with `acks=all`: the client's own retries never duplicate or reorder a record,
@@ -51,8 +54,20 @@ _PRODUCER_REQUIRED = {
 # Set through pipeline.transactional_id, which also decides whether the producer is transactional at all.
 _MANAGED = {"transactional.id": 'pipeline.transactional_id (with pipeline.guarantee = "exactly_once")'}
 _CONSUMER_DEFAULTS = {
-    "partition.assignment.strategy": "cooperative-sticky",
+    "group.protocol": "classic",
     "auto.offset.reset": "earliest",
+}
+CONSUMER_PROTOCOL = "consumer"
+# Under the classic protocol only: the client picks the assignor (cooperative: a rebalance moves only the
+# partitions that change owner).
+_CLASSIC_DEFAULTS = {"partition.assignment.strategy": "cooperative-sticky"}
+# What librdkafka refuses under `group.protocol=consumer` (2.16: "... is not supported for
+# `group.protocol=consumer`" from the consumer's constructor), with where the setting lives instead.
+CLASSIC_ONLY = {
+    "partition.assignment.strategy": "the broker assigns partitions; its assignor is group.remote.assignor",
+    "session.timeout.ms": "the broker's group.consumer.session.timeout.ms (or the group's) sets it",
+    "heartbeat.interval.ms": "the broker's group.consumer.heartbeat.interval.ms (or the group's) sets it",
+    "group.protocol.type": "it names the classic protocol's group type",
 }
 _PRODUCER_DEFAULTS = {
     # A few ms of batching costs little latency next to a model call and cuts requests under load.
@@ -130,15 +145,41 @@ def exactly_once(settings: Settings) -> bool:
     return settings.pipeline.guarantee == "exactly_once"
 
 
+def group_protocol(kafka: Mapping[str, str]) -> str:
+    """The consumer-group protocol `kafka` options choose: "classic" or "consumer" (KIP-848)."""
+    return kafka.get("group.protocol", _CONSUMER_DEFAULTS["group.protocol"]).strip().lower()
+
+
+def incremental_assignment(consumer_options: Mapping[str, str]) -> bool:
+    """Whether rebalances hand partitions over one by one (`incremental_assign`), as a consumer with
+    `consumer_options` must: always under the consumer protocol, with a cooperative assignor under the
+    classic one (else a rebalance takes every partition back and hands out a whole new assignment)."""
+    if group_protocol(consumer_options) == CONSUMER_PROTOCOL:
+        return True
+    return "cooperative" in consumer_options.get("partition.assignment.strategy", "")
+
+
+def _check_group_protocol(kafka: Mapping[str, str]) -> None:
+    if group_protocol(kafka) != CONSUMER_PROTOCOL:
+        return
+    for option, instead in CLASSIC_ONLY.items():
+        if option in kafka:
+            raise UserError(
+                f"config error: kafka.{option} cannot be set with kafka.group.protocol = consumer ({instead})"
+            )
+
+
 def consumer_config(settings: Settings) -> dict[str, str]:
     """librdkafka options for the pipeline's consumer (strings only, as the user would write them)."""
     _check_required(settings.kafka, _CONSUMER_REQUIRED)
+    _check_group_protocol(settings.kafka)
     if exactly_once(settings):
         # Input written in transactions that were later aborted is not input.
         _check_required(
             settings.kafka, {"isolation.level": ("read_committed", "exactly_once reads committed input only")}
         )
-    config = {**_CONSUMER_DEFAULTS, **_without(settings.kafka, _PRODUCER_ONLY_PREFIXES)}
+    protocol_defaults = _CLASSIC_DEFAULTS if group_protocol(settings.kafka) != CONSUMER_PROTOCOL else {}
+    config = {**_CONSUMER_DEFAULTS, **protocol_defaults, **_without(settings.kafka, _PRODUCER_ONLY_PREFIXES)}
     config.update({option: value for option, (value, _) in _CONSUMER_REQUIRED.items()})
     if exactly_once(settings):
         config["isolation.level"] = "read_committed"

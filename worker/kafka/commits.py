@@ -2,7 +2,8 @@
 of a stretch of work together with the input offsets past it (exactly-once), so that both commit or neither.
 
 Both are a `CommitCall`: positions (next offset to read, per partition) in, a `CommitOutcome` out. The
-pipeline runs them on a committer thread; replay calls them in line.
+pipeline runs them on a committer thread; replay calls them in line. A group commit calls again for a
+while on passing errors, which include the consumer-group protocol's (KIP-848) stale member epoch.
 
 `Transactions` owns a transactional producer's life cycle and follows librdkafka's rules for each error
 (`worker/kafka/errors.py`): retriable and passing errors call again, abortable ones abort (the caller redoes
@@ -29,6 +30,11 @@ _log = structlog.get_logger("worker.kafka")
 _T = TypeVar("_T")
 # Each call waits at most this long; retriable failures are retried until `retry_for_s`.
 _CALL_TIMEOUT_S = 10.0
+# A group commit refused with a passing error is sent again this often, for this long: a rebalance of the
+# consumer-group protocol settles within a heartbeat or two (seconds); a longer outage is the next commit
+# interval's to retry.
+_GROUP_COMMIT_RETRY_WAIT_S = 0.1
+_GROUP_COMMIT_RETRY_FOR_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,9 @@ class CommitOutcome:
     aborted: bool = False
     unsettled: bool = False
     fatal: bool = False
+    # Group commits only: refused because the group no longer counts this member as the partitions' owner
+    # (worker/kafka/errors.py, LEFT_GROUP); the rebalance that follows takes them away.
+    left_group: bool = False
 
 
 CommitCall = Callable[[dict[TopicPartitionKey, int]], CommitOutcome]
@@ -53,19 +62,47 @@ def topic_partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_
     return [confluent_kafka.TopicPartition(t, p, position) for (t, p), position in positions.items()]
 
 
-def consumer_commit(consumer: confluent_kafka.Consumer) -> CommitCall:
-    """A synchronous group commit of `positions` through `consumer`."""
+def consumer_commit(
+    consumer: confluent_kafka.Consumer,
+    retry_for_s: float = _GROUP_COMMIT_RETRY_FOR_S,
+    sleep: Callable[[float], None] = time.sleep,
+) -> CommitCall:
+    """A synchronous group commit of `positions` through `consumer`.
+
+    The partitions refused with a passing error (a coordinator moving; under the consumer-group protocol a
+    member epoch a rebalance just moved past) are committed again until `retry_for_s` has passed; what is
+    still not confirmed then comes back as `failed`, with the last reason (`left_group` when the group no
+    longer counts this member as their owner: no later commit of this member gets them through).
+    """
 
     def commit(positions: dict[TopicPartitionKey, int]) -> CommitOutcome:
-        try:
-            answered = consumer.commit(offsets=topic_partitions(positions), asynchronous=False) or []
-        except confluent_kafka.KafkaException as problem:
-            return CommitOutcome(confirmed={}, failed=dict(positions), error=errors.describe(problem))
-        confirmed = {
-            (tp.topic, tp.partition): tp.offset for tp in answered if tp.error is None and tp.offset >= 0
-        }
-        failed = {key: position for key, position in positions.items() if key not in confirmed}
-        return CommitOutcome(confirmed=confirmed, failed=failed)
+        give_up_at = time.monotonic() + retry_for_s
+        confirmed: dict[TopicPartitionKey, int] = {}
+        pending = dict(positions)
+        while True:
+            problem: confluent_kafka.KafkaException | confluent_kafka.KafkaError | None = None
+            try:
+                answered = consumer.commit(offsets=topic_partitions(pending), asynchronous=False) or []
+            except confluent_kafka.KafkaException as refused:
+                problem = refused
+            else:
+                for tp in answered:
+                    if tp.error is None and tp.offset >= 0:
+                        confirmed[(tp.topic, tp.partition)] = tp.offset
+                    elif tp.error is not None:
+                        problem = tp.error
+                pending = {key: position for key, position in pending.items() if key not in confirmed}
+            if not pending:
+                return CommitOutcome(confirmed=confirmed, failed={})
+            if problem is None or not errors.passing(problem) or time.monotonic() >= give_up_at:
+                return CommitOutcome(
+                    confirmed=confirmed,
+                    failed=pending,
+                    error=None if problem is None else errors.describe(problem),
+                    left_group=problem is not None and errors.left_group(problem),
+                )
+            _log.info("commit_retried", reason=errors.describe(problem), partitions=len(pending))
+            sleep(_GROUP_COMMIT_RETRY_WAIT_S)
 
     return commit
 

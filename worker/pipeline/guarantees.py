@@ -100,8 +100,8 @@ class Failure:
 
     def client_error(self, error: confluent_kafka.KafkaError) -> None:
         """error_cb of the consumer: transient errors are the client's to retry; fatal ones end the run."""
-        if error.fatal():
-            self.set(f"{error.name()}: {error.str()}")
+        if errors.consumer_fatal(error):
+            self.set(errors.consumer_fatal_reason(error))
             _log.error("kafka_fatal_error", code=error.name(), reason=error.str())
         else:
             self._error_log(error)
@@ -442,8 +442,17 @@ class _Base:
                 state.commit_failed(position)
         if outcome.failed:
             self._retry_commit_at = self._clock() + self._pipeline.commit_interval_ms / 1000.0
-            self._metrics.commit_failed += 1
-            _log.warning("commit_failed", reason=outcome.error, partitions=names(set(outcome.failed)))
+            self._log_commit_failed(outcome)
+
+    def _log_commit_failed(self, outcome: CommitOutcome) -> None:
+        self._metrics.commit_failed += 1
+        _log.warning(
+            "commit_failed",
+            reason=outcome.error,
+            partitions=names(set(outcome.failed)),
+            # The group moved on: these partitions' new owner redoes their work from the last commit.
+            left_group=outcome.left_group,
+        )
 
 
 class AtLeastOnce(_Base):
@@ -453,7 +462,8 @@ class AtLeastOnce(_Base):
         self._send(work, output)
 
     def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None:
-        """Synchronous commit of the done prefix of `states` on this thread (on revoke and at shutdown).
+        """Synchronous commit of the done prefix of `states` on this thread (on revoke and at shutdown),
+        calling again on passing errors (a stale member epoch mid-rebalance) until `limit`.
 
         Not through the committer: inside a rebalance callback only this thread's commit goes through.
         """
@@ -461,21 +471,15 @@ class AtLeastOnce(_Base):
         positions = {state.key: pos for state in states if (pos := state.position) is not None}
         if not positions:
             return
-        try:
-            results = self._consumer.commit(offsets=_partitions(positions), asynchronous=False)
-        except confluent_kafka.KafkaException as error:
-            self._metrics.commit_failed += 1
-            _log.warning("commit_failed", reason=str(error), partitions=sorted(positions))
-            return
+        outcome = consumer_commit(self._consumer, retry_for_s=max(0.0, limit - self._clock()))(positions)
         by_key = {state.key: state for state in states}
-        confirmed = {}
-        for tp in results or ():
-            state = by_key.get((tp.topic, tp.partition))
-            if state is not None and tp.error is None and tp.offset >= 0:
-                self._metrics.committed += state.committed(tp.offset)
-                confirmed[state.key] = tp.offset
-        self._observer.committed(confirmed)
-        _log.info("committed", positions=positions_by_name(positions))
+        for key, position in outcome.confirmed.items():
+            self._metrics.committed += by_key[key].committed(position)
+        self._observer.committed(outcome.confirmed)
+        if outcome.confirmed:
+            _log.info("committed", positions=positions_by_name(outcome.confirmed))
+        if outcome.failed:
+            self._log_commit_failed(outcome)
 
     def stop(self, limit: float) -> int:
         failed = self._failure.reason is not None
@@ -806,10 +810,6 @@ def _not_committed(
 ) -> dict[tuple[str, int, int], _T]:
     """The entries of a redo map whose source offset a confirmed commit has not passed yet."""
     return {(t, p, offset): v for (t, p, offset), v in redo.items() if offset >= confirmed.get((t, p), -1)}
-
-
-def _partitions(positions: dict[TopicPartitionKey, int]) -> list[confluent_kafka.TopicPartition]:
-    return [confluent_kafka.TopicPartition(t, p, position) for (t, p), position in positions.items()]
 
 
 def positions_by_name(positions: dict[TopicPartitionKey, int]) -> dict[str, int]:

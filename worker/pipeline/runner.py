@@ -50,7 +50,14 @@ from worker.classification import (
 from worker.config import Settings
 from worker.decoding import DecodeError, RegistryUnavailable
 from worker.errors import UserError
-from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config, record_headers
+from worker.kafka import errors
+from worker.kafka.clients import (
+    ClientFactory,
+    KafkaClients,
+    consumer_config,
+    incremental_assignment,
+    record_headers,
+)
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.starts import StartPositions
 from worker.messages import TicketEvent, TriageResult
@@ -123,7 +130,7 @@ class Pipeline:
         self._metrics_interval_s = metrics_interval_s
         self._clock = clock
         consumer_options = consumer_config(settings)
-        self._cooperative = "cooperative" in consumer_options["partition.assignment.strategy"]
+        self._cooperative = incremental_assignment(consumer_options)
         # The revoke callback runs inside a poll: draining must end well before the group's poll deadline.
         max_poll_s = int(consumer_options.get("max.poll.interval.ms", _LIBRDKAFKA_MAX_POLL_MS)) / 1000.0
         self._revoke_drain_s = min(self._pipeline.revoke_timeout_ms / 1000.0, max_poll_s / 2)
@@ -292,7 +299,7 @@ class Pipeline:
             if error.code() == confluent_kafka.KafkaError._MAX_POLL_EXCEEDED:
                 self.metrics.max_poll_exceeded += 1
                 _log.error("max_poll_interval_exceeded", reason=error.str())
-            elif error.fatal():
+            elif errors.consumer_fatal(error):
                 self._failure.client_error(error)
             else:
                 _log.warning("consumer_error", code=error.name(), reason=error.str())
