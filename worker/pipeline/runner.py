@@ -43,10 +43,7 @@ from typing import Any
 import confluent_kafka
 import structlog
 
-from worker.classification import (
-    Classifier,
-    FallbackLabel,
-)
+from worker.classification import Classifier, FallbackLabel
 from worker.config import Settings
 from worker.decoding import DecodeError, RegistryUnavailable
 from worker.errors import UserError
@@ -235,12 +232,9 @@ class Pipeline:
             self._log_metrics("interval")
 
     def _may_poll(self) -> bool:
-        """Poll when the gate allows it (room for records, or partitions paused) and no background commit is
-        on its way. Rebalance callbacks run inside a poll, and a commit from another thread waits until they
-        return, so it could land after the revoke's own commit and move the position back. Commits never
-        hold polls back for longer than `_COMMIT_BEFORE_POLL_S` in a row (slow or failing commits during a
-        broker outage), to keep the member alive.
-        """
+        """Poll when the gate allows it and no background commit is on its way: rebalance callbacks run in a
+        poll, and a commit from another thread waiting for them could land after the revoke's own and move the
+        position back. Never held back longer than `_COMMIT_BEFORE_POLL_S` (keeps the member alive)."""
         settled = not self._guarantee.committing or self._clock() - self._last_poll >= _COMMIT_BEFORE_POLL_S
         return settled and self._gate.may_poll()
 
