@@ -10,10 +10,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import kafka_source
 import pytest
 
 from tools.harness import Audit, Publisher, Topics, Worker, audit
+from worker.dev.local_broker import configured_kafka_version
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
+from worker.kafka.share_groups import NO_SHARE_GROUPS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -130,3 +133,21 @@ def test_kill_9_five_times_with_three_workers_on_one_partition_loses_nothing(
     assert report.lost == []
     assert _misrouted(report) == []
     assert report.duplicates <= crashes * max_in_flight
+
+
+def test_a_broker_without_share_groups_is_refused_in_one_line(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """The session's default broker (Kafka 4.1.1) has no share groups (its `share.version` is 0, as on an
+    upgraded cluster): the worker stops with one line that names what it needs, exit 2."""
+    release = tuple(int(part) for part in configured_kafka_version().split("."))
+    if release >= (4, 2) or kafka_source.choose() == "given":
+        pytest.skip("the session's broker may have share groups")
+    topics = Topics(unique_topic("raw", 1), unique_topic("triaged", 1), unique_topic("dlq", 1))
+    worker = Worker(kafka_bootstrap, topics, f"triage-queue-{uuid.uuid4().hex[:8]}", tmp_path, "old", QUEUE)
+    try:
+        code = worker.process.wait(_STARTED_S)
+    finally:
+        worker.kill()
+    assert code == 2, worker.tail()
+    assert worker.tail(1) == f"triage-worker: error: queue mode: {NO_SHARE_GROUPS}"

@@ -49,7 +49,10 @@ def test_the_share_consumer_gets_the_users_options_without_the_group_and_produce
         "client.id": "me",
         "group.id": "triage-q",
         "share.acknowledgement.mode": "explicit",
+        "max.poll.records": "64",  # max_in_flight: a batch's rest would wait locked while others could work
     }
+    given = _settings(**{"kafka.max.poll.records": "500"})
+    assert share_consumer_config(given)["max.poll.records"] == "500"
 
 
 def test_a_share_consumer_is_made_from_those_options() -> None:

@@ -6,7 +6,8 @@ per record. Measured with confluent-kafka 2.16.1 against Kafka 4.4.0 (docs/desig
 - the share consumer refuses the consumer-group options (`session.timeout.ms`, `auto.offset.reset`,
   `enable.auto.commit`, ...) with a ValueError, so `share_consumer_config` builds its options from the
   user's [kafka] table without them; acknowledgements are always explicit (an unknown
-  `share.acknowledgement.mode` value silently acts as implicit, so no other value is taken);
+  `share.acknowledgement.mode` value silently acts as implicit, so no other value is taken), and a poll
+  asks for at most `max_in_flight` records unless `max.poll.records` is set;
 - where a new group starts, how long a record's lock lasts and after how many deliveries the broker archives
   a record are *group* configs (`share.auto.offset.reset`, `share.record.lock.duration.ms`,
   `share.delivery.count.limit`), read and set with the AdminClient before the group exists.
@@ -65,6 +66,7 @@ _REFUSED_BY_SHARE_CONSUMER = (
     "partition.assignment.strategy",
 )
 _ACKNOWLEDGEMENT_MODE = "share.acknowledgement.mode"
+_MAX_POLL_RECORDS = "max.poll.records"
 _DELIVERY_TIMEOUT = "delivery.timeout.ms"
 _DELIVERY_TIMEOUT_ALIAS = "message.timeout.ms"
 # librdkafka's default delivery.timeout.ms.
@@ -91,6 +93,9 @@ def share_consumer_config(settings: Settings) -> dict[str, str]:
     }
     options["group.id"] = settings.pipeline.group_id
     options[_ACKNOWLEDGEMENT_MODE] = "explicit"
+    # A batch larger than the in-flight bound holds its rest locked and idle while other members could take
+    # it. Only a hint: the broker hands out whole producer batches.
+    options.setdefault(_MAX_POLL_RECORDS, str(settings.pipeline.max_in_flight))
     return options
 
 

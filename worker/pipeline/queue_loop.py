@@ -123,7 +123,8 @@ class QueuePipeline:
         self._metrics_interval_s = metrics_interval_s
         clients = clients or ShareClients(settings)
         self._failure = Failure()
-        self._consumer = clients.share_consumer(self._failure.client_error)
+        self._consumer = clients.share_consumer(self._on_consumer_error)
+        self._no_share_groups = False
         self.metrics = PipelineMetrics.for_deadline(settings.pipeline.deadline_ms / 1000.0)
         self.metrics.queue = self._counts = QueueMetrics()
         self.metrics.registry = RegistryState() if decoder is not None else None
@@ -204,16 +205,25 @@ class QueuePipeline:
         if now - self._last_metrics >= self._metrics_interval_s:
             self._log_metrics("interval")
 
+    def _on_consumer_error(self, error: confluent_kafka.KafkaError) -> None:
+        if error.code() == _UNSUPPORTED_VERSION:
+            self._no_share_groups = True
+        else:
+            self._failure.client_error(error)
+
     def _poll(self) -> list[confluent_kafka.Message]:
         """A batch of records (errors in it logged and left out). A broker without share groups is refused
-        in one line: the share consumer's first poll raises a fatal UNSUPPORTED_VERSION there."""
+        in one line: the share consumer's first poll raises a fatal UNSUPPORTED_VERSION there (measured; its
+        error callback may say so first)."""
         try:
             messages = self._consumer.poll(self._pipeline.poll_timeout_ms / 1000.0)
         except confluent_kafka.KafkaException as problem:
             error = problem.args[0] if problem.args else None
+            if self._no_share_groups or (
+                isinstance(error, confluent_kafka.KafkaError) and error.code() == _UNSUPPORTED_VERSION
+            ):
+                raise UserError(f"queue mode: {NO_SHARE_GROUPS}") from None
             if isinstance(error, confluent_kafka.KafkaError):
-                if error.code() == _UNSUPPORTED_VERSION:
-                    raise UserError(f"queue mode: {NO_SHARE_GROUPS}") from None
                 if error.code() == confluent_kafka.KafkaError._MAX_POLL_EXCEEDED:
                     self.metrics.max_poll_exceeded += 1
                     _log.error("max_poll_interval_exceeded", reason=error.str())
@@ -223,6 +233,8 @@ class QueuePipeline:
                     return []
             _log.warning("consumer_error", reason=str(problem))
             return []
+        if self._no_share_groups:
+            raise UserError(f"queue mode: {NO_SHARE_GROUPS}")
         if not self.metrics.partitions.member:
             # A share consumer names no member id or partitions: a poll that raised nothing (the first one
             # raises where the broker has no share groups) is what /readyz takes for "joined".
