@@ -116,7 +116,7 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     # Queue mode: a record delivered this many times is dead-lettered (`delivery_count_exceeded`) instead of
     # tried again; None: the group's `share.delivery.count.limit` (Kafka's default 5). Above the group's
     # limit the broker archives the record first, without a dead letter.
-    delivery_count_limit: Annotated[int, msgspec.Meta(ge=1, le=10)] | None = None
+    delivery_count_limit: Annotated[int, msgspec.Meta(ge=2, le=10)] | None = None
 
     def __post_init__(self) -> None:
         if self.resume_below is not None and self.resume_below >= self.max_in_flight:
