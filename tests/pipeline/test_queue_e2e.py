@@ -10,13 +10,14 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import confluent_kafka
 import kafka_source
 import pytest
 
-from tools.harness import Audit, Publisher, Topics, Worker, audit
+from tools.harness import Audit, Publisher, Topics, Worker, audit, publish, settings_for
 from worker.dev.local_broker import configured_kafka_version
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
-from worker.kafka.share_groups import NO_SHARE_GROUPS
+from worker.kafka.share_groups import NO_SHARE_GROUPS, create_share_consumer, prepare_share_group
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -151,3 +152,42 @@ def test_a_broker_without_share_groups_is_refused_in_one_line(
         worker.kill()
     assert code == 2, worker.tail()
     assert worker.tail(1) == f"triage-worker: error: queue mode: {NO_SHARE_GROUPS}"
+
+
+def test_a_record_on_its_delivery_limit_is_dead_lettered_with_that_reason(
+    share_group_bootstrap: str, share_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """A member that released the tickets once (as a worker whose model process died would) leaves them on
+    their second delivery: with a limit of 2 the worker dead-letters them (`delivery_count_exceeded`) and
+    rejects them, instead of letting the broker archive them without a trace."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    count = 3
+    publish(bootstrap, topics, count, malformed_ratio=0.0, seed=5)
+    settings = settings_for(bootstrap, topics, **{"pipeline.group_id": group, "pipeline.consume": "queue"})
+    prepare_share_group(settings)  # the group starts at the earliest offset
+    releasing = create_share_consumer(settings)
+    try:
+        releasing.subscribe([topics.input])
+        released, deadline = 0, time.monotonic() + _STARTED_S
+        while released < count and time.monotonic() < deadline:
+            for message in releasing.poll(1.0):
+                releasing.acknowledge(message, confluent_kafka.AcknowledgeType.RELEASE)
+                released += 1
+            releasing.commit_sync(10.0)
+        assert released == count
+    finally:
+        releasing.close()
+    worker = Worker(
+        bootstrap, topics, group, tmp_path, "limit", {**QUEUE, "pipeline.delivery_count_limit": "2"}
+    )
+    try:
+        worker.wait_for("pipeline_started", timeout=_STARTED_S)
+        report = _all_answered(bootstrap, topics, count, 120)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+    assert report.lost == [] and report.duplicates == 0
+    assert sorted(report.dead.values()) == [[DELIVERY_COUNT_EXCEEDED]] * count
+    final = worker.metrics()[-1]["queue"]
+    assert final["delivery_count_exceeded"] == final["rejected"] == count
