@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import confluent_kafka
 import msgspec
@@ -39,6 +39,7 @@ from worker.errors import UserError
 from worker.kafka.clients import (
     ClientErrorLog,
     ErrorCallback,
+    ProducerFactory,
     consumer_options,
     create_producer,
     kafka_call,
@@ -169,6 +170,12 @@ def prepare_share_group(settings: Settings) -> ShareGroup:
         lock_ms=int(lock.value) if lock is not None else DEFAULT_LOCK_MS,
         delivery_count_limit=min(configured, group_limit) if configured is not None else group_limit,
     )
+
+
+class ShareClientFactory(ProducerFactory, Protocol):
+    """Builds queue mode's share consumer and producer, each reporting its errors to `on_error`."""
+
+    def share_consumer(self, on_error: ErrorCallback) -> confluent_kafka.ShareConsumer: ...
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,13 @@ from worker.errors import UserError
 from worker.kafka.clients import record_headers
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
-from worker.kafka.share_groups import NO_SHARE_GROUPS, ShareClients, ShareGroup, delivery_timeout_ms
+from worker.kafka.share_groups import (
+    NO_SHARE_GROUPS,
+    ShareClientFactory,
+    ShareClients,
+    ShareGroup,
+    delivery_timeout_ms,
+)
 from worker.messages import TicketEvent, TriageResult
 from worker.pipeline.acknowledgements import Acknowledging, Outcome
 from worker.pipeline.cascade import Cascade
@@ -102,7 +108,7 @@ class QueuePipeline:
         fallback: FallbackLabel,
         dispatch_window: int,
         group: ShareGroup,
-        clients: ShareClients | None = None,
+        clients: ShareClientFactory | None = None,
         metrics_interval_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         shadow: Shadow | None = None,
