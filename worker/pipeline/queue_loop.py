@@ -238,6 +238,7 @@ class QueuePipeline:
                     self._failure.client_error(error)
                     return []
             _log.warning("consumer_error", reason=str(problem))
+            time.sleep(self._pipeline.poll_timeout_ms / 1000.0)  # the client retries; no busy loop meanwhile
             return []
         if self._no_share_groups:
             raise UserError(f"queue mode: {NO_SHARE_GROUPS}")
@@ -392,7 +393,8 @@ class QueuePipeline:
 
     def _shutdown(self) -> int:
         started = self._clock()
-        limit = started + self._pipeline.shutdown_timeout_ms / 1000.0
+        # A stop inside a batch began counting there (`_finish_batch`).
+        limit = self._stop_by or started + self._pipeline.shutdown_timeout_ms / 1000.0
         reason = self._failure.reason or "signal"
         _log.info("pipeline_stopping", in_flight=len(self._unsettled), reason=reason)
         if self._unsettled or self._backlog:  # a stop between polls leaves nothing; inside a batch, see there
