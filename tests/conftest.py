@@ -7,6 +7,10 @@ the project's own local broker (`worker/dev/local_broker.py`: Apache Kafka from 
 free port with a fresh log dir, stopped when the session ends. The same tests run against any of the three.
 `TRIAGE_KAFKA_VERSION=4.4.0` runs another release (the local broker's jars, the default image's tag); `make
 test-brokers` (tools/broker_matrix.py) runs the accounting tests so against each supported release.
+
+Queue mode's tests need share groups (Kafka >= 4.2): `share_group_bootstrap` is
+`KAFKA_SHARE_BOOTSTRAP_SERVERS` when set, else a second local broker, Kafka 4.4.0, started once for the
+session when the first of them runs.
 """
 
 from __future__ import annotations
@@ -165,6 +169,55 @@ def secure_broker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
         yield SecureBroker(f"127.0.0.1:{port}", client_file, client_config)
     finally:
         main(["broker", "stop", "--state-dir", str(state_dir)])
+
+
+# Queue mode needs share groups: Kafka >= 4.2 (a fresh 4.4.0 format turns them on, no broker config).
+SHARE_GROUP_KAFKA_VERSION = "4.4.0"
+
+
+@pytest.fixture(scope="session")
+def share_group_bootstrap(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Bootstrap servers of a broker with share groups, for queue-mode tests: `KAFKA_SHARE_BOOTSTRAP_SERVERS`
+    when set, else a local Kafka 4.4.0 broker of the session's own (the default session broker is 4.1.1,
+    which has none). Skips where the session may not start a local broker (a given broker or a container)."""
+    given = os.environ.get("KAFKA_SHARE_BOOTSTRAP_SERVERS")
+    if given:
+        yield given
+        return
+    if kafka_source.choose() != "local":
+        pytest.skip("queue mode needs a broker with share groups: set KAFKA_SHARE_BOOTSTRAP_SERVERS")
+    broker = local_broker.LocalBroker(
+        tmp_path_factory.mktemp("kafka-share-broker"),
+        port=local_broker.free_port(),
+        kafka_version=SHARE_GROUP_KAFKA_VERSION,
+    )
+    started = time.monotonic()
+    broker.start(fresh=True, echo=lambda _line: None)
+    _announce(
+        request.config,
+        f"Kafka {broker.kafka_version} broker (share groups) on {broker.bootstrap} in "
+        f"{time.monotonic() - started:.1f}s (log {broker.log_file})",
+    )
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def share_topic(share_group_bootstrap: str, request: pytest.FixtureRequest) -> Callable[..., str]:
+    """`unique_topic` on the share-group broker."""
+    test_name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+
+    def create(name: str, partitions: int = 1) -> str:
+        topic = f"test.{test_name}.{name}.{uuid.uuid4().hex[:8]}"
+        create_topics({"bootstrap.servers": share_group_bootstrap}, [TopicSpec(topic, partitions, 1)])
+        wait_until_served(share_group_bootstrap, topic, partitions)
+        return topic
+
+    return create
 
 
 @pytest.fixture

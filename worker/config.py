@@ -50,6 +50,9 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["console", "json"]
 GuaranteeName = Literal["at_least_once", "exactly_once"]
 Scheduling = Literal["edf", "fifo"]
+# How the worker reads its input: a consumer group (partitions owned, offsets committed) or a share group
+# (records handed out one by one under a lock, acknowledged per record; Kafka >= 4.2).
+Consume = Literal["group", "queue"]
 # How record values of the input topic are written: plain JSON, or one of the Schema Registry formats in
 # the Confluent wire format (worker/contracts/input.py).
 InputFormat = Literal["json", "avro", "json_schema", "protobuf"]
@@ -108,6 +111,12 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     transactional_id: Annotated[str, msgspec.Meta(min_length=1, max_length=249)] | None = None
     # Which waiting ticket goes to the model next: earliest deadline first, or arrival order.
     scheduling: Scheduling = "edf"
+    # "queue": read through a share group, more workers than partitions (worker/pipeline/queue_loop.py).
+    consume: Consume = "group"
+    # Queue mode: a record delivered this many times is dead-lettered (`delivery_count_exceeded`) instead of
+    # tried again; None: the group's `share.delivery.count.limit` (Kafka's default 5). Above the group's
+    # limit the broker archives the record first, without a dead letter.
+    delivery_count_limit: Annotated[int, msgspec.Meta(ge=2, le=10)] | None = None
 
     def __post_init__(self) -> None:
         if self.resume_below is not None and self.resume_below >= self.max_in_flight:

@@ -26,6 +26,7 @@ from worker.pipeline.metrics import (
     LatencyHistogram,
     PartitionGauges,
     PipelineMetrics,
+    QueueMetrics,
     ShadowMetrics,
 )
 from worker.replay.engine import ReplayOutcome
@@ -177,6 +178,7 @@ def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None
     probes.metrics = PipelineMetrics()
     probes.metrics.dead_letter("invalid_json")
     probes.metrics.shadow = ShadowMetrics()
+    probes.metrics.queue = QueueMetrics()
     registry = CollectorRegistry()
     registry.register(PipelineCollector(probes, {}))
     samples = _samples(registry)
@@ -194,9 +196,11 @@ def test_every_known_label_value_is_exported_at_zero_before_it_happens() -> None
         "internal_error",
         "key_too_large",
         "result_refused",
+        "delivery_count_exceeded",
     }
     assert by("triage_reloads_total", "outcome") == {"succeeded": 0, "failed": 0}
     assert by("triage_shadow_dropped_total", "reason") == {"full": 0, "shutdown": 0}
+    assert by("triage_queue_acknowledgements_total", "type") == {"accept": 0, "reject": 0, "release": 0}
     assert set(by("triage_shadow_fallbacks_total", "reason")) == set(typing.get_args(FallbackReason))
 
     class _Inner:

@@ -49,7 +49,9 @@ from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics, record_size_limits
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config, producer_record_limit
+from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_settings
 from worker.logs import configure_logging, librdkafka_logger
+from worker.pipeline.queue_loop import QueuePipeline, lock_budget, refuse_exactly_once
 from worker.pipeline.runner import Pipeline
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.worker import WorkerTelemetry
@@ -74,7 +76,7 @@ class WorkerApp:
         self._metrics_interval_s = metrics_interval_s
         self._held = held_stop_signals  # read at start: the CLI's holder may still be appending
         self._stop_requested = False
-        self._pipeline: Pipeline | None = None
+        self._pipeline: Pipeline | QueuePipeline | None = None
         self._telemetry: WorkerTelemetry | None = None
         self._reloader: Reloader | None = None
         self._classifier: SwitchingClassifier | None = None
@@ -95,15 +97,19 @@ class WorkerApp:
         if self._pipeline is not None:
             self._pipeline.request_stop()
 
-    def start(self) -> Pipeline:
+    def start(self) -> Pipeline | QueuePipeline:
         """Check, load and assemble everything (see the contract); the pipeline, not running yet."""
         settings = with_zero_shot_review(self._configured)
         configure_logging(settings.log)
         stop = _StopOnSignals(self._held, self.request_stop)
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
-        # An option the group protocol refuses (or one the pipeline relies on, weakened) stops it here too.
-        consumer_config(settings)
+        queue = settings.pipeline.consume == "queue"
+        if queue:
+            refuse_exactly_once(settings)
+        else:
+            # An option the group protocol refuses (or one the pipeline relies on, weakened) stops it here.
+            consumer_config(settings)
         # The input's decoder (with its registry client) reads only input settings: a Protobuf class that
         # does not import stops the start here, before the broker is asked.
         decoder = decoder_for(settings)
@@ -115,6 +121,11 @@ class WorkerApp:
         if escalation.why_off is not None:
             _log.info("cascade_off", reason=escalation.why_off)
         settings = check_topics(settings)
+        share_group = None
+        if queue:  # the share group's lock and delivery limit; its start at the earliest offset
+            share_group = prepare_share_group(settings)
+            settings = queue_settings(settings, share_group)
+            lock_budget(settings, share_group).check()
         # Registered once, here: a registry that refuses the output schema stops the start in one line.
         result_encoder = result_encoder_for(settings)
         # A no-op unless metrics.port is set.
@@ -145,19 +156,36 @@ class WorkerApp:
             self._shadow_pool = open_shadow_pool(shadow_settings, settings)
             shadow = start_shadow(settings, shadow_settings, self._shadow_pool)
         review = start_review(settings) if settings.review.enabled else None
-        pipeline = Pipeline(
-            settings,
-            classifier,
-            taxonomy.fallback_label,
-            dispatch_window=dispatch_window(settings),
-            metrics_interval_s=self._metrics_interval_s,
-            clients=KafkaClients(settings, librdkafka_logger()),
-            shadow=shadow,
-            cascade=cascade,
-            review=review,
-            decoder=decoder,
-            result_encoder=result_encoder,
-        )
+        pipeline: Pipeline | QueuePipeline
+        if share_group is not None:
+            pipeline = QueuePipeline(
+                settings,
+                classifier,
+                taxonomy.fallback_label,
+                dispatch_window=dispatch_window(settings),
+                group=share_group,
+                metrics_interval_s=self._metrics_interval_s,
+                clients=ShareClients(settings, librdkafka_logger()),
+                shadow=shadow,
+                cascade=cascade,
+                review=review,
+                decoder=decoder,
+                result_encoder=result_encoder,
+            )
+        else:
+            pipeline = Pipeline(
+                settings,
+                classifier,
+                taxonomy.fallback_label,
+                dispatch_window=dispatch_window(settings),
+                metrics_interval_s=self._metrics_interval_s,
+                clients=KafkaClients(settings, librdkafka_logger()),
+                shadow=shadow,
+                cascade=cascade,
+                review=review,
+                decoder=decoder,
+                result_encoder=result_encoder,
+            )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
         if self._shadow_pool is not None:

@@ -57,6 +57,12 @@ RUN_FLAGS: tuple[tuple[str, str, str], ...] = (
         "pipeline.scheduling",
         "edf | fifo: tickets go to the model earliest deadline first, or in arrival order",
     ),
+    (
+        "--consume",
+        "pipeline.consume",
+        "group | queue: a consumer group, or a share group (Kafka >= 4.2; more workers than partitions, "
+        "each ticket acknowledged on its own)",
+    ),
     ("--model", "inference.model", "ORT GenAI model folder"),
     ("--taxonomy", "inference.taxonomy", "taxonomy TOML"),
     ("--mode", "inference.mode", "score | generate"),

@@ -32,6 +32,7 @@ from worker.pipeline.metrics import (
     EscalationMetrics,
     PartitionGauges,
     PipelineMetrics,
+    QueueMetrics,
     RegistryState,
     ReviewMetrics,
     ShadowMetrics,
@@ -79,6 +80,11 @@ SETTING_DOCS: dict[str, str] = {
     "workers, stable across restarts of the same instance",
     "pipeline.scheduling": "order in which waiting tickets go to the model: `edf` (earliest deadline first) "
     "or `fifo` (arrival order)",
+    "pipeline.consume": "`group`: a consumer group (partitions owned, offsets committed); `queue`: a share "
+    "group, Kafka >= 4.2 (any number of workers per partition, each ticket acknowledged on its own; "
+    "[operations](operations.md#queue-mode))",
+    "pipeline.delivery_count_limit": "queue mode: a record delivered this often is dead-lettered "
+    "(`delivery_count_exceeded`) instead of tried again; unset: the group's `share.delivery.count.limit`",
     "inference.model": "ORT GenAI model folder; a relative path is relative to the working directory",
     "inference.taxonomy": "intents, priorities and instruction text; in `score` mode only labels the model "
     "was trained on ([model](model.md))",
@@ -192,6 +198,7 @@ def exporters() -> dict[str, CollectorRegistry]:
         review=ReviewMetrics(),
         escalation=EscalationMetrics.starting(("a",)),
         registry=RegistryState(),
+        queue=QueueMetrics(),
     )
     metrics.partitions = PartitionGauges(
         assigned=(("t", 0),), blocked=(("t", 0),), lag=((("t", 0), 0),), member=True

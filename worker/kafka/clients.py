@@ -187,6 +187,11 @@ def consumer_config(settings: Settings) -> dict[str, str]:
     return config
 
 
+def consumer_options(kafka: Mapping[str, str]) -> dict[str, str]:
+    """The user's [kafka] options a consumer takes: all but the producer's (a share consumer's start)."""
+    return _without(kafka, _PRODUCER_ONLY_PREFIXES)
+
+
 def producer_config(settings: Settings) -> dict[str, str]:
     """librdkafka options for the pipeline's producer (results and dead letters); never transactional."""
     _check_required(settings.kafka, _PRODUCER_REQUIRED)

@@ -61,8 +61,15 @@ PIPELINE_ERROR_DOCS: tuple[tuple[str, str], ...] = (
         "Kafka refused the ticket's triage record itself (e.g. too large for the output topic); the message "
         "names Kafka's error",
     ),
+    (
+        "delivery_count_exceeded",
+        "queue mode: the share group delivered the record as often as its delivery limit allows (each try "
+        "ended without a record: the model process died, the worker stopped or crashed); the message says "
+        "how often",
+    ),
 )
 RESULT_REFUSED = "result_refused"
+DELIVERY_COUNT_EXCEEDED = "delivery_count_exceeded"
 # Every `triage.error.type` this worker writes: what `replay --error-type` can select.
 ERROR_TYPES: tuple[str, ...] = (*typing.get_args(DecodeErrorType), *(name for name, _ in PIPELINE_ERROR_DOCS))
 

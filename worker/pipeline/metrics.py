@@ -214,6 +214,27 @@ class RegistryState:
 
 
 @dataclass
+class QueueMetrics:
+    """Queue mode (a share group): how the records were acknowledged, and the batches polled."""
+
+    accepted: int = 0
+    released: int = 0
+    rejected: int = 0
+    # Records dead-lettered because the group delivered them as often as its limit allows.
+    delivery_count_exceeded: int = 0
+    batches: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "released": self.released,
+            "rejected": self.rejected,
+            "delivery_count_exceeded": self.delivery_count_exceeded,
+            "batches": self.batches,
+        }
+
+
+@dataclass
 class PipelineMetrics:
     consumed: int = 0
     # Records re-delivered for an offset already being processed (after a seek back); skipped.
@@ -257,6 +278,8 @@ class PipelineMetrics:
     escalation: EscalationMetrics | None = None
     # Set when the input format reads a Schema Registry.
     registry: RegistryState | None = None
+    # Set in queue mode.
+    queue: QueueMetrics | None = None
     _gauges_at: float = float("-inf")
 
     def dead_letter(self, error_type: str) -> None:
@@ -337,4 +360,5 @@ class PipelineMetrics:
             **({"escalation": self.escalation.snapshot()} if self.escalation is not None else {}),
             **({"review": self.review.snapshot()} if self.review is not None else {}),
             **({"schema_registry": self.registry.snapshot()} if self.registry is not None else {}),
+            **({"queue": self.queue.snapshot()} if self.queue is not None else {}),
         }

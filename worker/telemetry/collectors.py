@@ -105,6 +105,19 @@ class PipelineCollector(Collector):
             ERROR_TYPES,
             metrics.dead_lettered_by_type,
         )
+        if metrics.queue is not None:
+            yield by_label(
+                "triage_queue_acknowledgements",
+                "Queue mode: records acknowledged to the share group, by type (accept: its record written; "
+                "reject: dead-lettered; release: handed out again).",
+                "type",
+                ("accept", "reject", "release"),
+                {
+                    "accept": metrics.queue.accepted,
+                    "reject": metrics.queue.rejected,
+                    "release": metrics.queue.released,
+                },
+            )
         yield CounterMetricFamily(
             "triage_pii_tickets", "Tickets in which personal data was found.", value=metrics.pii_tickets
         )

@@ -1,0 +1,193 @@
+"""Queue mode's promises end to end: a real Kafka 4.4.0 broker (share groups), the test model, workers as
+processes (`triage-worker run --consume queue`), and the audit of the topics (tools/harness.py): each input
+offset has a triage record or a dead letter, never neither; duplicates are counted and bounded."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import confluent_kafka
+import kafka_source
+import pytest
+
+from tools.harness import Audit, Publisher, Topics, Worker, audit, publish, settings_for
+from worker.dev.local_broker import configured_kafka_version
+from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
+from worker.kafka.share_groups import NO_SHARE_GROUPS, create_share_consumer, prepare_share_group
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+QUEUE = {"pipeline.consume": "queue"}
+# A share group's members get records about 5 s after they subscribe (its heartbeat interval).
+_STARTED_S = 120.0
+
+
+def _topics(share_topic: Callable[..., str]) -> Topics:
+    return Topics(share_topic("raw", 1), share_topic("triaged", 1), share_topic("dlq", 1))
+
+
+def _report(name: str, text: str) -> None:
+    print(f"\n[{name}] {text}")
+
+
+def _all_answered(bootstrap: str, topics: Topics, sent: int, timeout_s: float) -> Audit:
+    """The audit once every input has an output (or at `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report = audit(bootstrap, topics, visible_within_s=5)
+        if (len(report.inputs) >= sent and not report.lost) or time.monotonic() > deadline:
+            return report
+        time.sleep(2)
+
+
+def _misrouted(report: Audit) -> list[tuple[int, int]]:
+    """As `Audit.misrouted`, but a ticket dead-lettered over its delivery limit is where it belongs."""
+    wrong = []
+    for position in report.misrouted:
+        dead = set(report.dead.get(position, []))
+        if report.inputs[position] != "ticket" or dead - {DELIVERY_COUNT_EXCEEDED}:
+            wrong.append(position)
+    return wrong
+
+
+def test_three_workers_on_one_partition_all_take_tickets_and_each_gets_one_output(
+    share_group_bootstrap: str, share_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """More workers than partitions: each takes tickets (they arrive one producer batch each, as tickets
+    do); every ticket gets exactly one record, every malformed record one dead letter."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    workers = [Worker(bootstrap, topics, group, tmp_path, f"queue-{n}", QUEUE) for n in range(3)]
+    try:
+        for worker in workers:
+            worker.wait_for("pipeline_started", timeout=_STARTED_S)
+        publisher = Publisher(bootstrap, topics, 600, rate=40.0, seed=21)
+        publisher.start()
+        publisher.finish(120)
+        started = time.monotonic()
+        report = _all_answered(bootstrap, topics, publisher.sent, 180)
+        took = time.monotonic() - started
+        assert all(worker.stop() == 0 for worker in workers)
+    finally:
+        for worker in workers:
+            worker.kill()
+
+    report = audit(bootstrap, topics, visible_within_s=5)
+    accepted = [worker.metrics()[-1]["queue"]["accepted"] for worker in workers]
+    _report("queue, 3 workers", f"{report.summary()}; accepted per worker {accepted}; last {took:.1f}s")
+    assert len(report.inputs) == publisher.sent == 600
+    assert report.lost == []
+    assert report.misrouted == []
+    assert report.duplicates == 0  # no crash, no lock run out: nothing is redone
+    assert all(count > 0 for count in accepted), accepted
+    malformed = sum(1 for kind in report.inputs.values() if kind != "ticket")
+    assert sum(map(len, report.dead.values())) == malformed > 0
+    finals = [worker.metrics()[-1] for worker in workers]
+    assert sum(final["queue"]["rejected"] for final in finals) == malformed
+    assert sum(final["consumed"] for final in finals) == 600
+
+
+def test_kill_9_five_times_with_three_workers_on_one_partition_loses_nothing(
+    share_group_bootstrap: str, share_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """A killed worker's records are released at once (the broker sees its connection close) and handed to
+    the others. Duplicates: at most what the killed worker had produced but not acknowledged, which is at
+    most `max_in_flight` records per kill."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    max_in_flight, crashes = 32, 5
+    settings = {**QUEUE, "pipeline.max_in_flight": str(max_in_flight)}
+    rng = random.Random(36)
+    workers = [Worker(bootstrap, topics, group, tmp_path, f"queue-{n}", settings) for n in range(3)]
+    publisher = Publisher(bootstrap, topics, 0, 25.0, seed=36)
+    try:
+        for worker in workers:
+            worker.wait_for("pipeline_started", timeout=_STARTED_S)
+        publisher.start()
+        for crash in range(crashes):
+            time.sleep(rng.uniform(3.0, 6.0))
+            victim = rng.randrange(len(workers))
+            assert workers[victim].process.poll() is None, workers[victim].tail()
+            workers[victim].kill()
+            workers[victim] = Worker(bootstrap, topics, group, tmp_path, f"queue-restarted-{crash}", settings)
+            workers[victim].wait_for("pipeline_started", timeout=_STARTED_S)
+        publisher.end()
+        publisher.finish(120)
+        report = _all_answered(bootstrap, topics, publisher.sent, 240)
+        assert all(worker.stop() == 0 for worker in workers)
+    finally:
+        publisher.end()
+        for worker in workers:
+            worker.kill()
+
+    report = audit(bootstrap, topics, visible_within_s=5)
+    over_limit = sum(dead.count(DELIVERY_COUNT_EXCEEDED) for dead in report.dead.values())
+    _report(
+        "queue, kill -9",
+        f"{report.summary()} after {crashes} kill -9 of 3 workers; {over_limit} over the delivery limit",
+    )
+    assert len(report.inputs) == publisher.sent > 0
+    assert report.lost == []
+    assert _misrouted(report) == []
+    assert report.duplicates <= crashes * max_in_flight
+
+
+def test_a_broker_without_share_groups_is_refused_in_one_line(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """The session's default broker (Kafka 4.1.1) has no share groups (its `share.version` is 0, as on an
+    upgraded cluster): the worker stops with one line that names what it needs, exit 2."""
+    release = tuple(int(part) for part in configured_kafka_version().split("."))
+    if release >= (4, 2) or kafka_source.choose() == "given":
+        pytest.skip("the session's broker may have share groups")
+    topics = Topics(unique_topic("raw", 1), unique_topic("triaged", 1), unique_topic("dlq", 1))
+    worker = Worker(kafka_bootstrap, topics, f"triage-queue-{uuid.uuid4().hex[:8]}", tmp_path, "old", QUEUE)
+    try:
+        code = worker.process.wait(_STARTED_S)
+    finally:
+        worker.kill()
+    assert code == 2, worker.tail()
+    assert worker.tail(1) == f"triage-worker: error: queue mode: {NO_SHARE_GROUPS}"
+
+
+def test_a_record_on_its_delivery_limit_is_dead_lettered_with_that_reason(
+    share_group_bootstrap: str, share_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """A member that released the tickets once (as a worker whose model process died would) leaves them on
+    their second delivery: with a limit of 2 the worker dead-letters them (`delivery_count_exceeded`) and
+    rejects them, instead of letting the broker archive them without a trace."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    count = 3
+    publish(bootstrap, topics, count, malformed_ratio=0.0, seed=5)
+    settings = settings_for(bootstrap, topics, **{"pipeline.group_id": group, "pipeline.consume": "queue"})
+    prepare_share_group(settings)  # the group starts at the earliest offset
+    releasing = create_share_consumer(settings)
+    try:
+        releasing.subscribe([topics.input])
+        released, deadline = 0, time.monotonic() + _STARTED_S
+        while released < count and time.monotonic() < deadline:
+            for message in releasing.poll(1.0):
+                releasing.acknowledge(message, confluent_kafka.AcknowledgeType.RELEASE)
+                released += 1
+            releasing.commit_sync(10.0)
+        assert released == count
+    finally:
+        releasing.close()
+    worker = Worker(
+        bootstrap, topics, group, tmp_path, "limit", {**QUEUE, "pipeline.delivery_count_limit": "2"}
+    )
+    try:
+        worker.wait_for("pipeline_started", timeout=_STARTED_S)
+        report = _all_answered(bootstrap, topics, count, 120)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+    assert report.lost == [] and report.duplicates == 0
+    assert sorted(report.dead.values()) == [[DELIVERY_COUNT_EXCEEDED]] * count
+    final = worker.metrics()[-1]["queue"]
+    assert final["delivery_count_exceeded"] == final["rejected"] == count

@@ -1,0 +1,216 @@
+"""Queue mode's loop against an in-memory share consumer: how each record of a batch is acknowledged when
+its record is written, when its model process dies, when the lock runs out and at shutdown; and that every
+record of a batch is acknowledged before the next poll (the share consumer raises otherwise)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import confluent_kafka
+from doubles import HoldingClassifier, InstantClassifier, instant_answer
+from memory_kafka import MemoryKafka, MemoryProducer, Message, Record
+
+from worker.classification import Classification, FallbackLabel, fallback_answer
+from worker.config import Settings, load_settings
+from worker.dev.samples import SampleFactory
+from worker.kafka.share_groups import ShareClientFactory, ShareGroup
+from worker.pipeline.queue_loop import QueuePipeline
+
+FALLBACK = FallbackLabel("unclassified", "Medium")
+ACCEPT, RELEASE = confluent_kafka.AcknowledgeType.ACCEPT, confluent_kafka.AcknowledgeType.RELEASE
+# A 15 s lock (the broker's minimum) with a 2 s deadline and 5 s delivery timeout: a record may be taken
+# until 7 s into the lock, and what is unsettled is released at 14 s.
+LOCK = ShareGroup(lock_ms=15000, delivery_count_limit=5)
+
+
+class MemoryShareConsumer:
+    """The share consumer's calls the loop makes: `poll` hands out `batches` one by one, `acknowledge`
+    records each outcome, and a poll with records of the previous batch unacknowledged raises, as
+    librdkafka's does."""
+
+    def __init__(self, batches: list[list[Message]]) -> None:
+        self.batches = batches
+        self.outcomes: dict[int, confluent_kafka.AcknowledgeType] = {}
+        self._handed: list[Message] = []
+        self.polls_after_all = 0
+        self.closed = False
+
+    def subscribe(self, topics: list[str]) -> None:
+        pass
+
+    def poll(self, timeout: float) -> list[Message]:
+        unacknowledged = [m for m in self._handed if m.offset() not in self.outcomes]
+        if unacknowledged:
+            raise confluent_kafka.KafkaException(
+                confluent_kafka.KafkaError(confluent_kafka.KafkaError._STATE, "records not acknowledged")
+            )
+        if not self.batches:
+            self.polls_after_all += 1
+            time.sleep(min(timeout, 0.01))
+            return []
+        self._handed = self.batches.pop(0)
+        return self._handed
+
+    def acknowledge(self, message: Message, outcome: confluent_kafka.AcknowledgeType) -> None:
+        offset = message.offset()
+        assert offset is not None
+        self.outcomes[offset] = outcome
+
+    def commit_async(self) -> None:
+        pass
+
+    def commit_sync(self, timeout: float) -> dict[object, object]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Message(Message):
+    def delivery_count(self) -> int:
+        return 1
+
+
+class _Clients:
+    def __init__(self, kafka: MemoryKafka, consumer: MemoryShareConsumer) -> None:
+        self.kafka, self.consumer = kafka, consumer
+
+    def share_consumer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryShareConsumer:
+        return self.consumer
+
+    def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryProducer:
+        return MemoryProducer(self.kafka, None, on_error)
+
+
+def _clients(kafka: MemoryKafka, consumer: MemoryShareConsumer) -> ShareClientFactory:
+    """The fakes where the loop takes a `ShareClientFactory`: they answer the calls it makes, without
+    subclassing confluent-kafka's classes (as memory_kafka.as_client_factory)."""
+    return cast("ShareClientFactory", _Clients(kafka, consumer))
+
+
+class _DyingClassifier(InstantClassifier):
+    """Answers `model_error` (its process died under the ticket) for tickets whose text says "die"."""
+
+    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
+        with self._lock:
+            asked, self._asked = self._asked, []
+        if not asked:
+            time.sleep(min(timeout, 0.005))
+        died = fallback_answer("model_error", FALLBACK, self.model_id, 1.0)
+        return [(r.request_id, died if "die" in r.text else instant_answer(self.model_id)) for r in asked]
+
+
+def _settings(**overrides: object) -> Settings:
+    given = {
+        "kafka.bootstrap.servers": "memory:9092",
+        "kafka.delivery.timeout.ms": "5000",
+        "pipeline.consume": "queue",
+        "pipeline.deadline_ms": "2000",
+    }
+    return load_settings(env={}, overrides={**given, **overrides})
+
+
+def _batch(kafka: MemoryKafka, subjects: list[str]) -> list[Message]:
+    factory = SampleFactory(seed=1)
+    batch: list[Message] = []
+    for offset, subject in enumerate(subjects):
+        sample = factory.make(offset)
+        ticket = json.loads(sample.value or b"{}")
+        ticket["body"] = f"{subject}: {ticket['body']}"
+        record = Record(offset, sample.key, json.dumps(ticket).encode(), [])
+        kafka.logs["tickets.raw"][0].append(record)
+        batch.append(_Message("tickets.raw", 0, record))
+    return batch
+
+
+def _kafka() -> MemoryKafka:
+    kafka = MemoryKafka()
+    for topic in ("tickets.raw", "tickets.triaged", "tickets.dlq"):
+        kafka.create_topic(topic, 1)
+    return kafka
+
+
+def _run(pipeline: QueuePipeline) -> tuple[threading.Thread, list[int]]:
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(pipeline.run()), daemon=True)
+    thread.start()
+    return thread, codes
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_written_record_is_accepted_and_one_whose_model_process_died_is_released() -> None:
+    kafka = _kafka()
+    consumer = MemoryShareConsumer([_batch(kafka, ["ok", "die", "ok"]), _batch(kafka, [])])
+    pipeline = QueuePipeline(
+        _settings(),
+        _DyingClassifier(),
+        FALLBACK,
+        4,
+        LOCK,
+        _clients(kafka, consumer),
+    )
+    thread, codes = _run(pipeline)
+    _wait(lambda: consumer.polls_after_all > 0)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE, 2: ACCEPT}
+    assert len(kafka.logs["tickets.triaged"][0]) == 2  # the released ticket has no record
+    assert pipeline.metrics.queue is not None and pipeline.metrics.queue.released == 1
+
+
+def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_after() -> None:
+    """Records a full in-flight bound left in the backlog are released once too late to take (7 s into the
+    lock here); tickets still at the model are released 1 s before the lock ends, not left to expire."""
+    kafka = _kafka()
+    consumer = MemoryShareConsumer([_batch(kafka, ["hold", "hold", "ok"])])
+    now = [1000.0]
+    classifier = HoldingClassifier()
+    pipeline = QueuePipeline(
+        _settings(**{"pipeline.max_in_flight": "2"}), classifier, FALLBACK, 4, LOCK,
+        _clients(kafka, consumer), clock=lambda: now[0],
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    _wait(lambda: len(classifier.held) == 2)  # the bound: the third record waits in the backlog
+    now[0] += 7.5
+    _wait(lambda: consumer.outcomes == {2: RELEASE})
+    now[0] += 6.6
+    _wait(lambda: len(consumer.outcomes) == 3)
+    _wait(lambda: consumer.polls_after_all > 0)  # the next poll did not raise: everything acknowledged
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: RELEASE, 1: RELEASE, 2: RELEASE}
+    classifier.release()  # a late answer for a released ticket writes nothing
+    assert kafka.logs["tickets.triaged"][0] == []
+
+
+def test_shutdown_finishes_what_it_can_and_releases_the_rest() -> None:
+    kafka = _kafka()
+    consumer = MemoryShareConsumer([_batch(kafka, ["ok", "hold"])])
+    settings = _settings(**{"pipeline.shutdown_timeout_ms": "300"})
+    pipeline = QueuePipeline(
+        settings,
+        HoldingClassifier(),
+        FALLBACK,
+        4,
+        LOCK,
+        _clients(kafka, consumer),
+    )
+    thread, codes = _run(pipeline)
+    _wait(lambda: consumer.outcomes == {0: ACCEPT})
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE}
+    assert consumer.closed

@@ -1,0 +1,136 @@
+"""Queue mode's pure parts: the share consumer's options, the refusals at start and the lock arithmetic."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import confluent_kafka
+import pytest
+
+from tools import REPO
+from tools.harness import TINY_MODEL
+from worker.config import Settings, load_settings
+from worker.errors import UserError
+from worker.kafka.share_groups import ShareGroup, delivery_timeout_ms, queue_settings, share_consumer_config
+from worker.pipeline.lock_budget import MARGIN_S, LockBudget
+from worker.pipeline.queue_loop import lock_budget, refuse_exactly_once
+
+# The options tests and chaos give every worker (tools/harness.py FAST_GROUP_OPTIONS) and a few more that a
+# share consumer refuses at construction (measured: a ValueError each).
+_GROUP_ONLY = {
+    "kafka.session.timeout.ms": "6000",
+    "kafka.heartbeat.interval.ms": "1000",
+    "kafka.auto.offset.reset": "latest",
+    "kafka.enable.auto.commit": "false",
+    "kafka.group.protocol": "consumer",
+    "kafka.group.instance.id": "pod-1",
+    "kafka.isolation.level": "read_committed",
+    "kafka.partition.assignment.strategy": "range",
+}
+
+
+def _settings(**overrides: object) -> Settings:
+    return load_settings(
+        env={}, overrides={"kafka.bootstrap.servers": "b:9092", "pipeline.consume": "queue", **overrides}
+    )
+
+
+def test_the_share_consumer_gets_the_users_options_without_the_group_and_producer_ones() -> None:
+    settings = _settings(
+        **_GROUP_ONLY,
+        **{"kafka.max.poll.interval.ms": "10000", "kafka.linger.ms": "20", "kafka.client.id": "me"},
+        **{"pipeline.group_id": "triage-q"},
+    )
+    config = share_consumer_config(settings)
+    assert config == {
+        "bootstrap.servers": "b:9092",
+        "max.poll.interval.ms": "10000",
+        "client.id": "me",
+        "group.id": "triage-q",
+        "share.acknowledgement.mode": "explicit",
+        "max.poll.records": "64",  # max_in_flight: a batch's rest would wait locked while others could work
+    }
+    given = _settings(**{"kafka.max.poll.records": "500"})
+    assert share_consumer_config(given)["max.poll.records"] == "500"
+
+
+def test_a_share_consumer_is_made_from_those_options() -> None:
+    """confluent-kafka refuses a consumer-group option at construction: none may reach it."""
+    consumer = confluent_kafka.ShareConsumer(share_consumer_config(_settings(**_GROUP_ONLY)))
+    consumer.close()
+
+
+def test_acknowledgements_other_than_explicit_are_refused() -> None:
+    """librdkafka takes an unknown mode silently and acknowledges implicitly: every ticket would be
+    accepted before its record is written."""
+    with pytest.raises(UserError, match=r"share\.acknowledgement\.mode must be explicit"):
+        share_consumer_config(_settings(**{"kafka.share.acknowledgement.mode": "implicit"}))
+
+
+def test_exactly_once_is_refused_in_one_line() -> None:
+    with pytest.raises(UserError) as refused:
+        refuse_exactly_once(_settings(**{"pipeline.guarantee": "exactly_once"}))
+    assert "share groups have no transactional acknowledgements" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    refuse_exactly_once(_settings())  # at-least-once: fine
+
+
+def test_the_producer_delivery_timeout_defaults_to_a_third_of_the_lock_unless_set() -> None:
+    group = ShareGroup(lock_ms=30000)
+    assert delivery_timeout_ms(queue_settings(_settings(), group)) == 10000
+    given = _settings(**{"kafka.delivery.timeout.ms": "5000"})
+    assert delivery_timeout_ms(queue_settings(given, group)) == 5000
+    # librdkafka's default without queue mode's fitting: longer than any lock.
+    assert delivery_timeout_ms(_settings()) == 300000
+
+
+def test_the_defaults_fit_the_default_lock() -> None:
+    group = ShareGroup()
+    settings = queue_settings(_settings(), group)
+    budget = lock_budget(settings, group)
+    budget.check()
+    assert budget.needed_s == 2.0 + 10.0 + MARGIN_S
+
+
+def test_a_deadline_and_delivery_wait_that_could_outlive_the_lock_are_refused_in_one_line() -> None:
+    group = ShareGroup(lock_ms=15000)
+    settings = _settings(**{"pipeline.deadline_ms": "6000", "kafka.delivery.timeout.ms": "9000"})
+    with pytest.raises(UserError) as refused:
+        lock_budget(settings, group).check()
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "pipeline.deadline_ms (6000)" in line and "delivery.timeout.ms (9000)" in line
+    assert "share.record.lock.duration.ms" in line and "15000" in line
+
+
+def test_records_are_taken_only_while_they_can_finish_inside_the_lock() -> None:
+    budget = LockBudget(lock_s=30.0, deadline_s=2.0, delivery_s=10.0)
+    polled = 100.0
+    # 13 s needed (2 + 10 + the 1 s margin): a record may be taken until 17 s into the lock.
+    assert budget.may_take(polled, polled)
+    assert budget.may_take(polled, polled + 16.9)
+    assert not budget.may_take(polled, polled + 17.0)
+    # What is still unsettled is released just before the lock ends, not after.
+    assert budget.expires_at(polled) == polled + 30.0 - MARGIN_S
+
+
+def test_the_delivery_count_limit_setting_is_bounded_like_the_brokers() -> None:
+    assert _settings(**{"pipeline.delivery_count_limit": "3"}).pipeline.delivery_count_limit == 3
+    for outside in ("1", "11"):  # 1 would dead-letter every record on its first delivery
+        with pytest.raises(UserError):
+            _settings(**{"pipeline.delivery_count_limit": outside})
+    with pytest.raises(UserError):
+        _settings(**{"pipeline.consume": "stream"})
+
+
+def test_run_refuses_exactly_once_in_queue_mode_in_one_line_before_it_needs_a_broker() -> None:
+    """The whole command: no broker answers on port 1, and none is asked."""
+    command = [sys.executable, "-m", "worker", "run", "--bootstrap-servers", "127.0.0.1:1"]
+    command += ["--consume", "queue", "--guarantee", "exactly_once", "--model", str(TINY_MODEL)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, cwd=REPO)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        'triage-worker: error: config error: pipeline.guarantee = "exactly_once" cannot be used with '
+        'pipeline.consume = "queue": share groups have no transactional acknowledgements'
+    )

@@ -1,0 +1,192 @@
+"""Queue mode's Kafka side: the share consumer's options, the share group's settings, its producer's timeout.
+
+A share group (KIP-932, Kafka >= 4.2) hands records out one by one under a lock and takes an acknowledgement
+per record. Measured with confluent-kafka 2.16.1 against Kafka 4.4.0 (docs/design.md#queue-mode):
+
+- the share consumer refuses the consumer-group options (`session.timeout.ms`, `auto.offset.reset`,
+  `enable.auto.commit`, ...) with a ValueError, so `share_consumer_config` builds its options from the
+  user's [kafka] table without them; acknowledgements are always explicit (an unknown
+  `share.acknowledgement.mode` value silently acts as implicit, so no other value is taken), and a poll
+  asks for at most `max_in_flight` records unless `max.poll.records` is set;
+- where a new group starts, how long a record's lock lasts and after how many deliveries the broker archives
+  a record are *group* configs (`share.auto.offset.reset`, `share.record.lock.duration.ms`,
+  `share.delivery.count.limit`), read and set with the AdminClient before the group exists.
+  `prepare_share_group` sets the start to earliest unless someone set it (as group mode: tickets published
+  before the first worker started are still tickets) and reads the other two (`ShareGroup`);
+- the producer's `delivery.timeout.ms` bounds how long a record's output may wait for the broker: in queue
+  mode it defaults to a third of the lock (`queue_settings`), so that a ticket's deadline plus its delivery
+  fit inside the lock (`worker/pipeline/lock_budget.py` refuses settings where they do not).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import confluent_kafka
+import msgspec
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._config import (  # re-exported untyped by confluent_kafka.admin
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+)
+from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
+
+from worker.config import Settings
+from worker.errors import UserError
+from worker.kafka.clients import (
+    ClientErrorLog,
+    ErrorCallback,
+    ProducerFactory,
+    consumer_options,
+    create_producer,
+    kafka_call,
+    producer_config,
+)
+
+# Kafka's defaults for the group configs (a broker may set others: `group.share.*`).
+DEFAULT_LOCK_MS = 30000
+DEFAULT_DELIVERY_COUNT_LIMIT = 5
+AUTO_OFFSET_RESET = "share.auto.offset.reset"
+LOCK_DURATION = "share.record.lock.duration.ms"
+DELIVERY_COUNT_LIMIT = "share.delivery.count.limit"
+# Consumer-group options a share consumer refuses at construction (measured), and the producer's.
+_REFUSED_BY_SHARE_CONSUMER = (
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "auto.commit.",
+    "auto.offset.reset",
+    "group.protocol",
+    "group.instance.id",
+    "group.remote.assignor",
+    "isolation.level",
+    "partition.assignment.strategy",
+)
+_ACKNOWLEDGEMENT_MODE = "share.acknowledgement.mode"
+_MAX_POLL_RECORDS = "max.poll.records"
+_DELIVERY_TIMEOUT = "delivery.timeout.ms"
+_DELIVERY_TIMEOUT_ALIAS = "message.timeout.ms"
+# librdkafka's default delivery.timeout.ms.
+_LIBRDKAFKA_DELIVERY_TIMEOUT_MS = 300000
+
+NO_SHARE_GROUPS = (
+    "the broker has no share groups (queue mode needs Kafka >= 4.2 with the feature share.version >= 1; "
+    "turn it on with `kafka-features.sh upgrade --feature share.version=1`), or use pipeline.consume = group"
+)
+
+
+def share_consumer_config(settings: Settings) -> dict[str, str]:
+    """librdkafka options for queue mode's share consumer."""
+    given = settings.kafka.get(_ACKNOWLEDGEMENT_MODE, "explicit").strip().lower()
+    if given != "explicit":
+        raise UserError(
+            f"config error: kafka.{_ACKNOWLEDGEMENT_MODE} must be explicit in queue mode (a ticket is "
+            f"acknowledged only once its record is written), got {given}"
+        )
+    options = {
+        key: value
+        for key, value in consumer_options(settings.kafka).items()
+        if not key.startswith(_REFUSED_BY_SHARE_CONSUMER)
+    }
+    options["group.id"] = settings.pipeline.group_id
+    options[_ACKNOWLEDGEMENT_MODE] = "explicit"
+    # A batch larger than the in-flight bound holds its rest locked and idle while other members could take
+    # it. Only a hint: the broker hands out whole producer batches.
+    options.setdefault(_MAX_POLL_RECORDS, str(settings.pipeline.max_in_flight))
+    return options
+
+
+def create_share_consumer(
+    settings: Settings, on_error: ErrorCallback | None = None, logger: logging.Logger | None = None
+) -> confluent_kafka.ShareConsumer:
+    config: dict[str, Any] = share_consumer_config(settings)
+    config["error_cb"] = on_error or ClientErrorLog("consumer")
+    if logger is not None:
+        config["logger"] = logger
+    return confluent_kafka.ShareConsumer(config)
+
+
+def delivery_timeout_ms(settings: Settings) -> int:
+    """The producer's delivery.timeout.ms as configured (librdkafka's default when not)."""
+    kafka = settings.kafka
+    given = kafka.get(_DELIVERY_TIMEOUT, kafka.get(_DELIVERY_TIMEOUT_ALIAS))
+    return int(given) if given is not None else _LIBRDKAFKA_DELIVERY_TIMEOUT_MS
+
+
+@dataclass(frozen=True)
+class ShareGroup:
+    """The share group's configs the worker works by: each record's lock, and the delivery at which a record
+    is dead-lettered instead of tried again (the setting, else the group's limit)."""
+
+    lock_ms: int = DEFAULT_LOCK_MS
+    delivery_count_limit: int = DEFAULT_DELIVERY_COUNT_LIMIT
+
+
+def queue_settings(settings: Settings, group: ShareGroup) -> Settings:
+    """`settings` with the producer's delivery.timeout.ms at a third of the lock, unless the user set it:
+    a record's output must be acknowledged (or given up) while the record is still locked."""
+    kafka = settings.kafka
+    if _DELIVERY_TIMEOUT in kafka or _DELIVERY_TIMEOUT_ALIAS in kafka:
+        return settings
+    fitted = {**kafka, _DELIVERY_TIMEOUT: str(group.lock_ms // 3)}
+    return msgspec.structs.replace(settings, kafka=fitted)
+
+
+def prepare_share_group(settings: Settings) -> ShareGroup:
+    """Read the group's lock and delivery limit, and start a group nobody configured at the earliest offset.
+
+    Works before the group exists. A broker without group configs (before Kafka 4.0) is refused later, at
+    the first poll: Kafka's defaults stand meanwhile.
+    """
+    group_id = settings.pipeline.group_id
+    admin = AdminClient({**producer_config(settings)})
+    resource = ConfigResource(ResourceType.GROUP, group_id)
+    try:
+        configs: dict[str, Any] = kafka_call(
+            f"describe the configs of share group {group_id}",
+            lambda: admin.describe_configs([resource])[resource].result(),
+            settings.kafka,
+        )
+    except UserError:
+        configs = {}
+    start = configs.get(AUTO_OFFSET_RESET)
+    if start is not None and start.is_default:
+        entry = ConfigEntry(AUTO_OFFSET_RESET, "earliest", incremental_operation=AlterConfigOpType.SET)
+        earliest = ConfigResource(ResourceType.GROUP, group_id, incremental_configs=[entry])
+        kafka_call(
+            f"set {AUTO_OFFSET_RESET}=earliest on share group {group_id}",
+            lambda: admin.incremental_alter_configs([earliest])[earliest].result(),
+            settings.kafka,
+        )
+    lock = configs.get(LOCK_DURATION)
+    limit = configs.get(DELIVERY_COUNT_LIMIT)
+    group_limit = int(limit.value) if limit is not None else DEFAULT_DELIVERY_COUNT_LIMIT
+    configured = settings.pipeline.delivery_count_limit
+    return ShareGroup(
+        lock_ms=int(lock.value) if lock is not None else DEFAULT_LOCK_MS,
+        delivery_count_limit=min(configured, group_limit) if configured is not None else group_limit,
+    )
+
+
+class ShareClientFactory(ProducerFactory, Protocol):
+    """Builds queue mode's share consumer and producer, each reporting its errors to `on_error`."""
+
+    def share_consumer(self, on_error: ErrorCallback) -> confluent_kafka.ShareConsumer: ...
+
+
+@dataclass(frozen=True)
+class ShareClients:
+    """Queue mode's clients from settings: the share consumer, and the producer (`queue_settings`)."""
+
+    settings: Settings
+    logger: logging.Logger | None = None
+
+    def share_consumer(self, on_error: ErrorCallback) -> confluent_kafka.ShareConsumer:
+        return create_share_consumer(self.settings, on_error=on_error, logger=self.logger)
+
+    def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer:
+        return create_producer(self.settings, on_error=on_error, logger=self.logger)
