@@ -30,10 +30,10 @@ import structlog
 
 from worker.config import Settings
 from worker.kafka import errors
-from worker.kafka.clients import ProducerFactory, produce
+from worker.kafka.clients import ProducerFactory
 from worker.kafka.dead_letters import RESULT_REFUSED
 from worker.pipeline.deliveries import Deliveries
-from worker.pipeline.guarantees import Failure, smaller
+from worker.pipeline.guarantees import Failure, send, smaller
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.records import dead_letter
 from worker.pipeline.work import Output, Work
@@ -41,8 +41,6 @@ from worker.pipeline.work import Output, Work
 _log = structlog.get_logger("worker.pipeline")
 
 _TOO_LARGE = confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
-_QUEUE_FULL = confluent_kafka.KafkaError._QUEUE_FULL
-_INVALID_ARG = confluent_kafka.KafkaError._INVALID_ARG
 _SHRUNK_DEAD_LETTER_TRIES = 3
 
 
@@ -81,24 +79,12 @@ class Acknowledging:
 
     def write(self, work: Work, output: Output) -> None:
         delivery_id = self.deliveries.to_broker(work)
-        on_delivery = functools.partial(self._on_delivery, delivery_id, output)
-        try:
-            produce(
-                self._producer,
-                output.topic,
-                output.value,
-                output.key,
-                output.headers,
-                on_delivery,
-                self._give_up_at(),
-            )
-        except BufferError:
-            self._on_delivery(delivery_id, output, confluent_kafka.KafkaError(_QUEUE_FULL), None)
-        except confluent_kafka.KafkaException as refused:  # refused before queueing (e.g. its size)
-            self._on_delivery(delivery_id, output, refused.args[0], None)
-        except (TypeError, ValueError) as refused:
-            error = confluent_kafka.KafkaError(_INVALID_ARG, f"{type(refused).__name__}: {refused}")
-            self._on_delivery(delivery_id, output, error, None)
+        send(
+            self._producer,
+            output,
+            functools.partial(self._on_delivery, delivery_id, output),
+            self._give_up_at(),
+        )
 
     def serve(self, wait_s: float) -> None:
         try:
@@ -118,7 +104,12 @@ class Acknowledging:
         return int(self._producer.flush(max(0.0, limit - self._clock())))
 
     def _on_delivery(
-        self, delivery_id: int, output: Output, error: confluent_kafka.KafkaError | None, _msg: Any
+        self,
+        delivery_id: int,
+        output: Output,
+        error: confluent_kafka.KafkaError | None,
+        _msg: Any,
+        queued: bool = True,  # no transaction here: refused before or after queueing, the same
     ) -> None:
         work = self.deliveries.delivered(delivery_id)
         if work is None or work.orphan:

@@ -180,6 +180,36 @@ def guarantee_for(wiring: GuaranteeWiring) -> AtLeastOnce | ExactlyOnce:
     return kind(wiring)
 
 
+class DeliveryReport(Protocol):
+    """What `send` reports an output's fate to: librdkafka's delivery callback `(error, message)`, or, for a
+    record refused before it was queued, the same with `queued=False`."""
+
+    def __call__(
+        self, error: confluent_kafka.KafkaError | None, message: Any, queued: bool = True
+    ) -> None: ...
+
+
+def send(
+    producer: confluent_kafka.Producer, output: Output, report: DeliveryReport, give_up_at: float | None
+) -> None:
+    """Produce `output` with `report` as its delivery callback. A full local queue (a slow or absent broker)
+    is waited out until `give_up_at` (a `time.monotonic()` instant; None: as long as it takes), then reported
+    as `_QUEUE_FULL`; a record refused before queueing (over `message.max.bytes`, a topic name with a NUL
+    byte from a replay's targets) is reported at once, `queued=False`: a transaction never saw it."""
+    try:
+        produce(producer, output.topic, output.value, output.key, output.headers, report, give_up_at)
+    except BufferError:
+        report(confluent_kafka.KafkaError(_QUEUE_FULL), None)
+    except confluent_kafka.KafkaException as refused:
+        report(refused.args[0], None, queued=False)
+    except (TypeError, ValueError) as refused:
+        report(
+            confluent_kafka.KafkaError(_INVALID_ARG, f"{type(refused).__name__}: {refused}"),
+            None,
+            queued=False,
+        )
+
+
 def smaller(work: Work, output: Output, shrunk: int) -> Output:
     """A dead letter too large for its topic (it carries the original value, key and headers) with its
     `triage.*` headers only, which point at the original in the source topic, and the size left out."""
@@ -280,27 +310,12 @@ class _Base:
 
     def _send(self, work: Work, output: Output) -> None:
         delivery_id = self.deliveries.to_broker(work)
-        on_delivery = functools.partial(self._on_delivery, delivery_id, output)
-        try:
-            # A full local queue (the broker is slow or away) is waited out, bounded on revoke and shutdown.
-            produce(
-                self._producer,
-                output.topic,
-                output.value,
-                output.key,
-                output.headers,
-                on_delivery,
-                self._give_up_at(),
-            )
-        except BufferError:
-            self._on_delivery(delivery_id, output, confluent_kafka.KafkaError(_QUEUE_FULL), None)
-        except confluent_kafka.KafkaException as refused:
-            # Refused before queueing (e.g. over message.max.bytes): the same path as a failed delivery,
-            # except that a transaction never saw it.
-            self._on_delivery(delivery_id, output, refused.args[0], None, queued=False)
-        except (TypeError, ValueError) as refused:  # e.g. a topic name with a NUL byte (replay's targets)
-            error = confluent_kafka.KafkaError(_INVALID_ARG, f"{type(refused).__name__}: {refused}")
-            self._on_delivery(delivery_id, output, error, None, queued=False)
+        send(
+            self._producer,
+            output,
+            functools.partial(self._on_delivery, delivery_id, output),
+            self._give_up_at(),
+        )
 
     def _on_delivery(
         self,
