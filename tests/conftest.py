@@ -175,19 +175,30 @@ def secure_broker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
 SHARE_GROUP_KAFKA_VERSION = "4.4.0"
 
 
+def _has_share_groups(kafka_version: str) -> bool:
+    major, minor = (int(part) for part in kafka_version.split(".")[:2])
+    return (major, minor) >= (4, 2)
+
+
 @pytest.fixture(scope="session")
 def share_group_bootstrap(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """Bootstrap servers of a broker with share groups, for queue-mode tests: `KAFKA_SHARE_BOOTSTRAP_SERVERS`
-    when set, else a local Kafka 4.4.0 broker of the session's own (the default session broker is 4.1.1,
-    which has none). Skips where the session may not start a local broker (a given broker or a container)."""
+    when set; else the session's local broker when its release has them (>= 4.2); else a local Kafka 4.4.0
+    broker of the session's own. Skips where the session may not start a local broker (a given broker or a
+    container)."""
     given = os.environ.get("KAFKA_SHARE_BOOTSTRAP_SERVERS")
     if given:
         yield given
         return
     if kafka_source.choose() != "local":
         pytest.skip("queue mode needs a broker with share groups: set KAFKA_SHARE_BOOTSTRAP_SERVERS")
+    session_bootstrap = request.getfixturevalue("kafka_bootstrap")
+    session_broker = _SOURCE.local
+    if session_broker is not None and _has_share_groups(session_broker.kafka_version):
+        yield session_bootstrap
+        return
     broker = local_broker.LocalBroker(
         tmp_path_factory.mktemp("kafka-share-broker"),
         port=local_broker.free_port(),
