@@ -200,7 +200,7 @@ model: $(VENV)/.extra-train
 # `broker-image`, and MAVEN_BROKER=1 for compose-check and test-containers (the broker image from the Maven jars
 # instead of apache/kafka). Under a restricted sandbox Podman needs CONTAINERS_CONF=deploy/podman/containers.conf.
 IMAGE ?= triage-worker:local
-BROKER_IMAGE ?= localhost/triage-kafka:4.1.1
+BROKER_IMAGE ?= localhost/triage-kafka:4.4.0
 BASE_IMAGE ?=
 KAFKA_BASE_IMAGE ?=
 MAVEN_BROKER ?=

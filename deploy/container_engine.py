@@ -214,7 +214,7 @@ def main() -> int:
     broker = commands.add_parser("build-broker", help="build the Kafka image from the Maven-resolved jars")
     broker.add_argument("--jars", type=Path, required=True, help="the jars' folder (`broker fetch` fills it)")
     # localhost/: the same name under Docker and Podman (Podman puts unqualified local names there).
-    broker.add_argument("--tag", default="localhost/triage-kafka:4.1.1")
+    broker.add_argument("--tag", default="localhost/triage-kafka:4.4.0")
     broker.add_argument("--base-image", help="BASE_IMAGE build argument: any image with Java 17+ and bash")
     for sub in (worker, broker):
         sub.add_argument("extra", nargs="*", help="more build flags, after `--` (e.g. --network host)")

@@ -2,7 +2,7 @@
 
 The broker comes from, in order (tests/kafka_source.py decides; `TRIAGE_TEST_BROKER` insists on one):
 `KAFKA_BOOTSTRAP_SERVERS` (a broker you already run), a container that testcontainers starts when a Docker
-API answers (`TRIAGE_KAFKA_IMAGE`, default apache/kafka:4.1.1, set up like the compose file's broker), else
+API answers (`TRIAGE_KAFKA_IMAGE`, default apache/kafka:4.4.0, set up like the compose file's broker), else
 the project's own local broker (`worker/dev/local_broker.py`: Apache Kafka from Maven-resolved jars) on a
 free port with a fresh log dir, stopped when the session ends. The same tests run against any of the three.
 `TRIAGE_KAFKA_VERSION=4.4.0` runs another release (the local broker's jars, the default image's tag); `make

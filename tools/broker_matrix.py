@@ -37,7 +37,7 @@ from worker.dev.local_broker import KAFKA_VERSION, KAFKA_VERSION_ENV, fetch_jars
 
 REPO = Path(__file__).resolve().parents[1]
 # The newest 3.x (the last line with ZooKeeper, which many clusters still run), the default, the newest 4.x.
-SUPPORTED_VERSIONS = ("3.9.2", KAFKA_VERSION, "4.4.0")
+SUPPORTED_VERSIONS = ("3.9.2", "4.1.1", KAFKA_VERSION)
 # Kill -9, broker restart and rebalance without their cascade variants, the whole contract suite (its kafka
 # half, by -m), and the local broker's restart test.
 SELECTION = (

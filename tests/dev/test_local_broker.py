@@ -125,7 +125,7 @@ def test_a_release_from_3_9_on_is_taken(text: str) -> None:
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        ("latest", r"--kafka-version 'latest': expected a Kafka release such as 4\.1\.1"),
+        ("latest", r"--kafka-version 'latest': expected a Kafka release such as 4\.4\.0"),
         ("4.4", r"--kafka-version '4\.4': expected a Kafka release"),
         ("4.2.0-rc1", r"expected a Kafka release"),
         ("3.8.1", r"--kafka-version 3\.8\.1: the local broker needs Kafka 3\.9\.0 or later .*--standalone"),
@@ -250,7 +250,7 @@ def test_broker_commands_refuse_a_version_they_cannot_run(capsys: pytest.Capture
     assert errors == [
         "triage-worker: error: --kafka-version 3.8.1: the local broker needs Kafka 3.9.0 or later "
         "(it formats one KRaft node with --standalone, new in 3.9)",
-        "triage-worker: error: --kafka-version 'four': expected a Kafka release such as 4.1.1",
+        "triage-worker: error: --kafka-version 'four': expected a Kafka release such as 4.4.0",
     ]
 
 

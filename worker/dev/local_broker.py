@@ -46,7 +46,7 @@ from worker.errors import UserError
 from worker.shipped import SOURCE_ROOT, checkout_file
 
 # The default release: deploy/kafka/pom.xml's kafka.version and the apache/kafka image tag in deploy/.
-KAFKA_VERSION = "4.1.1"
+KAFKA_VERSION = "4.4.0"
 KAFKA_VERSION_ENV = "TRIAGE_KAFKA_VERSION"
 OLDEST_KAFKA_VERSION = (3, 9, 0)
 _RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)")
