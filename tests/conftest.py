@@ -5,12 +5,12 @@ The broker comes from, in order (tests/kafka_source.py decides; `TRIAGE_TEST_BRO
 API answers (`TRIAGE_KAFKA_IMAGE`, default apache/kafka:4.4.0, set up like the compose file's broker), else
 the project's own local broker (`worker/dev/local_broker.py`: Apache Kafka from Maven-resolved jars) on a
 free port with a fresh log dir, stopped when the session ends. The same tests run against any of the three.
-`TRIAGE_KAFKA_VERSION=4.4.0` runs another release (the local broker's jars, the default image's tag); `make
+`TRIAGE_KAFKA_VERSION=3.9.2` runs another release (the local broker's jars, the default image's tag); `make
 test-brokers` (tools/broker_matrix.py) runs the accounting tests so against each supported release.
 
 Queue mode's tests need share groups (Kafka >= 4.2): `share_group_bootstrap` is
-`KAFKA_SHARE_BOOTSTRAP_SERVERS` when set, else a second local broker, Kafka 4.4.0, started once for the
-session when the first of them runs.
+`KAFKA_SHARE_BOOTSTRAP_SERVERS` when set, else the session's local broker when its release has them (the
+default, 4.4.0, does), else a second local broker, Kafka 4.4.0, started once for the session.
 """
 
 from __future__ import annotations

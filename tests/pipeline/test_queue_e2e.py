@@ -7,15 +7,16 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import confluent_kafka
 import kafka_source
 import pytest
 
-from tools.harness import Audit, Publisher, Topics, Worker, audit, publish, settings_for
-from worker.dev.local_broker import configured_kafka_version
+from tools.harness import Audit, Publisher, Topics, Worker, audit, publish, settings_for, wait_until_served
+from worker.dev.local_broker import LocalBroker, configured_kafka_version, free_port
+from worker.kafka.admin import TopicSpec, create_topics
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
 from worker.kafka.share_groups import NO_SHARE_GROUPS, create_share_consumer, prepare_share_group
 
@@ -136,16 +137,38 @@ def test_kill_9_five_times_with_three_workers_on_one_partition_loses_nothing(
     assert report.duplicates <= crashes * max_in_flight
 
 
+@pytest.fixture
+def broker_without_share_groups(
+    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A broker with no share groups: the session's when its release has none, else a local Kafka 4.1.1
+    (its `share.version` is 0, as on an upgraded cluster)."""
+    release = tuple(int(part) for part in configured_kafka_version().split(".")[:2])
+    if release < (4, 2):
+        yield kafka_bootstrap
+        return
+    if kafka_source.choose() != "local":
+        pytest.skip("needs a broker without share groups: the session's has them and may not start another")
+    broker = LocalBroker(tmp_path_factory.mktemp("kafka-4.1.1"), port=free_port(), kafka_version="4.1.1")
+    broker.start(fresh=True, echo=lambda _line: None)
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
 def test_a_broker_without_share_groups_is_refused_in_one_line(
-    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+    broker_without_share_groups: str, tmp_path: Path
 ) -> None:
-    """The session's default broker (Kafka 4.1.1) has no share groups (its `share.version` is 0, as on an
-    upgraded cluster): the worker stops with one line that names what it needs, exit 2."""
-    release = tuple(int(part) for part in configured_kafka_version().split("."))
-    if release >= (4, 2) or kafka_source.choose() == "given":
-        pytest.skip("the session's broker may have share groups")
-    topics = Topics(unique_topic("raw", 1), unique_topic("triaged", 1), unique_topic("dlq", 1))
-    worker = Worker(kafka_bootstrap, topics, f"triage-queue-{uuid.uuid4().hex[:8]}", tmp_path, "old", QUEUE)
+    """Queue mode on a broker without share groups: the worker stops with one line that names what it
+    needs, exit 2."""
+    bootstrap = broker_without_share_groups
+    names = [f"test.no-share-groups.{name}.{uuid.uuid4().hex[:8]}" for name in ("raw", "triaged", "dlq")]
+    create_topics({"bootstrap.servers": bootstrap}, [TopicSpec(name, 1, 1) for name in names])
+    for name in names:
+        wait_until_served(bootstrap, name, 1)
+    topics = Topics(*names)
+    worker = Worker(bootstrap, topics, f"triage-queue-{uuid.uuid4().hex[:8]}", tmp_path, "old", QUEUE)
     try:
         code = worker.process.wait(_STARTED_S)
     finally:
