@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from worker.classification import Classification, ClassifyRequest
-from worker.pipeline.runner import Pipeline
+from worker.pipeline.engine import Engine
 from worker.telemetry.server import Check
 
 
@@ -85,7 +85,7 @@ class Running:
     """`pipeline.run()` on a thread (the pipeline of consumer group `group`); `stop()` asks for the graceful
     shutdown and returns its exit code. `error` is what the run raised, if it did."""
 
-    def __init__(self, pipeline: Pipeline, group: str = "") -> None:
+    def __init__(self, pipeline: Engine, group: str = "") -> None:
         self.pipeline = pipeline
         self.group = group
         self.code: int | None = None

@@ -328,7 +328,7 @@ class ModelPath:
         from worker.config import InferenceSettings
         from worker.inference.engine import Engine
         from worker.messages import SourcePosition
-        from worker.pipeline.records import encode_result, triage_result
+        from worker.pipeline.triage.records import encode_result, triage_result
 
         schema = json.loads((REPO / "schemas" / "triage_result.schema.json").read_text(encoding="utf-8"))
         self.validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())

@@ -44,7 +44,7 @@ class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     truncated: bool
     fallback: bool = False
     fallback_reason: FallbackReason | None = None
-    # Set by the cascade (worker/pipeline/cascade.py), never by a classifier; see TriageResult.
+    # Set by the cascade (worker/pipeline/triage/cascade.py), never by a classifier; see TriageResult.
     stage: Stage | None = None
     first_intent: str | None = None
     first_confidence: float | None = None

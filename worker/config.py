@@ -103,7 +103,8 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     # and values; the rest are left off, so that no input can make a result its topic refuses.
     max_header_bytes: PositiveInt = 16384
     # exactly_once: results, dead letters and input offsets are written in Kafka transactions (see
-    # worker/pipeline/guarantees.py); downstream consumers then need isolation.level=read_committed.
+    # worker/pipeline/settlements/guarantees.py); downstream consumers then need
+    # isolation.level=read_committed.
     guarantee: GuaranteeName = "at_least_once"
     # The transactional producer's id in exactly_once mode; None means "<group_id>-<host name>". It must be
     # unique among live workers (two with one id fence each other) and should survive a restart of the same
@@ -159,7 +160,7 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     shadow_mode: InferenceMode | None = None
     # One context by default: the shadow shares the cores with the primary and must not crowd it out.
     shadow_pool_size: PositiveInt = 1
-    # The cascade (worker/pipeline/cascade.py): a ticket the model answers with a confidence under
+    # The cascade (worker/pipeline/triage/cascade.py): a ticket the model answers with a confidence under
     # `escalate_below` goes to the escalation stage when its deadline leaves time for it. `escalation` is the
     # stage's folder (an encoder stage with encoder.json, or an ORT GenAI model; the shipped one by its name,
     # "triage-encoder"), "auto" (that one where it fits) or "off"; None (set empty) is "off".

@@ -26,8 +26,8 @@ PRIORITIES: tuple[Priority, ...] = ("Low", "Medium", "High", "Critical")
 FallbackReason = Literal[
     "deadline_exceeded", "model_error", "invalid_output", "overloaded", "expired_on_arrival"
 ]
-# The cascade (worker/pipeline/cascade.py): which stage answered a ticket, and why a ticket the first stage
-# was unsure of kept its first answer.
+# The cascade (worker/pipeline/triage/cascade.py): which stage answered a ticket, and why a ticket the first
+# stage was unsure of kept its first answer.
 Stage = Literal["first", "escalation"]
 EscalationSkip = Literal["deadline", "overloaded", "error"]
 
@@ -45,8 +45,8 @@ def _timestamp(description: str) -> msgspec.Meta:
     )
 
 
-# The metadata key with which a producer asks for an earlier deadline (worker/pipeline/deadlines.py): an RFC
-# 3339 timestamp; a value that is not one makes the record a dead letter (`invalid_timestamp`).
+# The metadata key with which a producer asks for an earlier deadline (worker/pipeline/triage/deadlines.py):
+# an RFC 3339 timestamp; a value that is not one makes the record a dead letter (`invalid_timestamp`).
 DEADLINE_METADATA_KEY = "deadline_at"
 
 # Ids are copied into every triage record: a bound keeps each record small enough for any sane topic limit.

@@ -27,7 +27,7 @@ from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
-from worker.pipeline.cascade import Cascade
+from worker.pipeline.triage.cascade import Cascade
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes

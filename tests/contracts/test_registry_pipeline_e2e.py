@@ -49,7 +49,7 @@ from worker.contracts.output import ResultEncoder, result_encoder_for
 from worker.dev import local_broker
 from worker.dev.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.dev.samples import KIND_HEADER
-from worker.pipeline.runner import Pipeline
+from worker.app.doors import TriageParts, group_pipeline
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check
@@ -103,14 +103,10 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry
 def _running(settings: Settings, result_encoder: ResultEncoder | None = None) -> Running:
     """The pipeline that `settings` describe (its decoder built as `triage-worker run` builds it), answering
     at once (these tests are about what reaches the model, not the model), run on a thread."""
-    pipeline = Pipeline(
-        settings,
-        InstantClassifier(),
-        FALLBACK,
-        64,
-        decoder=decoder_for(settings),
-        result_encoder=result_encoder,
+    parts = TriageParts(
+        InstantClassifier(), FALLBACK, 64, decoder=decoder_for(settings), result_encoder=result_encoder
     )
+    pipeline = group_pipeline(settings, parts)
     return Running(pipeline, settings.pipeline.group_id)
 
 

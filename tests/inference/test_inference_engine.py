@@ -19,7 +19,7 @@ from worker.errors import UserError
 from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import FallbackReason, SourcePosition, TicketEvent, TriageResult
-from worker.pipeline.records import encode_result, triage_result
+from worker.pipeline.triage.records import encode_result, triage_result
 
 TINY = REPO / "tests" / "models" / "tiny"
 

@@ -32,7 +32,7 @@ from worker.classification import Classification, ClassifyRequest
 from worker.config import InferenceSettings
 from worker.inference.engine import Engine
 from worker.messages import SourcePosition, TicketEvent
-from worker.pipeline.records import encode_result, triage_result
+from worker.pipeline.triage.records import encode_result, triage_result
 
 CORPUS = REPO / "tests" / "data" / "prompt_injection.jsonl"
 

@@ -21,7 +21,7 @@ from worker.kafka.clients import (
     producer_config,
 )
 from worker.kafka.commits import consumer_commit
-from worker.pipeline.guarantees import Failure
+from worker.pipeline.failure import Failure
 
 KafkaError = confluent_kafka.KafkaError
 TOPIC = "tickets.raw"

@@ -28,8 +28,8 @@ from test_pipeline_memory import (
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.messages import TriageResult
-from worker.pipeline.cascade import Cascade, StageLatency
-from worker.pipeline.runner import Pipeline
+from worker.pipeline.triage.cascade import Cascade, StageLatency
+from worker.pipeline.engine import Engine
 
 __all__ = ["kafka"]  # the fixture, used by name
 
@@ -90,7 +90,7 @@ def cascade_pipeline(
     window: int = 8,
     prior_s: float = 0.0,
     settings: Mapping[str, object] | None = None,
-) -> tuple[Pipeline, Cascade]:
+) -> tuple[Engine, Cascade]:
     cascade = Cascade(stage, 0.5, window, prior_s, first_contexts=1, labels=LABELS)
     return pipeline(
         kafka, guarantee, classifier=Stage("first@test"), cascade=cascade, settings=settings

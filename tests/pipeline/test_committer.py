@@ -10,7 +10,7 @@ import confluent_kafka
 import pytest
 
 from worker.kafka.commits import consumer_commit
-from worker.pipeline.committer import Committer
+from worker.pipeline.settlements.committer import Committer
 
 pytestmark = pytest.mark.kafka
 

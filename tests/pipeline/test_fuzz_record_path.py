@@ -20,7 +20,7 @@ from worker.decoding import DecodeError, decode_ticket
 from worker.inference.engine import Context, Engine
 from worker.kafka.dead_letters import Headers, dead_letter_headers, read_dead_letter
 from worker.messages import SourcePosition
-from worker.pipeline.records import encode_result, triage_result
+from worker.pipeline.triage.records import encode_result, triage_result
 
 TINY = REPO / "tests" / "models" / "tiny"
 LIMIT = 1_048_576

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from worker.classification import Classification, FallbackLabel, fallback_answer
 from worker.messages import FallbackReason
-from worker.pipeline.latency import LatencyEstimate
+from worker.pipeline.triage.latency import LatencyEstimate
 
 LABEL = FallbackLabel("unclassified", "Medium")
 

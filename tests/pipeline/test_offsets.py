@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
+from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
 
 KEY = ("tickets", 0)
 

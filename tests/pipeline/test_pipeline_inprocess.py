@@ -31,7 +31,7 @@ from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.kafka.clients import record_headers
 from worker.messages import TriageResult
-from worker.pipeline.runner import Pipeline
+from worker.app.doors import TriageParts, group_pipeline
 
 pytestmark = pytest.mark.kafka
 
@@ -50,7 +50,8 @@ def start(kafka_bootstrap: str) -> Iterator[Start]:
     def run(topics: Topics, classifier: Classifier, dispatch_window: int = 64, **settings: str) -> Running:
         group = f"inprocess-{uuid.uuid4().hex[:8]}"
         config = settings_for(kafka_bootstrap, topics, **{"pipeline.group_id": group, **settings})
-        started.append(Running(Pipeline(config, classifier, FALLBACK, dispatch_window), group))
+        parts = TriageParts(classifier, FALLBACK, dispatch_window)
+        started.append(Running(group_pipeline(config, parts), group))
         return started[-1]
 
     yield run
@@ -265,7 +266,7 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
     start: Start,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from worker.pipeline.deadlines import ticket_deadline as real_deadline
+    from worker.pipeline.triage.deadlines import ticket_deadline as real_deadline
 
     def deadline_that_breaks(
         now: float, wall: float, budget_ms: int, metadata: Mapping[str, str] | None
@@ -274,7 +275,7 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
             raise ZeroDivisionError("a bug reached by one record")
         return real_deadline(now, wall, budget_ms, metadata)
 
-    monkeypatch.setattr("worker.pipeline.intake.ticket_deadline", deadline_that_breaks)
+    monkeypatch.setattr("worker.pipeline.triage.intake.ticket_deadline", deadline_that_breaks)
     topics = make_topics(unique_topic, partitions=1)
     bodies = ['{"ticket_id": "A", "body": "x"}', '{"ticket_id": "B", "body": "y", "metadata": {"k": "v"}}']
     producer = confluent_kafka.Producer({"bootstrap.servers": kafka_bootstrap})

@@ -1,6 +1,6 @@
 """The loop against the in-memory Kafka (tests/memory_kafka.py): failure paths made deterministic.
 
-Each test drives the real `Pipeline` with a classifier that answers at once; the in-memory consumer and
+Each test drives the real loop (`group_pipeline`) with a classifier that answers at once; the in-memory consumer and
 producer follow librdkafka's semantics for queues, rebalance callbacks and transactions. The real-broker
 end-to-end and chaos tests cover the same promises under real timing; these pin down exact interleavings.
 """
@@ -23,8 +23,9 @@ from worker.config import load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka import dead_letters
 from worker.messages import TriageResult
-from worker.pipeline.cascade import Cascade
-from worker.pipeline.runner import Pipeline
+from worker.pipeline.triage.cascade import Cascade
+from worker.app.doors import TriageParts, group_pipeline
+from worker.pipeline.engine import Engine
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 INPUT, OUTPUT, DEAD = "tickets", "triaged", "dead"
@@ -93,7 +94,7 @@ def pipeline(
     clock: Callable[[], float] = time.monotonic,
     cascade: Cascade | None = None,
     settings: Mapping[str, object] | None = None,
-) -> Pipeline:
+) -> Engine:
     """A pipeline in group "memory-group"; by default it commits only when its in-flight bound is half full,
     on revoke and at shutdown (a commit interval of an hour), so that a test decides what is uncommitted."""
     group = "memory-group"
@@ -111,15 +112,8 @@ def pipeline(
         },
     )
     clients = as_client_factory(kafka.clients(group, "memory-tid" if guarantee == "exactly_once" else None))
-    return Pipeline(
-        config,
-        classifier or InstantClassifier(),
-        FALLBACK,
-        dispatch_window=64,
-        clients=clients,
-        clock=clock,
-        cascade=cascade,
-    )
+    parts = TriageParts(classifier or InstantClassifier(), FALLBACK, 64, cascade=cascade)
+    return group_pipeline(config, parts, clients=clients, clock=clock)
 
 
 def _events_in_one_poll(

@@ -14,9 +14,9 @@ from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
 from worker.messages import DEADLINE_METADATA_KEY, SourcePosition, TicketEvent, TriageResult
-from worker.pipeline.deadlines import ticket_deadline
-from worker.pipeline.inflight import Flow, InFlightGate
-from worker.pipeline.records import encode_result, result_key, triage_result
+from worker.pipeline.triage.deadlines import ticket_deadline
+from worker.pipeline.flow import Flow, InFlightGate
+from worker.pipeline.triage.records import encode_result, result_key, triage_result
 
 # -- in-flight gate -------------------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ def test_the_pipeline_imports_without_onnxruntime_genai() -> None:
     """The pipeline talks to the inference room through `worker.classification` only."""
     code = (
         "import sys; sys.modules['onnxruntime_genai'] = None\n"  # any import of it now fails
-        "import worker.pipeline.runner, worker.pipeline.committer, worker.kafka.clients\n"
+        "import worker.pipeline.engine, worker.pipeline.settlements.committer, worker.kafka.clients\n"
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert completed.returncode == 0, completed.stderr

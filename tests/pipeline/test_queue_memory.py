@@ -18,7 +18,8 @@ from worker.classification import Classification, FallbackLabel, fallback_answer
 from worker.config import Settings, load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka.share_groups import ShareClientFactory, ShareGroup
-from worker.pipeline.queue_loop import QueuePipeline
+from worker.app.doors import TriageParts, queue_pipeline
+from worker.pipeline.engine import Engine
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 ACCEPT, RELEASE = confluent_kafka.AcknowledgeType.ACCEPT, confluent_kafka.AcknowledgeType.RELEASE
@@ -79,7 +80,9 @@ class _Clients:
     def __init__(self, kafka: MemoryKafka, consumer: MemoryShareConsumer) -> None:
         self.kafka, self.consumer = kafka, consumer
 
-    def share_consumer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryShareConsumer:
+    def share_consumer(
+        self, on_error: Callable[[confluent_kafka.KafkaError], None], max_poll_records: int
+    ) -> MemoryShareConsumer:
         return self.consumer
 
     def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryProducer:
@@ -134,7 +137,7 @@ def _kafka() -> MemoryKafka:
     return kafka
 
 
-def _run(pipeline: QueuePipeline) -> tuple[threading.Thread, list[int]]:
+def _run(pipeline: Engine) -> tuple[threading.Thread, list[int]]:
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(pipeline.run()), daemon=True)
     thread.start()
@@ -151,13 +154,8 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 def test_a_written_record_is_accepted_and_one_whose_model_process_died_is_released() -> None:
     kafka = _kafka()
     consumer = MemoryShareConsumer([_batch(kafka, ["ok", "die", "ok"]), _batch(kafka, [])])
-    pipeline = QueuePipeline(
-        _settings(),
-        _DyingClassifier(),
-        FALLBACK,
-        4,
-        LOCK,
-        _clients(kafka, consumer),
+    pipeline = queue_pipeline(
+        _settings(), TriageParts(_DyingClassifier(), FALLBACK, 4), LOCK, clients=_clients(kafka, consumer)
     )
     thread, codes = _run(pipeline)
     _wait(lambda: consumer.polls_after_all > 0)
@@ -176,9 +174,9 @@ def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_
     consumer = MemoryShareConsumer([_batch(kafka, ["hold", "hold", "ok"])])
     now = [1000.0]
     classifier = HoldingClassifier()
-    pipeline = QueuePipeline(
-        _settings(**{"pipeline.max_in_flight": "2"}), classifier, FALLBACK, 4, LOCK,
-        _clients(kafka, consumer), clock=lambda: now[0],
+    pipeline = queue_pipeline(
+        _settings(**{"pipeline.max_in_flight": "2"}), TriageParts(classifier, FALLBACK, 4), LOCK,
+        clients=_clients(kafka, consumer), clock=lambda: now[0],
     )  # fmt: skip
     thread, codes = _run(pipeline)
     _wait(lambda: len(classifier.held) == 2)  # the bound: the third record waits in the backlog
@@ -199,13 +197,8 @@ def test_shutdown_finishes_what_it_can_and_releases_the_rest() -> None:
     kafka = _kafka()
     consumer = MemoryShareConsumer([_batch(kafka, ["ok", "hold"])])
     settings = _settings(**{"pipeline.shutdown_timeout_ms": "300"})
-    pipeline = QueuePipeline(
-        settings,
-        HoldingClassifier(),
-        FALLBACK,
-        4,
-        LOCK,
-        _clients(kafka, consumer),
+    pipeline = queue_pipeline(
+        settings, TriageParts(HoldingClassifier(), FALLBACK, 4), LOCK, clients=_clients(kafka, consumer)
     )
     thread, codes = _run(pipeline)
     _wait(lambda: consumer.outcomes == {0: ACCEPT})

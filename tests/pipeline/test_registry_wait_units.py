@@ -1,24 +1,14 @@
 """The backoff of records held back for the Schema Registry (worker/pipeline/registry_wait.py), on a fake
-clock: when a held partition is fetched again, and what readiness is told meanwhile."""
+clock: when a held partition's registry probe is due, and what readiness is told meanwhile."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.metrics import RegistryState
 from worker.pipeline.registry_wait import MAX_RETRY_S, RegistryWait
+from worker.pipeline.seams import Record
 
-KEY = ("tickets.raw", 0)
-OTHER = ("tickets.raw", 1)
-
-
-class _Consumer:
-    def __init__(self) -> None:
-        self.seeks: list[tuple[str, int, int]] = []
-
-    def seek(self, tp: Any) -> None:
-        self.seeks.append((tp.topic, tp.partition, tp.offset))
+HELD = Record("tickets.raw", 0, 42, None, b"\x00\x00\x00\x00\x07{}", None)
+OTHER = Record("tickets.raw", 1, 7, None, b"\x00\x00\x00\x00\x07{}", None)
 
 
 class _Clock:
@@ -28,49 +18,51 @@ class _Clock:
         return self.now
 
 
-def _wait() -> tuple[RegistryWait, _Consumer, _Clock, list[TopicPartitionKey]]:
-    consumer, clock = _Consumer(), _Clock()
-    paused: list[TopicPartitionKey] = []
-    wait = RegistryWait(consumer, paused.extend, RegistryState(), clock)  # type: ignore[arg-type]
-    return wait, consumer, clock, paused
+def _wait() -> tuple[RegistryWait, _Clock]:
+    clock = _Clock()
+    return RegistryWait(RegistryState(), clock), clock
 
 
-def _retry_after(wait: RegistryWait, clock: _Clock) -> float:
-    """Seconds until the held partition is released (fetched again)."""
-    return wait.held[KEY] - clock.now
+def _probe_in(wait: RegistryWait, clock: _Clock) -> float:
+    """Seconds until the held partition's registry probe is due."""
+    at = clock.now
+    while not wait.due(at):
+        at += 0.001
+    return round(at - clock.now, 2)
 
 
-def test_a_held_record_is_sought_back_to_and_retried_after_1_s_doubling_to_30_s() -> None:
-    wait, consumer, clock, paused = _wait()
+def test_a_held_record_is_probed_after_1_s_then_doubling_up_to_30_s() -> None:
+    wait, clock = _wait()
     delays = []
     for _ in range(7):
-        assert wait.hold(KEY, 42, "schema registry: connection refused")
-        delays.append(_retry_after(wait, clock))
-        clock.now += delays[-1] - 0.001
-        wait.due()
-        assert KEY in wait.held  # not a moment early
-        clock.now += 0.001
-        wait.due()
-        assert KEY not in wait.held
+        wait.hold(HELD, "schema registry: connection refused")
+        delays.append(_probe_in(wait, clock))
+        clock.now += delays[-1] - 0.01
+        assert wait.due(clock.now) == []  # not a moment early
+        clock.now += 0.01
+        assert wait.due(clock.now) == [HELD]  # the very record it is held at
+        assert HELD.partition_key in wait.held  # held until a probe decodes
     assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, MAX_RETRY_S, MAX_RETRY_S]
-    assert consumer.seeks == [("tickets.raw", 0, 42)] * 7 and paused == [KEY] * 7
     assert wait.state.retries == 7
 
 
-def test_readiness_hears_of_the_outage_until_a_record_decodes_again_and_backoff_starts_over() -> None:
-    wait, _, clock, _ = _wait()
-    wait.hold(KEY, 1, "schema registry: 503")
-    wait.hold(OTHER, 7, "schema registry: 503")
-    assert wait.state.outage == "schema registry: 503" and wait.state.waiting == (KEY, OTHER)
+def test_readiness_hears_of_the_outage_until_a_probe_decodes_and_backoff_starts_over() -> None:
+    wait, clock = _wait()
+    wait.hold(HELD, "schema registry: 503")
+    wait.hold(OTHER, "schema registry: 503")
+    assert wait.state.outage == "schema registry: 503"
+    assert wait.state.waiting == (HELD.partition_key, OTHER.partition_key)
     clock.now += 1.0
-    wait.due()
-    wait.answered(KEY)
+    wait.answered(HELD.partition_key)
+    assert wait.state.outage == "schema registry: 503"  # the other partition still waits
+    wait.answered(OTHER.partition_key)
     assert not wait.state.waiting and wait.state.outage is None
-    assert wait.hold(KEY, 2, "schema registry: timed out") and _retry_after(wait, clock) == 1.0
+    wait.hold(HELD, "schema registry: timed out")
+    assert _probe_in(wait, clock) == 1.0
 
 
 def test_a_revoked_partition_is_no_longer_held() -> None:
-    wait, _, _, _ = _wait()
-    wait.hold(KEY, 5, "schema registry: refused")
-    wait.forget([KEY])
-    assert wait.held == {} and wait.state.outage is None and wait.state.waiting == ()
+    wait, _ = _wait()
+    wait.hold(HELD, "schema registry: refused")
+    wait.forget([HELD.partition_key])
+    assert wait.held == set() and wait.state.outage is None and wait.state.waiting == ()

@@ -19,7 +19,7 @@ from worker.kafka.admin import worker_topics
 from worker.learning.feedback import FeedbackBook, ReviewIndex, read_feedback_file
 from worker.learning.fine_tune import OutputLayer, Recipe, _quantize_int4, fit_rows, split_holdout
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition, TicketEvent
-from worker.pipeline.review import Review, review_reason
+from worker.pipeline.side_topics.review import Review, review_reason
 from worker.privacy.redaction import Redactor
 
 LABELS = ("card_arrival", "card_delivery_estimate", "lost_or_stolen_card")

@@ -33,8 +33,8 @@ from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer
 from worker.messages import ShadowResult
-from worker.pipeline.runner import Pipeline
-from worker.pipeline.shadow import Shadow
+from worker.app.doors import TriageParts, group_pipeline
+from worker.pipeline.side_topics.shadow import Shadow
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 # Side records are never in the primary's transactions: either guarantee, the same promises.
@@ -188,7 +188,8 @@ def test_a_shadow_that_never_answers_holds_back_no_result_and_no_commit(
     shadow = Shadow(silent, 2, create_producer(settings), side, budget_s=2.0)
     outcome: dict[str, Any] = {}
     with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
-        pipeline = Pipeline(settings, pool, FallbackLabel("unclassified", "Medium"), 2, shadow=shadow)
+        parts = TriageParts(pool, FallbackLabel("unclassified", "Medium"), 2, shadow=shadow)
+        pipeline = group_pipeline(settings, parts)
         thread = threading.Thread(target=lambda: outcome.update(code=pipeline.run()), daemon=True)
         thread.start()
         try:

@@ -19,7 +19,7 @@ from worker.config import LogSettings, load_settings
 from worker.learning.feedback import FeedbackBook
 from worker.logs import configure_logging
 from worker.messages import FeedbackEvent
-from worker.pipeline.records import redacted_value
+from worker.pipeline.triage.records import redacted_value
 from worker.privacy.detector import find, luhn_valid
 from worker.privacy.redaction import Redactor
 

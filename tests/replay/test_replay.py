@@ -23,8 +23,8 @@ from tools import REPO
 from worker.cli.cli import main
 from worker.kafka.clients import record_headers
 from worker.kafka.dead_letters import REPLAY_COUNT, dead_letter_headers
-from worker.pipeline.guarantees import smaller
-from worker.pipeline.offsets import PartitionOffsets
+from worker.pipeline.settlements.delivery import smaller
+from worker.pipeline.settlements.offsets import PartitionOffsets
 from worker.pipeline.work import Output, Work
 
 pytestmark = pytest.mark.kafka

@@ -1,4 +1,4 @@
-"""P1 Kafka overhead: the real `Pipeline`, built here with a classifier that answers at once, vs a bare
+"""P1 Kafka overhead: the real loop (`group_pipeline`), built here with a classifier that answers at once, vs a bare
 confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from worker.config import InferenceSettings, Settings
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config
 from worker.logs import librdkafka_logger
-from worker.pipeline.runner import Pipeline
+from worker.app.doors import TriageParts, group_pipeline
 
 # P1's second pipeline run: a bound that never fills (each run still waits for its commits).
 P1_LIFTED_BOUND = 4096
@@ -198,13 +198,8 @@ def measure(bootstrap: str, tickets: Tickets, count: int, budget: float) -> dict
             )
         classifier = InstantClassifier(settings.inference)
         taxonomy, _ = resolve_taxonomy(settings.inference)
-        pipeline = Pipeline(
-            settings,
-            classifier,
-            taxonomy.fallback_label,
-            dispatch_window=dispatch_window(settings),
-            clients=KafkaClients(settings, librdkafka_logger()),
-        )
+        parts = TriageParts(classifier, taxonomy.fallback_label, dispatch_window(settings))
+        pipeline = group_pipeline(settings, parts, clients=KafkaClients(settings, librdkafka_logger()))
         return _timed_run(
             "pipeline",
             bootstrap,

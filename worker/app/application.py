@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from worker.app.doors import TriageParts, group_pipeline, lock_budget, queue_pipeline, refuse_exactly_once
 from worker.app.reload import Reloader
 from worker.app.stages import (
     dispatch_window,
@@ -51,8 +52,7 @@ from worker.kafka.admin import existing_topics, record_size_limits
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config, producer_record_limit
 from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_settings
 from worker.logs import configure_logging, librdkafka_logger
-from worker.pipeline.queue_loop import QueuePipeline, lock_budget, refuse_exactly_once
-from worker.pipeline.runner import Pipeline
+from worker.pipeline.engine import Engine
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.worker import WorkerTelemetry
 
@@ -76,7 +76,7 @@ class WorkerApp:
         self._metrics_interval_s = metrics_interval_s
         self._held = held_stop_signals  # read at start: the CLI's holder may still be appending
         self._stop_requested = False
-        self._pipeline: Pipeline | QueuePipeline | None = None
+        self._pipeline: Engine | None = None
         self._telemetry: WorkerTelemetry | None = None
         self._reloader: Reloader | None = None
         self._classifier: SwitchingClassifier | None = None
@@ -97,7 +97,7 @@ class WorkerApp:
         if self._pipeline is not None:
             self._pipeline.request_stop()
 
-    def start(self) -> Pipeline | QueuePipeline:
+    def start(self) -> Engine:
         """Check, load and assemble everything (see the contract); the pipeline, not running yet."""
         settings = with_zero_shot_review(self._configured)
         configure_logging(settings.log)
@@ -156,35 +156,30 @@ class WorkerApp:
             self._shadow_pool = open_shadow_pool(shadow_settings, settings)
             shadow = start_shadow(settings, shadow_settings, self._shadow_pool)
         review = start_review(settings) if settings.review.enabled else None
-        pipeline: Pipeline | QueuePipeline
+        parts = TriageParts(
+            classifier,
+            taxonomy.fallback_label,
+            dispatch_window(settings),
+            cascade=cascade,
+            shadow=shadow,
+            review=review,
+            decoder=decoder,
+            result_encoder=result_encoder,
+        )
         if share_group is not None:
-            pipeline = QueuePipeline(
+            pipeline = queue_pipeline(
                 settings,
-                classifier,
-                taxonomy.fallback_label,
-                dispatch_window=dispatch_window(settings),
-                group=share_group,
-                metrics_interval_s=self._metrics_interval_s,
+                parts,
+                share_group,
                 clients=ShareClients(settings, librdkafka_logger()),
-                shadow=shadow,
-                cascade=cascade,
-                review=review,
-                decoder=decoder,
-                result_encoder=result_encoder,
+                metrics_interval_s=self._metrics_interval_s,
             )
         else:
-            pipeline = Pipeline(
+            pipeline = group_pipeline(
                 settings,
-                classifier,
-                taxonomy.fallback_label,
-                dispatch_window=dispatch_window(settings),
-                metrics_interval_s=self._metrics_interval_s,
+                parts,
                 clients=KafkaClients(settings, librdkafka_logger()),
-                shadow=shadow,
-                cascade=cascade,
-                review=review,
-                decoder=decoder,
-                result_encoder=result_encoder,
+                metrics_interval_s=self._metrics_interval_s,
             )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())

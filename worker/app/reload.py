@@ -35,7 +35,7 @@ from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
-from worker.pipeline.cascade import Cascade
+from worker.pipeline.triage.cascade import Cascade
 
 _log = structlog.get_logger("worker.reload")
 

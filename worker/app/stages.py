@@ -28,9 +28,9 @@ from worker.inference.taxonomy import Taxonomy
 from worker.kafka.clients import ClientErrorLog, create_producer
 from worker.learning.artifacts import fetch_stage_files
 from worker.logs import librdkafka_logger
-from worker.pipeline.cascade import Cascade
-from worker.pipeline.review import Review
-from worker.pipeline.shadow import Shadow
+from worker.pipeline.side_topics.review import Review
+from worker.pipeline.side_topics.shadow import Shadow
+from worker.pipeline.triage.cascade import Cascade
 
 _log = structlog.get_logger("worker.run")
 # Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU
@@ -104,7 +104,8 @@ def open_shadow_pool(shadow_settings: InferenceSettings, settings: Settings) -> 
 
 def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: ClassifierPool) -> Shadow:
     """The shadow: its own pool and its own producer, so neither its model nor its records hold back the
-    primary's; at most its own dispatch window outstanding (the drop rule, see worker/pipeline/shadow.py)."""
+    primary's; at most its own dispatch window outstanding (the drop rule, see
+    worker/pipeline/side_topics/shadow.py)."""
     window = dispatch_window(msgspec.structs.replace(settings, inference=shadow_settings))
     producer = create_producer(settings, ClientErrorLog("shadow-producer"), librdkafka_logger())
     _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)

@@ -44,8 +44,8 @@ from worker.inference.pool import open_engine, open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.logs import configure_logging
 from worker.messages import SourcePosition, TicketEvent, TriageResult
-from worker.pipeline.cascade import Cascade, first_standing, is_unsure
-from worker.pipeline.records import encode_result, triage_result
+from worker.pipeline.triage.cascade import Cascade, first_standing, is_unsure
+from worker.pipeline.triage.records import encode_result, triage_result
 from worker.privacy.redaction import Redactor
 
 SOURCE_TOPIC = "cli"

@@ -1,4 +1,4 @@
-"""Which escalation stage the cascade gets (worker/pipeline/cascade.py).
+"""Which escalation stage the cascade gets (worker/pipeline/triage/cascade.py).
 
 A configured folder runs as configured (and refuses to start when it cannot). "auto", the default, runs:
 

@@ -210,8 +210,8 @@ def producer_record_limit(settings: Settings, topic_limits: Mapping[str, int]) -
     """`settings` with the producer's `message.max.bytes` lowered to the smallest `max.message.bytes` of the
     topics it writes (`topic_limits`), when that is smaller. librdkafka caps each record and each batch at
     it, so a record no topic would take is refused before it is queued (its ticket is dead-lettered, see
-    worker/pipeline/guarantees.py), and a batch never exceeds a topic's limit: the broker refuses a whole
-    batch for one record over it, with the other tickets in that batch."""
+    worker/pipeline/settlements/delivery.py), and a batch never exceeds a topic's limit: the broker refuses a
+    whole batch for one record over it, with the other tickets in that batch."""
     configured = int(settings.kafka.get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
     smallest = max(min(topic_limits.values(), default=configured), _LIBRDKAFKA_MESSAGE_MAX_BYTES_MIN)
     if smallest >= configured:

@@ -15,7 +15,7 @@ per record. Measured with confluent-kafka 2.16.1 against Kafka 4.4.0 (docs/desig
   before the first worker started are still tickets) and reads the other two (`ShareGroup`);
 - the producer's `delivery.timeout.ms` bounds how long a record's output may wait for the broker: in queue
   mode it defaults to a third of the lock (`queue_settings`), so that a ticket's deadline plus its delivery
-  fit inside the lock (`worker/pipeline/lock_budget.py` refuses settings where they do not).
+  fit inside the lock (`worker/pipeline/sources/lock_budget.py` refuses settings where they do not).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ NO_SHARE_GROUPS = (
 )
 
 
-def share_consumer_config(settings: Settings) -> dict[str, str]:
-    """librdkafka options for queue mode's share consumer."""
+def share_consumer_config(settings: Settings, max_poll_records: int | None = None) -> dict[str, str]:
+    """librdkafka options for queue mode's share consumer; `max_poll_records`: what a poll asks for, unless
+    the user set `max.poll.records` (None: `max_in_flight`)."""
     given = settings.kafka.get(_ACKNOWLEDGEMENT_MODE, "explicit").strip().lower()
     if given != "explicit":
         raise UserError(
@@ -94,16 +95,20 @@ def share_consumer_config(settings: Settings) -> dict[str, str]:
     }
     options["group.id"] = settings.pipeline.group_id
     options[_ACKNOWLEDGEMENT_MODE] = "explicit"
-    # A batch larger than the in-flight bound holds its rest locked and idle while other members could take
-    # it. Only a hint: the broker hands out whole producer batches.
-    options.setdefault(_MAX_POLL_RECORDS, str(settings.pipeline.max_in_flight))
+    # A batch larger than what the worker can do holds its rest locked and idle while other members could
+    # take it (worker/pipeline/sources/share.py sizes it). Only a hint: the broker hands out whole producer
+    # batches.
+    options.setdefault(_MAX_POLL_RECORDS, str(max_poll_records or settings.pipeline.max_in_flight))
     return options
 
 
 def create_share_consumer(
-    settings: Settings, on_error: ErrorCallback | None = None, logger: logging.Logger | None = None
+    settings: Settings,
+    on_error: ErrorCallback | None = None,
+    logger: logging.Logger | None = None,
+    max_poll_records: int | None = None,
 ) -> confluent_kafka.ShareConsumer:
-    config: dict[str, Any] = share_consumer_config(settings)
+    config: dict[str, Any] = share_consumer_config(settings, max_poll_records)
     config["error_cb"] = on_error or ClientErrorLog("consumer")
     if logger is not None:
         config["logger"] = logger
@@ -175,7 +180,9 @@ def prepare_share_group(settings: Settings) -> ShareGroup:
 class ShareClientFactory(ProducerFactory, Protocol):
     """Builds queue mode's share consumer and producer, each reporting its errors to `on_error`."""
 
-    def share_consumer(self, on_error: ErrorCallback) -> confluent_kafka.ShareConsumer: ...
+    def share_consumer(
+        self, on_error: ErrorCallback, max_poll_records: int
+    ) -> confluent_kafka.ShareConsumer: ...
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,8 @@ class ShareClients:
     settings: Settings
     logger: logging.Logger | None = None
 
-    def share_consumer(self, on_error: ErrorCallback) -> confluent_kafka.ShareConsumer:
-        return create_share_consumer(self.settings, on_error=on_error, logger=self.logger)
+    def share_consumer(self, on_error: ErrorCallback, max_poll_records: int) -> confluent_kafka.ShareConsumer:
+        return create_share_consumer(self.settings, on_error, self.logger, max_poll_records)
 
     def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer:
         return create_producer(self.settings, on_error=on_error, logger=self.logger)

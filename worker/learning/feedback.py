@@ -36,7 +36,7 @@ from worker.kafka.clients import (
 from worker.kafka.dead_letters import dead_letter_headers
 from worker.kafka.side_topics import read_side_topic
 from worker.messages import FeedbackEvent, ReviewRecord
-from worker.pipeline.records import redacted_value
+from worker.pipeline.triage.records import redacted_value
 from worker.privacy.redaction import Redactor
 
 # `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).

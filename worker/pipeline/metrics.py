@@ -21,7 +21,7 @@ from typing import Any
 import confluent_kafka
 
 from worker.kafka.commits import TopicPartitionKey
-from worker.pipeline.offsets import PartitionOffsets
+from worker.pipeline.settlements.offsets import PartitionOffsets
 
 # Seconds: from a 1 ms model step to a deadline overrun. 2.0 is the default deadline: an alert on "p99 above
 # the deadline" must sit on a bucket bound, or histogram_quantile interpolates across the deadline and the
@@ -91,7 +91,7 @@ SHADOW_DROP_REASONS: tuple[str, ...] = ("full", "shutdown")
 
 @dataclass
 class ShadowMetrics:
-    """The shadow model's side of things (see worker/pipeline/shadow.py); written by the consumer thread."""
+    """The shadow model's side of things (see side_topics/shadow.py); written by the loop's thread."""
 
     # Tickets the primary classified and offered to the shadow; those not taken, by why (`full`: the shadow
     # was at its bound; `shutdown`: still at the shadow when the worker stopped).
@@ -134,13 +134,13 @@ class ShadowMetrics:
 
 # Escalated tickets end one of these ways: the stage named another intent, the same one, or no answer.
 ESCALATION_OUTCOMES = ("changed", "confirmed", "failed")
-# Why a ticket under the threshold was not escalated (the gate's reasons, see worker/pipeline/cascade.py).
+# Why a ticket under the threshold was not escalated (the gate's reasons, see triage/cascade.py).
 SKIP_REASONS = ("deadline", "overloaded")
 
 
 @dataclass
 class EscalationMetrics:
-    """The cascade's escalation stage (see worker/pipeline/cascade.py); written by the consumer thread."""
+    """The cascade's escalation stage (see triage/cascade.py); written by the loop's thread."""
 
     # Escalated tickets by (outcome, the first stage's intent).
     escalated: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
@@ -175,7 +175,7 @@ class EscalationMetrics:
 
 @dataclass
 class ReviewMetrics:
-    """Results sent to the review topic (see worker/pipeline/review.py); written by the consumer thread."""
+    """Results sent to the review topic (see side_topics/review.py); written by the loop's thread."""
 
     # By (intent, reason): `low_confidence` or `fallback`.
     sent: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
@@ -220,17 +220,24 @@ class QueueMetrics:
     accepted: int = 0
     released: int = 0
     rejected: int = 0
-    # Records dead-lettered because the group delivered them as often as its limit allows.
+    # Of the released: records never taken (the lock left no time for them; each cost a delivery).
+    released_untried: int = 0
+    # Records dead-lettered on their last delivery: the model process died under them, or the Schema Registry
+    # could not answer for them.
     delivery_count_exceeded: int = 0
     batches: int = 0
+    # What a poll asks for (max.poll.records), from the measured rate.
+    fetch_size: int = 0
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "accepted": self.accepted,
             "released": self.released,
+            "released_untried": self.released_untried,
             "rejected": self.rejected,
             "delivery_count_exceeded": self.delivery_count_exceeded,
             "batches": self.batches,
+            "fetch_size": self.fetch_size,
         }
 
 

@@ -1,16 +1,17 @@
-"""Records the Schema Registry could not answer for: retried later, never dead-lettered, never skipped.
+"""Records the Schema Registry could not answer for: retried later, never dead-lettered, never skipped — by
+every door the same way.
 
 A record in a registry format (docs/schema-registry.md) whose writer's schema the decoder could not fetch
 (registry refused, timed out, 5xx, 429: `RegistryUnavailable`) is fine; only the registry is not. So the
-record is not taken at all: its partition is paused and sought back to it, and resumed after a backoff
-(1 s, doubling per failed retry of that partition, up to 30 s); the record is then fetched and decoded again.
-Nothing at or after it is tracked meanwhile, so the commit position of the partition never passes it, and a
-crash or rebalance meanwhile re-reads it from the committed offset. The other partitions go on: a record
-whose schema is already cached decodes without the registry.
+record is not taken at all: its source holds it back (group mode pauses its partition and seeks back to it;
+queue mode keeps it in the batch and polls no new one), and the loop *probes* the registry with the very
+record on a backoff (1 s, doubling per failed probe of that partition, up to 30 s) — no record is read
+again, no delivery is spent, while the registry stays away. Once a probe decodes, the source reads the
+partition again; records whose schema is already cached decode without the registry meanwhile.
 
-While any partition waits, `state.outage` names the reason: readiness reports not ready (another worker of the
-group may reach the registry) until a record decodes through the registry again. The warning is logged at
-most once per `REPEAT_INTERVAL_S`, with the count of the lines held back.
+While any partition waits, `state.outage` names the reason: readiness reports not ready (another worker may
+reach the registry) until a probe decodes again. The warning is logged at most once per
+`REPEAT_INTERVAL_S`, with the count of the lines held back.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-import confluent_kafka
 import structlog
 
-from worker.kafka import errors
 from worker.kafka.commits import TopicPartitionKey
 from worker.logs import Throttle
 from worker.pipeline.metrics import RegistryState
+from worker.pipeline.seams import Record
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -33,76 +33,55 @@ MAX_RETRY_S = 30.0
 
 
 class RegistryWait:
-    """The partitions held back for the registry (see the module docstring). The caller pauses them (and
-    keeps them paused while they are in `held`); `hold` seeks, `due` releases."""
+    """The partitions held back for the registry, each with the record to probe it with and when (see the
+    module docstring). Mechanism-free: the source holds the records, the loop probes."""
 
-    def __init__(
-        self,
-        consumer: confluent_kafka.Consumer,
-        pause: Callable[[Iterable[TopicPartitionKey]], None],
-        state: RegistryState,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._consumer = consumer
+    def __init__(self, state: RegistryState, clock: Callable[[], float] = time.monotonic) -> None:
         self.state = state
-        self._pause = pause
         self._clock = clock
-        # Partition → when to fetch its record again.
-        self.held: dict[TopicPartitionKey, float] = {}
-        # Failed tries in a row, per partition, until one of its records decodes.
+        # Partition → (when to probe again, the record it is held at).
+        self._held: dict[TopicPartitionKey, tuple[float, Record]] = {}
+        # Failed probes in a row, per partition, until one decodes.
         self._tries: dict[TopicPartitionKey, int] = {}
         self._throttle = Throttle()
 
-    def hold(self, key: TopicPartitionKey, offset: int, reason: str) -> bool:
-        """Hold `key` back at `offset` (the record the registry could not answer for). False when the seek
-        back failed: going on would skip the record, so the caller must stop (a restart re-reads it)."""
-        self._pause([key])
-        try:
-            self._consumer.seek(confluent_kafka.TopicPartition(key[0], key[1], offset))
-        except confluent_kafka.KafkaException as problem:
-            _log.error(
-                "schema_registry_seek_failed",
-                partition=f"{key[0]}[{key[1]}]",
-                offset=offset,
-                reason=errors.describe(problem),
-            )
-            return False
+    @property
+    def held(self) -> set[TopicPartitionKey]:
+        return set(self._held)
+
+    def hold(self, record: Record, reason: str) -> None:
+        """`record`'s partition waits for the registry (held at `record`), or waits longer."""
+        key = record.partition_key
         tries = self._tries.get(key, 0) + 1
         self._tries[key] = tries
         delay = min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** (tries - 1))
-        self.held[key] = self._clock() + delay
+        self._held[key] = (self._clock() + delay, record)
         self.state.retries += 1
         self.state.outage = reason
-        self.state.waiting = tuple(sorted(self.held))
+        self.state.waiting = tuple(sorted(self._held))
         suppressed = self._throttle.admit("schema_registry_unavailable")
         if suppressed is not None:
             _log.warning(
                 "schema_registry_unavailable",
                 partition=f"{key[0]}[{key[1]}]",
-                offset=offset,
+                offset=record.offset,
                 retry_in_s=delay,
                 reason=reason,
-                effect="partition paused at this record and retried; nothing is dead-lettered or skipped",
+                effect="the record is held back and the registry probed with it; nothing is dead-lettered or "
+                "skipped",
                 suppressed_since_last=suppressed,
             )
-        return True
 
-    def due(self) -> None:
-        """Release the held partitions whose retry time came (the caller resumes what is no longer held)."""
-        if self.held:
-            now = self._clock()
-            released = [key for key, at in self.held.items() if at <= now]
-            for key in released:
-                del self.held[key]
-            if released:
-                self.state.waiting = tuple(sorted(self.held))
+    def due(self, now: float) -> list[Record]:
+        """The records to probe the registry with now (their partitions stay held until `answered`)."""
+        return [record for at, record in self._held.values() if at <= now]
 
     def answered(self, key: TopicPartitionKey) -> None:
-        """A record of `key` decoded: its backoff starts over; once none is held, the outage is over."""
-        if not self._tries and self.state.outage is None:
-            return
+        """A probe of `key` decoded: the partition is read again; once none is held, the outage is over."""
+        self._held.pop(key, None)
         self._tries.pop(key, None)
-        if self.state.outage is not None and not self.held:
+        self.state.waiting = tuple(sorted(self._held))
+        if self.state.outage is not None and not self._held:
             _log.info(
                 "schema_registry_answering", partition=f"{key[0]}[{key[1]}]", retries=self.state.retries
             )
@@ -112,8 +91,8 @@ class RegistryWait:
         """Revoked, lost or assigned afresh: the next owner (or the new assignment) starts at the committed
         offset, which is at or before the held record."""
         for key in keys:
-            self.held.pop(key, None)
+            self._held.pop(key, None)
             self._tries.pop(key, None)
-        self.state.waiting = tuple(sorted(self.held))
-        if not self.held and not self._tries:
+        self.state.waiting = tuple(sorted(self._held))
+        if not self._held:
             self.state.outage = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from worker.classification import Classification
 from worker.kafka.commits import TopicPartitionKey
 from worker.messages import SourcePosition, TicketEvent
-from worker.pipeline.offsets import PartitionOffsets
+from worker.pipeline.settlements.offsets import PartitionOffsets
 from worker.privacy.redaction import TicketScan
 
 Headers = list[tuple[str, bytes | None]]

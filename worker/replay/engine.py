@@ -13,8 +13,8 @@ three guarantees:
   the progress past them are committed in one Kafka transaction (a transactional producer of its own, see
   `replay_transactional_id`), so readers with ``isolation.level=read_committed`` see each selected dead
   letter once, even across a ``kill -9`` and a rerun. Both modes are the pipeline's own delivery
-  guarantees (`worker/pipeline/guarantees.py`): the replay differs from the worker only in what it reads
-  and writes.
+  guarantees (`worker/pipeline/settlements/guarantees.py`): the replay differs from the worker only in what
+  it reads and writes.
 * **A finite run.** The end offsets are captured at start; dead letters that arrive meanwhile (perhaps
   replayed records failing again) wait for the next run instead of being chased.
 
@@ -51,9 +51,11 @@ from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
 from worker.kafka.errors import PURGED
 from worker.logs import librdkafka_logger
-from worker.pipeline.guarantees import Failure, Guarantee, GuaranteeWiring, Observer, guarantee_for
+from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
+from worker.pipeline.seams import Settlement
+from worker.pipeline.settlements.guarantees import GuaranteeWiring, Observer, guarantee_for
+from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.work import Output, Work
 from worker.replay.transforms import TransformFailed, TransformStopped
 
@@ -528,9 +530,9 @@ class _ReplayClients:
 
 class _Replay(Observer):
     """One run: reads the planned ranges, republishes selected records through the pipeline's delivery
-    guarantee (`worker/pipeline/guarantees.py`), and reports each record once its outcome is final: at once
-    for skipped records and, at-least-once, for acknowledged ones; exactly-once, when the transaction
-    holding it commits (an aborted one is redone, and its records reported then)."""
+    guarantee (`worker/pipeline/settlements/guarantees.py`), and reports each record once its outcome is
+    final: at once for skipped records and, at-least-once, for acknowledged ones; exactly-once, when the
+    transaction holding it commits (an aborted one is redone, and its records reported then)."""
 
     def __init__(
         self,
@@ -561,7 +563,7 @@ class _Replay(Observer):
         self.tracker = OffsetTracker()
         self.failure = Failure()
         self.exactly_once = exactly_once(settings) and not options.dry_run
-        self.guarantee: Guarantee | None = None
+        self.guarantee: Settlement | None = None
         if not options.dry_run:
             transactional = replay_transactional_id(settings, options.group) if self.exactly_once else None
             # Progress committed often, so a kill re-sends little.

@@ -28,7 +28,7 @@ from worker.pipeline.metrics import (
     ReviewMetrics,
     ShadowMetrics,
 )
-from worker.pipeline.side_topic import DeliveryCounts
+from worker.pipeline.side_topics.side_topic import DeliveryCounts
 from worker.privacy.detector import KINDS
 from worker.telemetry.probes import WorkerProbes
 
@@ -283,7 +283,7 @@ def _review_families(review: ReviewMetrics) -> Iterator[Metric]:
 
 
 def _side_topic_deliveries(name: str, records: str, counts: DeliveryCounts) -> Iterator[Metric]:
-    """The two delivery counters every side topic keeps (worker/pipeline/side_topic.py)."""
+    """The two delivery counters every side topic keeps (worker/pipeline/side_topics/side_topic.py)."""
     yield CounterMetricFamily(
         f"triage_{name}_produced", f"{records} the broker acknowledged.", value=counts.produced
     )

@@ -1,7 +1,7 @@
-"""The delivery guarantee behind one seam: how the loop's outputs reach Kafka and its progress is committed.
+"""Group mode's settlement, the delivery guarantee: how outputs reach Kafka and input offsets are committed.
 
-The loop (`runner.py`) decides *what* to write for each record taken from Kafka; a `Guarantee` decides *how*
-it is written and when the input offsets past it are committed. Two implementations, chosen by
+The loop (`engine.py`) decides *what* to write for each record taken; a guarantee decides *how* it is written
+and when the offsets past it are committed. Two implementations of `seams.Settlement`, chosen by
 `pipeline.guarantee`:
 
 - `AtLeastOnce`: outputs are produced at once; a partition's done prefix is committed to the group. A crash
@@ -12,37 +12,33 @@ it is written and when the input offsets past it are committed. Two implementati
   acknowledged. A transaction that cannot commit is aborted and its work *redone*: every owned partition is
   sought back to its first uncommitted offset.
 
-The contract, every call on the loop's thread (one small step each, as getsentry/arroyo's strategies):
+What each step of the seam means here (every call on the loop's thread):
 
-- `start()` once before the consumer subscribes; raises UserError when the guarantee cannot work at all;
-- `taken(work)`: a record was taken, in consume order (in order, its output waits for its predecessors');
-- `write(work, output)`: the output for one record; its offset counts as done once the broker acknowledged it;
-  `outstanding`: outputs written and not acknowledged yet;
-- `serve(wait_s)`: delivery reports, waiting up to `wait_s` for one;
+- `start()` once before the consumer subscribes (exactly-once: fences an earlier producer of the id);
+- `taken(work)`, in consume order (in order, its output waits for its predecessors'); `write(work, output)`:
+  its offset counts as done once the broker acknowledged the output (failed deliveries:
+  `delivery.DeliveryRules`, then the partition stops at the offset);
 - `advance()`: apply commit outcomes (an abort or a stuck commit is handled here), start a commit when one is
-  due (every `commit_interval_ms`, or early when done work fills half of the in-flight bound);
-- `committing`: a background commit is on its way (the loop then does not poll: see `runner._may_poll`);
-  `wait(wait_s)` waits for it or for a report when the loop has nothing else to do;
-- `producing`: outputs still go out (False while an exactly-once transaction is doomed to abort);
-- `settle(limit)`, `commit_now(states, limit)`: on revoke, before and after the revoked partitions' work is
+  due (every `commit_interval_ms`, or early when done work fills half of the in-flight bound), on the
+  committer thread (`committing` meanwhile);
+- `settle(limit)`, `commit_now(keys, limit)`: on revoke, before and after the revoked partitions' work is
   drained: their progress is committed synchronously so the new owner starts where this worker stopped;
-- `assigned(keys)`, `lost(keys)`: partitions came, or were taken without a revoke (nothing of theirs may be
-  committed any more); `give_up(keys)`: after a revoke or a loss, their outputs not acknowledged are not
-  the worker's any more (held ones are dropped, produced ones become orphans);
-- `stop(limit)`: at shutdown, flush and commit what is done; returns how many records were not flushed.
+- `lost(keys)`: nothing of theirs may be committed any more; `give_up(keys)`: their outputs not
+  acknowledged are not the worker's any more (held ones are dropped, produced ones become orphans);
+- `stop(limit)`: flush and commit what is done; returns how many records were not flushed.
 
-Why the run must end (a fatal client error, a fenced producer) is written to the `Failure` both share. The
-caller passes an `Observer`: replay reports record by record with it, the pipeline drops the tickets of
+Why the run must end (a fatal client error, a fenced producer) is written to the shared `Failure`. The
+caller passes an `Observer`: replay reports record by record with it, the triage stage drops the tickets of
 partitions redone. What the guarantee does not own: the order tickets go to the model in
-(`dispatch_queue.py`) and the tickets at the model (`requests.py`) are the pipeline's.
+(`triage/dispatch_queue.py`) and the tickets at the model (`triage/requests.py`) are the stage's.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import confluent_kafka
 import structlog
@@ -50,7 +46,7 @@ import structlog
 from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import errors
-from worker.kafka.clients import ClientErrorLog, ProducerFactory, produce
+from worker.kafka.clients import ProducerFactory
 from worker.kafka.commits import (
     CommitOutcome,
     TopicPartitionKey,
@@ -58,22 +54,17 @@ from worker.kafka.commits import (
     Transactions,
     consumer_commit,
 )
-from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
-from worker.pipeline.committer import Committer
-from worker.pipeline.deliveries import Deliveries
+from worker.pipeline.failure import Failure, names, positions_by_name
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
-from worker.pipeline.records import dead_letter
+from worker.pipeline.settlements.committer import Committer
+from worker.pipeline.settlements.deliveries import Deliveries
+from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send, smaller
+from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")
 _T = TypeVar("_T")
 
-_QUEUE_FULL = confluent_kafka.KafkaError._QUEUE_FULL
-_INVALID_ARG = confluent_kafka.KafkaError._INVALID_ARG
-_TOO_LARGE = confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE
-# How often a dead letter written smaller is sent before its partition stops (see `smaller`).
-_SHRUNK_DEAD_LETTER_TRIES = 3
 # Exactly-once: a commit still on its way after this long is stuck in librdkafka (every call in it has a 10 s
 # timeout and retries stop after 20 s; see `ExactlyOnce._replace_producer`).
 _STUCK_COMMIT_S = 30.0
@@ -83,28 +74,6 @@ _TAKE_OVER_CALL_S = 2.0
 _REPORTS_BEFORE_ABORT_S = 1.0
 # While waiting for a report or a commit at shutdown and on revoke.
 _BUSY_WAIT_S = 0.01
-
-
-class Failure:
-    """Why the run must stop; the first reason given wins. Shared by the loop and its guarantee. `fenced`:
-    another client took the transactional id over (or it is not allowed)."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-        self.fenced = False
-        self._error_log = ClientErrorLog("worker")
-
-    def set(self, reason: str, fenced: bool = False) -> None:
-        if self.reason is None:
-            self.reason, self.fenced = reason, fenced
-
-    def client_error(self, error: confluent_kafka.KafkaError) -> None:
-        """error_cb of the consumer: transient errors are the client's to retry; fatal ones end the run."""
-        if errors.consumer_fatal(error):
-            self.set(errors.consumer_fatal_reason(error))
-            _log.error("kafka_fatal_error", code=error.name(), reason=error.str())
-        else:
-            self._error_log(error)
 
 
 class Observer:
@@ -121,32 +90,6 @@ class Observer:
 
     def redone(self, keys: set[TopicPartitionKey]) -> None:
         """`keys`: the partitions sought back; their records not yet written must not be written."""
-
-
-class Guarantee(Protocol):
-    """See the module docstring for the contract."""
-
-    in_order: ClassVar[bool]
-    deliveries: Deliveries
-
-    def start(self) -> None: ...
-    def taken(self, work: Work) -> None: ...
-    def write(self, work: Work, output: Output) -> None: ...
-    @property
-    def outstanding(self) -> int: ...
-    def serve(self, wait_s: float) -> None: ...
-    def advance(self) -> None: ...
-    @property
-    def committing(self) -> bool: ...
-    def wait(self, wait_s: float) -> None: ...
-    @property
-    def producing(self) -> bool: ...
-    def settle(self, limit: float) -> None: ...
-    def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None: ...
-    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None: ...
-    def lost(self, keys: set[TopicPartitionKey]) -> None: ...
-    def give_up(self, keys: set[TopicPartitionKey]) -> None: ...
-    def stop(self, limit: float) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -180,51 +123,6 @@ def guarantee_for(wiring: GuaranteeWiring) -> AtLeastOnce | ExactlyOnce:
     return kind(wiring)
 
 
-class DeliveryReport(Protocol):
-    """What `send` reports an output's fate to: librdkafka's delivery callback `(error, message)`, or, for a
-    record refused before it was queued, the same with `queued=False`."""
-
-    def __call__(
-        self, error: confluent_kafka.KafkaError | None, message: Any, queued: bool = True
-    ) -> None: ...
-
-
-def send(
-    producer: confluent_kafka.Producer, output: Output, report: DeliveryReport, give_up_at: float | None
-) -> None:
-    """Produce `output` with `report` as its delivery callback. A full local queue (a slow or absent broker)
-    is waited out until `give_up_at` (a `time.monotonic()` instant; None: as long as it takes), then reported
-    as `_QUEUE_FULL`; a record refused before queueing (over `message.max.bytes`, a topic name with a NUL
-    byte from a replay's targets) is reported at once, `queued=False`: a transaction never saw it."""
-    try:
-        produce(producer, output.topic, output.value, output.key, output.headers, report, give_up_at)
-    except BufferError:
-        report(confluent_kafka.KafkaError(_QUEUE_FULL), None)
-    except confluent_kafka.KafkaException as refused:
-        report(refused.args[0], None, queued=False)
-    except (TypeError, ValueError) as refused:
-        report(
-            confluent_kafka.KafkaError(_INVALID_ARG, f"{type(refused).__name__}: {refused}"),
-            None,
-            queued=False,
-        )
-
-
-def smaller(work: Work, output: Output, shrunk: int) -> Output:
-    """A dead letter too large for its topic (it carries the original value, key and headers) with its
-    `triage.*` headers only, which point at the original in the source topic, and the size left out."""
-    headers = output.headers or []
-    kept = [(n, v) for n, v in headers if n.startswith("triage.") and n != OMITTED_BYTES]
-    omitted = output.omitted or (
-        len(output.value or b"")
-        + len(output.key or b"")
-        + sum(len(n) + len(v or b"") for n, v in headers if not n.startswith("triage."))
-    )
-    kept.append((OMITTED_BYTES, str(omitted).encode("ascii")))
-    _log.warning("dead_letter_shrunk", partition=work.partition, offset=work.offset, omitted_bytes=omitted)
-    return Output(output.topic, None, None, kept, omitted, shrunk)
-
-
 class _Base:
     """What both guarantees share: the producer, delivery reports and the committer thread."""
 
@@ -234,8 +132,13 @@ class _Base:
         settings = wiring.settings
         self._pipeline = settings.pipeline
         self._dead_letter_topic = settings.topics.dead_letter if wiring.dead_letters else None
-        self._redactor = settings.privacy.redactor()
-        self._redact_dead_letters = settings.dead_letter.redact
+        self._rules = DeliveryRules(
+            self._dead_letter_topic,
+            settings.privacy.redactor(),
+            settings.dead_letter.redact,
+            wiring.metrics,
+            wiring.clock,
+        )
         self._clients = wiring.clients
         self._consumer = wiring.consumer
         self._tracker = wiring.tracker
@@ -306,6 +209,26 @@ class _Base:
     def give_up(self, keys: set[TopicPartitionKey]) -> None:
         self.deliveries.give_up(keys)
 
+    def abandon(self, works: Collection[Work]) -> None:
+        self.deliveries.give_up({work.partition_key for work in works})
+
+    @property
+    def orphans(self) -> int:
+        return self.deliveries.orphans
+
+    def pending(self, keys: set[TopicPartitionKey]) -> int:
+        return self.deliveries.pending(keys)
+
+    def where(self) -> list[int]:
+        return [self.deliveries.at_producer, self.deliveries.held]
+
+    def commit_now(self, keys: set[TopicPartitionKey], limit: float) -> None:
+        """Revoking: the progress of `keys` committed on this thread before they go (see each guarantee)."""
+        self._commit_states([state for key in keys if (state := self._tracker.get(key)) is not None], limit)
+
+    def _commit_states(self, states: Sequence[PartitionOffsets], limit: float) -> None:
+        raise NotImplementedError
+
     # -- producing and delivery -----------------------------------------------------------------------------
 
     def _send(self, work: Work, output: Output) -> None:
@@ -330,8 +253,7 @@ class _Base:
             return
         self._observer.delivered(work, error)
         if error is None:
-            self._metrics.produced += 1
-            self._metrics.end_to_end.observe(self._clock() - work.polled_at)
+            self._rules.delivered(work)
             work.state.done(work.offset)
             return
         self._delivery_error(work, output, error, queued)
@@ -339,62 +261,20 @@ class _Base:
     def _delivery_error(
         self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
     ) -> None:
-        """A result Kafka refuses for what it is (its size, its form) is replaced by the ticket's dead letter.
-        A dead letter too large is written smaller instead (the broker refuses a whole batch for one large
-        record, so a few times). Any other delivery that still fails stops its partition: the commit
-        position never passes the offset, the partition is paused; a restart or rebalance re-reads it."""
-        if error.code() == _TOO_LARGE and self._shrinkable(output):
-            self._send(work, smaller(work, output, output.shrunk + 1))
-            return
-        if not work.orphan and self._refused_for_content(output, error):  # an orphan's new owner writes it
-            self._send(work, self._refused_result(work, error))
+        """The delivery-error rules (`delivery.DeliveryRules`); a delivery that still fails stops its
+        partition: the commit position never passes the offset, the partition is paused; a restart or
+        rebalance re-reads it."""
+        instead = self._rules.instead(work, output, error)
+        if instead is not None:
+            self._send(work, instead)
             return
         work.state.fail(work.offset)
         self._delivery_failed(work, error, "never committed past this offset until a restart or rebalance")
         if not work.orphan:
             self._pause([work.partition_key])
 
-    def _shrinkable(self, output: Output) -> bool:
-        """A dead letter refused as too large is written smaller, a few times."""
-        return output.topic == self._dead_letter_topic and output.shrunk < _SHRUNK_DEAD_LETTER_TRIES
-
-    def _refused_for_content(self, output: Output, error: confluent_kafka.KafkaError) -> bool:
-        """Whether a refused output is a result whose ticket goes to the dead-letter topic instead: refused
-        for its content (another record to the topic would go through), so no single ticket can stop its
-        partition. Not without a dead-letter topic (replay's outputs go back where they came from)."""
-        return (
-            self._dead_letter_topic is not None
-            and output.topic != self._dead_letter_topic
-            and error.code() in errors.REFUSED_CONTENT
-        )
-
-    def _refused_result(self, work: Work, error: confluent_kafka.KafkaError) -> Output:
-        self._metrics.dead_letter(RESULT_REFUSED)
-        _log.warning(
-            "result_refused",
-            topic=work.topic,
-            partition=work.partition,
-            offset=work.offset,
-            code=error.name(),
-            effect="the ticket is dead-lettered",
-        )
-        reason = f"the triage record was refused: {error.name()}: {error.str()}"
-        assert self._dead_letter_topic is not None  # `_refused_for_content` said so
-        return dead_letter(
-            work, self._dead_letter_topic, RESULT_REFUSED, reason, self._redactor, self._redact_dead_letters
-        )
-
     def _delivery_failed(self, work: Work, error: confluent_kafka.KafkaError, stopped: str) -> None:
-        self._metrics.delivery_failed += 1
-        _log.error(
-            "delivery_failed",
-            topic=work.topic,
-            partition=work.partition,
-            offset=work.offset,
-            code=error.name(),
-            reason=error.str(),
-            effect=f"partition stopped: {stopped}",
-        )
+        self._rules.failed(work, error, f"partition stopped: {stopped}")
 
     def _on_producer_error(self, error: confluent_kafka.KafkaError) -> None:
         """error_cb of the producer: transient errors are the client's to retry; fatal ones are handled by
@@ -476,7 +356,7 @@ class AtLeastOnce(_Base):
     def write(self, work: Work, output: Output) -> None:
         self._send(work, output)
 
-    def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None:
+    def _commit_states(self, states: Sequence[PartitionOffsets], limit: float) -> None:
         """Synchronous commit of the done prefix of `states` on this thread (on revoke and at shutdown),
         calling again on passing errors (a stale member epoch mid-rebalance) until `limit`.
 
@@ -501,7 +381,7 @@ class AtLeastOnce(_Base):
         not_flushed = len(self._producer) if failed else self._producer.flush(max(0.0, limit - self._clock()))
         # The last background commit must land before the final one, never after it.
         self._committer.wait_idle(max(0.0, limit - self._clock()))
-        self.commit_now(list(self._tracker), limit)
+        self._commit_states(list(self._tracker), limit)
         self._committer.close()
         return int(not_flushed)
 
@@ -561,7 +441,7 @@ class ExactlyOnce(_Base):
         position = (work.topic, work.partition, work.offset)
         refused = self._redo_refused.get(position)
         if refused is not None and output.topic != self._dead_letter_topic:
-            output = self._refused_result(work, refused)
+            output = self._rules.refused_result(work, refused)
         tries = self._redo_smaller.get(position, 0)
         if tries and output.topic == self._dead_letter_topic:
             output = smaller(work, output, tries)
@@ -591,7 +471,7 @@ class ExactlyOnce(_Base):
         self._committer.wait_idle(max(0.0, limit - self._clock()))
         self._apply_commit_outcomes()
 
-    def commit_now(self, states: Sequence[PartitionOffsets], limit: float) -> None:
+    def _commit_states(self, states: Sequence[PartitionOffsets], limit: float) -> None:
         """Commit the open transaction on this thread, once every record in it is acknowledged; abort it
         (and redo its work) when that does not happen by `limit`. The transaction holds records of every
         owned partition: it commits (or aborts) as a whole."""
@@ -621,7 +501,7 @@ class ExactlyOnce(_Base):
 
     def stop(self, limit: float) -> int:
         if self._failure.reason is None:
-            self.commit_now(list(self._tracker), limit)
+            self._commit_states(list(self._tracker), limit)
         self._committer.close()
         return len(self._producer)
 
@@ -707,9 +587,9 @@ class ExactlyOnce(_Base):
         )
         if error.code() in errors.REFUSED_RECORD:
             position = (work.topic, work.partition, work.offset)
-            if error.code() == _TOO_LARGE and self._shrinkable(output):
+            if error.code() == TOO_LARGE and self._rules.shrinkable(output):
                 self._redo_smaller[position] = output.shrunk + 1
-            elif self._refused_for_content(output, error):
+            elif self._rules.refused_for_content(output, error):
                 self._redo_refused[position] = error
             else:
                 self._poisoned.add(work.partition_key)
@@ -825,11 +705,3 @@ def _not_committed(
 ) -> dict[tuple[str, int, int], _T]:
     """The entries of a redo map whose source offset a confirmed commit has not passed yet."""
     return {(t, p, offset): v for (t, p, offset), v in redo.items() if offset >= confirmed.get((t, p), -1)}
-
-
-def positions_by_name(positions: dict[TopicPartitionKey, int]) -> dict[str, int]:
-    return {f"{topic}[{partition}]": position for (topic, partition), position in sorted(positions.items())}
-
-
-def names(keys: Sequence[TopicPartitionKey] | set[TopicPartitionKey]) -> list[str]:
-    return [f"{topic}[{partition}]" for topic, partition in sorted(keys)]

@@ -23,8 +23,8 @@ import structlog
 from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.messages import TicketEvent
-from worker.pipeline.deadlines import ticket_deadline
 from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.work import Work
 
 _log = structlog.get_logger("worker.pipeline")

@@ -8,8 +8,8 @@ write, and, with a cascade, unsure answers go on to the escalation stage first.
 - `collect(wait_s)`: takes the model's answers (waiting up to `wait_s` for one) and the escalation stage's.
   Each answer for a ticket still owned is handed to `write`; an answer for an orphan (its partition left
   this worker) is discarded: its new owner redoes the ticket.
-- With a cascade (worker/pipeline/cascade.py) the gate decides per unsure answer: escalate (the ticket's
-  record waits for the escalation stage), or let the first answer stand.
+- With a cascade (`cascade.py`) the gate decides per unsure answer: escalate (the ticket's record waits for
+  the escalation stage), or let the first answer stand.
 - `fallback_for(work, reason)`: the answer for a ticket the model does not answer; the cascade is told when
   the first stage sheds load.
 - `pending(keys)`, `give_up(keys)`: a partition leaving (a revoke, a loss, an exactly-once redo, which the
@@ -32,12 +32,12 @@ from worker.classification import (
 )
 from worker.kafka.commits import TopicPartitionKey
 from worker.messages import FallbackReason, utc_timestamp
-from worker.pipeline.cascade import Cascade
-from worker.pipeline.dispatch_queue import DispatchQueue
-from worker.pipeline.guarantees import Observer
-from worker.pipeline.latency import LatencyEstimate
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.requests import ModelRequests
+from worker.pipeline.settlements.guarantees import Observer
+from worker.pipeline.triage.cascade import Cascade
+from worker.pipeline.triage.dispatch_queue import DispatchQueue
+from worker.pipeline.triage.latency import LatencyEstimate
+from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Work
 
 # Writes a ticket's answer: (the ticket, its answer, when it was made or "" for now).

@@ -5,7 +5,7 @@
   every side topic (`side_topic.ResultWatcher`: the shadow, the review) is told of it. Side topics never
   hold the record or a commit back.
 - `dead_letter(work, error_type, message)`: the original record with the reason, its personal data masked
-  where `dead_letter.redact` asks (worker/pipeline/records.py).
+  where `dead_letter.redact` asks (worker/pipeline/triage/records.py).
 
 How and when each output reaches Kafka is the guarantee's (`guarantees.py`).
 """
@@ -20,8 +20,8 @@ from worker.classification import Classification
 from worker.config import Settings
 from worker.messages import TriageResult
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.records import carried_headers, dead_letter, result_key, triage_result
-from worker.pipeline.side_topic import ResultWatcher, WrittenResult
+from worker.pipeline.side_topics.side_topic import ResultWatcher, WrittenResult
+from worker.pipeline.triage.records import carried_headers, dead_letter, result_key, triage_result
 from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")

@@ -1,8 +1,8 @@
 """The tickets at the model and at the cascade's escalation stage, each under a request id.
 
 The model answers by request id (`Classifier.submit`/`poll`); this maps an answer back to its ticket. A
-ticket at the escalation stage (worker/pipeline/cascade.py) keeps the first stage's answer, which stands if
-the escalation stage gives none. Tickets of a partition given up become orphans (`orphans.py`).
+ticket at the escalation stage (`cascade.py`) keeps the first stage's answer, which stands if the escalation
+stage gives none. Tickets of a partition given up become orphans (`settlements/orphans.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Collection
 
 from worker.classification import Classification
 from worker.kafka.commits import TopicPartitionKey
-from worker.pipeline.orphans import Orphans
+from worker.pipeline.settlements.orphans import Orphans
 from worker.pipeline.work import Work
 
 

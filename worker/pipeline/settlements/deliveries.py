@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Collection
 
 from worker.kafka.commits import TopicPartitionKey
-from worker.pipeline.offsets import PartitionOffsets
-from worker.pipeline.orphans import Orphans
+from worker.pipeline.settlements.offsets import PartitionOffsets
+from worker.pipeline.settlements.orphans import Orphans
 from worker.pipeline.work import Output, Work
 
 

@@ -55,6 +55,10 @@ class LockBudget:
         """Whether a record of a batch whose lock started at `lock_from` can still finish inside the lock."""
         return now + self.needed_s < lock_from + self.lock_s
 
+    def may_answer(self, lock_from: float, now: float) -> bool:
+        """Whether an answer written now, without the model, can still be delivered inside that lock."""
+        return now + self.delivery_s + MARGIN_S < lock_from + self.lock_s
+
     def expires_at(self, lock_from: float) -> float:
         """When records of that batch not acknowledged yet must be released (their lock is about to end)."""
         return lock_from + self.lock_s - MARGIN_S

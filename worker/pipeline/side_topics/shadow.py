@@ -37,8 +37,8 @@ import structlog
 from worker.classification import Classification, Classifier, ClassifyRequest, ticket_text
 from worker.messages import PiiKind, ShadowResult, SourcePosition, TicketEvent, utc_timestamp
 from worker.pipeline.metrics import LatencyHistogram, ShadowMetrics, latency_buckets
-from worker.pipeline.records import encode_result, triage_result
-from worker.pipeline.side_topic import SideTopic, WrittenResult
+from worker.pipeline.side_topics.side_topic import SideTopic, WrittenResult
+from worker.pipeline.triage.records import encode_result, triage_result
 from worker.pipeline.work import Headers
 
 _log = structlog.get_logger("worker.shadow")

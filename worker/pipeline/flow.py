@@ -16,12 +16,6 @@ after the resume. Partitions resume at `resume_below`, a gap below the bound so 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable
-
-import confluent_kafka
-
-from worker.kafka.clients import partitions_of
-from worker.kafka.commits import TopicPartitionKey
 
 
 class Flow(enum.Enum):
@@ -76,28 +70,3 @@ class InFlightGate:
             self.paused = False
             return Flow.RESUME
         return Flow.KEEP
-
-
-class PausedPartitions:
-    """The partitions this worker paused: for the bound (all), at shutdown (all), or because a record of
-    theirs failed for good (`blocked`, kept paused until a restart or rebalance)."""
-
-    def __init__(self, consumer: confluent_kafka.Consumer) -> None:
-        self._consumer = consumer
-        self.keys: set[TopicPartitionKey] = set()
-
-    def pause(self, keys: Iterable[TopicPartitionKey]) -> None:
-        fresh = [key for key in keys if key not in self.keys]
-        if fresh:
-            self._consumer.pause(partitions_of(fresh))
-            self.keys.update(fresh)
-
-    def resume_all_but(self, blocked: Collection[TopicPartitionKey]) -> None:
-        resumed = [key for key in self.keys if key not in blocked]
-        if resumed:
-            self._consumer.resume(partitions_of(resumed))
-            self.keys.difference_update(resumed)
-
-    def forget(self, keys: Iterable[TopicPartitionKey]) -> None:
-        """No longer owned (revoked, lost) or assigned afresh (resumed explicitly by the caller)."""
-        self.keys.difference_update(keys)

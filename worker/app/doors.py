@@ -1,0 +1,228 @@
+"""The doors of the worker, each assembled from the one loop (`worker.pipeline.engine.Engine`) with its own
+source and settlement, and the same triage stage (see `worker/pipeline/seams.py` for the table):
+
+- `group_pipeline`: `run` in group mode — a consumer group, and the delivery guarantee (`pipeline.guarantee`);
+- `queue_pipeline`: `run --consume queue` — a share group, each record acknowledged on its own.
+
+This is the only place where a door's parts meet: below it each part receives what it uses. The model's pool,
+the cascade and the side topics are opened by the caller (`application.WorkerApp`, the tests), so that a hot
+reload can swap the pool under a running loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from worker.classification import Classifier, FallbackLabel
+from worker.config import Settings
+from worker.errors import UserError
+from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config
+from worker.kafka.share_groups import ShareClientFactory, ShareClients, ShareGroup, delivery_timeout_ms
+from worker.messages import TriageResult
+from worker.pipeline.engine import Engine, GiveUpAt, Limits
+from worker.pipeline.failure import Failure
+from worker.pipeline.metrics import PipelineMetrics, RegistryState
+from worker.pipeline.registry_wait import RegistryWait
+from worker.pipeline.seams import HandBack, Settlement
+from worker.pipeline.settlements.acknowledgements import Acknowledging
+from worker.pipeline.settlements.delivery import DeliveryRules
+from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_for
+from worker.pipeline.settlements.offsets import OffsetTracker
+from worker.pipeline.side_topics.review import Review
+from worker.pipeline.side_topics.shadow import Shadow
+from worker.pipeline.side_topics.side_topic import ResultWatcher
+from worker.pipeline.sources.group import GroupSource, PausedPartitions
+from worker.pipeline.sources.lock_budget import LockBudget
+from worker.pipeline.sources.share import FetchSize, ShareSource
+from worker.pipeline.triage.cascade import Cascade
+from worker.pipeline.triage.dispatch_queue import DispatchQueue
+from worker.pipeline.triage.intake import Intake, TicketDecoding
+from worker.pipeline.triage.model_stage import ModelStage, Redone
+from worker.pipeline.triage.outputs import Outputs
+from worker.pipeline.triage.records import encode_result
+from worker.pipeline.triage.requests import ModelRequests
+from worker.pipeline.triage.stage import TriageStage
+from worker.pipeline.work import Work
+
+ResultEncoder = Callable[[TriageResult], bytes]
+
+
+class TriageParts:
+    """What every classifying door shares: the model and its cascade, the side topics, the input's decoder
+    (None: plain JSON tickets) and the output's encoder (None: JSON)."""
+
+    def __init__(
+        self,
+        classifier: Classifier,
+        fallback: FallbackLabel,
+        dispatch_window: int,
+        *,
+        cascade: Cascade | None = None,
+        shadow: Shadow | None = None,
+        review: Review | None = None,
+        decoder: TicketDecoding | None = None,
+        result_encoder: ResultEncoder | None = None,
+    ) -> None:
+        self.classifier, self.fallback, self.dispatch_window = classifier, fallback, dispatch_window
+        self.cascade, self.shadow, self.review = cascade, shadow, review
+        self.decoder = decoder
+        self.encode = result_encoder or encode_result
+
+    @property
+    def side_topics(self) -> list[ResultWatcher]:
+        return [side for side in (self.shadow, self.review) if side is not None]
+
+    def metrics(self, deadline_s: float) -> PipelineMetrics:
+        metrics = PipelineMetrics.for_deadline(deadline_s)
+        metrics.shadow = self.shadow.metrics if self.shadow is not None else None
+        metrics.review = self.review.metrics if self.review is not None else None
+        metrics.escalation = self.cascade.metrics if self.cascade is not None else None
+        metrics.registry = RegistryState() if self.decoder is not None else None
+        return metrics
+
+
+def _triage_stage(
+    settings: Settings,
+    parts: TriageParts,
+    queue: DispatchQueue,
+    requests: ModelRequests,
+    settlement: Settlement,
+    hand_back: Callable[[Work], HandBack],
+    metrics: PipelineMetrics,
+    clock: Callable[[], float],
+) -> TriageStage:
+    side_topics = parts.side_topics
+    outputs = Outputs(settings, parts.encode, settlement.write, side_topics, metrics)
+    stage = TriageStage(
+        Intake(settings, metrics),
+        parts.decoder,
+        queue,
+        requests,
+        outputs,
+        side_topics,
+        hand_back,
+        metrics,
+        clock,
+    )
+    stage.attach(
+        ModelStage(
+            parts.classifier, parts.cascade, parts.dispatch_window, parts.fallback, queue, requests, metrics,
+            clock, stage.answered,
+        )
+    )  # fmt: skip
+    return stage
+
+
+def _limits(settings: Settings) -> Limits:
+    pipeline = settings.pipeline
+    return Limits(
+        max_in_flight=pipeline.max_in_flight,
+        resume_below=pipeline.resume_threshold,
+        deadline_s=pipeline.deadline_ms / 1000.0,
+        poll_timeout_s=pipeline.poll_timeout_ms / 1000.0,
+        shutdown_timeout_s=pipeline.shutdown_timeout_ms / 1000.0,
+    )
+
+
+def _started_line(settings: Settings) -> dict[str, object]:
+    return {
+        "output": settings.topics.output,
+        "dead_letter": settings.topics.dead_letter,
+        "scheduling": settings.pipeline.scheduling,
+        "guarantee": settings.pipeline.guarantee,
+        "input_format": settings.input.format,
+    }
+
+
+def group_pipeline(
+    settings: Settings,
+    parts: TriageParts,
+    *,
+    clients: ClientFactory | None = None,
+    metrics_interval_s: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Engine:
+    """`run` in group mode: a consumer group's partitions, the delivery guarantee `pipeline.guarantee`."""
+    pipeline = settings.pipeline
+    clients = clients or KafkaClients(settings)
+    metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
+    failure, give_up = Failure(), GiveUpAt()
+    consumer = clients.consumer(failure.client_error)
+    tracker = OffsetTracker()
+    paused = PausedPartitions(consumer)
+    source = GroupSource(
+        consumer, consumer_config(settings), settings.topics.input, pipeline.group_id,
+        pipeline.revoke_timeout_ms / 1000.0, tracker, paused, metrics, failure, clock,
+    )  # fmt: skip
+    queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
+    guarantee = guarantee_for(
+        GuaranteeWiring(
+            settings, clients, consumer, tracker, metrics, clock, paused.pause, failure,
+            Redone(queue, requests), give_up.get,
+        )
+    )  # fmt: skip
+    stage = _triage_stage(settings, parts, queue, requests, guarantee, source.hand_back, metrics, clock)
+    registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
+    return Engine(
+        source, stage, guarantee, _limits(settings), metrics, failure, give_up, registry, clock,
+        metrics_interval_s, _started_line(settings),
+    )  # fmt: skip
+
+
+def queue_pipeline(
+    settings: Settings,
+    parts: TriageParts,
+    group: ShareGroup,
+    *,
+    clients: ShareClientFactory | None = None,
+    metrics_interval_s: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> Engine:
+    """`run --consume queue`: a share group's records, each acknowledged on its own. `settings` as
+    `share_groups.queue_settings` made them; `group` as `share_groups.prepare_share_group` read it."""
+    refuse_exactly_once(settings)
+    pipeline = settings.pipeline
+    budget = lock_budget(settings, group)
+    budget.check()
+    factory = clients or ShareClients(settings)
+    metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
+    failure, give_up = Failure(), GiveUpAt()
+    given = settings.kafka.get("max.poll.records")
+    fetch = FetchSize.starting(
+        parts.dispatch_window, pipeline.max_in_flight, pipeline.deadline_ms / 1000.0,
+        int(given) if given is not None else None,
+    )  # fmt: skip
+    source = ShareSource(
+        factory.share_consumer, settings.topics.input, pipeline.group_id, group, budget, fetch,
+        pipeline.poll_timeout_ms / 1000.0, metrics, failure, clock,
+    )  # fmt: skip
+    rules = DeliveryRules(
+        settings.topics.dead_letter, settings.privacy.redactor(), settings.dead_letter.redact, metrics, clock
+    )
+    settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
+    queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
+    stage = _triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
+    registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
+    return Engine(
+        source, stage, settlement, _limits(settings), metrics, failure, give_up, registry, clock,
+        metrics_interval_s, _started_line(settings),
+    )  # fmt: skip
+
+
+def refuse_exactly_once(settings: Settings) -> None:
+    """Queue mode has no transactions to put the acknowledgements in: exactly-once is refused."""
+    if settings.pipeline.guarantee == "exactly_once":
+        raise UserError(
+            'config error: pipeline.guarantee = "exactly_once" cannot be used with pipeline.consume = '
+            '"queue": share groups have no transactional acknowledgements'
+        )
+
+
+def lock_budget(settings: Settings, group: ShareGroup) -> LockBudget:
+    """The lock arithmetic for `settings` (the producer's delivery timeout as the clients will have it)."""
+    return LockBudget(
+        lock_s=group.lock_ms / 1000.0,
+        deadline_s=settings.pipeline.deadline_ms / 1000.0,
+        delivery_s=delivery_timeout_ms(settings) / 1000.0,
+    )
