@@ -6,11 +6,13 @@ The contract of `TicketDecoder.decode`, whatever the bytes:
 - a `TicketEvent`, validated by the same rules as plain JSON tickets (`worker.decoding.decode_ticket`: one
   source of truth for what a ticket is), or
 - `DecodeError` (the record is a dead letter; its reason names the problem: `invalid_wire_format` for a value
-  that is not in the wire format, `unknown_schema` for a schema id the registry does not know,
-  `schema_mismatch` for a payload its own schema rejects, `missing_field` for a mapped field that is
-  absent), or
-- `RegistryUnavailable` when the registry could not answer (refused, timed out, 5xx, 429): the record is fine
-  and must be retried later, never dead-lettered.
+  that is not in the wire format, `unknown_schema` for a schema id the registry does not know (its 404 with
+  error code 40403, and nothing else), `schema_mismatch` for a payload its own schema rejects,
+  `missing_field` for a mapped field that is absent), or
+- `RegistryUnavailable` for every other failure of a call to the registry, whatever the client raised for it
+  (`cause`: `outage` when refused, timed out, 5xx, 408, 429; `credentials` for 401 and 403;
+  `registry_error` for any other answer): the record is fine and must be retried later, never
+  dead-lettered.
 
 The mapping (`fields`) names, for a `TicketEvent` field, the dotted path in the producer's record that holds
 it (`{"body": "description", "customer_id": "requester.email"}`); fields not named are read under their own
@@ -93,15 +95,93 @@ def _ticket_from_document(document: object, fields: Mapping[str, str], max_value
     return decode_ticket(canonical, max_value_bytes)
 
 
-def _registry_unavailable(error: Exception) -> bool:
-    """Whether `error` from the registry client means "ask again later" rather than "this record is bad"."""
+# The registry's error code for "no schema has this id" (Confluent's, and that of the Confluent-compatible
+# APIs of Apicurio and Karapace): the only answer of the registry that is about the record.
+SCHEMA_NOT_FOUND = 40403
+# The client's HTTP layer (httpx, or its fork httpx2) raises its own transport errors; matched by name so that
+# either works.
+_TRANSPORT_ERRORS = frozenset(
+    {"TransportError", "TimeoutException", "ConnectionError", "TimeoutError", "OSError"}
+)
+_CREDENTIALS = "schema_registry.basic_auth_user_info (or the user:password in schema_registry.url)"
+
+
+def registry_outcome(error: BaseException, schema_id: int) -> DecodeError | RegistryUnavailable:
+    """What a failed call to the registry means for the record of schema id `schema_id` (the table in
+    docs/schema-registry.md): a dead letter (`unknown_schema`) only when the registry says no schema has
+    that id; otherwise the record waits, and the cause says why. Of an answer, only its status and error
+    code are quoted, never its body: what sits between us and the registry (a proxy, a gateway) may echo our
+    request in it, the Authorization header with its credentials included."""
     status = getattr(error, "http_status_code", None)
-    if isinstance(status, int) and status > 0:
-        return status >= 500 or status in (408, 429)
-    # The client's HTTP layer (httpx, or its fork httpx2) raises its own transport errors; match by name so
-    # that either works.
-    names = {cls.__name__ for cls in type(error).__mro__}
-    return bool(names & {"TransportError", "TimeoutException", "ConnectionError", "TimeoutError", "OSError"})
+    if not isinstance(status, int) or status <= 0:  # no answer, or one the client could not read
+        if {cls.__name__ for cls in type(error).__mro__} & _TRANSPORT_ERRORS:
+            return RegistryUnavailable(
+                "outage", f"schema registry unreachable: {type(error).__name__}: {error}"
+            )
+        return RegistryUnavailable(
+            "registry_error",
+            f"schema registry gave an answer the client cannot read ({type(error).__name__}): check that "
+            "schema_registry.url is the registry's Confluent-compatible API",
+        )
+    code = getattr(error, "error_code", None)
+    if status == 404 and code == SCHEMA_NOT_FOUND:
+        return DecodeError("unknown_schema", f"schema id {schema_id} is not in the schema registry")
+    if status == 401:
+        return RegistryUnavailable(
+            "credentials", f"schema registry refuses our credentials (401): check {_CREDENTIALS}"
+        )
+    if status == 403:
+        return RegistryUnavailable(
+            "credentials",
+            f"schema registry denies our credentials access (403): check the registry's permissions for the "
+            f"user of {_CREDENTIALS}",
+        )
+    if status >= 500 or status in (408, 429):
+        return RegistryUnavailable(
+            "outage", f"schema registry unavailable or overloaded (answered {status}, error code {code})"
+        )
+    return RegistryUnavailable(
+        "registry_error",
+        f"schema registry answered {status} (error code {code}), which says nothing about the record: check "
+        "schema_registry.url (the path of the registry's Confluent-compatible API) and the registry's log",
+    )
+
+
+class _WatchedRegistry:
+    """The registry client as the deserializers see it, remembering what its calls raised: a decode that
+    fails with one of those (or with an error raised from one) failed on the registry, whatever the client
+    raised for it; any other failure is the payload's. A call whose failure the library handles itself (a
+    404 for the topic's subject associations reads as "none") is remembered too, but does not escape. Used
+    by one decode at a time (`failures` holds the current one's)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.failures: list[BaseException] = []
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._client, name)
+        if not callable(found):
+            return found
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return found(*args, **kwargs)
+            except Exception as error:
+                self.failures.append(error)
+                raise
+
+        return watched
+
+    def failure_behind(self, error: BaseException) -> BaseException | None:
+        """The failed registry call that `error` is, or was raised from or while handling."""
+        seen: set[int] = set()
+        current: BaseException | None = error
+        while current is not None and id(current) not in seen:
+            if any(current is failure for failure in self.failures):
+                return current
+            seen.add(id(current))
+            current = current.__cause__ or current.__context__
+        return None
 
 
 Deserialize = Callable[[bytes, Any], Any]
@@ -131,10 +211,12 @@ class TicketDecoder:
         self._fields = dict(fields)
         self._max_value_bytes = max_value_bytes
         self._deserialize: Deserialize | None = None
+        self._registry: _WatchedRegistry | None = None
         if input_format in REGISTRY_FORMATS:
             if registry is None:
                 raise ValueError(f"input format {input_format} needs schema_registry.url")
-            self._deserialize = _deserializer(input_format, registry, protobuf_message_type)
+            self._registry = _WatchedRegistry(registry)
+            self._deserialize = _deserializer(input_format, self._registry, protobuf_message_type)
 
     def decode(self, value: bytes | None, topic: str) -> TicketEvent:
         """One record value → TicketEvent; raises DecodeError (dead letter) or RegistryUnavailable (retry),
@@ -146,7 +228,7 @@ class TicketDecoder:
                 raise DecodeError(error.error_type, self._masked(error.message)) from None
             raise
         except RegistryUnavailable as error:
-            raise RegistryUnavailable(self._masked(str(error))) from None
+            raise RegistryUnavailable(error.cause, self._masked(error.message)) from None
         except Exception as error:  # a library failing in a way we did not foresee: one dead letter
             raise DecodeError(
                 "undecodable",
@@ -185,23 +267,17 @@ class TicketDecoder:
         return _ticket_from_document(document, self._fields, self._max_value_bytes)
 
     def _registry_decode(self, value: bytes, topic: str, schema_id: int) -> object:
-        from confluent_kafka.schema_registry.error import SchemaRegistryError
         from confluent_kafka.serialization import MessageField, SerializationContext
 
-        assert self._deserialize is not None
+        assert self._deserialize is not None and self._registry is not None
+        self._registry.failures.clear()
         try:
             return self._deserialize(value, SerializationContext(topic, MessageField.VALUE))
-        except SchemaRegistryError as error:
-            if _registry_unavailable(error):
-                raise RegistryUnavailable(f"schema registry: {error}") from error
-            if error.http_status_code == 404:
-                raise DecodeError(
-                    "unknown_schema", f"schema id {schema_id} is not in the schema registry"
-                ) from None
-            raise DecodeError("schema_mismatch", f"schema id {schema_id}: {error}") from None
-        except Exception as error:  # the payload does not match its writer's schema, whatever the library
-            if _registry_unavailable(error):
-                raise RegistryUnavailable(f"schema registry: {error}") from error
+        except Exception as error:
+            failure = self._registry.failure_behind(error)
+            if failure is not None:
+                raise registry_outcome(failure, schema_id) from None
+            # The registry answered every call: the payload does not match its writer's schema.
             raise DecodeError(
                 "schema_mismatch",
                 f"payload does not match its schema (id {schema_id}): {type(error).__name__}: {error}",
