@@ -17,7 +17,9 @@ from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
 
 from worker.config import load_settings
 from worker.contracts.input import (
@@ -27,7 +29,7 @@ from worker.contracts.input import (
     map_fields,
     registry_outcome,
 )
-from worker.decoding import DecodeError
+from worker.decoding import DecodeError, decode_ticket
 from worker.dev import local_broker
 from worker.errors import UserError
 
@@ -265,6 +267,123 @@ def _failing(error: BaseException) -> Any:
 
     client.get_schema = fail
     return client
+
+
+# -- bytes fields and empty strings ------------------------------------------------------------------------
+
+BYTES_AVRO = json.dumps(
+    {
+        "type": "record",
+        "name": "MailTicket",
+        "fields": [
+            {"name": "id", "type": "string"},
+            {"name": "raw_body", "type": "bytes"},
+            {"name": "headers", "type": {"type": "map", "values": "bytes"}},
+        ],
+    }
+)
+BYTES_MAPPING = {"ticket_id": "id", "body": "raw_body", "metadata": "headers"}
+
+
+def test_an_avro_bytes_field_mapped_to_the_body_is_read_as_utf8_text_not_base64(registry: Any) -> None:
+    text = "Mi tarjeta fue robada, ¿qué hago?"
+    value = AvroSerializer(registry, BYTES_AVRO)(
+        {"id": "M-1", "raw_body": text.encode(), "headers": {"lang": b"es"}}, _ctx()
+    )
+    ticket = TicketDecoder("avro", BYTES_MAPPING, LIMIT, registry).decode(value, TOPIC)
+    assert (ticket.body, ticket.metadata) == (text, {"lang": "es"})
+
+
+def test_avro_bytes_that_are_not_utf8_text_are_a_dead_letter_naming_the_field(registry: Any) -> None:
+    serialize = AvroSerializer(registry, BYTES_AVRO)
+    decoder = TicketDecoder("avro", BYTES_MAPPING, LIMIT, registry)
+    latin1 = serialize({"id": "M-2", "raw_body": "carte volée".encode("latin-1"), "headers": {}}, _ctx())
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(latin1, TOPIC)
+    assert caught.value.error_type == "invalid_utf8"
+    assert caught.value.message.startswith(
+        "`body` (mapped to `raw_body`, input.fields.body) holds bytes that are not UTF-8 text"
+    )
+    header = serialize({"id": "M-3", "raw_body": b"hello", "headers": {"x": b"\xff"}}, _ctx())
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(header, TOPIC)
+    assert caught.value.error_type == "invalid_utf8" and "`metadata.x`" in caught.value.message
+
+
+def _support_ticket_class() -> Any:
+    """A producer's Protobuf message with text in `bytes` fields, built at run time (no protoc):
+    support.SupportTicket {string id = 1; string subject = 2; string text = 3; bytes raw_text = 4;
+    Note note = 5; map<string, bytes> tags = 6; google.protobuf.BytesValue wrapped = 7;} with
+    Note {bytes body = 1;}."""
+    string, raw, message, optional, repeated = 9, 12, 11, 1, 3  # FieldDescriptorProto numbers
+    proto = descriptor_pb2.FileDescriptorProto(name="support_units.proto", package="support", syntax="proto3")
+    proto.dependency.append(wrappers_pb2.DESCRIPTOR.name)
+    proto.message_type.add(name="Note").field.add(name="body", number=1, type=raw, label=optional)
+    ticket = proto.message_type.add(name="SupportTicket")
+    for number, (name, kind) in enumerate([("id", string), ("subject", string), ("text", string)], 1):
+        ticket.field.add(name=name, number=number, type=kind, label=optional)
+    ticket.field.add(name="raw_text", number=4, type=raw, label=optional)
+    ticket.field.add(name="note", number=5, type=message, label=optional, type_name=".support.Note")
+    entry = ticket.nested_type.add(name="TagsEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=string, label=optional)
+    entry.field.add(name="value", number=2, type=raw, label=optional)
+    ticket.field.add(
+        name="tags", number=6, type=message, label=repeated, type_name=".support.SupportTicket.TagsEntry"
+    )
+    ticket.field.add(
+        name="wrapped", number=7, type=message, label=optional, type_name=".google.protobuf.BytesValue"
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(descriptor_pb2.FileDescriptorProto.FromString(wrappers_pb2.DESCRIPTOR.serialized_pb))
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("support.SupportTicket"))
+
+
+SupportTicket = _support_ticket_class()
+
+
+def _protobuf(registry: Any, **fields: Any) -> bytes:
+    serialize = ProtobufSerializer(SupportTicket, registry, {"use.deprecated.format": False})
+    return bytes(serialize(SupportTicket(**fields), _ctx()) or b"")
+
+
+def test_a_protobuf_ticket_with_a_subject_and_an_empty_body_is_a_ticket_as_in_plain_json(
+    registry: Any,
+) -> None:
+    decoder = TicketDecoder("protobuf", {"ticket_id": "id", "body": "text"}, LIMIT, registry, SupportTicket)
+    ticket = decoder.decode(_protobuf(registry, id="P-1", subject="Card stolen", text=""), TOPIC)
+    assert (ticket.ticket_id, ticket.subject, ticket.body) == ("P-1", "Card stolen", "")
+    # With no text at all, the plain-JSON rule: `empty_ticket`, as for {"ticket_id": "P-2", "body": ""}.
+    with pytest.raises(DecodeError) as caught:
+        decoder.decode(_protobuf(registry, id="P-2"), TOPIC)
+    with pytest.raises(DecodeError) as plain:
+        decode_ticket(b'{"ticket_id": "P-2", "body": ""}', LIMIT)
+    assert caught.value.error_type == plain.value.error_type == "empty_ticket"
+
+
+def test_protobuf_bytes_mapped_to_ticket_fields_are_read_as_utf8_text_or_a_dead_letter(registry: Any) -> None:
+    text = "Mi tarjeta fue robada, ¿qué hago?"
+    top = TicketDecoder(
+        "protobuf",
+        {"ticket_id": "id", "body": "raw_text", "metadata": "tags"},
+        LIMIT,
+        registry,
+        SupportTicket,
+    )
+    ticket = top.decode(_protobuf(registry, id="P-3", raw_text=text.encode(), tags={"lang": b"es"}), TOPIC)
+    assert (ticket.body, ticket.metadata) == (text, {"lang": "es"})
+    nested = TicketDecoder(
+        "protobuf", {"ticket_id": "id", "body": "note.body"}, LIMIT, registry, SupportTicket
+    )
+    assert nested.decode(_protobuf(registry, id="P-4", note={"body": text.encode()}), TOPIC).body == text
+    wrapped = TicketDecoder(
+        "protobuf", {"ticket_id": "id", "body": "wrapped"}, LIMIT, registry, SupportTicket
+    )
+    assert wrapped.decode(_protobuf(registry, id="P-6", wrapped={"value": text.encode()}), TOPIC).body == text
+    with pytest.raises(DecodeError) as caught:
+        nested.decode(_protobuf(registry, id="P-5", note={"body": b"\xff\xfe"}), TOPIC)
+    assert caught.value.error_type == "invalid_utf8" and "`note.body`" in caught.value.message
 
 
 def test_a_mapping_naming_no_ticket_field_is_refused(registry: Any) -> None:

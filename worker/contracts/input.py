@@ -8,11 +8,16 @@ The contract of `TicketDecoder.decode`, whatever the bytes:
 - `DecodeError` (the record is a dead letter; its reason names the problem: `invalid_wire_format` for a value
   that is not in the wire format, `unknown_schema` for a schema id the registry does not know (its 404 with
   error code 40403, and nothing else), `schema_mismatch` for a payload its own schema rejects,
-  `missing_field` for a mapped field that is absent), or
+  `missing_field` for a mapped field that is absent, `invalid_utf8` for a `bytes` field mapped to a ticket
+  field that is not UTF-8 text), or
 - `RegistryUnavailable` for every other failure of a call to the registry, whatever the client raised for it
   (`cause`: `outage` when refused, timed out, 5xx, 408, 429; `credentials` for 401 and 403;
   `registry_error` for any other answer): the record is fine and must be retried later, never
   dead-lettered.
+
+A `bytes` value (Avro `bytes` or `fixed`, Protobuf `bytes`) read into a ticket field is UTF-8 text: decoded
+strictly, never passed on as the base64 a JSON encoder would make of it (the model would classify base64,
+and the personal-data detector would find nothing in it).
 
 The mapping (`fields`) names, for a `TicketEvent` field, the dotted path in the producer's record that holds
 it (`{"body": "description", "customer_id": "requester.email"}`); fields not named are read under their own
@@ -23,7 +28,7 @@ fields are.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from typing import Any
 
 import msgspec
@@ -62,13 +67,14 @@ def resolve_path(document: Mapping[str, Any], path: str) -> tuple[bool, Any]:
 
 def map_fields(document: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
     """The producer's record seen with `TicketEvent`'s field names. A field the mapping names must be present
-    (else DecodeError `missing_field`, naming both names); unmapped fields are copied when present."""
+    (else DecodeError `missing_field`, naming both names); unmapped fields are copied when present. A `bytes`
+    value, of a field or of a `metadata` entry, is read as UTF-8 text (else DecodeError `invalid_utf8`)."""
     ticket: dict[str, Any] = {}
     for name in _TICKET_FIELDS:
         path = fields.get(name)
         if path is None:
             if name in document:
-                ticket[name] = document[name]
+                ticket[name] = _text_of_bytes(document[name], name, None)
             continue
         found, value = resolve_path(document, path)
         if not found:
@@ -78,8 +84,29 @@ def map_fields(document: Mapping[str, Any], fields: Mapping[str, str]) -> dict[s
                     "missing_field", f"`{name}` is mapped to `{path}` (input.fields.{name}), which is missing"
                 )
             continue
-        ticket[name] = value
+        ticket[name] = _text_of_bytes(value, name, path)
     return ticket
+
+
+def _text_of_bytes(value: object, name: str, path: str | None) -> object:
+    """`value` with its bytes (the value itself, or the entries of `metadata`) decoded as UTF-8; anything
+    else as it is, for the ticket's rules to judge. `path`: where the mapping read `name` from (None: under
+    its own name), for the message."""
+    if isinstance(value, bytes | bytearray):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as bad:
+            mapped = "" if path is None else f" (mapped to `{path}`, input.fields.{name.partition('.')[0]})"
+            raise DecodeError(
+                "invalid_utf8",
+                f"`{name}`{mapped} holds bytes that are not UTF-8 text: {bad.reason} at byte {bad.start}",
+            ) from None
+    if name == "metadata" and isinstance(value, Mapping):
+        return {
+            key: _text_of_bytes(item, f"metadata.{key}", None if path is None else f"{path}.{key}")
+            for key, item in value.items()
+        }
+    return value
 
 
 def _ticket_from_document(document: object, fields: Mapping[str, str], max_value_bytes: int) -> TicketEvent:
@@ -317,9 +344,60 @@ def _deserializer(input_format: str, registry: Any, message_type: type | None) -
 
     def protobuf(value: bytes, ctx: Any) -> object:
         message = inner(value, ctx)
-        return MessageToDict(message, preserving_proto_field_name=True) if message is not None else None
+        if message is None:
+            return None
+        # proto3 writes no empty string: without printing the fields that have no presence, an empty `body`
+        # would read as a missing one, though a ticket may have an empty body beside its subject.
+        document = MessageToDict(
+            message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        _restore_bytes(message, document)
+        return document
 
     return protobuf
+
+
+def _restore_bytes(message: Any, document: dict[str, Any]) -> None:
+    """Put back into `document` (MessageToDict's rendering of `message`) the bytes of the `bytes` fields it
+    wrote as base64 text, in nested messages, lists and maps too: a `bytes` field read into a ticket field
+    is then decoded as UTF-8 or refused, as Avro's is (`map_fields`)."""
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in document:
+            continue
+        value, rendered = getattr(message, field.name), document[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            keys = {key: _json_map_key(key) for key in value}
+            document[field.name] = {keys[key]: _raw(entry, value[key], rendered[keys[key]]) for key in value}
+        elif isinstance(value, MutableSequence):  # a repeated field (bytes are no mutable sequence)
+            document[field.name] = [
+                _raw(field, item, shown) for item, shown in zip(value, rendered, strict=True)
+            ]
+        else:
+            document[field.name] = _raw(field, value, rendered)
+
+
+def _raw(field: Any, value: Any, rendered: Any) -> Any:
+    """One value of `field` as `_restore_bytes` keeps it: bytes as bytes, messages with their bytes put back,
+    the rest as MessageToDict rendered it (well-known types such as Timestamp as their JSON)."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return value
+    if field.message_type is None:
+        return rendered
+    if field.message_type.full_name == "google.protobuf.BytesValue":
+        return value.value
+    if isinstance(rendered, dict) and not field.message_type.full_name.startswith("google.protobuf."):
+        _restore_bytes(value, rendered)
+    return rendered
+
+
+def _json_map_key(key: object) -> str:
+    """A map key as MessageToDict writes it."""
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    return str(key)
 
 
 def decoder_for(settings: Settings) -> TicketDecoder | None:
