@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -68,10 +68,31 @@ class DecodeError(Exception):
         self.message = message
 
 
+# Why the Schema Registry gave no answer about a record (`RegistryUnavailable.cause`): a stable machine name
+# for the log, readiness and the metrics' `cause` label.
+RegistryCause = Literal[
+    # Refused the connection, timed out, answered 5xx, 408 or 429: away or overloaded.
+    "outage",
+    # Answered 401 or 403: it refuses our credentials (rotated?) or their rights (an ACL changed).
+    "credentials",
+    # Any other answer that says nothing about the record: a 400, a 404 that is not "no such schema id" (a
+    # wrong path in schema_registry.url), a body that is not the registry's JSON (a proxy's page).
+    "registry_error",
+]
+REGISTRY_CAUSES: tuple[RegistryCause, ...] = get_args(RegistryCause)
+
+
 class RegistryUnavailable(Exception):
-    """The Schema Registry did not answer (refused, timed out, 5xx, 429): retry the record, never dead-letter
-    it. Here, beside `DecodeError`, so that the pipeline can tell the two apart without importing the
-    contracts room (worker/contracts/input.py raises it)."""
+    """The Schema Registry gave no answer about the record (see `RegistryCause`): retry the record, never
+    dead-letter it. `cause` names why, `message` says what happened and what to check, with no secret in it;
+    `str()` is "cause: message", as for `DecodeError`. Here, beside `DecodeError`, so that the pipeline can
+    tell the two apart without importing the contracts room (worker/contracts/input.py raises it)."""
+
+    def __init__(self, cause: RegistryCause, message: str) -> None:
+        message = _clip(message, MAX_MESSAGE_CHARS)
+        super().__init__(f"{cause}: {message}")
+        self.cause: RegistryCause = cause
+        self.message = message
 
 
 def decode_ticket(value: bytes | None, max_value_bytes: int) -> TicketEvent:

@@ -1,7 +1,8 @@
 """The worker's pipeline reading Avro, JSON Schema and Protobuf tickets through the real Schema Registry
 (`LocalRegistry`: Apicurio) and the real session broker, with a producer's own field layout mapped by
 `input.fields.*`: one triage record per ticket, a dead letter with its reason per bad record, and a registry
-outage that neither loses nor dead-letters anything (docs/schema-registry.md).
+outage, a refusal of our credentials or an answer that is not the registry's that neither loses nor
+dead-letters anything (docs/schema-registry.md).
 
 The records are written by confluent-kafka's own serializers; the pipeline runs in this process (as in
 tests/pipeline/test_pipeline_inprocess.py) with an instant classifier: the model is not what is tested
@@ -9,7 +10,10 @@ here."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import http.client
+import http.server
 import json
 import socket
 import threading
@@ -42,14 +46,15 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
+from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import FallbackLabel
 from worker.config import Settings
 from worker.contracts.input import decoder_for
 from worker.contracts.output import ResultEncoder, result_encoder_for
+from worker.decoding import RegistryCause
 from worker.dev import local_broker
 from worker.dev.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.dev.samples import KIND_HEADER
-from worker.app.doors import TriageParts, group_pipeline
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check
@@ -171,9 +176,14 @@ def _serializers(input_format: str, client: Any) -> Serializers:
     proto = ProtobufSerializer(message, client, {"use.deprecated.format": False})
     return (
         lambda record, topic: bytes(proto(message(**record), ctx(topic)) or b""),
-        # proto3 writes no empty string: a ticket without a description has no such field on the wire.
+        # proto3 cannot tell an absent string from an empty one: read as an empty body (`empty_ticket`).
         lambda topic: bytes(proto(message(id="P-missing"), ctx(topic)) or b""),
     )
+
+
+def _without_body_reason(input_format: str) -> str:
+    """The dead letter of the record `_serializers` makes without a description."""
+    return "empty_ticket" if input_format == "protobuf" else "missing_field"
 
 
 @pytest.mark.parametrize("input_format", ["avro", "json_schema", "protobuf"])
@@ -186,10 +196,11 @@ def test_registry_tickets_with_a_mapped_layout_get_one_result_each_and_bad_recor
     count = 9
     good = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
     unknown_id = b"\x00" + (2**31 - 7).to_bytes(4, "big") + good[0][0][5:]
+    without_body = _without_body_reason(input_format)
     bad = [
         (json.dumps({"id": "plain", "description": "plain JSON"}).encode(), "malformed:invalid_wire_format"),
         (unknown_id, "malformed:unknown_schema"),
-        (missing_body(topics.input), "malformed:missing_field"),
+        (missing_body(topics.input), f"malformed:{without_body}"),
     ]
     _produce(kafka_bootstrap, topics.input, good[:4] + bad + good[4:])
     extra = {"input.protobuf_message": "helpdesk_proto:HelpdeskTicket"} if input_format == "protobuf" else {}
@@ -204,12 +215,10 @@ def test_registry_tickets_with_a_mapped_layout_get_one_result_each_and_bad_recor
     assert report.lost == [] and report.duplicates == 0 and report.misrouted == [], report.summary()
     results = [result for results in report.results.values() for result in results]
     assert sorted(result.ticket_id for result in results) == sorted(f"HD-{n}" for n in range(count))
-    assert sorted(reason for reasons in report.dead.values() for reason in reasons) == [
-        "invalid_wire_format",
-        "missing_field",
-        "unknown_schema",
-    ]
-    assert worker.pipeline.metrics.dead_lettered_by_type["missing_field"] == 1
+    assert sorted(reason for reasons in report.dead.values() for reason in reasons) == sorted(
+        ["invalid_wire_format", without_body, "unknown_schema"]
+    )
+    assert worker.pipeline.metrics.dead_lettered_by_type[without_body] == 1
 
 
 class _Link:
@@ -308,7 +317,7 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
         assert "unavailable" in body["checks"]["schema_registry"]["detail"]
         info = {"version": "", "model": "", "mode": "", "provider": "", "pool": ""}
         exported = {family.name: family for family in PipelineCollector(probes, info).collect()}
-        assert exported["triage_schema_registry_retries"].samples[0].value >= 3
+        assert _retries_by_cause(exported)["outage"] >= 3
         # Nothing was answered, dead-lettered or committed past the records that wait.
         committed = committed_offsets(kafka_bootstrap, worker.group, topics.input)
         assert all(offset <= 0 for offset in committed.values()), committed
@@ -329,10 +338,162 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
         link.cut()
         assert worker.stop() == 0
 
-    report = audit(kafka_bootstrap, topics)
+    _assert_each_ticket_triaged_once(kafka_bootstrap, topics, count)
+
+
+def _assert_each_ticket_triaged_once(bootstrap: str, topics: Topics, count: int) -> None:
+    """Every one of the `count` tickets has exactly one triage record, and nothing was dead-lettered."""
+    report = audit(bootstrap, topics)
     assert len(report.inputs) == count
     assert report.lost == [] and report.duplicates == 0 and report.dead == {}, report.summary()
     assert sum(len(results) for results in report.results.values()) == count
+
+
+def _retries_by_cause(exported: dict[str, Any]) -> dict[str, float]:
+    """`triage_schema_registry_retries_total` as the collector exports it, by its `cause` label."""
+    family = exported["triage_schema_registry_retries"]
+    return {
+        sample.labels["cause"]: sample.value for sample in family.samples if sample.name.endswith("_total")
+    }
+
+
+# Each answer a `_Gate` gives, as the decoder reads it: (its status, its cause, words of the reason).
+REFUSALS: dict[str, tuple[int, RegistryCause, str]] = {
+    "401": (401, "credentials", "refuses our credentials (401)"),
+    "403": (403, "credentials", "denies our credentials access (403)"),
+    "400": (400, "registry_error", "answered 400"),
+    # A proxy's sign-in page where the registry's JSON should be.
+    "proxy_page": (200, "registry_error", "an answer the client cannot read"),
+}
+
+
+class _Gate(http.server.ThreadingHTTPServer):
+    """An HTTP proxy in front of the registry: until `open()` it answers every request itself with `status`
+    (a registry's JSON error, or an HTML page for 200), echoing our Authorization header in the body as a
+    debugging proxy might; after, it forwards each request to the registry and its answer back."""
+
+    daemon_threads = True
+
+    def __init__(self, target_port: int, status: int) -> None:
+        super().__init__(("127.0.0.1", 0), _GateHandler)
+        self.target_port = target_port
+        self.status = status
+        self.closed = True
+        self.refused = 0
+        self.authorizations: set[str] = set()  # the Authorization headers the worker sent
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}{CCOMPAT_PATH}"
+
+    def open(self) -> None:
+        self.closed = False
+
+
+class _GateHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as the client expects
+    server: _Gate
+
+    def do_GET(self) -> None:
+        self._answer()
+
+    def do_POST(self) -> None:
+        self._answer()
+
+    def do_PUT(self) -> None:
+        self._answer()
+
+    def do_DELETE(self) -> None:
+        self._answer()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: the test reads the worker's log, not the gate's."""
+
+    def _answer(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.server.closed:
+            self.server.refused += 1
+            echoed = self.headers.get("Authorization", "")
+            self.server.authorizations.add(echoed)
+            if self.server.status == 200:
+                self._send(200, "text/html", f"<html>Sign in to the proxy ({echoed})</html>".encode())
+            else:
+                error = {"error_code": self.server.status * 100 + 1, "message": f"refused: {echoed}"}
+                self._send(self.server.status, "application/json", json.dumps(error).encode())
+            return
+        upstream = http.client.HTTPConnection("127.0.0.1", self.server.target_port, timeout=30)
+        try:
+            headers = {name: value for name, value in self.headers.items() if name.lower() != "host"}
+            upstream.request(self.command, self.path, body=body or None, headers=headers)
+            answer = upstream.getresponse()
+            self._send(answer.status, answer.getheader("Content-Type", "application/json"), answer.read())
+        finally:
+            upstream.close()
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_a_registry_refusing_our_credentials_or_answering_garbage_holds_records_until_it_answers(
+    registry: LocalRegistry,
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+    capfd: pytest.CaptureFixture[str],
+    refusal: str,
+) -> None:
+    """Credentials rotated, an ACL changed, a bad request, a proxy's page: none of it is the record's fault.
+    Every record waits (readiness down, the cause in its check, the log and the metrics), none is
+    dead-lettered or committed past, and once the registry answers each has exactly one triage record. The
+    credentials, which the gate echoes back in its refusals, are in no log line."""
+    status, cause, reason = REFUSALS[refusal]
+    topics = make_topics(unique_topic)
+    ticket, _ = _serializers("avro", SchemaRegistryClient({"url": registry.url}))
+    count = 9
+    _produce(
+        kafka_bootstrap, topics.input, [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
+    )
+    gate = _Gate(registry.port, status)
+    secret = "rotated-registry-password"
+    credentials = {"schema_registry.basic_auth_user_info": f"triage:{secret}"}
+    worker = _running(_settings(kafka_bootstrap, topics, "avro", gate.url, **credentials))
+    probes = WorkerProbes(60.0, _AnsweringBroker(), time.monotonic)  # type: ignore[arg-type]
+    probes.metrics, probes.warm_contexts = worker.pipeline.metrics, 1
+    try:
+        state = worker.pipeline.metrics.registry
+        assert state is not None
+        _wait_until(lambda: state.retries_by_cause[cause] >= 3, timeout_s=60)
+        echoed = "Basic " + base64.b64encode(f"triage:{secret}".encode()).decode()
+        assert gate.refused >= 3 and gate.authorizations == {echoed} and state.cause == cause
+        ready, body = probes.ready()
+        assert not ready and body["checks"]["schema_registry"]["detail"].startswith(f"unavailable ({cause})")
+        assert reason in body["checks"]["schema_registry"]["detail"]
+        info = {"version": "", "model": "", "mode": "", "provider": "", "pool": ""}
+        retries = _retries_by_cause({f.name: f for f in PipelineCollector(probes, info).collect()})
+        assert retries[cause] >= 3 and sum(retries.values()) == retries[cause], retries
+        committed = committed_offsets(kafka_bootstrap, worker.group, topics.input)
+        assert all(offset <= 0 for offset in committed.values()), committed
+        assert worker.pipeline.metrics.dead_lettered == 0 and worker.pipeline.metrics.classified == 0
+
+        gate.open()
+        wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
+        assert state.outage is None and state.cause is None
+        captured = capfd.readouterr()
+        log = captured.out + captured.err
+        assert log.count("schema_registry_unavailable") >= 1 and reason in log, log
+        assert log.count("schema_registry_answering") == 1, log
+        assert secret not in log and echoed.removeprefix("Basic ") not in log
+    finally:
+        gate.shutdown()
+        gate.server_close()
+        assert worker.stop() == 0
+
+    _assert_each_ticket_triaged_once(kafka_bootstrap, topics, count)
 
 
 def test_a_registry_cut_mid_stream_holds_back_only_what_needs_it_and_loses_nothing(

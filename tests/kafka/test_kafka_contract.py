@@ -406,7 +406,8 @@ def test_a_newer_producer_with_the_same_transactional_id_fences_the_older(backen
 
 
 def test_a_record_over_the_size_limit_is_refused_before_it_is_queued(backend: Backend) -> None:
-    """The pipeline dead-letters such a ticket (worker/pipeline/settlements/guarantees.py) on this very exception."""
+    """The pipeline dead-letters such a ticket (worker/pipeline/settlements/delivery.py) on this very
+    exception."""
     topic = backend.topic("too-large", partitions=1)
     producer = backend.clients(f"group-{uuid.uuid4().hex[:8]}").producer(_no_error)
     with pytest.raises(KafkaException) as refused:

@@ -28,8 +28,8 @@ from test_pipeline_memory import (
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.messages import TriageResult
-from worker.pipeline.triage.cascade import Cascade, StageLatency
 from worker.pipeline.engine import Engine
+from worker.pipeline.triage.cascade import Cascade, StageLatency
 
 __all__ = ["kafka"]  # the fixture, used by name
 

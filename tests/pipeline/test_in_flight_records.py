@@ -9,8 +9,8 @@ from worker.classification import FallbackLabel, fallback_answer
 from worker.config import Scheduling
 from worker.messages import TicketEvent
 from worker.pipeline.settlements.deliveries import Deliveries
-from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.settlements.offsets import PartitionOffsets
+from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Output, Work
 

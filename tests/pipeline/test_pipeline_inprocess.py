@@ -26,12 +26,12 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
+from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import Classifier, FallbackLabel
 from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.kafka.clients import record_headers
 from worker.messages import TriageResult
-from worker.app.doors import TriageParts, group_pipeline
 
 pytestmark = pytest.mark.kafka
 

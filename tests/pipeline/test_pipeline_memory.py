@@ -1,7 +1,7 @@
 """The loop against the in-memory Kafka (tests/memory_kafka.py): failure paths made deterministic.
 
-Each test drives the real loop (`group_pipeline`) with a classifier that answers at once; the in-memory consumer and
-producer follow librdkafka's semantics for queues, rebalance callbacks and transactions. The real-broker
+Each test drives the real loop (`group_pipeline`) with a classifier that answers at once; the in-memory
+consumer and producer follow librdkafka's semantics for queues, rebalance callbacks and transactions. The real-broker
 end-to-end and chaos tests cover the same promises under real timing; these pin down exact interleavings.
 """
 
@@ -18,14 +18,14 @@ import pytest
 from doubles import HoldingClassifier, InstantClassifier, RecordingClassifier, Running
 from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka, as_client_factory
 
+from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import Classifier, FallbackLabel
 from worker.config import load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka import dead_letters
 from worker.messages import TriageResult
-from worker.pipeline.triage.cascade import Cascade
-from worker.app.doors import TriageParts, group_pipeline
 from worker.pipeline.engine import Engine
+from worker.pipeline.triage.cascade import Cascade
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 INPUT, OUTPUT, DEAD = "tickets", "triaged", "dead"

@@ -14,8 +14,8 @@ from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
 from worker.messages import DEADLINE_METADATA_KEY, SourcePosition, TicketEvent, TriageResult
-from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.flow import Flow, InFlightGate
+from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.triage.records import encode_result, result_key, triage_result
 
 # -- in-flight gate -------------------------------------------------------------------------------------

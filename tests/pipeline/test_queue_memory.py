@@ -14,11 +14,11 @@ import confluent_kafka
 from doubles import HoldingClassifier, InstantClassifier, instant_answer
 from memory_kafka import MemoryKafka, MemoryProducer, Message, Record
 
+from worker.app.doors import TriageParts, queue_pipeline
 from worker.classification import Classification, FallbackLabel, fallback_answer
 from worker.config import Settings, load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka.share_groups import ShareClientFactory, ShareGroup
-from worker.app.doors import TriageParts, queue_pipeline
 from worker.pipeline.engine import Engine
 
 FALLBACK = FallbackLabel("unclassified", "Medium")

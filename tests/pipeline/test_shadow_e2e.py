@@ -26,6 +26,7 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
+from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import SHADOW_NICENESS
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.cli.cli import main
@@ -33,7 +34,6 @@ from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer
 from worker.messages import ShadowResult
-from worker.app.doors import TriageParts, group_pipeline
 from worker.pipeline.side_topics.shadow import Shadow
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

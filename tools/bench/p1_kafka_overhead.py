@@ -1,5 +1,5 @@
-"""P1 Kafka overhead: the real loop (`group_pipeline`), built here with a classifier that answers at once, vs a bare
-confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records."""
+"""P1 Kafka overhead: the real loop (`group_pipeline`), built here with a classifier that answers at once, vs a
+bare confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import msgspec
 from tools.bench.measure import bracket, group_name, progress, rate_of
 from tools.harness import Topics, settings_for
 from tools.load import Offsets, Tickets, new_topics, produce_tickets
+from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest
 from worker.config import InferenceSettings, Settings
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config
 from worker.logs import librdkafka_logger
-from worker.app.doors import TriageParts, group_pipeline
 
 # P1's second pipeline run: a bound that never fills (each run still waits for its commits).
 P1_LIFTED_BOUND = 4096

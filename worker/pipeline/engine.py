@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from worker.decoding import RegistryUnavailable
 from worker.errors import UserError
 from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.failure import Failure
@@ -221,13 +222,13 @@ class Engine(Loop):
 
     # -- the Schema Registry's wait (the same for every source) ------------------------------------------
 
-    def _hold(self, record: Record, reason: str) -> bool:
+    def _hold(self, record: Record, unavailable: RegistryUnavailable) -> bool:
         """A record the registry cannot answer for: held back by its source (False: it cannot be, it is taken
         and answered otherwise)."""
         assert self._registry is not None  # only a registry-aware stage says `unavailable`
         if not self._source.hold_back(record):
             return False
-        self._registry.hold(record, reason)
+        self._registry.hold(record, unavailable)
         return True
 
     def _probe_registry(self) -> None:

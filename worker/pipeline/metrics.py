@@ -20,6 +20,7 @@ from typing import Any
 
 import confluent_kafka
 
+from worker.decoding import REGISTRY_CAUSES, RegistryCause
 from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.settlements.offsets import PartitionOffsets
 
@@ -197,19 +198,30 @@ class ReviewMetrics:
 
 @dataclass
 class RegistryState:
-    """The Schema Registry as the pipeline sees it (registry input formats only): `outage` names why it is
-    taken as down (None: answering), `waiting` the partitions held at a record it could not answer for,
-    `retries` how many times a record was held back for it (worker/pipeline/registry_wait.py)."""
+    """The Schema Registry as the pipeline sees it (registry input formats only): `outage` says why it is
+    taken as down (None: answering) and `cause` names that reason's kind (`RegistryCause`: outage,
+    credentials, registry_error), `waiting` the partitions held at a record it gave no answer about,
+    `retries_by_cause` how many times a record was held back for it, by cause
+    (worker/pipeline/registry_wait.py)."""
 
     outage: str | None = None
+    cause: RegistryCause | None = None
     waiting: tuple[TopicPartitionKey, ...] = ()
-    retries: int = 0
+    retries_by_cause: dict[RegistryCause, int] = field(
+        default_factory=lambda: dict.fromkeys(REGISTRY_CAUSES, 0)
+    )
+
+    @property
+    def retries(self) -> int:
+        return sum(self.retries_by_cause.values())
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "outage": self.outage,
+            "cause": self.cause,
             "waiting": [f"{t}[{p}]" for t, p in self.waiting],
             "retries": self.retries,
+            "retries_by_cause": dict(self.retries_by_cause),
         }
 
 

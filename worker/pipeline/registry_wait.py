@@ -1,17 +1,20 @@
-"""Records the Schema Registry could not answer for: retried later, never dead-lettered, never skipped — by
+"""Records the Schema Registry gave no answer about: retried later, never dead-lettered, never skipped — by
 every door the same way.
 
 A record in a registry format (docs/schema-registry.md) whose writer's schema the decoder could not fetch
-(registry refused, timed out, 5xx, 429: `RegistryUnavailable`) is fine; only the registry is not. So the
+(`RegistryUnavailable`: the registry refused the connection, timed out, answered 5xx, 408 or 429 (cause
+`outage`), refused our credentials with 401 or 403 (`credentials`), or gave any other answer that says
+nothing about the record (`registry_error`)) is fine; only the registry, or our access to it, is not. So the
 record is not taken at all: its source holds it back (group mode pauses its partition and seeks back to it;
-queue mode keeps it in the batch and polls no new one), and the loop *probes* the registry with the very
-record on a backoff (1 s, doubling per failed probe of that partition, up to 30 s) — no record is read
-again, no delivery is spent, while the registry stays away. Once a probe decodes, the source reads the
-partition again; records whose schema is already cached decode without the registry meanwhile.
+queue mode keeps it in the batch at hand and polls no new one), and the loop *probes* the registry with that
+very record on a backoff (1 s, doubling per failed probe of that partition, up to 30 s): nothing is read
+again and no delivery is spent while the registry stays away. Once a probe decodes, the source reads the
+partition again. Records whose schema is already cached decode without the registry meanwhile.
 
-While any partition waits, `state.outage` names the reason: readiness reports not ready (another worker may
-reach the registry) until a probe decodes again. The warning is logged at most once per
-`REPEAT_INTERVAL_S`, with the count of the lines held back.
+While any partition waits, `state.outage` says why and `state.cause` names its kind: readiness reports not
+ready (another worker may reach the registry) until a probe decodes, and the holds are counted by cause. The
+warning, which names the cause, is logged at most once per `REPEAT_INTERVAL_S` and cause, with the count of
+the lines held back.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
+from worker.decoding import RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.logs import Throttle
 from worker.pipeline.metrics import RegistryState
@@ -34,7 +38,7 @@ MAX_RETRY_S = 30.0
 
 class RegistryWait:
     """The partitions held back for the registry, each with the record to probe it with and when (see the
-    module docstring). Mechanism-free: the source holds the records, the loop probes."""
+    module docstring). It holds nothing itself: the source keeps the records, the loop probes."""
 
     def __init__(self, state: RegistryState, clock: Callable[[], float] = time.monotonic) -> None:
         self.state = state
@@ -49,24 +53,27 @@ class RegistryWait:
     def held(self) -> set[TopicPartitionKey]:
         return set(self._held)
 
-    def hold(self, record: Record, reason: str) -> None:
-        """`record`'s partition waits for the registry (held at `record`), or waits longer."""
+    def hold(self, record: Record, unavailable: RegistryUnavailable) -> None:
+        """`record`'s partition waits for the registry (held at `record`), or waits longer after a probe."""
         key = record.partition_key
         tries = self._tries.get(key, 0) + 1
         self._tries[key] = tries
         delay = min(MAX_RETRY_S, FIRST_RETRY_S * 2 ** (tries - 1))
         self._held[key] = (self._clock() + delay, record)
-        self.state.retries += 1
-        self.state.outage = reason
+        self.state.retries_by_cause[unavailable.cause] += 1
+        self.state.outage = unavailable.message
+        self.state.cause = unavailable.cause
         self.state.waiting = tuple(sorted(self._held))
-        suppressed = self._throttle.admit("schema_registry_unavailable")
+        # Per cause: a registry that comes back refusing our credentials says so at once.
+        suppressed = self._throttle.admit(("schema_registry_unavailable", unavailable.cause))
         if suppressed is not None:
             _log.warning(
                 "schema_registry_unavailable",
+                cause=unavailable.cause,
                 partition=f"{key[0]}[{key[1]}]",
                 offset=record.offset,
                 retry_in_s=delay,
-                reason=reason,
+                reason=unavailable.message,
                 effect="the record is held back and the registry probed with it; nothing is dead-lettered or "
                 "skipped",
                 suppressed_since_last=suppressed,
@@ -86,6 +93,7 @@ class RegistryWait:
                 "schema_registry_answering", partition=f"{key[0]}[{key[1]}]", retries=self.state.retries
             )
             self.state.outage = None
+            self.state.cause = None
 
     def forget(self, keys: Iterable[TopicPartitionKey]) -> None:
         """Revoked, lost or assigned afresh: the next owner (or the new assignment) starts at the committed
@@ -96,3 +104,4 @@ class RegistryWait:
         self.state.waiting = tuple(sorted(self._held))
         if not self._held:
             self.state.outage = None
+            self.state.cause = None

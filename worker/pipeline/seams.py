@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from worker.decoding import RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.messages import FallbackReason
 from worker.pipeline.work import Headers, Output, Work
@@ -150,9 +151,11 @@ class Source(Protocol):
 
 
 class Admission(Protocol):
-    """What a stage made of a record before it is taken: readable, or not now (`unavailable`: why)."""
+    """What a stage made of a record before it is taken: readable, or not now (`unavailable`: the Schema
+    Registry gave no answer about it)."""
 
-    unavailable: str | None
+    @property
+    def unavailable(self) -> RegistryUnavailable | None: ...
 
 
 AdmissionT = TypeVar("AdmissionT", bound=Admission)
@@ -169,7 +172,7 @@ class Stage(Protocol[AdmissionT]):
     def take(self, work: Work, admission: AdmissionT, answer_now: FallbackReason | None) -> None:
         """`work` was taken: write its output through the settlement now or later."""
 
-    def cannot_hold(self, work: Work, reason: str) -> None:
+    def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
         """`work` was taken although the stage could not read it (the source could not hold it back): its
         outcome must still be written (a dead letter saying why)."""
 

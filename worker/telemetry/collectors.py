@@ -186,11 +186,15 @@ class PipelineCollector(Collector):
                 "Partitions held at a record the Schema Registry could not answer for (retried, never lost).",
                 len(metrics.registry.waiting),
             )
-            yield CounterMetricFamily(
+            retries = CounterMetricFamily(
                 "triage_schema_registry_retries",
-                "Times a record was held back because the Schema Registry did not answer.",
-                value=metrics.registry.retries,
+                "Times a record was held back because the Schema Registry gave no answer about it, by cause "
+                "(outage, credentials, registry_error).",
+                labels=["cause"],
             )
+            for cause, count in metrics.registry.retries_by_cause.items():
+                retries.add_metric([cause], count)
+            yield retries
 
 
 def _escalation_families(escalation: EscalationMetrics) -> Iterator[Metric]:

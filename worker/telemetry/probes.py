@@ -111,8 +111,10 @@ class WorkerProbes(Probes):
         retried, not lost, but this worker makes no progress on those partitions until it answers."""
         if registry.outage is None:
             return Check(True, "answering")
-        waiting = ", ".join(f"{topic}[{partition}]" for topic, partition in registry.waiting)
-        return Check(False, f"unavailable, records retried ({waiting or 'retrying now'}): {registry.outage}")
+        waiting = (
+            ", ".join(f"{topic}[{partition}]" for topic, partition in registry.waiting) or "retrying now"
+        )
+        return Check(False, f"unavailable ({registry.cause}), records retried ({waiting}): {registry.outage}")
 
     @staticmethod
     def _partitions(gauges: PartitionGauges | None) -> Check:

@@ -44,7 +44,7 @@ class TicketAdmission:
     decoded on take), or not now (`unavailable`: why the registry cannot answer)."""
 
     decoded: TicketEvent | DecodeError | None = None
-    unavailable: str | None = None
+    unavailable: RegistryUnavailable | None = None
 
 
 class TriageStage:
@@ -92,7 +92,7 @@ class TriageStage:
         except DecodeError as problem:
             return TicketAdmission(problem)  # the registry answered (or was not needed): a dead letter
         except RegistryUnavailable as unavailable:
-            return TicketAdmission(unavailable=str(unavailable))
+            return TicketAdmission(unavailable=unavailable)
 
     def take(self, work: Work, admission: TicketAdmission, answer_now: FallbackReason | None) -> None:
         now = work.polled_at
@@ -108,8 +108,8 @@ class TriageStage:
             return
         self._queue.wait(work)
 
-    def cannot_hold(self, work: Work, reason: str) -> None:
-        self._last_delivery_dead_letter(work, f"the Schema Registry could not answer for it: {reason}")
+    def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
+        self._last_delivery_dead_letter(work, f"the Schema Registry gave no answer about it ({unavailable})")
 
     def serve(self, wait_s: float) -> None:
         model = self.model
