@@ -1,8 +1,9 @@
 """The loop against the in-memory Kafka (tests/memory_kafka.py): failure paths made deterministic.
 
 Each test drives the real loop (`group_pipeline`) with a classifier that answers at once; the in-memory
-consumer and producer follow librdkafka's semantics for queues, rebalance callbacks and transactions. The real-broker
-end-to-end and chaos tests cover the same promises under real timing; these pin down exact interleavings.
+consumer and producer follow librdkafka's semantics for queues, rebalance callbacks and transactions. The
+real-broker end-to-end and chaos tests cover the same promises under real timing; these pin down exact
+interleavings.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""P1 Kafka overhead: the real loop (`group_pipeline`), built here with a classifier that answers at once, vs a
-bare confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records."""
+"""P1 Kafka overhead: the real loop (`group_pipeline`), built here with a classifier that answers at once,
+vs a bare confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same
+records."""
 
 from __future__ import annotations
 
