@@ -82,7 +82,7 @@ class TriageParts:
         return metrics
 
 
-def _triage_stage(
+def triage_stage(
     settings: Settings,
     parts: TriageParts,
     queue: DispatchQueue,
@@ -162,7 +162,7 @@ def group_pipeline(
             Redone(queue, requests), give_up.get,
         )
     )  # fmt: skip
-    stage = _triage_stage(settings, parts, queue, requests, guarantee, source.hand_back, metrics, clock)
+    stage = triage_stage(settings, parts, queue, requests, guarantee, source.hand_back, metrics, clock)
     registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
     return Engine(
         source, stage, guarantee, _limits(settings), metrics, failure, give_up, registry, clock,
@@ -202,7 +202,7 @@ def queue_pipeline(
     )
     settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
-    stage = _triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
+    stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
     registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
     return Engine(
         source, stage, settlement, _limits(settings), metrics, failure, give_up, registry, clock,

@@ -47,9 +47,11 @@ from worker.learning.export import export_model
 from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
+    from worker.app.offline import Offline
+    from worker.config import InferenceSettings, Settings
     from worker.inference.taxonomy import Taxonomy
     from worker.learning import feedback
-    from worker.learning.evaluation import Example, Figures
+    from worker.learning.evaluation import Example, Figures, Prediction
 
 BANKING77 = "data/banking77"
 
@@ -374,7 +376,7 @@ def _eval(args: argparse.Namespace) -> int:
     model_id = ""
     for mode in modes:
         mode_settings = settings_from_args(args, {**overrides, "inference.mode": mode})
-        row, model_id = evaluation.evaluate_model(mode_settings, test, console)
+        row, model_id = _eval_model(mode_settings, test, taxonomy, console)
         rows.append(row)
         console.print(f"{row.name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
     cascade_context = None
@@ -434,6 +436,7 @@ def _eval_cascade(
 ) -> tuple[list[Figures], dict[str, Any] | None]:
     """The escalation stage alone and the cascade at each threshold on test.csv; the threshold chosen on the
     validation split of train.csv (both stages classify it first). None: no stage fits the taxonomy."""
+    from worker.app.offline import offline_stages
     from worker.learning import evaluation
     from worker.learning.artifacts import fetch_stage_files
 
@@ -457,32 +460,38 @@ def _eval_cascade(
             return [], None
         escalation = choice.settings
     fetch_stage_files(escalation, console.print)
-    deadline_s = settings.pipeline.deadline_ms / 1000.0
     thresholds = _thresholds(args.thresholds)
     _, validation = evaluation.stratified_split(train, lambda example: example.intent)
-    first_val, _, first_id = evaluation.classify_all(
-        settings.inference, validation, deadline_s, "first stage, validation split", console
+    first_val, _, first_id = _classify(
+        settings, settings.inference, validation, "first stage, validation", console
     )
-    second_val, _, second_id = evaluation.classify_all(
-        escalation, validation, deadline_s, "escalation stage, validation split", console
+    second_val, _, second_id = _classify(
+        settings, escalation, validation, "escalation stage, validation", console
     )
     chosen, validation_accuracy = evaluation.choose_threshold(
         first_val, second_val, [e.intent for e in validation], thresholds
     )
     console.print(f"threshold chosen on the validation split: {chosen:.2f}")
-    alone, seconds, _ = evaluation.classify_all(escalation, test, deadline_s, "escalation stage", console)
+    alone, seconds, _ = _classify(settings, escalation, test, "escalation stage", console)
     rows = [evaluation.figures(f"{second_id} (escalation stage alone)", test, alone, taxonomy, seconds)]
     console.print(f"{rows[0].name}: accuracy {rows[0].accuracy:.2%}, {rows[0].tickets_per_s:.0f} tickets/s")
     chosen_row = None
-    for threshold, (predictions, seconds) in evaluation.run_cascade(
-        settings.inference, escalation, test, thresholds, deadline_s, console
-    ).items():
-        marker = " (chosen on validation)" if threshold == chosen else ""
-        name = f"cascade {first_id} -> {second_id}{marker}, escalate below {threshold:.2f}"
-        row = evaluation.figures(name, test, predictions, taxonomy, seconds, cascade=True)
-        rows.append(row)
-        chosen_row = name if threshold == chosen else chosen_row
-        console.print(f"{name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
+    # Both stages' pools open once, side by side (on CPU they share the cores, as in the worker); every answer
+    # under the threshold goes to the escalation stage: offline the cascade never sheds, so this measures the
+    # policy's accuracy and cost, not the worker's gate.
+    with offline_stages(settings, escalation=escalation, echo=console.print) as offline:
+        assert offline.cascade is not None
+        for threshold in thresholds:
+            offline.cascade.escalate_below = threshold
+            predictions, seconds, _ = _predict(
+                settings, offline, test, f"cascade, escalate below {threshold:.2f}", console
+            )
+            marker = " (chosen on validation)" if threshold == chosen else ""
+            name = f"cascade {first_id} -> {second_id}{marker}, escalate below {threshold:.2f}"
+            row = evaluation.figures(name, test, predictions, taxonomy, seconds, cascade=True)
+            rows.append(row)
+            chosen_row = name if threshold == chosen else chosen_row
+            console.print(f"{name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
     context = {
         "first": first_id,
         "escalation": second_id,
@@ -492,6 +501,46 @@ def _eval_cascade(
         "chosen_row": chosen_row,
     }
     return rows, context
+
+
+def _eval_model(
+    settings: Settings, examples: list[Example], taxonomy: Taxonomy, console: Console
+) -> tuple[Figures, str]:
+    """The model alone (no cascade) on every example through the loop, and its figures; and its id."""
+    from worker.learning import evaluation
+
+    predictions, seconds, model_id = _classify(
+        settings, settings.inference, examples, f"model ({settings.inference.mode})", console
+    )
+    name = f"{model_id} ({settings.inference.mode})"
+    return evaluation.figures(name, examples, predictions, taxonomy, seconds), model_id
+
+
+def _classify(
+    settings: Settings, inference: InferenceSettings, examples: list[Example], label: str, console: Console
+) -> tuple[list[Prediction], float, str]:
+    """Every example through the loop with `inference` alone (no cascade): the predictions in order, the
+    seconds they took (its pool's start excluded), and the model's id."""
+    from worker.app.offline import offline_stages
+
+    console.print(f"starting the pool of {label} ...")
+    with offline_stages(settings, inference, cascade=False, echo=console.print) as offline:
+        return _predict(settings, offline, examples, label, console)
+
+
+def _predict(
+    settings: Settings, offline: Offline, examples: list[Example], label: str, console: Console
+) -> tuple[list[Prediction], float, str]:
+    from worker.app.offline import classify_texts
+    from worker.learning import evaluation
+
+    with evaluation.progress_bar(console) as progress:
+        task = progress.add_task(label, total=len(examples))
+        results, seconds = classify_texts(
+            settings, offline, [e.text for e in examples], lambda: progress.advance(task)
+        )
+    model_id = next((result.model for result in results if result is not None), "")
+    return [evaluation.prediction(result, offline.fallback) for result in results], seconds, model_id
 
 
 def _thresholds(text: str | None) -> tuple[float, ...]:

@@ -1,6 +1,6 @@
 """`model eval`: measure a model on BANKING77's test split, honestly, next to classical baselines.
 
-One run gives, for the model in each mode (through the real classifier pool, as the worker runs it) and for
+One run gives, for the model in each mode (through the worker's own loop, `worker.app.offline`) and for
 two scikit-learn baselines trained on the same train split in the same run: intent top-1 accuracy and
 macro-F1, priority accuracy (against the taxonomy's policy priority of the true intent), expected calibration
 error of `confidence`, fallback rate and tickets/s. The baselines keep the model's figures in context: a
@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import functools
 import importlib
 import importlib.util
 import json
 import os
 import random
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,14 +33,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from worker.cache import cache_root
-from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings, Settings
+from worker.classification import FallbackLabel
 from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import resolve_taxonomy as resolve_taxonomy
-from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.learning.artifacts import fetch_jar_members
+from worker.messages import TriageResult
 from worker.shipped import checkout_file
 
 ECE_BINS = 15
@@ -72,8 +70,13 @@ class Prediction:
     escalated: bool = False
 
 
-def _prediction(answer: Classification, escalated: bool = False) -> Prediction:
-    return Prediction(answer.intent, answer.priority, answer.confidence, answer.fallback, escalated)
+def prediction(result: TriageResult | None, fallback: FallbackLabel) -> Prediction:
+    """An example's triage record as a prediction (None: the text was not a ticket, which counts as the
+    taxonomy's fallback)."""
+    if result is None:
+        return Prediction(fallback.intent, fallback.priority, None, fallback=True)
+    escalated = result.stage == "escalation"
+    return Prediction(result.intent, result.priority, result.confidence, result.fallback, escalated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +213,7 @@ def figures(name: str, examples: Sequence[Example], predictions: Sequence[Predic
     )
 
 
-def _progress(console: Console) -> Progress:
+def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -218,46 +221,6 @@ def _progress(console: Console) -> Progress:
         TimeElapsedColumn(),
         console=console,
     )
-
-
-def classify_all(
-    settings: InferenceSettings, examples: Sequence[Example], deadline_s: float, label: str, console: Console
-) -> tuple[list[Prediction], float, str]:
-    """Every example through a classifier pool of `settings` (what `run` and `classify` use): the
-    predictions in order, the seconds they took (pool start-up excluded) and the model id."""
-    answers: dict[int, Prediction] = {}
-    console.print(f"starting the pool of {label} ...")
-    with open_pool(settings) as pool, _progress(console) as progress:
-        task = progress.add_task(label, total=len(examples))
-        pending = deque(range(len(examples)))
-        window = max(2, 2 * pool.size)
-        in_flight = 0
-        started = time.monotonic()
-        while pending or in_flight:
-            while pending and in_flight < window:
-                index = pending.popleft()
-                pool.submit(ClassifyRequest(index, examples[index].text, time.monotonic() + deadline_s))
-                in_flight += 1
-            for index, answer in pool.poll(0.1):
-                in_flight -= 1
-                answers[index] = _prediction(answer)
-                progress.advance(task)
-        seconds = time.monotonic() - started
-        model_id = pool.model_id
-    return [answers[i] for i in range(len(examples))], seconds, model_id
-
-
-def evaluate_model(settings: Settings, examples: Sequence[Example], console: Console) -> tuple[Figures, str]:
-    """Classify every example through the configured classifier pool and score the answers; returns the
-    figures and the model id. Throughput excludes the pool's start-up."""
-    mode = settings.inference.mode
-    deadline_s = settings.pipeline.deadline_ms / 1000.0
-    predictions, seconds, model_id = classify_all(
-        settings.inference, examples, deadline_s, f"model ({mode})", console
-    )
-    return figures(
-        f"{model_id} ({mode})", examples, predictions, resolve_taxonomy(settings.inference)[0], seconds
-    ), model_id
 
 
 # -- the cascade ------------------------------------------------------------------------------------------
@@ -293,67 +256,6 @@ def choose_threshold(
         accuracy[threshold] = sum(p.intent == t for p, t in zip(answers, truth, strict=True)) / len(truth)
     best = max(accuracy.values())
     return min(t for t, value in accuracy.items() if value >= best - 1 / len(truth) + 1e-12), accuracy
-
-
-def run_cascade(
-    settings: InferenceSettings,
-    escalation: InferenceSettings,
-    examples: Sequence[Example],
-    thresholds: Sequence[float],
-    deadline_s: float,
-    console: Console,
-) -> dict[float, tuple[list[Prediction], float]]:
-    """The cascade for real, once per threshold: both stages' pools run side by side (on CPU they share
-    the cores, as in the worker); every answer under the threshold goes to the escalation stage (none is
-    shed: this measures the policy's accuracy and cost, not the worker's gate). Per threshold: the
-    predictions and the seconds they took."""
-    results = {}
-    with open_pool(settings) as first, open_pool(escalation) as second, _progress(console) as progress:
-        for threshold in thresholds:
-            task = progress.add_task(f"cascade, escalate below {threshold:.2f}", total=len(examples))
-            advance = functools.partial(progress.advance, task)
-            results[threshold] = _cascade_pass(first, second, examples, threshold, deadline_s, advance)
-    return results
-
-
-def _cascade_pass(
-    first: ClassifierPool,
-    second: ClassifierPool,
-    examples: Sequence[Example],
-    threshold: float,
-    deadline_s: float,
-    advance: Callable[[], None],
-) -> tuple[list[Prediction], float]:
-    answers: dict[int, Prediction] = {}
-    pending = deque(range(len(examples)))
-    unsure: deque[int] = deque()
-    first_answers: dict[int, Classification] = {}
-    at_first = at_second = 0
-    started = time.monotonic()
-    while len(answers) < len(examples):
-        while pending and at_first < 2 * first.size:
-            index = pending.popleft()
-            first.submit(ClassifyRequest(index, examples[index].text, time.monotonic() + deadline_s))
-            at_first += 1
-        while unsure and at_second < 2 * second.size:
-            index = unsure.popleft()
-            second.submit(ClassifyRequest(index, examples[index].text, time.monotonic() + deadline_s))
-            at_second += 1
-        for index, answer in first.poll(0.005):
-            at_first -= 1
-            if not answer.fallback and answer.confidence < threshold:
-                first_answers[index] = answer
-                unsure.append(index)
-            else:
-                answers[index] = _prediction(answer)
-                advance()
-        for index, answer in second.poll(0.0 if at_first else 0.005):
-            at_second -= 1
-            kept = first_answers.pop(index)
-            answers[index] = _prediction(kept) if answer.fallback else _prediction(answer, escalated=True)
-            advance()
-    seconds = time.monotonic() - started
-    return [answers[i] for i in range(len(examples))], seconds
 
 
 def plot_cascade(rows: Sequence[Figures], chosen: str | None, path: Path) -> Path | None:

@@ -71,13 +71,17 @@ class GiveUpAt:
 @dataclass(frozen=True)
 class Limits:
     """The loop's numbers: the in-flight bound and its low-water mark, each record's deadline, how long the
-    first read waits when nothing is in flight, and how long a shutdown may take."""
+    first read waits when nothing is in flight, how long a shutdown may take, and whether reading waits for
+    room at the model."""
 
     max_in_flight: int
     resume_below: int
     deadline_s: float
     poll_timeout_s: float
     shutdown_timeout_s: float
+    # Read a record only when the stage has room for it at once (offline doors: each ticket's deadline
+    # starts when it is sent, since nothing else competes for the model).
+    paced_by_model: bool = False
 
 
 class Engine(Loop):
@@ -98,6 +102,7 @@ class Engine(Loop):
         clock: Callable[[], float] = time.monotonic,
         metrics_interval_s: float = 10.0,
         started_line: dict[str, object] | None = None,
+        lifecycle_log: bool = True,
     ) -> None:
         self._source, self._stage, self._settlement = source, stage, settlement
         self._limits = limits
@@ -108,6 +113,8 @@ class Engine(Loop):
         self._clock = clock
         self._metrics_interval_s = metrics_interval_s
         self._started_line = started_line or {}
+        # The start, metrics and stop lines (offline doors report on the console instead).
+        self._lifecycle_log = lifecycle_log
         self._gate = InFlightGate(limits.max_in_flight, limits.resume_below, _FULL_BEFORE_PAUSE_S)
         self._stopping = False
         self._stop_by: float | None = None
@@ -132,15 +139,16 @@ class Engine(Loop):
         except UserError:
             self._source.stop(self._clock())
             raise
-        _log.info(
-            "pipeline_started",
-            **self._started_line,
-            max_in_flight=self._limits.max_in_flight,
-            resume_below=self._limits.resume_below,
-            deadline_ms=round(self._limits.deadline_s * 1000),
-            **self._source.described(),
-            **self._stage.described(),
-        )
+        if self._lifecycle_log:  # not `_announce`: described() may ask a lazily opened stage for its id
+            _log.info(
+                "pipeline_started",
+                **self._started_line,
+                max_in_flight=self._limits.max_in_flight,
+                resume_below=self._limits.resume_below,
+                deadline_ms=round(self._limits.deadline_s * 1000),
+                **self._source.described(),
+                **self._stage.described(),
+            )
         try:
             while not self._stopping and self._failure.reason is None and not self._finished():
                 self._turn()
@@ -158,7 +166,11 @@ class Engine(Loop):
             idle = not busy and self._in_flight() == 0
             wait_s = self._limits.poll_timeout_s if idle else BUSY_WAIT_S
             self._last_read = self._clock()
-            self._read(max(1, self._gate.capacity()), 0.0 if busy else wait_s)
+            room = self._gate.capacity()
+            if self._limits.paced_by_model:
+                room = min(room, self._stage.room())
+            if room > 0 or not self._limits.paced_by_model:
+                self._read(max(1, room), 0.0 if busy else wait_s)
         elif not busy:
             self._settlement.wait(BUSY_WAIT_S)
         if busy:
@@ -167,7 +179,7 @@ class Engine(Loop):
 
     def _tick(self) -> None:
         now = self.metrics.loop_turned_at = self._clock()
-        if now - self._last_metrics >= self._metrics_interval_s:
+        if self._lifecycle_log and now - self._last_metrics >= self._metrics_interval_s:
             self._log_metrics("interval")
 
     def _finished(self) -> bool:
@@ -218,7 +230,7 @@ class Engine(Loop):
         if admission.unavailable is not None:
             self._stage.cannot_hold(work, admission.unavailable)
             return
-        self._stage.take(work, admission, record.answer_now)
+        self._stage.take(work, record, admission)
 
     # -- the Schema Registry's wait (the same for every source) ------------------------------------------
 
@@ -326,7 +338,7 @@ class Engine(Loop):
         self._stop_by = self._give_up_at.at = limit
         self._stopping = True
         reason = self._failure.reason or ("end of input" if self._source.exhausted else "signal")
-        _log.info("pipeline_stopping", in_flight=self._gate.in_flight, reason=reason)
+        self._announce("pipeline_stopping", in_flight=self._gate.in_flight, reason=reason)
         # Read nothing new, but keep the member alive while the taken records finish.
         self._source.stop_taking()
         while (
@@ -342,11 +354,12 @@ class Engine(Loop):
         not_flushed = self._settlement.stop(limit)
         self._source.stop(limit)
         self._stage.close(max(0.0, limit - self._clock()))  # after the last commit: side topics hold none
-        self._log_metrics("final")
+        if self._lifecycle_log:
+            self._log_metrics("final")
         if self._failure.reason is not None:
             _log.error("pipeline_failed", reason=self._failure.reason)
             return 1
-        _log.info(
+        self._announce(
             "pipeline_stopped",
             unfinished=unfinished,
             not_flushed=not_flushed,
@@ -355,6 +368,10 @@ class Engine(Loop):
         return 0
 
     # -- metrics --------------------------------------------------------------------------------------------
+
+    def _announce(self, event: str, **fields: object) -> None:
+        if self._lifecycle_log:
+            _log.info(event, **fields)
 
     def _log_metrics(self, kind: str) -> None:
         self._last_metrics = self._clock()

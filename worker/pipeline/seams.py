@@ -29,7 +29,9 @@ from worker.pipeline.work import Headers, Output, Work
 class Record:
     """One record a source hands the loop: its position and bytes, and the source's own `handle` for it (a
     share consumer's message, say). `answer_now`: the source cannot wait for the model any more (queue mode:
-    the record's last delivery, its lock about to end): the stage answers it with that fallback at once."""
+    the record's last delivery, its lock about to end): the stage answers it with that fallback at once.
+    `rejected`: the source could not read it whole (a line over the size limit): a dead letter's type and
+    message."""
 
     topic: str
     partition: int
@@ -39,6 +41,7 @@ class Record:
     headers: Headers | None
     handle: Any = None
     answer_now: FallbackReason | None = None
+    rejected: tuple[str, str] | None = None
 
     @property
     def partition_key(self) -> TopicPartitionKey:
@@ -169,8 +172,8 @@ class Stage(Protocol[AdmissionT]):
         """Read `record` before it is taken: one the stage cannot read *now* is not taken at all."""
         ...
 
-    def take(self, work: Work, admission: AdmissionT, answer_now: FallbackReason | None) -> None:
-        """`work` was taken: write its output through the settlement now or later."""
+    def take(self, work: Work, record: Record, admission: AdmissionT) -> None:
+        """`work` (of `record`) was taken: write its output through the settlement now or later."""
 
     def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
         """`work` was taken although the stage could not read it (the source could not hold it back): its
@@ -182,6 +185,11 @@ class Stage(Protocol[AdmissionT]):
     @property
     def busy(self) -> bool:
         """Work is at a model (the loop then waits on answers rather than on the source)."""
+        ...
+
+    def room(self) -> int:
+        """How many more records the stage would start on at once (a source paced by the model reads no
+        more than that)."""
         ...
 
     def __len__(self) -> int:

@@ -86,6 +86,10 @@ class ModelStage:
         """Tickets without an answer yet: waiting, at the model or at the escalation stage."""
         return len(self._queue) + len(self._requests)
 
+    def room(self) -> int:
+        """How many more tickets would go to the model at once."""
+        return max(0, self._window - self._requests.at_model - len(self._queue))
+
     def pending(self, keys: set[TopicPartitionKey]) -> int:
         return self._queue.pending(keys) + self._requests.pending(keys)
 

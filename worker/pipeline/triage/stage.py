@@ -26,7 +26,7 @@ from worker.classification import Classification
 from worker.decoding import DecodeError, RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
-from worker.messages import FallbackReason, TicketEvent
+from worker.messages import TicketEvent
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import HandBack, Record
 from worker.pipeline.side_topics.side_topic import ResultWatcher
@@ -94,14 +94,14 @@ class TriageStage:
         except RegistryUnavailable as unavailable:
             return TicketAdmission(unavailable=unavailable)
 
-    def take(self, work: Work, admission: TicketAdmission, answer_now: FallbackReason | None) -> None:
+    def take(self, work: Work, record: Record, admission: TicketAdmission) -> None:
         now = work.polled_at
-        rejected = self._intake.ticket(work, admission.decoded, now, time.time())
+        rejected = record.rejected or self._intake.ticket(work, admission.decoded, now, time.time())
         if rejected is not None:
             self._outputs.dead_letter(work, *rejected)
             return
-        if answer_now is not None:
-            self._outputs.result(work, self.model.fallback_for(work, answer_now))
+        if record.answer_now is not None:
+            self._outputs.result(work, self.model.fallback_for(work, record.answer_now))
             return
         if work.deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
             self._outputs.result(work, self.model.fallback_for(work, "expired_on_arrival"))
@@ -125,6 +125,9 @@ class TriageStage:
     @property
     def busy(self) -> bool:
         return len(self._requests) > 0
+
+    def room(self) -> int:
+        return self.model.room()
 
     def __len__(self) -> int:
         return len(self.model) - self._requests.orphans

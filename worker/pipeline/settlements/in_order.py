@@ -1,0 +1,103 @@
+"""The offline doors' settlement: each line's outcome handed over in input order, as soon as every earlier
+line's is known — `classify` prints them, `model eval` collects them.
+
+A triage record or a dead letter written for a line is held until the lines before it have theirs, then
+`deliver(work, output)` gets it (the dead-letter topic's name tells one from the other). Nothing goes to
+Kafka, so nothing is produced, awaited or committed: what is held is what is in flight, and the in-flight
+bound is the memory bound of a stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+
+from worker.kafka.commits import TopicPartitionKey
+from worker.pipeline.work import Output, Work
+
+Deliver = Callable[[Work, Output], None]
+
+
+class InOrder:
+    """Outputs handed to `deliver` in the order their records were taken (see the module docstring)."""
+
+    def __init__(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+        # Taken and not yet delivered, in take order; None until its output is written.
+        self._order: dict[Work, Output | None] = {}
+        self.delivered = 0
+
+    @property
+    def held(self) -> int:
+        return len(self._order)
+
+    # -- seams.Settlement -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        pass
+
+    def taken(self, work: Work) -> None:
+        self._order[work] = None
+
+    def write(self, work: Work, output: Output) -> None:
+        self._order[work] = output
+        while self._order:
+            first, ready = next(iter(self._order.items()))
+            if ready is None:
+                return
+            del self._order[first]
+            self.delivered += 1
+            self._deliver(first, ready)
+
+    def serve(self, wait_s: float) -> None:
+        pass  # every write is delivered at once, or held for an earlier one: no report to wait for
+
+    def advance(self) -> None:
+        pass
+
+    @property
+    def committing(self) -> bool:
+        return False
+
+    def wait(self, wait_s: float) -> None:
+        time.sleep(wait_s)  # nothing to wait for here: the caller is only to not spin
+
+    @property
+    def producing(self) -> bool:
+        return True
+
+    @property
+    def outstanding(self) -> int:
+        return 0
+
+    @property
+    def orphans(self) -> int:
+        return 0
+
+    def pending(self, keys: set[TopicPartitionKey]) -> int:
+        return 0
+
+    def settle(self, limit: float) -> None:
+        pass
+
+    def commit_now(self, keys: set[TopicPartitionKey], limit: float) -> None:
+        pass
+
+    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None:
+        pass
+
+    def lost(self, keys: set[TopicPartitionKey]) -> None:
+        pass
+
+    def give_up(self, keys: set[TopicPartitionKey]) -> None:
+        pass
+
+    def abandon(self, works: Collection[Work]) -> None:
+        pass
+
+    def stop(self, limit: float) -> int:
+        """Lines whose outcome never came (a stop before the end): not delivered."""
+        return len(self._order)
+
+    def where(self) -> list[int]:
+        return [0, len(self._order)]
