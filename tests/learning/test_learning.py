@@ -31,7 +31,7 @@ from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder, read_manifest
 from worker.inference.escalation import choose_escalation
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
-from worker.learning import compose, encoder_stage
+from worker.learning import compose, encoder_stage, folders
 from worker.learning.artifacts import fetch_jar_members
 from worker.learning.evaluation import canonical_label
 from worker.learning.first_stage import Teacher
@@ -360,7 +360,7 @@ def test_a_bad_out_folder_is_refused_before_any_work(tmp_path: Path) -> None:
     occupied.mkdir()
     (occupied / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="not empty and is not a folder `model train` wrote"):
-        compose._prepare(occupied)
+        folders.check_target(occupied)
     assert (occupied / "notes.txt").is_file()
 
 

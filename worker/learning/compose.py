@@ -11,7 +11,8 @@ of each intent) when every intent has `FULL_ROWS_PER_INTENT` rows or more. With 
 intent) a validation part would leave almost nothing to learn from, so every row trains and the encoder stage
 is calibrated by k-fold cross-validation instead; the first stage then gets no validation part. The encoder
 head is fitted first; its probabilities are the first stage's teacher. Zero-shot uses the taxonomy's texts
-(names, descriptions, `examples`) for both.
+(names, descriptions, `examples`) for both. The folder is built beside DIR and replaces it whole once complete
+(worker/learning/folders.py: only a folder model train wrote, never a shipped one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import importlib
 import json
 import random
 import re
-import shutil
 import statistics
 import time
 import tomllib
@@ -43,13 +43,12 @@ from rich.progress import (
 )
 
 from worker.config import DEFAULT_ESCALATE_BELOW
-from worker.errors import UserError
 from worker.inference import escalation
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import ZERO_SHOT_VERSION
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
-from worker.learning import encoder_stage
+from worker.learning import encoder_stage, folders
 from worker.learning.evaluation import CASCADE_THRESHOLDS, Prediction, choose_threshold, stratified_split
 
 Kind = Literal["zero-shot", "few-shot", "full"]
@@ -147,6 +146,7 @@ def train_model_folder(
 ) -> TrainingOutcome:
     """Train both stages on labelled (text, intent) rows and write `out_dir` (see the module). `data`
     describes the rows for the model card (file, counts)."""
+    folders.check_target(out_dir)  # before minutes of work, not after them
     console = console or Console(stderr=True)
     started = time.monotonic()
     train, validation, kind = split_rows(rows, seed)
@@ -185,6 +185,7 @@ def train_zero_shot_folder(
     embedder: SentenceEmbedder | None = None,
 ) -> TrainingOutcome:
     """Both stages from the taxonomy's texts alone, and `VERSION` = zero-shot (see the module)."""
+    folders.check_target(out_dir)
     console = console or Console(stderr=True)
     started = time.monotonic()
     embedder = embedder or encoder_stage.open_embedder(echo=console.print)
@@ -224,53 +225,52 @@ def _finish(
     console: Console,
 ) -> TrainingOutcome:
     """Write the encoder stage, train the first stage with the head as its teacher, then the folder's
-    records (taxonomy, trained labels, VERSION, training.json, model card)."""
-    _prepare(out_dir)
-    taxonomy, taxonomy_path = _served_taxonomy(taxonomy, taxonomy_path, out_dir)
-    console.print(_encoder_line(report))
-    encoder_stage.write_encoder_stage(
-        out_dir / ENCODER_DIR, head, taxonomy, taxonomy_path, head_source, copy_encoder=True
-    )
-
-    def teacher(texts: Sequence[str]) -> Any:
-        return head.probabilities(encoder_stage.embed(embedder, texts))
-
-    first = None
-    if trainer is not None:
-        reserved = MEASURE_SECONDS_PER_TICKET * len(validation)
-        remaining = max(60.0, max_seconds - (time.monotonic() - started) - reserved)
-        with _progress(console) as progress:
-            first = trainer(
-                train,
-                validation,
-                taxonomy,
-                taxonomy_path,
-                teacher,
-                out_dir,
-                unlabelled=unlabelled,
-                max_seconds=remaining,
-                seed=seed,
-                progress=_reporter(progress, "first stage: training"),
-            )
-    else:
-        console.print(
-            f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs with "
-            f"--model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
+    records (taxonomy, trained labels, VERSION, training.json, model card): built beside `out_dir` and
+    swapped in whole once complete (worker/learning/folders.py)."""
+    with folders.writing(out_dir) as building:
+        taxonomy, taxonomy_path = _served_taxonomy(taxonomy, taxonomy_path, building)
+        console.print(_encoder_line(report))
+        encoder_stage.write_encoder_stage(
+            building / ENCODER_DIR, head, taxonomy, taxonomy_path, head_source, copy_encoder=True
         )
-    write_trained_labels(out_dir, taxonomy)
-    for folder in (out_dir, out_dir / ENCODER_DIR):
-        if kind == "zero-shot":
-            (folder / "VERSION").write_text(ZERO_SHOT_VERSION + "\n", encoding="utf-8")
+
+        def teacher(texts: Sequence[str]) -> Any:
+            return head.probabilities(encoder_stage.embed(embedder, texts))
+
+        first = None
+        if trainer is not None:
+            reserved = MEASURE_SECONDS_PER_TICKET * len(validation)
+            remaining = max(60.0, max_seconds - (time.monotonic() - started) - reserved)
+            with _progress(console) as progress:
+                first = trainer(
+                    train,
+                    validation,
+                    taxonomy,
+                    taxonomy_path,
+                    teacher,
+                    building,
+                    unlabelled=unlabelled,
+                    max_seconds=remaining,
+                    seed=seed,
+                    progress=_reporter(progress, "first stage: training"),
+                )
         else:
-            (folder / "VERSION").unlink(missing_ok=True)
-    cascade = cascade_choice(kind)
-    if first is not None and validation:
-        cascade = _cascade_on_validation(out_dir, validation, teacher, taxonomy, console)
-    outcome = TrainingOutcome(out_dir, kind, report, first, missing, time.monotonic() - started)
-    record = _training_record(outcome, taxonomy, train, validation, data, unlabelled, seed)
-    record["cascade"] = cascade
-    (out_dir / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "README.md").write_text(model_card(record), encoding="utf-8")
+            console.print(
+                f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs "
+                f"with --model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
+            )
+        write_trained_labels(building, taxonomy)
+        if kind == "zero-shot":
+            for folder in (building, building / ENCODER_DIR):
+                (folder / "VERSION").write_text(ZERO_SHOT_VERSION + "\n", encoding="utf-8")
+        cascade = cascade_choice(kind)
+        if first is not None and validation:
+            cascade = _cascade_on_validation(building, validation, teacher, taxonomy, console)
+        outcome = TrainingOutcome(out_dir, kind, report, first, missing, time.monotonic() - started)
+        record = _training_record(outcome, taxonomy, train, validation, data, unlabelled, seed)
+        record["cascade"] = cascade
+        (building / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        (building / "README.md").write_text(model_card(record), encoding="utf-8")
     return outcome
 
 
@@ -380,17 +380,6 @@ def _served_taxonomy(taxonomy: Taxonomy, taxonomy_path: Path, out_dir: Path) -> 
     if served.labels != taxonomy.labels or served.prompt.list_intents:
         raise RuntimeError(f"{target}: rewriting the prompt changed the taxonomy")  # a bug, not a user error
     return served, target
-
-
-def _prepare(out_dir: Path) -> None:
-    """`out_dir` empty or new: a model folder of an earlier run there would mix two models' files."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not (out_dir / TRAINING_FILE).is_file():
-            raise UserError(f"--out {out_dir} is not empty and is not a folder `model train` wrote: refusing")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _encoder_line(report: encoder_stage.EncoderStageReport) -> str:
