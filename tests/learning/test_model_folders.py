@@ -9,6 +9,7 @@ files and then trains "forever", as the real one does for up to 20 minutes."""
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
 import os
@@ -324,3 +325,32 @@ def test_a_model_a_killed_swap_had_moved_aside_is_put_back(
         capsys.readouterr().err
     )
     assert not _leftovers(tmp_path) and (out / "encoder" / "head.npz").is_file()
+
+
+def test_a_folder_that_cannot_be_moved_aside_is_left_as_it_is_and_the_new_model_kept_beside(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    encoder_stage_only: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A volume mounted at --out cannot be renamed (EBUSY): the run must not lose its model or the folder."""
+    out = tmp_path / "desk"
+    assert main([*ZERO_SHOT, "--out", str(out)]) == 0
+    before = _contents(out)
+    rename = Path.rename
+
+    def mount_point(self: Path, target: str | Path) -> Path:
+        if self == out:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(self))
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", mount_point)
+    capsys.readouterr()
+    assert main([*ZERO_SHOT, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    (kept,) = (path for path in tmp_path.iterdir() if path.name.startswith("desk.new-"))
+    assert err == (
+        f"triage-worker: error: --out {out} cannot be moved aside (Device or resource busy; a mount point?), "
+        f"so it is as it was: train into a folder inside it; the new model is in {kept}"
+    )
+    assert _contents(out) == before and (kept / "training.json").is_file() and not _leftovers(tmp_path)

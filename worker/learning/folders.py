@@ -268,50 +268,74 @@ def writing(out: Path) -> Iterator[Path]:
     """A new empty folder beside `out` to build the model folder in (it must write a training.json);
     swapped in as `out` when the block completes, removed when it does not (see the module)."""
     check_target(out)
-    partial = out.parent / f".{out.name}.model-train-{os.getpid()}.partial"
+    target = Path(os.path.abspath(out))  # `--out .` has a name and a parent to put the partial folder in
+    partial = target.parent / f".{target.name}.model-train-{os.getpid()}.partial"
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(out)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(target)
         partial.mkdir()
     except OSError as error:
         raise UserError(f"--out {out}: cannot write beside it: {error.strerror or error}") from None
+    swapped = False
     try:
         yield partial
         _stamp(partial)
         with _stop_signals_held():
-            _swap(partial, out)
+            _swap(partial, out, target)
+            swapped = True
     except BaseException as error:
+        stop = error.args[0] if isinstance(error, Interrupted) else "SIGINT"
+        if isinstance(error, Interrupted):
+            error.reported = True
+        if swapped:  # a stop held while the new folder was swapped in, acted on once it was
+            _say(f"model train stopped by {stop}: {out} holds the new model (it was being swapped in)")
+            raise
         with _stop_signals_held():
             shutil.rmtree(partial, ignore_errors=True)
-        kept = f"{out} is as it was (the model in it still serves)" if out.exists() else f"{out} was not made"
+        if not target.exists():
+            kept = f"{out} was not made"
+        elif (target / TRAINING_FILE).is_file():
+            kept = f"{out} is as it was (the model in it still serves)"
+        else:
+            kept = f"{out} is as it was"
         if isinstance(error, KeyboardInterrupt):
-            stop = error.args[0] if isinstance(error, Interrupted) else "SIGINT"
             _say(f"model train stopped by {stop}: {kept}; the partial folder was removed")
-            if isinstance(error, Interrupted):
-                error.reported = True
-        elif not isinstance(error, _ChangedWhileTraining):
+        elif not isinstance(error, _NotReplaced):
             _say(f"model train failed: {kept}; the partial folder was removed")
         raise
 
 
-class _ChangedWhileTraining(UserError):
-    """`out` changed during the run so that it may no longer be replaced; the new model was kept aside."""
+class _NotReplaced(UserError):
+    """`out` could not be replaced after all (it changed while training, or cannot be renamed); the new
+    model was kept beside it under another name, which the message gives."""
 
 
-def _swap(partial: Path, out: Path) -> None:
+def _keep_aside(partial: Path, target: Path, why: str) -> _NotReplaced:
+    kept = target.parent / f"{target.name}.new-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    partial.rename(kept)
+    return _NotReplaced(f"{why}; the new model is in {kept}")
+
+
+def _swap(partial: Path, out: Path, target: Path) -> None:
     refusal = _refusal(out)  # checked again: the folder may have changed in the minutes training took
     if refusal is not None:
-        kept = out.parent / f"{out.name}.new-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        partial.rename(kept)
-        raise _ChangedWhileTraining(f"{refusal} (it changed while training); the new model is in {kept}")
-    if out.is_dir():
-        old = out.parent / f".{out.name}.model-train-{os.getpid()}.old"
-        out.rename(old)
-        try:
-            partial.rename(out)
-        except OSError:
-            old.rename(out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        partial.rename(out)
+        raise _keep_aside(partial, target, f"{refusal} (it changed while training)")
+    if not target.is_dir():
+        partial.rename(target)
+        return
+    old = target.parent / f".{target.name}.model-train-{os.getpid()}.old"
+    try:
+        target.rename(old)
+    except OSError as error:  # a mount point (a volume mounted at --out) cannot be renamed
+        raise _keep_aside(
+            partial,
+            target,
+            f"--out {out} cannot be moved aside ({error.strerror}; a mount point?), so it "
+            "is as it was: train into a folder inside it",
+        ) from None
+    try:
+        partial.rename(target)
+    except OSError:
+        old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
