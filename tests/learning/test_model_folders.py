@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -291,7 +292,7 @@ def test_an_interrupted_retrain_leaves_the_model_it_replaces_serving_and_the_sam
     assert _answer(out, capsys) == answer
     if stop == signal.SIGKILL:  # no clean-up could run: the next run does it
         (partial,) = _leftovers(tmp_path)
-        assert partial == f".desk.model-train-{process.pid}.partial"
+        assert partial == f".desk.model-train-{socket.gethostname()}-{process.pid}.partial"
     else:
         assert err.strip().splitlines()[-1] == (
             f"model train stopped by {stop.name}: {out} is as it was (the model in it still serves); the "
@@ -314,7 +315,7 @@ def test_a_model_a_killed_swap_had_moved_aside_is_put_back(
     assert main([*ZERO_SHOT, "--out", str(out)]) == 0
     dead = subprocess.Popen(["true"])
     dead.wait()
-    aside = tmp_path / f".desk.model-train-{dead.pid}.old"
+    aside = tmp_path / f".desk.model-train-{socket.gethostname()}-{dead.pid}.old"
     out.rename(aside)
     before = _contents(aside)
     capsys.readouterr()

@@ -7,16 +7,17 @@ writes its folder `--out DIR` through `writing(DIR)`:
    models/triage-mini and models/triage-encoder, the copies inside an installed wheel) and anything inside
    them are refused, as are a file and a folder with anything in it that `model train` cannot prove it
    wrote (`_refusal`): a folder it replaces loses nothing but the files of the model it held.
-2. The new folder is built in `.DIR.model-train-PID.partial` beside DIR (the same filesystem: the swap is
-   two renames, no copy).
+2. The new folder is built in `.DIR.model-train-HOST-PID.partial` beside DIR (the same filesystem: the swap
+   is two renames, no copy).
 3. Complete, its `training.json` gets `written_by` (`WRITTEN_BY`, `FORMAT`, every file written); the old
-   folder is renamed to `.DIR.model-train-PID.old`, the new one to DIR, and the old one removed. SIGINT and
-   SIGTERM are held across the renames, so no stop leaves DIR missing.
+   folder is renamed to `.DIR.model-train-HOST-PID.old`, the new one to DIR, and the old one removed.
+   SIGINT and SIGTERM are held across the renames, so no stop leaves DIR missing.
 4. Any exception or stop before that (Ctrl-C, SIGTERM, a bug, a UserError): the partial folder is removed,
    DIR is as it was (the model in it still serves), and one line says so.
 
-A run killed outright (SIGKILL, power loss) leaves its partial or old folder behind; the next run beside it
-removes them once their process is gone, or renames a lost DIR back from its old folder.
+A run killed outright (SIGKILL, power loss) leaves its partial or old folder behind; the next run into the
+same DIR on the same host removes them once their process is gone, or renames a lost DIR back from its old
+folder.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import types
@@ -58,7 +60,6 @@ LEGACY_FILES = frozenset(
         "encoder/VERSION",
     }
 )  # fmt: skip
-_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.model-train-(?P<pid>\d+)\.(?P<role>partial|old)$")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -199,6 +200,17 @@ def _other_entries(folder: Path, written: frozenset[str]) -> list[str]:
     return sorted((f"{name}/" if name in folders else name for name in tops), key=lambda n: (len(n), n))
 
 
+def _prefix(target: Path) -> str:
+    """The name of this host's partial and old folders beside `target`, up to the process id: a process of
+    another host (a pod sharing the volume) is none this one can tell alive or dead."""
+    return f".{target.name}.model-train-{socket.gethostname()}-"
+
+
+def _temporary(target: Path, role: str) -> Path:
+    """This process's partial or old folder beside `target`."""
+    return target.parent / f"{_prefix(target)}{os.getpid()}.{role}"
+
+
 def _pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return False  # this process has no folder yet: one of this number is an earlier process's
@@ -211,21 +223,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _clean_stale(out: Path) -> None:
-    """Remove the partial and old folders that runs killed outright left beside `out`, and rename a lost
-    `out` back from its old folder (a kill between the swap's two renames)."""
-    if not out.parent.is_dir():
-        return
-    for entry in sorted(out.parent.iterdir()):
-        match = _TEMPORARY.match(entry.name)
-        if match is None or match["name"] != out.name or _pid_alive(int(match["pid"])):
+def _clean_stale(target: Path) -> None:
+    """Remove the partial and old folders that runs on this host killed outright left beside `target`, and
+    rename a lost `target` back from its old folder (a kill between the swap's two renames)."""
+    left = re.compile(re.escape(_prefix(target)) + r"(\d+)\.(partial|old)")
+    for entry in sorted(target.parent.iterdir()):
+        match = left.fullmatch(entry.name)
+        if match is None or _pid_alive(int(match[1])):
             continue
-        if match["role"] == "old" and not out.exists():
-            entry.rename(out)
-            _say(f"{out}: put back the model an interrupted run (process {match['pid']}) had moved aside")
+        if match[2] == "old" and not target.exists():
+            entry.rename(target)
+            _say(f"{target}: put back the model an interrupted run (process {match[1]}) had moved aside")
         else:
             shutil.rmtree(entry, ignore_errors=True)
-            _say(f"removed {entry}, left by an interrupted run (process {match['pid']})")
+            _say(f"removed {entry}, left by an interrupted run (process {match[1]})")
 
 
 def _say(line: str) -> None:
@@ -269,7 +280,7 @@ def writing(out: Path) -> Iterator[Path]:
     swapped in as `out` when the block completes, removed when it does not (see the module)."""
     check_target(out)
     target = Path(os.path.abspath(out))  # `--out .` has a name and a parent to put the partial folder in
-    partial = target.parent / f".{target.name}.model-train-{os.getpid()}.partial"
+    partial = _temporary(target, "partial")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _clean_stale(target)
@@ -323,7 +334,7 @@ def _swap(partial: Path, out: Path, target: Path) -> None:
     if not target.is_dir():
         partial.rename(target)
         return
-    old = target.parent / f".{target.name}.model-train-{os.getpid()}.old"
+    old = _temporary(target, "old")
     try:
         target.rename(old)
     except OSError as error:  # a mount point (a volume mounted at --out) cannot be renamed
