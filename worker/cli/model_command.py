@@ -179,9 +179,9 @@ def _train_folder(args: argparse.Namespace) -> int:
         raise UserError(
             f"{command} needs --taxonomy FILE (the intents) and --out DIR (the model folder to write)"
         )
+    folders.check_target(Path(args.out))
     # Without torch and the rest the folder gets the encoder stage alone, and the line says what is missing.
     _require(ENCODER_STAGE_MODULES)
-    folders.check_target(Path(args.out))
     taxonomy_path = Path(args.taxonomy)
     taxonomy = load_taxonomy(taxonomy_path)
     max_seconds = 60.0 * (args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES)
