@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import socketserver
 import sys
 import threading
 import time
@@ -186,6 +187,15 @@ class _BoundedServer(ThreadingWSGIServer):
         self._lock = threading.Lock()
         self._deadlines: dict[socket.socket, float] = {}  # each open connection → when it is cut off
         self._refusals = Throttle()
+
+    def server_bind(self) -> None:
+        """As http.server's, less its `socket.getfqdn` of the address: a name look-up (the host's own name, by
+        DNS where /etc/hosts lacks it, for the default 0.0.0.0) that a worker which connects nowhere but its
+        broker, its registry and this port must not make. SERVER_NAME is the address it listens on."""
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.socket.getsockname()[:2]
+        self.server_name, self.server_port = host, port
+        self.setup_environ()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:
