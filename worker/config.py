@@ -318,17 +318,29 @@ class ReviewSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 class PrivacySettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Personal data in tickets (docs/privacy.md): which kinds are looked for (each result's `pii` lists
-    those found) and which of them stay in clear in the copies the worker makes (the review topic, logs)."""
+    those found) and which of them stay in clear on the review topic. Build each redactor once: they are
+    reused per record."""
 
     detect: list[Kind] = msgspec.field(default_factory=lambda: list(KINDS))
-    # Detected, listed in `pii`, but not redacted: for a deployment whose reviewers may see, say, e-mails.
+    # Detected, listed in `pii`, but not redacted on the review topic (and nowhere else): for a deployment
+    # whose reviewers may see, say, e-mails.
     keep: list[Kind] = msgspec.field(default_factory=list)
     # ISO 3166 country of phone numbers written without a +country code; "" finds only those with one.
     phone_region: Annotated[str, msgspec.Meta(pattern=r"^([A-Z]{2})?$")] = "US"
 
     def redactor(self) -> Redactor:
-        """The detector and redactor these settings describe (build it once: it is reused per ticket)."""
+        """The ticket's scan: `detect`'s kinds, `keep`'s left in clear (the review topic's text)."""
         return Redactor(self.detect, self.keep, self.phone_region or None)
+
+    def copy_redactor(self) -> Redactor:
+        """`detect`'s kinds, none kept: what every other copy of ticket data takes (keys and headers of
+        results, redacted dead letters, training files)."""
+        return Redactor(self.detect, (), self.phone_region or None)
+
+    def log_redactor(self) -> Redactor:
+        """Every kind, `detect` or not, none kept: the worker's own words, which may quote anything (logs,
+        `triage.error.message`, a command's error line)."""
+        return Redactor(KINDS, (), self.phone_region or None)
 
 
 class DeadLetterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

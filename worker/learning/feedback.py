@@ -76,7 +76,7 @@ class Rejection:
 def training_redactor(settings: Settings) -> Redactor:
     """What masks the corrections' texts: every kind `privacy.detect` names, `privacy.keep` or not (that
     setting is for reviewers' eyes; a training file is a copy on disk)."""
-    return Redactor(settings.privacy.detect, (), settings.privacy.phone_region or None)
+    return settings.privacy.copy_redactor()
 
 
 @dataclass
