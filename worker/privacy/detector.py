@@ -253,6 +253,8 @@ def _grouped_as_dialled(raw: str, region: str | None) -> bool:
     return any(match.raw_string == raw for match in strict)
 
 
+# Every kind holds a digit or an `@`: text without either (most header names and many tickets) holds none.
+_ANY_SIGN = re.compile(r"[\d@]")
 # What claimed spans are overwritten with before the next kind is looked for: no letter, digit, separator or
 # sign any detector reads, so a span is neither found twice nor glued to what follows it.
 _MASK = "\u2588"
@@ -265,6 +267,8 @@ def find(text: str, region: str | None = "US", kinds: frozenset[Kind] = frozense
     alpha-2, e.g. "US") is the country of phone numbers written without a country code; None finds only
     those with one."""
     found: list[Finding] = []
+    if _ANY_SIGN.search(text) is None:
+        return found
     masked = text
     for kind in KINDS:
         if kind not in kinds:
