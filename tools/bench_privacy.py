@@ -22,7 +22,9 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from tools.pii_corpus import card_number, iban, phone, us_ssn
 from worker.classification import ClassifyRequest
@@ -33,6 +35,7 @@ from worker.privacy.redaction import Redactor
 from worker.privacy.values import CarriedMetadata
 
 REPO = Path(__file__).resolve().parents[1]
+Item = TypeVar("Item")
 DATA = REPO / "data" / "banking77"
 _SENTENCES = (
     ("card_number", "My card number is {}.", card_number),
@@ -52,20 +55,21 @@ def _accuracy(engine: Engine, texts: list[str], examples: list[Example]) -> floa
     return right / len(texts)
 
 
-def _headers(trace: str) -> list[tuple[str, bytes | None]]:
-    """What a traced record of the worker's samples carries: W3C trace context and the sample's kind."""
+def _headers(rng: random.Random) -> list[tuple[str, bytes | None]]:
+    """What a traced record of the worker's samples carries: W3C trace context (random ids, as a tracer's
+    are) and the sample's kind."""
+    trace, span = f"{rng.getrandbits(128):032x}", f"{rng.getrandbits(64):016x}"
     return [
-        ("traceparent", f"00-{trace * 4}-{trace * 2}-01".encode()),
-        ("tracestate", f"congo={trace}".encode()),
+        ("traceparent", f"00-{trace}-{span}-01".encode()),
+        ("tracestate", f"congo={span}".encode()),
         ("sample.kind", b"ticket"),
     ]
 
 
-def _per_ticket_s(work: list[str], run: object) -> float:
-    assert callable(run)
+def _per_ticket_s(work: Sequence[Item], run: Callable[[Item], object]) -> float:
     started = time.perf_counter()
-    for text in work:
-        run(text)
+    for item in work:
+        run(item)
     return (time.perf_counter() - started) / len(work)
 
 
@@ -110,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     detector_pii_s = _per_ticket_s(with_pii * 3, lambda t: redactor.scan(None, t))
     privacy = PrivacySettings()
     carried = CarriedMetadata(privacy.copy_redactor(), privacy.carry_headers)
+    records = [(f"customer-{index}".encode(), _headers(rng)) for index in range(len(plain))]
     keys_and_headers_s = _per_ticket_s(
-        [f"{index:08x}" for index in range(len(plain))],
-        lambda t: (carried.key_is_personal(f"customer-{t}".encode()), carried.headers(_headers(t))),
+        records, lambda record: (carried.key_is_personal(record[0]), carried.headers(record[1]))
     )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     result = {
