@@ -217,10 +217,10 @@ def _ssns(text: str) -> Iterator[Finding]:
 
 # -- phone numbers -------------------------------------------------------------------------------------------
 
-# A phone number has at least seven digits, possibly split by spaces, dots, dashes or brackets, and its first
-# digit follows no letter or digit (a number glued to a word is no phone: `_glued`), which spares the costly
-# matcher the digit runs inside hex ids (trace ids, UUIDs).
-_PHONE_SIGN = re.compile(r"(?<![^\W_])\d(?:[\s().\-/]{0,3}\d){6}")
+# A phone number has at least seven digits, possibly split by spaces, dots, dashes or brackets, neither
+# following nor followed by a letter or digit (a number glued to a word is no phone: `_glued`), which spares
+# the costly matcher the digit runs inside hex ids (trace ids, UUIDs).
+_PHONE_SIGN = re.compile(r"(?<![^\W_])\d(?:[\s().\-/]{0,3}\d){6,}(?![^\W_])")
 
 
 def _phones(text: str, region: str | None) -> Iterator[Finding]:
