@@ -7,11 +7,14 @@ real broker: tests/privacy/test_privacy_topics_e2e.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from worker.cli.cli import main
 from worker.config import PrivacySettings, Settings, load_settings
+from worker.errors import UserError
+from worker.inference.loading import with_zero_shot_review
 from worker.kafka.dead_letters import ERROR_MESSAGE, OMITTED_BYTES, REDACTED, REPLAY_COUNT, read_dead_letter
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.records import DeadLetterRedaction, result_key
@@ -128,6 +131,17 @@ def test_detecting_nothing_where_a_setting_promises_redaction_is_refused_at_star
         "triage-worker: error: config error: privacy.detect: [] "
     )
     assert refused_because in error
+
+
+def test_detecting_nothing_is_refused_where_a_zero_shot_model_turns_review_on(tmp_path: Path) -> None:
+    folder = tmp_path / "day0"
+    folder.mkdir()
+    (folder / "VERSION").write_text("zero-shot\n")
+    env = {"TRIAGE_PRIVACY__DETECT": "", "TRIAGE_INFERENCE__REDACT_INPUT": "false"}
+    settings = load_settings(env={**env, "TRIAGE_INFERENCE__MODEL": str(folder)})
+    refused = r"^config error: privacy.detect: \[\] detects nothing, so the review topic"
+    with pytest.raises(UserError, match=refused):
+        with_zero_shot_review(settings)
 
 
 def test_detecting_nothing_is_accepted_where_nothing_promises_redaction() -> None:
