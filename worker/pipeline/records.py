@@ -20,7 +20,7 @@ from worker.kafka.dead_letters import OMITTED_BYTES, REDACTED_DROPPED, dead_lett
 from worker.messages import SCHEMA_VERSION, PiiKind, SourcePosition, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.work import Headers, Output, Work
 from worker.privacy.redaction import Redactor
-from worker.privacy.values import CarriedMetadata, redact_bytes, redact_value
+from worker.privacy.values import CarriedMetadata, redact_bytes, redact_headers, redact_value
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -120,11 +120,9 @@ class DeadLetterRedaction:
         redactor = self.record
         redacted, form = redact_value(value, redactor) if value else (value, "text")
         key = None if key is None else redact_bytes(key, redactor)
-        headers = [
-            (redactor.redact(name), None if content is None else redact_bytes(content, redactor))
-            for name, content in headers or ()
-        ]
-        letter = dead_letter_headers(headers, error_type, message, *where, redacted=form)
+        letter = dead_letter_headers(
+            redact_headers(headers or (), redactor), error_type, message, *where, redacted=form
+        )
         if form == REDACTED_DROPPED:
             assert value is not None  # only a value is dropped
             letter.append((OMITTED_BYTES, str(len(value)).encode("ascii")))

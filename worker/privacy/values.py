@@ -13,7 +13,9 @@ header values) by what they are on the wire, so that the redacted copy reads as 
   tags) cannot be told from the text, and a length byte that happens to be a printable character glued to
   an identifier (`6` before `4111111111111111`) hides it from any search of the bytes.
 
-`RedactedForm` names which was done: a dead letter says so in its `triage.redacted` header.
+`RedactedForm` names which was done: a dead letter says so in its `triage.redacted` header. Keys and header
+values are redacted as text (`redact_bytes`: bytes that are not UTF-8 stay, a binary id is no text);
+`CarriedMetadata` says which input headers a triage record carries and whether it may carry the key.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import msgspec
 from worker.privacy.redaction import Redactor
 
 RedactedForm = Literal["json", "text", "dropped"]
+# As a record carries them: a header may be present with no value (None).
+Headers = list[tuple[str, bytes | None]]
 
 # Confluent wire format: magic byte 0, then the schema id (4 bytes, big-endian), then the payload.
 _WIRE_MAGIC = 0
@@ -77,12 +81,18 @@ def redact_bytes(value: bytes, redactor: Redactor) -> bytes:
     return value if redacted == text else redacted.encode("utf-8", errors="surrogateescape")
 
 
+def redact_headers(headers: Iterable[tuple[str, bytes | None]], redactor: Redactor) -> Headers:
+    """Each header's name and value redacted (`redact_bytes`), in order."""
+    return [
+        (redactor.redact(name), None if value is None else redact_bytes(value, redactor))
+        for name, value in headers
+    ]
+
+
 # `privacy.carry_headers`' name for every header.
 EVERY_HEADER = "*"
 # A header the worker writes itself (`triage.replay_count`, `triage.redacted`, ...): always carried.
 _OWN_HEADER_PREFIX = "triage."
-
-Headers = list[tuple[str, bytes | None]]
 
 
 class CarriedMetadata:
@@ -101,11 +111,12 @@ class CarriedMetadata:
         """The headers carried, in order, redacted."""
         if not headers:
             return None if headers is None else []
-        return [
-            (self._redactor.redact(name), None if value is None else redact_bytes(value, self._redactor))
+        carried = (
+            (name, value)
             for name, value in headers
             if self._carry is None or name.startswith(_OWN_HEADER_PREFIX) or name.lower() in self._carry
-        ]
+        )
+        return redact_headers(carried, self._redactor)
 
     def key_is_personal(self, key: bytes) -> bool:
         """Whether `key` holds personal data (an e-mail address, a phone number, ...)."""
