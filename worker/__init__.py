@@ -49,7 +49,8 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   flags (`worker.pipeline`, `worker.telemetry`, `worker.cli`). Of the worker, only `worker.cli` imports it.
 - ``worker/privacy`` (personal data): finds card numbers, IBANs, e-mail addresses, phone numbers and US
   SSNs in ticket text and redacts them (`Redactor.scan`, once per ticket); every copy the worker makes of a
-  ticket (review records, logs, dead-letter messages, training corrections) takes its text from it.
+  ticket (review records, logs, dead-letter messages, training corrections) takes its text from it, and
+  `values` redacts a record's raw bytes by their wire format (dead-letter values, keys and headers).
   Imports nothing of the worker, so every room and the shared modules may import it.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             "pipeline.deadline_ms": args.deadline_ms,
         },
     )
-    configure_logging(settings.log)
+    configure_logging(settings.log, settings.privacy)
     with contextlib.ExitStack() as files:
         source = None if args.input is None else files.enter_context(_open_input(args.input))
         out = files.enter_context(_open_output(args.output, source))
@@ -169,7 +169,7 @@ def _classify_tickets(
     deadline_s = settings.pipeline.deadline_ms / 1000.0
     order = _InputOrder(out, settings.privacy.redactor())
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(open_pool(settings.inference, settings.log))
+        pool = stack.enter_context(open_pool(settings.inference, settings.log, settings.privacy))
         started = time.monotonic()  # throughput of the model, not of loading it
         stage = _escalation_stage(settings, taxonomy, taxonomy_path, stack, window=_HELD_LINES)
         escalations = None if stage is None else _Escalations(escalation_threshold(settings.inference), stage)

@@ -35,7 +35,7 @@ from worker.kafka.dead_letters import RESULT_REFUSED
 from worker.pipeline.deliveries import Deliveries
 from worker.pipeline.guarantees import Failure, send, smaller
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.records import dead_letter
+from worker.pipeline.records import DeadLetterRedaction, dead_letter
 from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")
@@ -66,8 +66,7 @@ class Acknowledging:
         give_up_at: Callable[[], float | None],
     ) -> None:
         self._dead_letter_topic = settings.topics.dead_letter
-        self._redactor = settings.privacy.redactor()
-        self._redact_dead_letters = settings.dead_letter.redact
+        self._dead_letter_redaction = DeadLetterRedaction.configured(settings)
         self._metrics, self._clock, self._failure = metrics, clock, failure
         self._settle, self._give_up_at = settle, give_up_at
         self.deliveries = Deliveries()
@@ -127,8 +126,8 @@ class Acknowledging:
         elif output.topic != self._dead_letter_topic and error.code() in errors.REFUSED_CONTENT:
             self._metrics.dead_letter(RESULT_REFUSED)
             reason = f"the triage record was refused: {error.name()}: {error.str()}"
-            topic, redactor, redact = self._dead_letter_topic, self._redactor, self._redact_dead_letters
-            self.write(work, dead_letter(work, topic, RESULT_REFUSED, reason, redactor, redact))
+            topic, redaction = self._dead_letter_topic, self._dead_letter_redaction
+            self.write(work, dead_letter(work, topic, RESULT_REFUSED, reason, redaction))
             return
         self._metrics.delivery_failed += 1
         _log.warning(

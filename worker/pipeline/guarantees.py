@@ -63,7 +63,7 @@ from worker.pipeline.committer import Committer
 from worker.pipeline.deliveries import Deliveries
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.offsets import OffsetTracker, PartitionOffsets
-from worker.pipeline.records import dead_letter
+from worker.pipeline.records import DeadLetterRedaction, dead_letter
 from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")
@@ -234,8 +234,7 @@ class _Base:
         settings = wiring.settings
         self._pipeline = settings.pipeline
         self._dead_letter_topic = settings.topics.dead_letter if wiring.dead_letters else None
-        self._redactor = settings.privacy.redactor()
-        self._redact_dead_letters = settings.dead_letter.redact
+        self._dead_letter_redaction = DeadLetterRedaction.configured(settings)
         self._clients = wiring.clients
         self._consumer = wiring.consumer
         self._tracker = wiring.tracker
@@ -380,9 +379,7 @@ class _Base:
         )
         reason = f"the triage record was refused: {error.name()}: {error.str()}"
         assert self._dead_letter_topic is not None  # `_refused_for_content` said so
-        return dead_letter(
-            work, self._dead_letter_topic, RESULT_REFUSED, reason, self._redactor, self._redact_dead_letters
-        )
+        return dead_letter(work, self._dead_letter_topic, RESULT_REFUSED, reason, self._dead_letter_redaction)
 
     def _delivery_failed(self, work: Work, error: confluent_kafka.KafkaError, stopped: str) -> None:
         self._metrics.delivery_failed += 1
