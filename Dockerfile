@@ -40,10 +40,13 @@ COPY models/triage-mini/ /app/models/triage-mini/
 COPY taxonomies/ /app/taxonomies/
 WORKDIR /app
 # The installed package has no repository around it: point it at the model explicitly. Metrics and probes are
-# on (port 9400) in the image, JSON logs for log shippers.
+# on (port 9400) in the image, JSON logs for log shippers. ORT_DISABLE_TELEMETRY: onnxruntime and
+# onnxruntime-genai send no telemetry to their vendor from any process in the image (the package sets it too):
+# the worker opens no connection but its broker's, its Schema Registry's and its metrics port (docs/privacy.md).
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    ORT_DISABLE_TELEMETRY=1 \
     TRIAGE_INFERENCE__MODEL=/app/models/triage-mini \
     TRIAGE_METRICS__PORT=9400 \
     TRIAGE_LOG__FORMAT=json

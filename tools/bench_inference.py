@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import msgspec
-import onnxruntime_genai as og
 
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.config import InferenceSettings
 from worker.inference.batch import BatchRunner
 from worker.inference.engine import Engine
+from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
 from worker.inference.pool import open_pool
 
 TICKETS = [

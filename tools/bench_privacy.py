@@ -5,9 +5,10 @@
    an identifier of the generated corpus appended to each ticket, and with that sentence redacted (what the
    model gets with `inference.redact_input = true`).
 3. Cost: the detector's time per ticket (corpus tickets, which all hold identifiers, and BANKING77 tickets,
-   which hold none) against the worker's own time per ticket, measured here as the embedded model's time
-   per ticket in one context (`score`): the smallest share of a ticket's cost the worker has, so the ratio
-   is an upper bound of the throughput the detector can take.
+   which hold none), and per triage record for its key and the input headers it carries (W3C trace context
+   and a short header of the worker's samples, all scanned), against the worker's own time per ticket,
+   measured here as the embedded model's time per ticket in one context (`score`): the smallest share of a
+   ticket's cost the worker has, so the ratio is an upper bound of the throughput the detector can take.
 
 Writes results/privacy.json and prints it.
 """
@@ -21,16 +22,20 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from tools.pii_corpus import card_number, iban, phone, us_ssn
 from worker.classification import ClassifyRequest
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
+from worker.config import DEFAULT_MODEL_DIR, InferenceSettings, PrivacySettings
 from worker.inference.engine import Engine
 from worker.learning.evaluation import Example, read_examples, resolve_taxonomy
 from worker.privacy.redaction import Redactor
+from worker.privacy.values import CarriedMetadata
 
 REPO = Path(__file__).resolve().parents[1]
+Item = TypeVar("Item")
 DATA = REPO / "data" / "banking77"
 _SENTENCES = (
     ("card_number", "My card number is {}.", card_number),
@@ -50,11 +55,21 @@ def _accuracy(engine: Engine, texts: list[str], examples: list[Example]) -> floa
     return right / len(texts)
 
 
-def _per_ticket_s(work: list[str], run: object) -> float:
-    assert callable(run)
+def _headers(rng: random.Random) -> list[tuple[str, bytes | None]]:
+    """What a traced record of the worker's samples carries: W3C trace context (random ids, as a tracer's
+    are) and the sample's kind."""
+    trace, span = f"{rng.getrandbits(128):032x}", f"{rng.getrandbits(64):016x}"
+    return [
+        ("traceparent", f"00-{trace}-{span}-01".encode()),
+        ("tracestate", f"congo={span}".encode()),
+        ("sample.kind", b"ticket"),
+    ]
+
+
+def _per_ticket_s(work: Sequence[Item], run: Callable[[Item], object]) -> float:
     started = time.perf_counter()
-    for text in work:
-        run(text)
+    for item in work:
+        run(item)
     return (time.perf_counter() - started) / len(work)
 
 
@@ -97,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     model_s = _per_ticket_s(sample, lambda t: context.classify(ClassifyRequest(0, t, time.monotonic() + 60)))
     detector_clean_s = _per_ticket_s(plain * 3, lambda t: redactor.scan(None, t))
     detector_pii_s = _per_ticket_s(with_pii * 3, lambda t: redactor.scan(None, t))
+    privacy = PrivacySettings()
+    carried = CarriedMetadata(privacy.copy_redactor(), privacy.carry_headers)
+    records = [(f"customer-{index}".encode(), _headers(rng)) for index in range(len(plain))]
+    keys_and_headers_s = _per_ticket_s(
+        records, lambda record: (carried.key_is_personal(record[0]), carried.headers(record[1]))
+    )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     result = {
         "command": "python -m tools.bench_privacy" + (" --quick" if args.quick else ""),
@@ -115,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             "detector_us_per_ticket_with_identifier": round(detector_pii_s * 1e6, 1),
             "detector_share_of_model_time_banking77": round(detector_clean_s / model_s, 4),
             "detector_share_of_model_time_with_identifier": round(detector_pii_s / model_s, 4),
+            "key_and_headers_us_per_record": round(keys_and_headers_s * 1e6, 1),
+            "key_and_headers_share_of_model_time": round(keys_and_headers_s / model_s, 4),
         },
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

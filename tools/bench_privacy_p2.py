@@ -18,7 +18,7 @@ from typing import Any
 
 from tools.bench.measure import group_name, progress, rate_of
 from tools.load import BenchWorker, Offsets, Tickets, cpu_seconds, kafka, new_topics, produce_tickets
-from worker.config import LogSettings
+from worker.config import LogSettings, PrivacySettings
 from worker.logs import configure_logging
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(REPO / "results" / "privacy-p2.json"))
     args = parser.parse_args(argv)
-    configure_logging(LogSettings(level="warning"))
+    configure_logging(LogSettings(level="warning"), PrivacySettings())
     tickets = Tickets()
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory() as tmp, kafka(progress) as bootstrap:

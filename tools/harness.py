@@ -10,6 +10,7 @@ table: nothing lost, duplicates counted.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -166,13 +167,17 @@ class WorkerProcess:
         log_path: Path,
         own_session: bool = False,
         env: dict[str, str] | None = None,
+        tracer: Sequence[str] = (),
     ) -> None:
-        """`own_session`: a Ctrl-C of the caller does not reach the worker (the caller stops it)."""
+        """`own_session`: a Ctrl-C of the caller does not reach the worker (the caller stops it).
+        `tracer`: a command the worker runs under (`strace ... --`); `process` is then the tracer's and `pid`
+        the worker's."""
         self.log_path = log_path
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "TRIAGE_"))}
         self._log = log_path.open("wb")
+        self._traced = bool(tracer)
         self.process = subprocess.Popen(
-            command,
+            [*tracer, *command],
             cwd=REPO,
             env={**clean, **(env or {})},
             stdout=self._log,
@@ -182,7 +187,24 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int:
+        """The worker's process id: under a tracer, the tracer's child (the tracer's own once it is gone)."""
+        if not self._traced:
+            return self.process.pid
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with contextlib.suppress(OSError):  # the tracer exited meanwhile
+                started = children.read_text().split()
+                if started:
+                    return int(started[0])
+            time.sleep(0.05)
         return self.process.pid
+
+    def send_signal(self, signum: int) -> None:
+        """Send `signum` to the worker, unless its process (or its tracer) has ended."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(self.pid, signum)
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         found = []
@@ -217,9 +239,10 @@ class Worker(WorkerProcess):
         slow_model_s: float = 0.0,
         model: Path | None = TINY_MODEL,
         env: dict[str, str] | None = None,
+        tracer: Sequence[str] = (),
     ) -> None:
         """`model=None` leaves the model to the settings (e.g. a `--config` file in `args`); `env` is added
-        to the worker's environment."""
+        to the worker's environment; `tracer` as for `WorkerProcess`."""
         self._bootstrap, self._group, self._input_topic = bootstrap, group, topics.input
         sets = {**fast_group_options(settings or {}), **(settings or {})}
         options = [
@@ -230,7 +253,7 @@ class Worker(WorkerProcess):
         # A slowed model runs the same CLI through tests/slow_model.py.
         entry = ["-m", "worker"] if not slow_model_s else [str(SLOW_MODEL_SCRIPT), str(slow_model_s)]
         command = worker_command(bootstrap, topics, group, options, entry)
-        super().__init__(command, log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log", env=env)
+        super().__init__(command, log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log", env=env, tracer=tracer)
 
     def wait_for(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -250,8 +273,7 @@ class Worker(WorkerProcess):
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait: the graceful path."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+        self.send_signal(signal.SIGTERM)
         try:
             code = self.process.wait(timeout)
         finally:
@@ -271,7 +293,7 @@ class Worker(WorkerProcess):
     def kill(self) -> None:
         """SIGKILL: the crash path (no flush, no commit, no leaving the group)."""
         if self.process.poll() is None:
-            self.process.kill()
+            self.send_signal(signal.SIGKILL)
             self.process.wait(30)
         # The pool's worker processes notice the closed pipe and exit by themselves.
         self._log.close()

@@ -1,5 +1,6 @@
 """A generated corpus of support tickets holding personal data of every kind the worker detects, in many
-formats, and near-misses that must stay as they are (issue #33; docs/privacy.md).
+formats (digit groups split by spaces, no-break spaces, tabs, line breaks, dashes or dots), and near-misses
+that must stay as they are (issue #33; docs/privacy.md).
 
 Every identifier is valid by its own rules: cards pass Luhn and sit in an issuer's range (Visa, Mastercard
 in both series, American Express, Discover, Diners Club, JCB, UnionPay, Maestro), IBANs of fourteen countries
@@ -55,6 +56,9 @@ _IBAN_COUNTRIES: tuple[tuple[str, str], ...] = (
     ("PT", "nnnnnnnnnnnnnnnnnnnnn"),
     ("NO", "nnnnnnnnnnn"),
 )
+# Between the groups of a card number or an IBAN, besides a space or a dash: what HTML mail clients paste (a
+# no-break, narrow no-break or thin space), a tab, a line break, an en dash, a dot.
+_PASTED_SEPARATORS = ("\u00a0", "\u202f", "\u2009", "\t", "\n", "\u2013", ".")
 _PHONE_REGIONS = ("US", "GB", "DE", "FR", "IN", "BR", "JP", "AU", "ES", "IT", "NL", "MX", "ZA", "CA", "SG")
 _EMAILS = (
     "jane.doe@example.com",
@@ -114,7 +118,7 @@ def card_number(rng: random.Random) -> str:
     prefix, length, groups = rng.choice(_CARD_BRANDS)
     body = prefix + "".join(rng.choice("0123456789") for _ in range(length - len(prefix) - 1))
     digits = body + _luhn_digit(body)
-    return _grouped(digits, groups, rng.choice(["", " ", "-", " "]))
+    return _grouped(digits, groups, rng.choice(["", " ", "-", " ", *_PASTED_SEPARATORS]))
 
 
 def failing_order_number(rng: random.Random) -> str:
@@ -149,7 +153,8 @@ def iban(rng: random.Random, valid: bool = True) -> str:
     style = rng.randrange(3)
     if style == 0:
         return compact
-    grouped = " ".join(compact[i : i + 4] for i in range(0, len(compact), 4))
+    separator = rng.choice([" ", " ", *_PASTED_SEPARATORS])
+    grouped = separator.join(compact[i : i + 4] for i in range(0, len(compact), 4))
     return grouped if style == 1 else grouped.lower()
 
 

@@ -25,8 +25,9 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
 - ``worker/learning`` (learning): the trainers as a library: ticket exports in (`data`), the encoder stage
   from tickets or zero-shot (`encoder_stage`), the first stage (`first_stage`), both stages into one model
-  folder (`compose`), the ORT GenAI export (`export`), evaluation on BANKING77 (`evaluation`), reviewers'
-  feedback (`feedback`) and the fine-tune on it (`fine_tune`), model files fetched with Maven (`artifacts`).
+  folder (`compose`), where a model folder may be written and how it replaces the old one (`folders`), the
+  ORT GenAI export (`export`), evaluation on BANKING77 (`evaluation`), reviewers' feedback (`feedback`) and
+  the fine-tune on it (`fine_tune`), model files fetched with Maven (`artifacts`).
   Imports the shared modules, `worker.inference`, `worker.kafka` and `worker.pipeline` (the feedback topic
   read, its rejects dead-lettered with the pipeline's redaction); never `worker.cli` or `worker.dev`.
 - ``worker/contracts`` (data contracts): tickets in the Schema Registry formats (Avro, JSON Schema,
@@ -48,7 +49,8 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   flags (`worker.pipeline`, `worker.telemetry`, `worker.cli`). Of the worker, only `worker.cli` imports it.
 - ``worker/privacy`` (personal data): finds card numbers, IBANs, e-mail addresses, phone numbers and US
   SSNs in ticket text and redacts them (`Redactor.scan`, once per ticket); every copy the worker makes of a
-  ticket (review records, logs, dead-letter messages, training corrections) takes its text from it.
+  ticket (review records, logs, dead-letter messages, training corrections) takes its text from it, and
+  `values` redacts a record's raw bytes by their wire format (dead-letter values, keys and headers).
   Imports nothing of the worker, so every room and the shared modules may import it.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
   (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files

@@ -28,6 +28,7 @@ from worker.librdkafka import PROPERTIES as LIBRDKAFKA_PROPERTIES
 from worker.messages import TicketEvent
 from worker.privacy.detector import KINDS, Kind
 from worker.privacy.redaction import Redactor
+from worker.privacy.values import EVERY_HEADER
 from worker.shipped import shipped_path
 from worker.small_files import read_small_file
 
@@ -319,17 +320,34 @@ class ReviewSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 class PrivacySettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Personal data in tickets (docs/privacy.md): which kinds are looked for (each result's `pii` lists
-    those found) and which of them stay in clear in the copies the worker makes (the review topic, logs)."""
+    those found) and which of them stay in clear on the review topic. Build each redactor once: they are
+    reused per record."""
 
     detect: list[Kind] = msgspec.field(default_factory=lambda: list(KINDS))
-    # Detected, listed in `pii`, but not redacted: for a deployment whose reviewers may see, say, e-mails.
+    # Detected, listed in `pii`, but not redacted on the review topic (and nowhere else): for a deployment
+    # whose reviewers may see, say, e-mails.
     keep: list[Kind] = msgspec.field(default_factory=list)
     # ISO 3166 country of phone numbers written without a +country code; "" finds only those with one.
     phone_region: Annotated[str, msgspec.Meta(pattern=r"^([A-Z]{2})?$")] = "US"
+    # The input headers a triage record (and its review and shadow copies) carries, by name (case does not
+    # matter), besides the worker's own `triage.*`; "*": every header. Their names and values are redacted.
+    carry_headers: list[Annotated[str, msgspec.Meta(min_length=1)]] = msgspec.field(
+        default_factory=lambda: [EVERY_HEADER]
+    )
 
     def redactor(self) -> Redactor:
-        """The detector and redactor these settings describe (build it once: it is reused per ticket)."""
+        """The ticket's scan: `detect`'s kinds, `keep`'s left in clear (the review topic's text)."""
         return Redactor(self.detect, self.keep, self.phone_region or None)
+
+    def copy_redactor(self) -> Redactor:
+        """`detect`'s kinds, none kept: what every other copy of ticket data takes (keys and headers of
+        results, redacted dead letters, training files)."""
+        return Redactor(self.detect, (), self.phone_region or None)
+
+    def log_redactor(self) -> Redactor:
+        """Every kind, `detect` or not, none kept: the worker's own words, which may quote anything (logs,
+        `triage.error.message`, a command's error line)."""
+        return Redactor(KINDS, (), self.phone_region or None)
 
 
 class DeadLetterSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -750,6 +768,7 @@ def load_settings(
     entries.update(_override_entries(overrides or {}))
     settings = _assemble(entries)
     _check_registry(settings, entries)
+    _check_privacy(settings, entries)
     return settings
 
 
@@ -764,6 +783,31 @@ def _check_registry(settings: Settings, entries: Mapping[_Key, _Entry]) -> None:
                 "schema_registry.url",
                 f"required by {key} = {chosen}{origin}: the registry's address (`triage-worker registry "
                 "start` prints a local one's)",
+            )
+
+
+def _check_privacy(settings: Settings, entries: Mapping[_Key, _Entry]) -> None:
+    """`privacy.detect = []` looks for nothing, so a setting that promises redaction (of dead letters, of the
+    review topic's text, of the model's input) would redact nothing: refused at start rather than leaving
+    personal data in clear where the settings say it is masked."""
+    if settings.privacy.detect:
+        return
+    promises = [
+        ("dead_letter.redact", "true", settings.dead_letter.redact),
+        ("review.threshold", str(settings.review.threshold), settings.review.threshold is not None),
+        ("review.fallbacks", "true", settings.review.fallbacks),
+        ("inference.redact_input", "true", settings.inference.redact_input),
+    ]
+    for key, shown, promised in promises:
+        if promised:
+            given = entries.get(tuple(key.split(".")))
+            origin = "the default" if given is None else f"from {given.source}"
+            detect = entries.get(("privacy", "detect"))
+            raise _error(
+                "privacy.detect",
+                f"[] detects nothing, so {key} = {shown} ({origin}) would redact nothing: name the kinds to "
+                f"detect (privacy.keep leaves them in clear on the review topic), or turn {key} off",
+                None if detect is None else detect.source,
             )
 
 

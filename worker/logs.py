@@ -20,14 +20,15 @@ from typing import TextIO
 
 import structlog
 
-from worker.config import LogSettings
+from worker.config import LogSettings, PrivacySettings
 from worker.privacy.redaction import Redactor
 
 
-def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> None:
+def configure_logging(settings: LogSettings, privacy: PrivacySettings, stream: TextIO | None = None) -> None:
     """Route structlog events at or above the set level to `stream` (default stderr), every string in them
-    (tracebacks included) with its personal data redacted: whatever a log line quotes of a ticket, at any
-    level, the log never holds it in clear (docs/privacy.md)."""
+    (tracebacks included) with its personal data redacted (`privacy.log_redactor()`: every kind, none kept,
+    phone numbers of `privacy.phone_region`): whatever a log line quotes of a ticket, at any level, the log
+    never holds it in clear (docs/privacy.md)."""
     level = logging.getLevelName(settings.level.upper())
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()
@@ -40,7 +41,7 @@ def configure_logging(settings: LogSettings, stream: TextIO | None = None) -> No
             structlog.processors.format_exc_info,
             # Before the level and the timestamp: those are the worker's own, and a timestamp's digit run
             # would send every line through the phone number matcher for nothing.
-            RedactingProcessor(Redactor()),
+            RedactingProcessor(privacy.log_redactor()),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             renderer,

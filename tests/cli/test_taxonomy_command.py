@@ -3,6 +3,8 @@ problem of a taxonomy in one run."""
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -112,3 +114,60 @@ def test_init_lists_every_label_with_its_count_and_the_result_checks_and_matches
         main(["taxonomy", "init", "--from-data", str(export), "--label-column", "team", "--out", str(out)])
         == 2
     )
+
+
+def test_init_skips_json_null_labels_and_texts_counting_them_never_an_intent_null(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    export = tmp_path / "export.jsonl"
+    rows = [("where is my card", "card_delivery"), ("refund please", None), (None, "card_delivery")]
+    export.write_text("".join(json.dumps({"text": text, "label": label}) + "\n" for text, label in rows))
+    out = tmp_path / "desk.toml"
+    assert main(["taxonomy", "init", "--from-data", str(export), "--out", str(out)]) == 0
+    taxonomy = load_taxonomy(out)
+    assert taxonomy.labels == ("card_delivery",)
+    assert "3 rows, 1 used; skipped 2 empty text or label" in out.read_text()
+
+
+def test_init_reads_an_export_with_a_field_over_128_kib(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The csv module's default limit (131,072 characters) failed the whole export on one long ticket."""
+    export = tmp_path / "export.csv"
+    with export.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerows(
+            [("text", "label"), ("log pasted: " + "x" * 200_000, "bug_report"), ("hi", "greeting")]
+        )
+    out = tmp_path / "desk.toml"
+    assert main(["taxonomy", "init", "--from-data", str(export), "--out", str(out)]) == 0
+    assert load_taxonomy(out).labels == ("bug_report", "greeting")
+    assert csv.field_size_limit() == 131_072  # the process's limit is as it was
+
+
+def test_init_refuses_what_check_would_refuse_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """10,000 labels (a column of ids or free text) made a 1.5 MiB taxonomy that `taxonomy check` and
+    `model train` refuse; a blank --name one whose name check refuses."""
+    export = tmp_path / "export.csv"
+    with export.open("w", encoding="utf-8", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(("text", "label"))
+        writer.writerows((f"ticket {n}", f"case {n}") for n in range(10_000))
+    out = tmp_path / "desk.toml"
+    capsys.readouterr()
+    assert main(["taxonomy", "init", "--from-data", str(export), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"triage-worker: error: {export}: 10000 labels in column 'label' would make a taxonomy of 1.5 MiB, "
+        "over the 1 MiB `taxonomy check` and `model train` read: is it the label column (--label-column "
+        "NAME)? Labels that many need merging into intents first"
+    )
+    assert not out.exists()
+    small = tmp_path / "small.csv"
+    small.write_text("text,label\nhello,greeting\n")
+    assert main(["taxonomy", "init", "--from-data", str(small), "--name", "  ", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"triage-worker: error: the taxonomy from {small}: `name` must not be empty (nothing written)"
+    )
+    assert not out.exists()

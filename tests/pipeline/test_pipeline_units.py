@@ -10,13 +10,14 @@ import msgspec
 import pytest
 
 from worker.classification import Classification, FallbackLabel, fallback_answer
-from worker.config import load_settings
+from worker.config import PrivacySettings, load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
 from worker.messages import DEADLINE_METADATA_KEY, SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.flow import Flow, InFlightGate
 from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.triage.records import encode_result, result_key, triage_result
+from worker.privacy.values import CarriedMetadata
 
 # -- in-flight gate -------------------------------------------------------------------------------------
 
@@ -133,8 +134,11 @@ def test_overloaded_fallback_does_not_claim_confidence() -> None:
 
 
 def test_result_key_is_the_input_key_else_the_ticket_id() -> None:
-    assert result_key(b"customer-9", EVENT) == b"customer-9"
-    assert result_key(None, EVENT) == b"T-1"
+    carried = CarriedMetadata(PrivacySettings().copy_redactor(), ["*"])
+    assert result_key(b"customer-9", EVENT, carried) == b"customer-9"
+    assert result_key(None, EVENT, carried) == b"T-1"
+    # A key that holds personal data would put it in clear on every copy (issue #43, item 7).
+    assert result_key(b"jane.doe@example.com", EVENT, carried) == b"T-1"
 
 
 # -- client options -------------------------------------------------------------------------------------

@@ -15,11 +15,10 @@ import structlog
 from tools import REPO
 from tools.pii_corpus import corpus
 from worker.cli.cli import main
-from worker.config import LogSettings, load_settings
+from worker.config import LogSettings, PrivacySettings, load_settings
 from worker.learning.feedback import FeedbackBook
 from worker.logs import configure_logging
 from worker.messages import FeedbackEvent
-from worker.pipeline.triage.records import redacted_value
 from worker.privacy.detector import find, luhn_valid
 from worker.privacy.redaction import Redactor
 
@@ -76,6 +75,39 @@ def test_each_kind_is_found_in_the_formats_people_write() -> None:
             assert [f.kind for f in find(f"see {written} please")] == [kind], written
 
 
+# Between digit groups: no-break, narrow no-break and thin spaces (HTML mail pastes them), a tab, a line break
+# (LF or CR LF), an en dash, a dot.
+PASTED_SEPARATORS = ["\u00a0", "\u202f", "\u2009", "\t", "\n", "\r\n", "\u2013", "."]
+
+
+@pytest.mark.parametrize("separator", PASTED_SEPARATORS)
+def test_cards_and_ibans_are_found_whatever_separates_their_groups(separator: str) -> None:
+    """Issue #43, item 8: the detector took only a space or a dash between groups."""
+    card = separator.join(["4111", "1111", "1111", "1111"])
+    iban = separator.join(["GB82", "WEST", "1234", "5698", "7654", "32"])
+    redacted = Redactor().redact(f"card {card}, refund to {iban}, thanks")
+    assert redacted == "card [card ••••1111], refund to [iban], thanks"
+
+
+def test_numbers_grouped_by_dots_or_lines_that_are_no_card_stay() -> None:
+    texts = [
+        "order 4111.1111.1111.1112 (fails Luhn)",
+        "build 10.0.19045.2006, host 192.168.100.200, on 12.03.2025, 1.234.567,89 EUR",
+        "lines:\n4000\n1234\n5678\n9012\n",
+        "IBAN DE00\u00a03704\u00a00044\u00a00532\u00a00130\u00a000 (wrong check digits)",
+    ]
+    for text in texts:
+        assert find(text) == [], text
+
+
+def test_internationalised_mail_domains_are_redacted_whole() -> None:
+    """Issue #43, item 8: a Punycode top-level domain was cut at its `xn`, leaving `[email]--fiqs8s`."""
+    redactor = Redactor()
+    addresses = ("john@xn--fsq.xn--fiqs8s", "jo@XN--BCHER-KVA.example", "用户@例子.广告", "jo@bücher.example")
+    for address in addresses:
+        assert redactor.redact(f"write to {address}, thanks") == "write to [email], thanks", address
+
+
 def test_a_card_right_after_an_iban_is_found_too() -> None:
     redacted = Redactor().redact("DE89 3704 0044 0532 0130 00 4111 1111 1111 1111")
     assert redacted == "[iban] [card ••••1111]"
@@ -119,24 +151,9 @@ def test_no_false_positive_on_banking77_tickets() -> None:
     assert found == []
 
 
-def test_a_redacted_dead_letter_value_hides_identifiers_even_behind_json_escapes() -> None:
-    redactor = Redactor()
-    escaped = (
-        b'{"ticket_id": "T-1", "body": "card \\u0034111 1111 1111 1111", "metadata": {"to": "a@b.example"}}'
-    )
-    assert json.loads(redacted_value(escaped, redactor)) == {
-        "ticket_id": "T-1",
-        "body": "card [card ••••1111]",
-        "metadata": {"to": "[email]"},
-    }
-    assert redacted_value(b"not json: 4111 1111 1111 1111 \xff", redactor) == (
-        "not json: [card ••••1111] \ufffd".encode()
-    )
-
-
 def test_the_log_never_holds_an_identifier_at_any_level_tracebacks_included() -> None:
     stream = io.StringIO()
-    configure_logging(LogSettings(level="debug", format="json"), stream)
+    configure_logging(LogSettings(level="debug", format="json"), PrivacySettings(), stream)
     try:
         log = structlog.get_logger("test")
         log.debug("ticket_seen", text="call +44 20 7946 0958", nested={"cards": ["4111 1111 1111 1111"]})
@@ -145,7 +162,7 @@ def test_the_log_never_holds_an_identifier_at_any_level_tracebacks_included() ->
         except ValueError:
             log.exception("record_failed", offset=12345678901)
     finally:
-        configure_logging(LogSettings())
+        configure_logging(LogSettings(), PrivacySettings())
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     written = stream.getvalue()
     for identifier in ("7946 0958", "4111 1111 1111 1111", "GB82 WEST", "5698 7654 32", "123-45-6789"):
@@ -153,6 +170,19 @@ def test_the_log_never_holds_an_identifier_at_any_level_tracebacks_included() ->
     assert lines[0]["text"] == "call [phone]" and lines[0]["nested"] == {"cards": ["[card ••••1111]"]}
     assert "bad ticket: IBAN [iban], ssn [ssn]" in lines[1]["exception"]
     assert lines[1]["offset"] == 12345678901  # numbers are not text: left alone
+
+
+def test_the_log_finds_phone_numbers_of_the_configured_region_and_keeps_no_kind_in_clear() -> None:
+    """Issue #43, items 6 and 8: the log was redacted with a fixed US region, whatever `privacy.phone_region`
+    said; `privacy.keep` (the review topic's) and `privacy.detect` do not apply to it."""
+    stream = io.StringIO()
+    privacy = PrivacySettings(phone_region="GB", detect=["card_number"], keep=["email"])
+    configure_logging(LogSettings(format="json"), privacy, stream)
+    try:
+        structlog.get_logger("test").info("ticket_seen", text="call 020 7946 0958 or mail jane@example.com")
+    finally:
+        configure_logging(LogSettings(), PrivacySettings())
+    assert json.loads(stream.getvalue())["text"] == "call [phone] or mail [email]"
 
 
 def test_training_corrections_and_rejection_messages_are_redacted() -> None:

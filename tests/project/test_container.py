@@ -150,6 +150,16 @@ def test_compose_runs_two_workers_in_one_group_after_the_topics_exist() -> None:
     assert target["names"] == ["worker"] and target["port"] == settings.metrics.port
 
 
+def test_the_image_and_every_compose_service_of_it_turn_the_model_libraries_telemetry_off() -> None:
+    """docs/privacy.md: no process in the image sends onnxruntime's or onnxruntime-genai's telemetry."""
+    assert _runtime_env()["ORT_DISABLE_TELEMETRY"] == "1"
+    services = _compose()["services"]
+    of_the_image = [name for name, each in services.items() if each.get("image") == "triage-worker:local"]
+    assert {"topics", "worker", "lag-exporter", "producer"} <= set(of_the_image)
+    for name in of_the_image:
+        assert services[name]["environment"]["ORT_DISABLE_TELEMETRY"] == "1", name
+
+
 def test_compose_references_only_files_that_exist() -> None:
     for name, service in _compose()["services"].items():
         build = service.get("build")

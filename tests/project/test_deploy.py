@@ -221,6 +221,15 @@ def test_pods_get_no_kubernetes_service_link_variables() -> None:
         assert template["spec"]["enableServiceLinks"] is False, kind
 
 
+def test_every_pod_turns_the_model_libraries_telemetry_off() -> None:
+    """docs/privacy.md: no connection but the broker's, the registry's and the metrics port, whatever image
+    runs; the variable is set on the container itself, where no ConfigMap can take it away."""
+    templates = {**_pod_specs(), "StatefulSet": _statefulset()["spec"]["template"]}
+    for kind, template in templates.items():
+        for container in template["spec"]["containers"]:
+            assert {"name": "ORT_DISABLE_TELEMETRY", "value": "1"} in container.get("env", []), kind
+
+
 def test_a_not_ready_pod_never_blocks_a_node_drain() -> None:
     assert _by_kind("PodDisruptionBudget")["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 

@@ -221,6 +221,15 @@ def test_checkout_only_commands_say_so_in_one_line(installed: Installed) -> None
     # fine-tunes beside BANKING77, which only a checkout has.
     feedback = _one_line_error(installed.cli("model", "train", "--feedback", "f.jsonl", "--out", "tuned"))
     assert "runs only from a source checkout" in feedback and "give --data DIR" in feedback
+    # The package's own model folders are never a `model train` target (#43: --zero-shot deleted them).
+    shown = installed.cli("config", "show").stdout
+    mini = Path(next(line for line in shown.splitlines() if line.startswith("model = ")).split('"')[1])
+    for folder in (mini, mini.parent / "triage-encoder"):
+        files = sorted(path.name for path in folder.iterdir())
+        argv = ["--zero-shot", "--taxonomy", str(mini / "taxonomy.toml"), "--out", str(folder)]
+        refused = _one_line_error(installed.cli("model", "train", *argv))
+        assert f"is the shipped model {folder.name}: never replaced" in refused
+        assert sorted(path.name for path in folder.iterdir()) == files
     # Without the `eval` extra (the cpu extra only), before any work; then without a checkout's data.
     assert "pip install 'triage-worker[eval]'" in _one_line_error(installed.cli("model", "eval"))
     evaluate = _one_line_error(installed.cli("model", "eval", "--no-baselines", "--no-teacher"))

@@ -328,3 +328,37 @@ def test_a_transform_that_cannot_be_loaded_is_one_user_error(tmp_path: Path, spe
         TransformProcess(spec.format(fixes=_fixes(tmp_path)), 5.0, lambda: False),
     ):
         pass
+
+
+# What an operator's folder may hold besides the fix: files named like modules the transform's process
+# imports (the standard library's, msgspec). Each leaves a mark when it runs.
+_PLANTED = ("struct", "json", "msgspec", "select", "signal", "threading")
+
+
+def test_modules_planted_in_the_current_folder_never_run_in_the_transform_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`replay` is run from a folder anyone may have written to: the documented `fixes:close_json` there is
+    loaded from `fixes.py`, and a `struct.py` beside it is not the standard library's `struct`."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    for name in _PLANTED:
+        (tmp_path / f"{name}.py").write_text(
+            f"import pathlib\npathlib.Path({str(marks / name)!r}).touch()\n", encoding="utf-8"
+        )
+    # The README tour's fix as the tour writes it, and one importing a module a planted file is named after.
+    (tmp_path / "fixes.py").write_text('def close_json(value):\n    return value + b"}"\n', encoding="utf-8")
+    (tmp_path / "compact.py").write_text(
+        "import json\n\ndef compact(value):\n    return json.dumps(json.loads(value)).encode()\n",
+        encoding="utf-8",
+    )
+    monkeypatch.chdir(tmp_path)
+
+    with TransformProcess("fixes:close_json", 5.0, lambda: False) as transform:
+        assert transform.repair(b'{"ticket_id": "t-1", "body": "charged twice"') == (
+            b'{"ticket_id": "t-1", "body": "charged twice"}'
+        )
+    with TransformProcess("compact:compact", 5.0, lambda: False) as transform:
+        assert transform.repair(b'{ "ticket_id" :  "t-1" }') == b'{"ticket_id": "t-1"}'
+
+    assert sorted(path.name for path in marks.iterdir()) == []

@@ -148,4 +148,4 @@ def test_dead_letter_doc_lists_exactly_the_header_constants() -> None:
         dead_letters.REPLAY_COUNT,
     }
     assert constants == dead_letters.DEAD_LETTER_HEADERS
-    assert documented == constants | {dead_letters.OMITTED_BYTES}
+    assert documented == constants | {dead_letters.OMITTED_BYTES, dead_letters.REDACTED}

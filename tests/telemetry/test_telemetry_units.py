@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 import typing
 import urllib.error
 import urllib.request
@@ -16,6 +18,7 @@ import pytest
 from doubles import HealthyBroker
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
 
 from worker.config import MetricsSettings, load_settings
 from worker.decoding import DecodeErrorType
@@ -34,7 +37,13 @@ from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics
-from worker.telemetry.server import TelemetryServer, new_registry
+from worker.telemetry.server import (
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    REQUEST_DEADLINE_S,
+    TelemetryServer,
+    new_registry,
+)
 
 
 class _Clock:
@@ -340,3 +349,69 @@ def test_an_unfit_token_file_stops_run_at_start_and_config_show_prints_only_its_
     shown = _cli("config", "show", "--set", f"metrics.reload_token_file={path}")
     assert shown.returncode == 0, shown.stderr
     assert f"reload_token_file = {json.dumps(str(path))}" in shown.stdout and TOKEN not in shown.stdout
+
+
+def _connect(server: TelemetryServer) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=5)
+
+
+def _seconds_until_closed(connection: socket.socket, limit_s: float) -> float:
+    """How long until the server closed `connection` (end of file or a reset), reading what it sends; fails
+    when it is still open after `limit_s`."""
+    started = time.monotonic()
+    connection.settimeout(limit_s)
+    try:
+        while connection.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        pytest.fail(f"the server still holds the connection open after {limit_s:g} s")
+    return time.monotonic() - started
+
+
+def test_idle_connections_are_closed_and_one_over_the_cap_at_once_and_the_port_still_answers() -> None:
+    """Clients that connect and say nothing hold a thread each: closed after the idle timeout, and never more
+    of them at once than the cap, so the probes and the scrape get through once the idle ones are gone."""
+    probes = WorkerProbes(60.0, HealthyBroker(), _Clock())  # type: ignore[arg-type]
+    with _serve(probes) as server, capture_logs() as logs:
+        assert _get(server, "/healthz")[0] == 200
+        idle = [_connect(server) for _ in range(MAX_CONNECTIONS)]
+        opened = time.monotonic()
+        try:
+            time.sleep(0.5)  # the server has taken each of them
+            assert _seconds_until_closed(_connect(server), limit_s=2.0) < 2.0
+            for connection in idle:
+                _seconds_until_closed(connection, limit_s=IDLE_TIMEOUT_S + 3.0)
+            assert time.monotonic() - opened > IDLE_TIMEOUT_S - 0.5
+        finally:
+            for connection in idle:
+                connection.close()
+        assert [log["event"] for log in logs] == ["telemetry_connection_refused"]
+        assert _get(server, "/healthz")[0] == 200
+        status, text = _get(server, "/metrics")
+        assert status == 200 and "triage_reloads_total" in text
+
+
+def test_a_client_that_trickles_its_request_is_cut_off_at_the_request_deadline() -> None:
+    """A header line a second keeps every read inside the idle timeout: the request's deadline ends it."""
+    probes = WorkerProbes(60.0, HealthyBroker(), _Clock())  # type: ignore[arg-type]
+    with _serve(probes) as server:
+        slow = _connect(server)
+        started = time.monotonic()
+        slow.sendall(b"GET /healthz HTTP/1.0\r\n")
+        slow.settimeout(1.0)
+        closed_after = None
+        while closed_after is None and time.monotonic() - started < REQUEST_DEADLINE_S + 5.0:
+            try:
+                slow.sendall(b"X-Slow: 1\r\n")
+                if slow.recv(4096) == b"":
+                    closed_after = time.monotonic() - started
+            except TimeoutError:
+                continue
+            except (ConnectionResetError, BrokenPipeError):
+                closed_after = time.monotonic() - started
+        slow.close()
+        assert closed_after is not None, "the server kept reading the trickled request"
+        assert REQUEST_DEADLINE_S - 1.0 < closed_after < REQUEST_DEADLINE_S + 2.0
+        assert _get(server, "/healthz")[0] == 200

@@ -48,7 +48,7 @@ from tools.bench import (
 )
 from tools.bench.measure import bracket, progress
 from tools.load import Tickets, kafka
-from worker.config import LogSettings
+from worker.config import LogSettings, PrivacySettings
 from worker.logs import configure_logging
 
 
@@ -126,7 +126,7 @@ def main() -> int:
         }
     )
     # The bench's own process logs warnings only (the in-process Pipeline and pool); the workers log JSON.
-    configure_logging(LogSettings(level="warning"))
+    configure_logging(LogSettings(level="warning"), PrivacySettings())
     figures: dict[str, Any] = {
         "mode": "quick" if args.quick else "full",
         "command": " ".join(["python", "-m", "tools.bench", *sys.argv[1:]]),

@@ -7,12 +7,11 @@ import os
 import time
 from typing import Any
 
-import onnxruntime_genai as og
-
 from tools.bench.measure import progress
 from tools.load import Tickets, cpu_seconds
 from worker.config import InferenceSettings
 from worker.inference.engine import Engine, InvalidOutput
+from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
 
 
 def measure(tickets: Tickets, count: int) -> dict[str, Any]:

@@ -100,7 +100,7 @@ class WorkerApp:
     def start(self) -> Engine:
         """Check, load and assemble everything (see the contract); the pipeline, not running yet."""
         settings = with_zero_shot_review(self._configured)
-        configure_logging(settings.log)
+        configure_logging(settings.log, settings.privacy)
         stop = _StopOnSignals(self._held, self.request_stop)
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
@@ -141,7 +141,8 @@ class WorkerApp:
         if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
             # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
             signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
-        classifier = self._classifier = SwitchingClassifier(open_pool(settings.inference, settings.log))
+        pool = open_pool(settings.inference, settings.log, settings.privacy)
+        classifier = self._classifier = SwitchingClassifier(pool)
         cascade = None
         if escalation.settings is not None:
             self._escalation_pool, cascade = open_cascade(

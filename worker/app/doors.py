@@ -40,7 +40,7 @@ from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.intake import Intake, TicketDecoding
 from worker.pipeline.triage.model_stage import ModelStage, Redone
 from worker.pipeline.triage.outputs import Outputs
-from worker.pipeline.triage.records import encode_result
+from worker.pipeline.triage.records import DeadLetterRedaction, encode_result
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.triage.stage import TriageStage
 from worker.pipeline.work import Work
@@ -198,7 +198,7 @@ def queue_pipeline(
         pipeline.poll_timeout_ms / 1000.0, metrics, failure, clock,
     )  # fmt: skip
     rules = DeliveryRules(
-        settings.topics.dead_letter, settings.privacy.redactor(), settings.dead_letter.redact, metrics, clock
+        settings.topics.dead_letter, DeadLetterRedaction.configured(settings), metrics, clock
     )
     settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()

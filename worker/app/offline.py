@@ -106,7 +106,7 @@ def offline_stages(
     elif escalation is None:
         escalation = choose_escalation(inference, taxonomy, taxonomy_path).settings
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(open_pool(inference, settings.log))
+        pool = stack.enter_context(open_pool(inference, settings.log, settings.privacy))
         over: Cascade | None = None
         if escalation is not None:
             stage = LazyPool(lambda: _open_stage(settings, escalation, echo))
@@ -119,7 +119,7 @@ def _open_stage(
     settings: Settings, escalation: InferenceSettings, echo: Callable[[str], None]
 ) -> ClassifierPool:
     fetch_stage_files(escalation, echo)
-    return open_pool(escalation, settings.log)
+    return open_pool(escalation, settings.log, settings.privacy)
 
 
 def _offline_cascade(

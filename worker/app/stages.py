@@ -62,7 +62,7 @@ def open_cascade(
     """The escalation stage's files fetched where missing (each step told to `echo`), its pool opened and the
     cascade over it started (`start_cascade`); the caller closes the pool (closed here if the start fails)."""
     fetch_stage_files(escalation, echo)
-    pool = open_pool(escalation, settings.log)
+    pool = open_pool(escalation, settings.log, settings.privacy)
     try:
         return pool, start_cascade(settings, escalation, pool, taxonomy, first_contexts, window)
     except BaseException:
@@ -99,7 +99,7 @@ def open_shadow_pool(shadow_settings: InferenceSettings, settings: Settings) -> 
     contexts come first."""
     # (A partial of a builtin pickles by reference, so the spawned processes import nothing more.)
     lower_priority = cast("Callable[[], None]", functools.partial(os.nice, SHADOW_NICENESS))
-    return open_pool(shadow_settings, settings.log, lower_priority)
+    return open_pool(shadow_settings, settings.log, settings.privacy, lower_priority)
 
 
 def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: ClassifierPool) -> Shadow:

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             "pipeline.deadline_ms": args.deadline_ms,
         },
     )
-    configure_logging(settings.log)
+    configure_logging(settings.log, settings.privacy)
     with contextlib.ExitStack() as files:
         source = None if args.input is None else files.enter_context(_open_input(args.input))
         out = files.enter_context(_open_output(args.output, source))

@@ -48,8 +48,8 @@ def _dead_letter_doc() -> str:
 <!-- Generated from worker/kafka/dead_letters.py by `triage-worker schemas --write`; do not edit. -->
 
 A record the worker cannot decode as a `TicketEvent` goes to the dead-letter topic (`topics.dead_letter`,
-default `tickets.dlq`) with its original key, value bytes and headers untouched, plus these headers
-(values are UTF-8 text):
+default `tickets.dlq`) with its original key, value bytes and headers untouched (with `dead_letter.redact =
+true`, their personal data redacted: `triage.redacted`), plus these headers (values are UTF-8 text):
 
 | Header | Meaning |
 |---|---|

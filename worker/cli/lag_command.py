@@ -92,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
-    configure_logging(settings.log)
+    configure_logging(settings.log, settings.privacy)
     group = args.group or settings.pipeline.group_id
     topic = args.topic or settings.topics.input
     # Its client's lines and errors in the configured format, one per cause and interval.

@@ -44,6 +44,7 @@ from worker.errors import UserError
 from worker.inference.escalation import choose_escalation
 from worker.inference.taxonomy import load_taxonomy
 from worker.learning.export import export_model
+from worker.learning.folders import refuse_shipped
 from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    refuse_shipped(Path(args.out))
     export_model(Path(args.hf_dir), Path(args.out), args.precision, args.provider)
     print(f"exported {args.hf_dir} -> {args.out} ({args.precision}, {args.provider})")
     return 0
@@ -101,7 +103,20 @@ def _require(modules: tuple[str, ...]) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     """Train a model folder (both stages) from --data or --zero-shot, the encoder stage alone (--encoder),
-    fine-tune on feedback, or BANKING77's first stage alone (no --data)."""
+    fine-tune on feedback, or BANKING77's first stage alone (no --data). SIGINT and SIGTERM stop it with the
+    folder --out as it was (worker/learning/folders.py); the exit code is 128 + the signal's number."""
+    from worker.learning import folders
+
+    try:
+        with folders.stop_signals_raise(args.held_stop_signals.received):
+            return _train_command(args)
+    except folders.Interrupted as stop:
+        if not stop.reported:
+            print(f"model train stopped by {stop}: nothing was written", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _train_command(args: argparse.Namespace) -> int:
     if args.feedback_topic is not None or args.feedback is not None:
         if args.encoder or args.zero_shot:
             raise UserError(
@@ -121,7 +136,7 @@ def _train_first_stage(args: argparse.Namespace) -> int:
 
     --out is required: the shipped models/triage-mini came from an earlier, slower recipe and scores higher
     than this time-bounded one (docs/model.md), so no default overwrites it."""
-    from worker.learning import evaluation, first_stage, teachers
+    from worker.learning import evaluation, first_stage, folders, teachers
 
     _refuse_options(args, "model train without --data", ("unlabelled", "text_column", "label_column"))
     if args.out is None:
@@ -130,8 +145,7 @@ def _train_first_stage(args: argparse.Namespace) -> int:
             "for your own tickets: model train --data FILE --taxonomy T --out DIR (docs/your-taxonomy.md)"
         )
     out = Path(args.out)
-    if out.resolve() == shipped_path("models/triage-mini").resolve():
-        raise UserError(f"--out {out} is the shipped model; write the new one to another folder")
+    folders.check_target(out)
     _require(tuple(TRAIN_PACKAGES))
     data = _default_data("model train without --data")
     taxonomy_path = Path(args.taxonomy) if args.taxonomy else shipped_path("taxonomies/banking77.toml")
@@ -140,10 +154,11 @@ def _train_first_stage(args: argparse.Namespace) -> int:
     train, validation = evaluation.stratified_split(rows, lambda row: row[1])
     teacher = teachers.encoder_stage_teacher(DEFAULT_ESCALATION_DIR, taxonomy.labels)
     max_seconds = 60.0 * (args.max_minutes if args.max_minutes is not None else 15.0)
-    report = first_stage.train_first_stage(
-        train, validation, taxonomy, taxonomy_path, teacher, out,
-        max_seconds=max_seconds, seed=77 if args.seed is None else args.seed, log=print,
-    )  # fmt: skip
+    with folders.writing(out) as building:
+        report = first_stage.train_first_stage(
+            train, validation, taxonomy, taxonomy_path, teacher, building,
+            max_seconds=max_seconds, seed=77 if args.seed is None else args.seed, log=print,
+        )  # fmt: skip
     print(json.dumps(dataclasses.asdict(report), indent=2))
     return 0
 
@@ -156,7 +171,7 @@ def _refuse_options(args: argparse.Namespace, command: str, names: tuple[str, ..
 
 def _train_folder(args: argparse.Namespace) -> int:
     """`model train --data FILE|--zero-shot --taxonomy T --out DIR`: both stages into one folder."""
-    from worker.learning import compose
+    from worker.learning import compose, folders
     from worker.learning import data as learning_data
 
     command = "model train --zero-shot" if args.zero_shot else "model train --data"
@@ -166,6 +181,7 @@ def _train_folder(args: argparse.Namespace) -> int:
         raise UserError(
             f"{command} needs --taxonomy FILE (the intents) and --out DIR (the model folder to write)"
         )
+    folders.check_target(Path(args.out))
     # Without torch and the rest the folder gets the encoder stage alone, and the line says what is missing.
     _require(ENCODER_STAGE_MODULES)
     taxonomy_path = Path(args.taxonomy)
@@ -198,17 +214,24 @@ def _train_folder(args: argparse.Namespace) -> int:
 
 
 def _train_encoder(args: argparse.Namespace) -> int:
-    """`model train --encoder`: the encoder stage alone, as the shipped triage-encoder is built (its
-    encoder left in the user cache); defaults: BANKING77 and models/triage-encoder of a checkout."""
+    """`model train --encoder --out DIR`: the encoder stage alone, as the shipped triage-encoder is built
+    (its encoder left in the user cache); default data: BANKING77 of a checkout. No default --out: the
+    shipped stage is never replaced (worker/learning/folders.py)."""
     from worker.learning import data as learning_data
-    from worker.learning import encoder_stage
+    from worker.learning import encoder_stage, folders
     from worker.learning.evaluation import stratified_split
 
     _refuse_options(args, "model train --encoder", ("unlabelled", "zero_shot"))
     _require(ENCODER_STAGE_MODULES)
+    if args.out is None:
+        raise UserError(
+            "model train --encoder needs --out DIR (the shipped models/triage-encoder is never replaced: "
+            "train into DIR, then compare it with `model eval --escalation DIR`)"
+        )
+    out = Path(args.out)
+    folders.check_target(out)
     data = Path(args.data) if args.data else _default_data("model train --encoder without --data")
     taxonomy_path = Path(args.taxonomy) if args.taxonomy else shipped_path("taxonomies/banking77.toml")
-    out = Path(args.out) if args.out else DEFAULT_ESCALATION_DIR
     taxonomy = load_taxonomy(taxonomy_path)
     rows, read = learning_data.read_labelled(data, taxonomy, args.text_column, args.label_column)
     print(read.summary())
@@ -224,7 +247,6 @@ def _train_encoder(args: argparse.Namespace) -> int:
     )
     accuracy, ece = encoder_stage.evaluate(head, embedder, validation, taxonomy)
     source = f"logistic regression C={encoder_stage.HEAD_C}, {read.source} minus the validation split"
-    encoder_stage.write_encoder_stage(out, head, taxonomy, taxonomy_path, source, copy_encoder=False)
     training = {
         "seed": seed,
         "train_tickets": len(train),
@@ -232,7 +254,9 @@ def _train_encoder(args: argparse.Namespace) -> int:
         "validation": {"accuracy": accuracy, "ece": ece, "temperature": head.temperature},
         "fit": report.as_dict(),
     }
-    (out / "training.json").write_text(json.dumps(training, indent=2) + "\n", encoding="utf-8")
+    with folders.writing(out) as building:
+        encoder_stage.write_encoder_stage(building, head, taxonomy, taxonomy_path, source, copy_encoder=False)
+        (building / folders.TRAINING_FILE).write_text(json.dumps(training, indent=2) + "\n", encoding="utf-8")
     print(f"validation: accuracy {accuracy:.2%}, ECE {ece:.3f}; wrote {out}")
     return 0
 
@@ -240,12 +264,13 @@ def _train_encoder(args: argparse.Namespace) -> int:
 def _fine_tune(args: argparse.Namespace) -> int:
     """Learn from reviewers' verdicts: a folder `model train --data/--zero-shot` wrote is trained again on
     them (few-shot, both stages); any other model is fine-tuned on them (worker/learning/fine_tune.py)."""
-    from worker.learning import compose, evaluation, feedback, fine_tune
+    from worker.learning import compose, evaluation, feedback, fine_tune, folders
 
     if args.feedback_topic is not None and args.feedback is not None:
         raise UserError("give --feedback-topic or --feedback, not both")
     if args.out is None:
         raise UserError("--out DIR is needed: the folder the fine-tuned model is written to")
+    folders.check_target(Path(args.out))
     settings = settings_from_args(
         args,
         {
@@ -617,7 +642,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--label-column", metavar="NAME", help="the intents' column (default: label, intent, ...)"
     )
     train.add_argument("--taxonomy", metavar="FILE", help="the taxonomy the labels are intents of")
-    train.add_argument("--out", metavar="DIR", help="model folder to write")
+    train.add_argument(
+        "--out",
+        metavar="DIR",
+        help="model folder to write: new, empty, or one model train wrote (replaced whole once complete)",
+    )
     train.add_argument(
         "--zero-shot",
         action="store_true",
@@ -656,7 +685,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--test-limit", type=int, metavar="N", help="measure on an evenly spaced N of the test tickets"
     )
     add_config_argument(train)
-    train.set_defaults(handler=_train)
+    # `_train` stops on SIGINT and SIGTERM with the folder --out as it was.
+    train.set_defaults(handler=_train, takes_stop_signals=True)
 
     evaluate = commands.add_parser(
         "eval",

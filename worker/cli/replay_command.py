@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
         # The report is the output; logs (stderr) carry only what went wrong, whatever log.level says for
         # the worker (the delivery guarantee logs each commit at info).
         quiet = "warning" if settings.log.level in ("debug", "info") else settings.log.level
-        configure_logging(msgspec.structs.replace(settings.log, level=quiet))
+        configure_logging(msgspec.structs.replace(settings.log, level=quiet), settings.privacy)
         try:
             # Loaded before the broker is asked anything: a bad --transform is one line, nothing read.
             with _transform(args, stop.requested) as transform:

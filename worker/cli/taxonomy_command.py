@@ -2,9 +2,10 @@
 
 `taxonomy init --from-data FILE` lists every label of a CSV or JSON-lines export (worker/learning/data.py)
 as an intent, its ticket count as a comment, with a placeholder description and priority for a person to
-fill in. `taxonomy check FILE` reports every problem of a taxonomy at once, one line each (the loader stops at
-the first), and exits 2 when one of them stops a load; placeholders left from `init` and intents without a
-description are warnings (zero-shot training learns from the descriptions).
+fill in; it never writes a file `taxonomy check` refuses (one over 1 MiB: thousands of labels). `taxonomy
+check FILE` reports every problem of a taxonomy at once, one line each (the loader stops at the first), and
+exits 2 when one of them stops a load; placeholders left from `init` and intents without a description are
+warnings (zero-shot training learns from the descriptions).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from worker.errors import UserError
-from worker.inference.taxonomy import INTENT_NAME, load_taxonomy
+from worker.inference.taxonomy import INTENT_NAME, load_taxonomy, parse_taxonomy
 from worker.learning.data import intent_name, iter_label_counts, read_ticket_rows
 from worker.messages import PRIORITIES
-from worker.small_files import read_small_file
+from worker.small_files import MAX_SMALL_FILE_BYTES, read_small_file
 
 PLACEHOLDER = "TODO:"
 PLACEHOLDER_PRIORITY = "Medium"
@@ -30,11 +31,18 @@ PLACEHOLDER_PRIORITY = "Medium"
 def check_taxonomy(path: Path) -> tuple[list[str], list[str]]:
     """(errors, warnings) of the taxonomy file, each one line naming where. No errors: it loads."""
     try:
-        document = tomllib.loads(read_small_file(path, "a taxonomy").decode("utf-8"))
+        text = read_small_file(path, "a taxonomy").decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"taxonomy file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"cannot read taxonomy file {path}: {error}") from None
+    return check_taxonomy_text(text, str(path))
+
+
+def check_taxonomy_text(text: str, path: str) -> tuple[list[str], list[str]]:
+    """`check_taxonomy` of a file's text (`path` names it in the lines); the size bound is the caller's."""
+    try:
+        document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         return [f"{path}: not valid TOML: {error}"], []
     errors: list[str] = []
@@ -68,7 +76,9 @@ def check_taxonomy(path: Path) -> tuple[list[str], list[str]]:
             warnings.append(f"{path}: {count} intents share the description {description!r}")
     if not errors:
         try:
-            load_taxonomy(path)  # the rules of the whole file (fallbacks, priorities, unknown keys)
+            parse_taxonomy(
+                document, path
+            )  # the rules of the whole file (fallbacks, priorities, unknown keys)
         except UserError as error:
             errors.append(str(error))
     return errors, warnings
@@ -105,7 +115,9 @@ def _check_intent(
 
 
 def init_taxonomy(data_file: Path, text_column: str | None, label_column: str | None, name: str) -> str:
-    """A taxonomy TOML with every label of `data_file` as an intent (see the module)."""
+    """A taxonomy TOML with every label of `data_file` as an intent (see the module); a UserError instead
+    when it would be one `taxonomy check` refuses (over `MAX_SMALL_FILE_BYTES`: the label column holds ids
+    or free text, not intents)."""
     data = read_ticket_rows(data_file, text_column, label_column)
     by_name: dict[str, list[tuple[str, int]]] = {}
     for label, count in iter_label_counts(data):
@@ -135,7 +147,20 @@ def init_taxonomy(data_file: Path, text_column: str | None, label_column: str | 
             f"description = {json.dumps(f'{PLACEHOLDER} one line saying what {intent} tickets are about')}",
             f"priority = {json.dumps(PLACEHOLDER_PRIORITY)}",
         ]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    size = len(text.encode("utf-8"))
+    if size > MAX_SMALL_FILE_BYTES:
+        raise UserError(
+            f"{data_file}: {len(by_name)} labels in column {data.label_column!r} would make a taxonomy of "
+            f"{size / 2**20:.1f} MiB, over the {MAX_SMALL_FILE_BYTES >> 20} MiB `taxonomy check` and "
+            "`model train` read: is it the label column (--label-column NAME)? Labels that many need merging "
+            "into intents first"
+        )
+    # Never what `taxonomy check` refuses, whatever the name (`--name ""`) or the file's name holds.
+    errors, _ = check_taxonomy_text(text, f"the taxonomy from {data_file}")
+    if errors:
+        raise UserError(f"{errors[0]} (nothing written)")
+    return text
 
 
 def _check(args: argparse.Namespace) -> int:

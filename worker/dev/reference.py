@@ -116,13 +116,17 @@ SETTING_DOCS: dict[str, str] = {
     "review.fallbacks": "fallbacks (no model answer) also go to `topics.review`",
     "privacy.detect": "kinds of personal data looked for in every ticket (`email`, `iban`, `card_number`, "
     "`us_ssn`, `phone`): listed in each result's `pii` and redacted in every copy ([privacy](privacy.md)); "
-    "comma-separated from the environment",
-    "privacy.keep": "detected kinds left in clear on the review topic (still listed in `pii`; logs and "
-    "training files redact them anyway)",
-    "privacy.phone_region": "country (ISO 3166 alpha-2) of phone numbers written without `+country`; empty: "
-    "only numbers with one are found",
-    "dead_letter.redact": "dead letters carry the record with its personal data redacted instead of as taken "
-    "(replay then republishes the redacted ticket; [privacy](privacy.md#dead-letters))",
+    "comma-separated from the environment; `[]` is refused while a setting promises redaction",
+    "privacy.keep": "detected kinds left in clear on the review topic's text, and nowhere else (still "
+    "listed in `pii`)",
+    "privacy.phone_region": "country (ISO 3166 alpha-2) of phone numbers written without `+country`, in "
+    "tickets and in the logs; empty: only numbers with one are found",
+    "privacy.carry_headers": "input headers a triage record and its review and shadow copies carry, by name "
+    "(`*`: every one), besides the worker's own `triage.*`; their names and values are redacted "
+    "([privacy](privacy.md#keys-and-headers))",
+    "dead_letter.redact": "dead letters carry the record (key, value, headers) with its personal data "
+    "redacted instead of as taken (replay then republishes the redacted ticket; "
+    "[privacy](privacy.md#dead-letters))",
     "log.level": "`debug`, `info`, `warning` or `error`",
     "log.format": "`console`, or `json` for log shippers",
     "metrics.port": "HTTP port of `/metrics`, `/healthz`, `/readyz`, `POST /reload`; `0` = any free port "

@@ -139,6 +139,8 @@ class SentenceEmbedder:
         max_tokens: int = 128,
     ) -> None:
         onnxruntime = _module("onnxruntime")
+        # As for ORT GenAI (worker/inference/genai.py): the library's switch, besides the variable.
+        onnxruntime.disable_telemetry_events()
         tokenizers = _module("tokenizers")
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads

@@ -31,6 +31,11 @@ except ModuleNotFoundError as error:
     if error.name != "onnxruntime_genai":
         raise
     og = _MissingRuntime()
+else:
+    # The library's own switch too (0.15+; the DirectML build, 0.12, has none): the environment variable
+    # this package sets is what stopped the look-ups, measured (worker/inference/__init__.py).
+    if hasattr(og, "disable_telemetry_events"):
+        og.disable_telemetry_events()
 
 
 def require_runtime() -> None:

@@ -126,8 +126,16 @@ ZERO_SHOT_REVIEW_THRESHOLD = 1.0
 
 def with_zero_shot_review(settings: Settings) -> Settings:
     """`settings` with review on for a zero-shot model (`review.threshold` 1.0) when no threshold is set:
-    what `run` serves and what `topics create` makes topics for (the review and feedback topics)."""
+    what `run` serves and what `topics create` makes topics for (the review and feedback topics). UserError
+    when `privacy.detect` is `[]`: the review topic promises redacted text, as where review is configured
+    (`worker.config`'s check at load)."""
     if settings.review.threshold is not None or not is_zero_shot(Path(settings.inference.model).expanduser()):
         return settings
+    if not settings.privacy.detect:
+        raise UserError(
+            "config error: privacy.detect: [] detects nothing, so the review topic a zero-shot model turns "
+            f"on (review.threshold = {ZERO_SHOT_REVIEW_THRESHOLD}) would hold tickets in clear: name the "
+            "kinds to detect (privacy.keep leaves them in clear there)"
+        )
     review = msgspec.structs.replace(settings.review, threshold=ZERO_SHOT_REVIEW_THRESHOLD)
     return msgspec.structs.replace(settings, review=review)

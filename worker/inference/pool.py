@@ -38,7 +38,7 @@ import msgspec
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings, LogSettings, PoolKind
+from worker.config import InferenceSettings, LogSettings, PoolKind, PrivacySettings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderContext, EncoderEngine, is_encoder_folder
 from worker.inference.engine import Context, Engine
@@ -133,9 +133,11 @@ class ClassifierPool(abc.ABC):
 def open_pool(
     settings: InferenceSettings,
     log_settings: LogSettings | None = None,
+    privacy: PrivacySettings | None = None,
     initializer: Callable[[], None] | None = None,
 ) -> ClassifierPool:
     """Start the configured pool and return once every context is loaded and warmed (progress is logged).
+    A process pool's processes log with `log_settings`, redacted as `privacy` says (the logs' phone region).
 
     `initializer` (picklable) runs first in each worker process of a process or batch pool (see
     `ProcessPool`); a thread pool has none to run it in."""
@@ -150,7 +152,12 @@ def open_pool(
         pool = ThreadPool(settings, size)
     else:
         pool = ProcessPool(
-            settings, size, batch=kind == "batch", log_settings=log_settings, initializer=initializer
+            settings,
+            size,
+            batch=kind == "batch",
+            log_settings=log_settings,
+            privacy=privacy,
+            initializer=initializer,
         )
     log.info("classifier pool ready", model=pool.model_id, seconds=round(time.monotonic() - started, 2))
     return pool
@@ -258,6 +265,7 @@ class ProcessPool(ClassifierPool):
         size: int,
         batch: bool,
         log_settings: LogSettings | None = None,
+        privacy: PrivacySettings | None = None,
         initializer: Callable[[], None] | None = None,
     ) -> None:
         """`initializer` (picklable) runs first in every worker process, e.g. to instrument the model."""
@@ -266,6 +274,7 @@ class ProcessPool(ClassifierPool):
         self.size = size
         self._batch = batch
         self._log_settings = log_settings or LogSettings()
+        self._privacy = privacy or PrivacySettings()
         self._mp = multiprocessing.get_context("spawn")
         self._limit = max_ticket_chars(settings.max_ticket_tokens)
         self._taxonomy, _ = resolve_taxonomy(settings)  # for the fallbacks of a dead worker's requests
@@ -345,6 +354,7 @@ class ProcessPool(ClassifierPool):
                 child,
                 msgspec.msgpack.encode(self._settings),
                 msgspec.msgpack.encode(self._log_settings),
+                msgspec.msgpack.encode(self._privacy),
                 self._batch,
                 self._initializer,
             ),
@@ -437,6 +447,7 @@ def _worker_main(
     conn: multiprocessing.connection.Connection,
     settings: bytes,
     logs: bytes,
+    privacy: bytes,
     batch: bool,
     initializer: Callable[[], None] | None,
 ) -> None:
@@ -448,7 +459,9 @@ def _worker_main(
         initializer()
     from worker.logs import configure_logging
 
-    configure_logging(msgspec.msgpack.decode(logs, type=LogSettings))
+    configure_logging(
+        msgspec.msgpack.decode(logs, type=LogSettings), msgspec.msgpack.decode(privacy, type=PrivacySettings)
+    )
     try:
         engine = open_engine(msgspec.msgpack.decode(settings, type=InferenceSettings))
         serve: Callable[[list[ClassifyRequest]], list[Classification]]

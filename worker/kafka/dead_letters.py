@@ -1,7 +1,8 @@
 """Dead-letter header contract: what the worker adds to a record it cannot decode, and how replay reads it.
 
-A dead letter is the original record, key, value and headers untouched, plus the ``triage.*`` headers below,
-so an operator can see why it failed and where it came from, fix the producer or the worker, and replay it.
+A dead letter is the original record, key, value and headers untouched (with `dead_letter.redact`, their
+personal data redacted: ``triage.redacted``), plus the ``triage.*`` headers below, so an operator can see why
+it failed and where it came from, fix the producer or the worker, and replay it.
 ``schemas/dead_letter.md`` is generated from `HEADER_DOCS` (``triage-worker schemas --write``).
 """
 
@@ -24,8 +25,12 @@ SOURCE_PARTITION = "triage.source.partition"
 SOURCE_OFFSET = "triage.source.offset"
 FAILED_AT = "triage.failed_at"
 REPLAY_COUNT = "triage.replay_count"
-# Only on a dead letter whose original record did not fit in the dead-letter topic.
+# Only on a dead letter whose original record did not fit in the dead-letter topic, or whose value
+# `dead_letter.redact` left out.
 OMITTED_BYTES = "triage.omitted.bytes"
+# Only on a dead letter `dead_letter.redact` redacted: how (`worker.privacy.values.RedactedForm`).
+REDACTED = "triage.redacted"
+REDACTED_DROPPED = "dropped"
 
 HEADER_DOCS: tuple[tuple[str, str], ...] = (
     (ERROR_TYPE, "Stable machine name of the failure, e.g. `invalid_json`, `missing_field`, `too_large`."),
@@ -46,10 +51,18 @@ DEAD_LETTER_HEADERS: frozenset[str] = frozenset(name for name, _ in HEADER_DOCS)
 OPTIONAL_HEADER_DOCS: tuple[tuple[str, str], ...] = (
     (
         OMITTED_BYTES,
-        "Only when the record did not fit in the dead-letter topic: it was written with no key, no value "
-        "and only the `triage.*` headers, and this is the size in bytes of what was left out. The original "
-        "is still at `triage.source.*` within the source topic's retention. `replay` never republishes "
-        "such a dead letter: it reports it as `shrunk`.",
+        "Only when the record did not fit in the dead-letter topic (it was written with no key, no value "
+        "and only the `triage.*` headers), or when `dead_letter.redact` left its value out "
+        "(`triage.redacted` is `dropped`): the size in bytes of what was left out. The original is still at "
+        "`triage.source.*` within the source topic's retention. `replay` never republishes such a dead "
+        "letter: it reports it as `shrunk`.",
+    ),
+    (
+        REDACTED,
+        "Only with `dead_letter.redact = true`: the key, the value and the header values carry the record's "
+        "personal data redacted, not as the producer sent them, and this says how the value was: `json` (a "
+        "JSON document, behind the Schema Registry's 5-byte header if it had one, every string redacted), "
+        "`text`, or `dropped` (binary, such as Avro or Protobuf: left out). See docs/privacy.md.",
     ),
 )
 # Error types the pipeline writes itself (the decoder's are `worker.decoding.DecodeErrorType`).
@@ -96,9 +109,12 @@ class DeadLetterInfo(msgspec.Struct, kw_only=True, frozen=True):
     offset: int
     failed_at: str
     replay_count: int
-    # `triage.omitted.bytes`: the dead letter was written without its key, value and own headers, which were
-    # this large; None for a whole one. Such a record cannot be replayed: there is nothing left to send.
+    # `triage.omitted.bytes`: the dead letter was written without its key, value and own headers (or, where
+    # `redacted` is "dropped", without its value), which were this large; None for a whole one. Such a record
+    # cannot be replayed: there is nothing left to send.
     omitted_bytes: int | None = None
+    # `triage.redacted`: how `dead_letter.redact` redacted the record; None when it is as taken.
+    redacted: str | None = None
 
 
 class DeadLetterHeaderError(ValueError):
@@ -147,18 +163,22 @@ def dead_letter_headers(
     offset: int,
     replay_count: int = 0,
     failed_at: datetime.datetime | None = None,
+    redacted: str | None = None,
 ) -> list[tuple[str, bytes | None]]:
-    """Headers for the dead letter of a record: its own headers untouched, then the ``triage.*`` ones.
+    """Headers for the dead letter of a record: its own headers untouched, then the ``triage.*`` ones, and
+    `triage.redacted` last when the record was `redacted` (see `OPTIONAL_HEADER_DOCS`).
 
     ``triage.*`` headers left by an earlier failure (a replayed dead letter failing again) are dropped so they
     don't pile up, but the replay count they carry is kept: the larger of it and `replay_count` is written.
+    An earlier `triage.redacted` stays unless this one is redacted too: the value it describes is the same.
     """
     originals = list(original_headers or ())
     carried = _decimal(_text(_last(originals, REPLAY_COUNT)))
     count = replay_count if carried is None else max(replay_count, carried)
     stamp = utc_timestamp(failed_at)
+    replaced = DEAD_LETTER_HEADERS if redacted is None else DEAD_LETTER_HEADERS | {REDACTED}
     return [
-        *((name, value) for name, value in originals if name not in DEAD_LETTER_HEADERS),
+        *((name, value) for name, value in originals if name not in replaced),
         (ERROR_TYPE, _utf8(error_type)),
         (ERROR_MESSAGE, truncate_message(message).encode("utf-8")),
         (SOURCE_TOPIC, _utf8(topic)),
@@ -166,6 +186,7 @@ def dead_letter_headers(
         (SOURCE_OFFSET, str(offset).encode("ascii")),
         (FAILED_AT, stamp.encode("ascii")),
         (REPLAY_COUNT, str(count).encode("ascii")),
+        *(() if redacted is None else ((REDACTED, _utf8(redacted)),)),
     ]
 
 
@@ -204,6 +225,7 @@ def read_dead_letter(headers: Headers | None) -> DeadLetterInfo:
         failed_at=text[FAILED_AT],
         replay_count=numbers[REPLAY_COUNT],
         omitted_bytes=omitted,
+        redacted=None if (redacted := _last(present, REDACTED)) is None else _text(redacted),
     )
 
 

@@ -11,7 +11,10 @@ of each intent) when every intent has `FULL_ROWS_PER_INTENT` rows or more. With 
 intent) a validation part would leave almost nothing to learn from, so every row trains and the encoder stage
 is calibrated by k-fold cross-validation instead; the first stage then gets no validation part. The encoder
 head is fitted first; its probabilities are the first stage's teacher. Zero-shot uses the taxonomy's texts
-(names, descriptions, `examples`) for both.
+(names, descriptions, `examples`) for both, and so do intents the tickets do not cover: `model train` names
+them (`coverage_warnings`), the figures say they do not measure them, and every ticket goes to the encoder
+stage (`cascade_choice`). The folder is built beside DIR and replaces it whole once complete
+(worker/learning/folders.py: only a folder model train wrote, never a shipped one).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import importlib
 import json
 import random
 import re
-import shutil
 import statistics
 import time
 import tomllib
@@ -43,13 +45,12 @@ from rich.progress import (
 )
 
 from worker.config import DEFAULT_ESCALATE_BELOW
-from worker.errors import UserError
 from worker.inference import escalation
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import ZERO_SHOT_VERSION
 from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
-from worker.learning import encoder_stage
+from worker.learning import encoder_stage, folders
 from worker.learning.evaluation import CASCADE_THRESHOLDS, Prediction, choose_threshold, stratified_split
 
 Kind = Literal["zero-shot", "few-shot", "full"]
@@ -132,6 +133,56 @@ def split_rows(
     return shuffled, [], "few-shot"
 
 
+def intent_coverage(rows: Sequence[tuple[str, str]], taxonomy: Taxonomy) -> dict[str, Any]:
+    """Labelled tickets per intent (every intent of the taxonomy, in its order), the intents without any, and
+    those with fewer than `encoder_stage.BALANCE_BELOW` (training.json's `data.coverage`)."""
+    counts = Counter(intent for _, intent in rows)
+    per_intent = {label: counts.get(label, 0) for label in taxonomy.labels}
+    return {
+        "per_intent": per_intent,
+        "without_rows": [label for label, count in per_intent.items() if count == 0],
+        "too_few_rows": {
+            label: count for label, count in per_intent.items() if 0 < count < encoder_stage.BALANCE_BELOW
+        },
+    }
+
+
+def _named(names: Sequence[str]) -> str:
+    return ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+
+
+def coverage_warnings(coverage: dict[str, Any]) -> list[str]:
+    """One line for the intents without a labelled ticket, one for those with too few: which, and what the
+    model does for them."""
+    intents = len(coverage["per_intent"])
+    without: list[str] = coverage["without_rows"]
+    few: dict[str, int] = coverage["too_few_rows"]
+    lines = []
+    if without:
+        lines.append(
+            f"warning: {len(without)} of {intents} intents have no labelled ticket: {_named(without)}. The "
+            "model answers them from their taxonomy texts alone (name, description, examples), as a "
+            "zero-shot model does, weighed as much as each intent with tickets; no figure below measures "
+            "them, and every ticket goes to the encoder stage (escalate_below 1.0). Add tickets for them to "
+            "learn and measure them."
+        )
+    if few:
+        named = _named([f"{label} ({count})" for label, count in few.items()])
+        lines.append(
+            f"warning: {len(few)} of {intents} intents have fewer than {encoder_stage.BALANCE_BELOW} "
+            f"labelled tickets: {named}. Every intent weighs the same in the encoder stage's fit, so the "
+            "others do not outvote them; one with a single ticket is not measured. More tickets for them "
+            "make its answers surer."
+        )
+    return lines
+
+
+def _texts_for(taxonomy: Taxonomy, intents: Sequence[str]) -> list[tuple[str, str]]:
+    """The taxonomy's texts of `intents` as (text, intent) rows: what the zero-shot path learns them from."""
+    texts = dict(zip(taxonomy.labels, encoder_stage.intent_texts(taxonomy), strict=True))
+    return [(text, intent) for intent in intents for text in texts[intent]]
+
+
 def train_model_folder(
     rows: Sequence[tuple[str, str]],
     taxonomy: Taxonomy,
@@ -147,6 +198,7 @@ def train_model_folder(
 ) -> TrainingOutcome:
     """Train both stages on labelled (text, intent) rows and write `out_dir` (see the module). `data`
     describes the rows for the model card (file, counts)."""
+    folders.check_target(out_dir)  # before minutes of work, not after them
     console = console or Console(stderr=True)
     started = time.monotonic()
     train, validation, kind = split_rows(rows, seed)
@@ -154,6 +206,8 @@ def train_model_folder(
         f"{kind}: {len(train)} tickets to learn from, {len(validation)} held out for validation, "
         f"{len(taxonomy.labels)} intents"
     )
+    for line in coverage_warnings(intent_coverage(rows, taxonomy)):
+        console.print(line, style="yellow", markup=False, highlight=False)
     trainer, missing = _first_stage_trainer()
     encoder_budget = max_seconds * (ENCODER_SHARE if trainer is not None else 1.0)
     embedder = embedder or encoder_stage.open_embedder(echo=console.print)
@@ -185,6 +239,7 @@ def train_zero_shot_folder(
     embedder: SentenceEmbedder | None = None,
 ) -> TrainingOutcome:
     """Both stages from the taxonomy's texts alone, and `VERSION` = zero-shot (see the module)."""
+    folders.check_target(out_dir)
     console = console or Console(stderr=True)
     started = time.monotonic()
     embedder = embedder or encoder_stage.open_embedder(echo=console.print)
@@ -224,53 +279,55 @@ def _finish(
     console: Console,
 ) -> TrainingOutcome:
     """Write the encoder stage, train the first stage with the head as its teacher, then the folder's
-    records (taxonomy, trained labels, VERSION, training.json, model card)."""
-    _prepare(out_dir)
-    taxonomy, taxonomy_path = _served_taxonomy(taxonomy, taxonomy_path, out_dir)
-    console.print(_encoder_line(report))
-    encoder_stage.write_encoder_stage(
-        out_dir / ENCODER_DIR, head, taxonomy, taxonomy_path, head_source, copy_encoder=True
-    )
-
-    def teacher(texts: Sequence[str]) -> Any:
-        return head.probabilities(encoder_stage.embed(embedder, texts))
-
-    first = None
-    if trainer is not None:
-        reserved = MEASURE_SECONDS_PER_TICKET * len(validation)
-        remaining = max(60.0, max_seconds - (time.monotonic() - started) - reserved)
-        with _progress(console) as progress:
-            first = trainer(
-                train,
-                validation,
-                taxonomy,
-                taxonomy_path,
-                teacher,
-                out_dir,
-                unlabelled=unlabelled,
-                max_seconds=remaining,
-                seed=seed,
-                progress=_reporter(progress, "first stage: training"),
-            )
-    else:
-        console.print(
-            f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs with "
-            f"--model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
+    records (taxonomy, trained labels, VERSION, training.json, model card): built beside `out_dir` and
+    swapped in whole once complete (worker/learning/folders.py)."""
+    with folders.writing(out_dir) as building:
+        taxonomy, taxonomy_path = _served_taxonomy(taxonomy, taxonomy_path, building)
+        console.print(_encoder_line(report, len(taxonomy.labels)))
+        encoder_stage.write_encoder_stage(
+            building / ENCODER_DIR, head, taxonomy, taxonomy_path, head_source, copy_encoder=True
         )
-    write_trained_labels(out_dir, taxonomy)
-    for folder in (out_dir, out_dir / ENCODER_DIR):
-        if kind == "zero-shot":
-            (folder / "VERSION").write_text(ZERO_SHOT_VERSION + "\n", encoding="utf-8")
+
+        def teacher(texts: Sequence[str]) -> Any:
+            return head.probabilities(encoder_stage.embed(embedder, texts))
+
+        coverage = intent_coverage([*train, *validation], taxonomy)
+        first = None
+        if trainer is not None:
+            reserved = MEASURE_SECONDS_PER_TICKET * len(validation)
+            remaining = max(60.0, max_seconds - (time.monotonic() - started) - reserved)
+            with _progress(console) as progress:
+                first = trainer(
+                    # An intent without tickets is learnt from its taxonomy texts, as zero-shot learns all.
+                    [*train, *_texts_for(taxonomy, coverage["without_rows"])],
+                    validation,
+                    taxonomy,
+                    taxonomy_path,
+                    teacher,
+                    building,
+                    unlabelled=unlabelled,
+                    max_seconds=remaining,
+                    seed=seed,
+                    progress=_reporter(progress, "first stage: training"),
+                )
         else:
-            (folder / "VERSION").unlink(missing_ok=True)
-    cascade = cascade_choice(kind)
-    if first is not None and validation:
-        cascade = _cascade_on_validation(out_dir, validation, teacher, taxonomy, console)
-    outcome = TrainingOutcome(out_dir, kind, report, first, missing, time.monotonic() - started)
-    record = _training_record(outcome, taxonomy, train, validation, data, unlabelled, seed)
-    record["cascade"] = cascade
-    (out_dir / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "README.md").write_text(model_card(record), encoding="utf-8")
+            console.print(
+                f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs "
+                f"with --model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
+            )
+        write_trained_labels(building, taxonomy)
+        if kind == "zero-shot":
+            for folder in (building, building / ENCODER_DIR):
+                (folder / "VERSION").write_text(ZERO_SHOT_VERSION + "\n", encoding="utf-8")
+        cascade = cascade_choice(kind, coverage["without_rows"])
+        if first is not None and validation and not coverage["without_rows"]:
+            cascade = _cascade_on_validation(building, validation, teacher, taxonomy, console)
+        outcome = TrainingOutcome(out_dir, kind, report, first, missing, time.monotonic() - started)
+        record = _training_record(outcome, taxonomy, train, validation, data, unlabelled, seed)
+        record["data"]["coverage"] = coverage
+        record["cascade"] = cascade
+        (building / TRAINING_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        (building / "README.md").write_text(model_card(record), encoding="utf-8")
     return outcome
 
 
@@ -285,14 +342,21 @@ def trained_kind(folder: Path) -> Kind | None:
     return kind if kind in ("zero-shot", "few-shot", "full") else None
 
 
-def cascade_choice(kind: Kind) -> dict[str, Any]:
+def cascade_choice(kind: Kind, without_rows: Sequence[str] = ()) -> dict[str, Any]:
     """The folder's `inference.escalate_below` (used when the setting is left unset) and why, where it cannot
-    be measured (`measured_cascade` where it can: a full folder with both stages).
+    be measured (`measured_cascade` where it can: a full folder with both stages and a ticket for every
+    intent).
 
     A first stage that saw no held-out ticket is not calibrated, and it is sure of wrong answers: on
     bank-desk, a zero-shot folder served at 0.8 answered 161 of 240 BANKING77 test tickets from its first
     stage and got 42.9 % right, its encoder stage alone 76.6 %. Such folders send every ticket to the
-    calibrated encoder stage (1.0); the first stage still answers when the encoder stage cannot in time."""
+    calibrated encoder stage (1.0); the first stage still answers when the encoder stage cannot in time.
+    So do folders with intents `without_rows`: no held-out ticket of theirs could show the first stage's
+    confidence on them."""
+    if without_rows and kind != "zero-shot":
+        return {"escalate_below": 1.0, "why": f"{len(without_rows)} intents have no labelled ticket, so "
+                "the first stage's confidence on them is not measured; every ticket goes to the encoder "
+                "stage"}  # fmt: skip
     if kind == "full":
         return {"escalate_below": DEFAULT_ESCALATE_BELOW, "why": "no first stage to measure the cascade "
                 "with; 0.8 is what `model eval` chose for the shipped model"}  # fmt: skip
@@ -382,18 +446,7 @@ def _served_taxonomy(taxonomy: Taxonomy, taxonomy_path: Path, out_dir: Path) -> 
     return served, target
 
 
-def _prepare(out_dir: Path) -> None:
-    """`out_dir` empty or new: a model folder of an earlier run there would mix two models' files."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"--out {out_dir} is a file")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not (out_dir / TRAINING_FILE).is_file():
-            raise UserError(f"--out {out_dir} is not empty and is not a folder `model train` wrote: refusing")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-
-def _encoder_line(report: encoder_stage.EncoderStageReport) -> str:
+def _encoder_line(report: encoder_stage.EncoderStageReport, intents: int) -> str:
     figures = (
         f"accuracy {report.validation_accuracy:.1%}, ECE {report.ece:.3f} on {report.held_out} held out "
         f"({report.calibration})"
@@ -405,9 +458,15 @@ def _encoder_line(report: encoder_stage.EncoderStageReport) -> str:
         if report.stopped_at_time_bound
         else ""
     )
+    unmeasured = (
+        f"; the figures cover {intents - len(report.unmeasured)} of {intents} intents, not "
+        f"{_named(report.unmeasured)}"
+        if report.unmeasured and report.validation_accuracy is not None
+        else ""
+    )
     return (
         f"encoder stage ({report.method}): {figures}, temperature {report.temperature:.3f}, "
-        f"{report.seconds:.0f} s{stopped}"
+        f"{report.seconds:.0f} s{stopped}{unmeasured}"
     )
 
 
@@ -465,6 +524,10 @@ def model_card(record: dict[str, Any]) -> str:
     encoder = record["encoder_stage"]
     first = record["first_stage"]
     cascade = record.get("cascade") or cascade_choice(kind)  # folders written before it was recorded
+    intents = record["taxonomy"]["intents"]
+    unmeasured = encoder.get("unmeasured", [])  # recorded since #43
+    without_rows = data.get("coverage", {}).get("without_rows", [])
+    without = f": {_named(without_rows)}" if without_rows else ""
     if kind == "zero-shot":
         learnt_from = (
             f"the taxonomy alone: {data['taxonomy_texts']} texts (each intent's name, description and "
@@ -521,7 +584,7 @@ def model_card(record: dict[str, Any]) -> str:
         f"**Learnt from:** {learnt_from}. Taxonomy `{record['taxonomy']['name']}`, "
         f"{record['taxonomy']['intents']} intents (`taxonomy.toml`; `trained_labels.json` records them, and "
         "every start checks the configured taxonomy against it). Intents without a single ticket: "
-        f"{data['rows_per_intent']['without_rows']} (learnt from the taxonomy's texts alone).",
+        f"{data['rows_per_intent']['without_rows']}{without} (learnt from the taxonomy's texts alone).",
         "",
         "| stage | held-out accuracy | ECE | time |",
         "|---|---|---|---|",
@@ -534,6 +597,16 @@ def model_card(record: dict[str, Any]) -> str:
                 f"{cascade['validation']['served_accuracy']:.1%} | | |"
             ]
             if "validation" in cascade
+            else []
+        ),
+        *(
+            [
+                "",
+                f"**Not measured:** the figures cover {intents - len(unmeasured)} of {intents} intents; no "
+                f"held-out ticket was one of {_named(unmeasured)}, so nothing above says how well the model "
+                "answers them. Label tickets of theirs and train again to measure them.",
+            ]
+            if unmeasured and encoder["validation_accuracy"] is not None
             else []
         ),
         "",

@@ -2,12 +2,12 @@
 
 `read_ticket_rows` reads a file (`.csv`, `.tsv`; `.jsonl`, `.ndjson`, `.json` as JSON lines) or a BANKING77
 folder (its `train.csv`), finding the text and label columns by their usual names unless told. Rows that
-cannot be used are counted, never silently used: empty text or label, a text seen before (and whether with
-another label), bytes that are not UTF-8, CSV rows whose fields do not match the header, JSON lines that are
-not an object. `match_taxonomy` turns the
-labels into the taxonomy's intents (exactly, or after `intent_name`'s normalisation: "Card arrival" is
-`card_arrival`) and stops with one line naming the labels that are not intents and the nearest ones. Every
-problem with the file itself is a `UserError` (one line, exit 2).
+cannot be used are counted, never silently used: empty (or JSON `null`) text or label, a text seen before (and
+whether with another label), bytes that are not UTF-8, CSV rows whose fields do not match the header, JSON
+lines that are not an object. A field of any length is read (the file is at most `MAX_FILE_BYTES`).
+`match_taxonomy` turns the labels into the taxonomy's intents (exactly, or after `intent_name`'s
+normalisation: "Card arrival" is `card_arrival`) and stops with one line naming the labels that are not
+intents and the nearest ones. Every problem with the file itself is a `UserError` (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -144,6 +144,9 @@ def _csv_rows(path: Path, text: str) -> tuple[list[dict[str, str]], int]:
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
     rows: list[dict[str, str]] = []
     malformed = 0
+    # The csv module refuses a field over 128 KiB (one long ticket, a pasted log) and with it the whole
+    # file; no field can be longer than the file, whose size is already bounded (`MAX_FILE_BYTES`).
+    limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
     try:
         reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
         for row in reader:
@@ -154,14 +157,18 @@ def _csv_rows(path: Path, text: str) -> tuple[list[dict[str, str]], int]:
                 rows.append(row)
     except csv.Error as error:
         raise UserError(f"{path}: not a CSV file ({error})") from None
+    finally:
+        csv.field_size_limit(limit)
     if reader.fieldnames is None:
         raise UserError(f"{path}: empty file (a CSV export starts with a header row naming its columns)")
     return rows, malformed
 
 
 def _json_objects(values: list[object]) -> tuple[list[dict[str, str]], int]:
+    """Objects' values as text: a string as it is, `null` as empty (a row without that value, counted as
+    such, never a label "null"), any other value as its JSON (a numeric label id: "3")."""
     rows = [
-        {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in value.items()}
+        {str(k): v if isinstance(v, str) else "" if v is None else json.dumps(v) for k, v in value.items()}
         for value in values
         if isinstance(value, dict)
     ]

@@ -33,10 +33,9 @@ from worker.kafka.clients import (
     producer_config,
     record_headers,
 )
-from worker.kafka.dead_letters import dead_letter_headers
 from worker.kafka.side_topics import read_side_topic
-from worker.messages import FeedbackEvent, ReviewRecord
-from worker.pipeline.triage.records import redacted_value
+from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
+from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.privacy.redaction import Redactor
 
 # `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).
@@ -76,7 +75,7 @@ class Rejection:
 def training_redactor(settings: Settings) -> Redactor:
     """What masks the corrections' texts: every kind `privacy.detect` names, `privacy.keep` or not (that
     setting is for reviewers' eyes; a training file is a copy on disk)."""
-    return Redactor(settings.privacy.detect, (), settings.privacy.phone_region or None)
+    return settings.privacy.copy_redactor()
 
 
 @dataclass
@@ -252,20 +251,22 @@ def _dead_letter(settings: Settings, rejected: Iterable[tuple[confluent_kafka.Me
         if error is not None:
             failures.append(error.str())
 
-    redactor = settings.privacy.redactor()
+    redaction = DeadLetterRedaction.configured(settings)
     for message, rejection in rejected:
-        value = message.value()
-        if settings.dead_letter.redact and value:
-            value = redacted_value(value, redactor)
-        headers = dead_letter_headers(
+        source = SourcePosition(
+            topic=message.topic() or settings.topics.feedback,
+            partition=message.partition() or 0,
+            offset=message.offset() or 0,
+        )
+        key, value, headers = redaction.letter(
+            message.key(),
+            message.value(),
             record_headers(message),
             rejection.error_type,
             rejection.message,
-            message.topic() or settings.topics.feedback,
-            message.partition() or 0,
-            message.offset() or 0,
+            source,
         )
-        produce(producer, settings.topics.dead_letter, value, message.key(), headers, on_delivery)
+        produce(producer, settings.topics.dead_letter, value, key, headers, on_delivery)
     left: int = producer.flush(_FLUSH_S)
     if left or failures:
         reason = failures[0] if failures else f"{left} not acknowledged in {_FLUSH_S:.0f}s"

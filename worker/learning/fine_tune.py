@@ -13,11 +13,13 @@ beyond the runtime dependencies (no torch).
 2. Fit: the intent rows are trained, from their current values, on the corrections mixed with the original
    training data (so the model does not forget the other intents), with an L2 pull towards the current
    rows: mean cross-entropy over the original tickets + mean over the corrections + `l2` * ||W - W0||^2.
-3. Write: the base folder is copied and the new rows are written into its weights, quantised the way the
-   ORT GenAI builder quantises them (int4 blocks of 32, symmetric) or as they are (fp32).
+3. Write: the base folder is copied into a new folder beside `--out` and the new rows are written into its
+   weights, quantised the way the ORT GenAI builder quantises them (int4 blocks of 32, symmetric) or as they
+   are (fp32).
 4. Measure with the written model (ORT GenAI, as the worker runs it): accuracy on the BANKING77 test split
    (tickets used as corrections left out) and on a held-out part of the feedback, before and after; the
-   model card (README.md) and training.json say what was done and what it gave.
+   model card (README.md) and training.json say what was done and what it gave. Then the new folder
+   replaces `--out` whole (worker/learning/folders.py: only a folder model train wrote, never a shipped one).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Engine
 from worker.learning.feedback import Correction
+from worker.learning.folders import writing
 
 FloatArray = npt.NDArray[np.float64]
 Example = tuple[str, str]  # (text, intent)
@@ -386,8 +389,8 @@ def fine_tune(
     started = time.monotonic()
     if not corrections:
         raise UserError("no usable corrections: nothing to fine-tune on")
-    if out.resolve() == base.resolve():
-        raise UserError(f"--out {out} is the base model's folder: write the fine-tuned model elsewhere")
+    if out.resolve().is_relative_to(base.resolve()):
+        raise UserError(f"--out {out} is in the base model's folder: write the fine-tuned model elsewhere")
     featurizer = Featurizer(base)
     unknown = sorted({intent for _, intent in original} - set(featurizer.labels))
     if unknown:
@@ -419,35 +422,34 @@ def fine_tune(
         (trained_states, np.array([index[c.intent] for c in trained], dtype=np.int64)),
         recipe,
     )
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(base, out)
-    (out / "VERSION").unlink(missing_ok=True)
-    featurizer.layer.write_rows(out, featurizer.label_ids, rows)
-    say(f"wrote {out}; measuring it")
-    tuned = Featurizer(out)
-    held_after = tuned.decide([c.text for c in held])
-    trained_after = tuned.decide([c.text for c in trained])
-    test_after = tuned.decide([t for t, _ in test], progress("test tickets (fine-tuned)"))
-    expected_test = [i for _, i in test]
-    outcome = FineTuneOutcome(
-        corrections=len(corrections),
-        trained_on=len(trained),
-        held_out=len(held),
-        replayed=len(replayed),
-        test_tickets=len(test),
-        test_accuracy=(_accuracy(test_before, expected_test), _accuracy(test_after, expected_test)),
-        held_out_accuracy=(
-            _accuracy(held_before, [c.intent for c in held]),
-            _accuracy(held_after, [c.intent for c in held]),
-        ),
-        trained_accuracy=(
-            _accuracy(trained_before, [c.intent for c in trained]),
-            _accuracy(trained_after, [c.intent for c in trained]),
-        ),
-        minutes=round((time.monotonic() - started) / 60.0, 2),
-    )
-    _write_card(base, out, corrections, recipe, outcome, command)
+    with writing(out) as building:
+        shutil.copytree(base, building, dirs_exist_ok=True)
+        (building / "VERSION").unlink(missing_ok=True)
+        featurizer.layer.write_rows(building, featurizer.label_ids, rows)
+        say(f"wrote the fine-tuned rows into a new folder beside {out}; measuring it")
+        tuned = Featurizer(building)
+        held_after = tuned.decide([c.text for c in held])
+        trained_after = tuned.decide([c.text for c in trained])
+        test_after = tuned.decide([t for t, _ in test], progress("test tickets (fine-tuned)"))
+        expected_test = [i for _, i in test]
+        outcome = FineTuneOutcome(
+            corrections=len(corrections),
+            trained_on=len(trained),
+            held_out=len(held),
+            replayed=len(replayed),
+            test_tickets=len(test),
+            test_accuracy=(_accuracy(test_before, expected_test), _accuracy(test_after, expected_test)),
+            held_out_accuracy=(
+                _accuracy(held_before, [c.intent for c in held]),
+                _accuracy(held_after, [c.intent for c in held]),
+            ),
+            trained_accuracy=(
+                _accuracy(trained_before, [c.intent for c in trained]),
+                _accuracy(trained_after, [c.intent for c in trained]),
+            ),
+            minutes=round((time.monotonic() - started) / 60.0, 2),
+        )
+        _write_card(base, building, out.name, corrections, recipe, outcome, command)
     return outcome
 
 
@@ -458,6 +460,7 @@ def _percent(value: float | None) -> str:
 def _write_card(
     base: Path,
     out: Path,
+    name: str,
     corrections: Sequence[Correction],
     recipe: Recipe,
     outcome: FineTuneOutcome,
@@ -491,7 +494,7 @@ def _write_card(
     )
     top = "\n".join(f"- {pair}: {count}" for pair, count in list(by_pair.items())[:10])
     card = (
-        f"# {out.name}\n\n"
+        f"# {name}\n\n"
         f"Fine-tuned from `{base.name}` on {outcome.corrections} reviewers' corrections "
         f"({outcome.trained_on} trained on, {outcome.held_out} held out to measure), mixed with "
         f"{outcome.replayed} of its original training tickets, in {outcome.minutes} min. Only the output "

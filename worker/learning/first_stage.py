@@ -467,7 +467,7 @@ def save_hf_folder(hf_dir: Path, tokenizer: Any, model: Any, taxonomy_path: Path
 def check_parity(model_dir: Path, builder: PromptBuilder, hf_tokenizer: Any, texts: Sequence[str]) -> None:
     """ORT GenAI must encode every rendered prompt exactly as the trainer did, and the prefix/suffix split
     must not change the tokens."""
-    import onnxruntime_genai as og
+    from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
 
     tokenizer = og.Tokenizer(og.Model(str(model_dir)))
     prefix = list(tokenizer.encode(builder.prefix))

@@ -39,8 +39,12 @@ class Finding:
 
 # A local part of the characters RFC 5322 allows unquoted (letters of any script included), and a domain of at
 # least two labels. Quoted local parts and IP-literal domains are left out: nobody types them in a ticket.
+# The top-level domain is letters (of any script: internationalised domains as people type them), or an ASCII
+# Punycode label (`xn--fiqs8s`, how a mail client may show the same domain), tried first so that it is taken
+# whole rather than cut at its `xn`.
 _EMAIL = re.compile(
-    r"(?<![\w.!#$%&'*+/=?^`{|}~-])[\w.!#$%&'*+/=?^`{|}~-]+@(?:[^\W_](?:[\w-]{0,61}[^\W_])?\.)+[^\W\d_]{2,63}(?!\w)"
+    r"(?<![\w.!#$%&'*+/=?^`{|}~-])[\w.!#$%&'*+/=?^`{|}~-]+@(?:[^\W_](?:[\w-]{0,61}[^\W_])?\.)+"
+    r"(?:[Xx][Nn]--[A-Za-z0-9](?:[A-Za-z0-9-]{0,57}[A-Za-z0-9])?|[^\W\d_]{2,63})(?!\w)"
 )
 
 
@@ -49,6 +53,16 @@ def _emails(text: str) -> Iterator[Finding]:
         return
     for match in _EMAIL.finditer(text):
         yield Finding("email", match.start(), match.end())
+
+
+# -- digit groups --------------------------------------------------------------------------------------------
+
+# What people (and their mail clients) put between the groups of a card number or an IBAN, one per gap: a
+# space (a no-break, figure, thin, hair or narrow no-break space too: HTML mail pastes them), a tab, a line
+# break (Windows' CR LF counts as one), a dash (hyphen, non-breaking hyphen, figure or en dash) or a dot.
+_SEPARATOR_CHARS = " \u00a0\u2007\u2009\u200a\u202f\t\r\n-\u2010\u2011\u2012\u2013."
+_SEPARATOR = rf"(?:\r\n|[{re.escape(_SEPARATOR_CHARS)}])"
+_SEPARATORS = re.compile(f"[{re.escape(_SEPARATOR_CHARS)}]")
 
 
 # -- IBANs ---------------------------------------------------------------------------------------------------
@@ -64,9 +78,9 @@ _IBAN_LENGTHS = {
     "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19, "SK": 24, "SM": 27, "ST": 25, "SV": 28,
     "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
 }  # fmt: skip
-# A country code and check digits, then alphanumerics with at most one space or dash between them (printed
-# IBANs come in groups of four). The match may run past the IBAN into the next word; `_iban_end` cuts it.
-_IBAN_START = re.compile(r"(?<![^\W_])([A-Za-z]{2})(\d{2})(?:[ -]?[A-Za-z0-9]){11,30}")
+# A country code and check digits, then alphanumerics with at most one separator between them (printed IBANs
+# come in groups of four). The match may run past the IBAN into the next word; `_iban_end` cuts it.
+_IBAN_START = re.compile(rf"(?<![^\W_])([A-Za-z]{{2}})(\d{{2}})(?:{_SEPARATOR}?[A-Za-z0-9]){{11,30}}")
 
 
 def _iban_valid(compact: str) -> bool:
@@ -86,7 +100,7 @@ def _iban_end(text: str, start: int, length: int) -> int | None:
         char = text[index]
         if char.isascii() and char.isalnum():
             taken += 1
-        elif char not in " -" or taken == 0:
+        elif char not in _SEPARATOR_CHARS or taken == 0:
             return None
         index += 1
     if index < len(text) and text[index].isalnum():
@@ -102,7 +116,7 @@ def _ibans(text: str) -> Iterator[Finding]:
         end = _iban_end(text, match.start(), length)
         if end is None:
             continue
-        compact = re.sub(r"[ -]", "", text[match.start() : end]).upper()
+        compact = _SEPARATORS.sub("", text[match.start() : end]).upper()
         if _iban_valid(compact):
             yield Finding("iban", match.start(), end)
 
@@ -129,13 +143,14 @@ _ISSUERS: tuple[tuple[int, int, frozenset[int]], ...] = (
     (50, 50, frozenset(range(13, 20))),  # Maestro
     (56, 69, frozenset(range(13, 20))),
 )
-# Runs of digit groups joined by one space or dash, not inside a longer word or number, nor after a "+"
-# (an international phone number).
-_DIGIT_RUN = re.compile(r"(?<![\w.,+])\d+(?:[ -]\d+)*(?![\w]|[.,]\d)")
+# Runs of digit groups joined by one separator each, not inside a longer word or number, nor after a "+" (an
+# international phone number).
+_DIGIT_RUN = re.compile(rf"(?<![\w.,+])\d+(?:{_SEPARATOR}\d+)*(?![\w]|[.,]\d)")
 # The start of an IBAN-shaped code before a run of digits ("DE47 2298 ...", "ie43 yzjs 5895 ..."): when it
 # is no valid IBAN, its digits are no card either, even when they pass Luhn (one in ten does).
-_IBAN_HEAD = re.compile(r"(?<![A-Za-z0-9])[A-Za-z]{2}\d{2}(?:[ -]?[A-Za-z0-9]{1,4}){0,8}[ -]?$")
-_GROUP_SEPARATOR = re.compile(r"[ -]")
+_IBAN_HEAD = re.compile(
+    rf"(?<![A-Za-z0-9])[A-Za-z]{{2}}\d{{2}}(?:{_SEPARATOR}?[A-Za-z0-9]{{1,4}}){{0,8}}{_SEPARATOR}?$"
+)
 
 
 def luhn_valid(digits: str) -> bool:
@@ -202,8 +217,10 @@ def _ssns(text: str) -> Iterator[Finding]:
 
 # -- phone numbers -------------------------------------------------------------------------------------------
 
-# A phone number has at least seven digits, possibly split by spaces, dots, dashes or brackets.
-_PHONE_SIGN = re.compile(r"\d(?:[\s().\-/]{0,3}\d){6}")
+# A phone number has at least seven digits, possibly split by spaces, dots, dashes or brackets, neither
+# following nor followed by a letter or digit (a number glued to a word is no phone: `_glued`), which spares
+# the costly matcher the digit runs inside hex ids (trace ids, UUIDs).
+_PHONE_SIGN = re.compile(r"(?<![^\W_])\d(?:[\s().\-/]{0,3}\d){6,}(?![^\W_])")
 
 
 def _phones(text: str, region: str | None) -> Iterator[Finding]:
@@ -238,6 +255,8 @@ def _grouped_as_dialled(raw: str, region: str | None) -> bool:
     return any(match.raw_string == raw for match in strict)
 
 
+# Every kind holds a digit or an `@`: text without either (most header names and many tickets) holds none.
+_ANY_SIGN = re.compile(r"[\d@]")
 # What claimed spans are overwritten with before the next kind is looked for: no letter, digit, separator or
 # sign any detector reads, so a span is neither found twice nor glued to what follows it.
 _MASK = "\u2588"
@@ -250,6 +269,8 @@ def find(text: str, region: str | None = "US", kinds: frozenset[Kind] = frozense
     alpha-2, e.g. "US") is the country of phone numbers written without a country code; None finds only
     those with one."""
     found: list[Finding] = []
+    if _ANY_SIGN.search(text) is None:
+        return found
     masked = text
     for kind in KINDS:
         if kind not in kinds:

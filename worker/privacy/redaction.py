@@ -11,6 +11,8 @@ the most PCI DSS requirement 3.4 lets a display show without a business need for
 
 from __future__ import annotations
 
+import bisect
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,6 +46,49 @@ def redact_findings(text: str, findings: Iterable[Finding]) -> str:
     return "".join(parts)
 
 
+# The escapes of JSON strings and of Python's reprs (`\u0034`, `\x34`, `\n`, ...): a raw value, an error
+# message or a log line quoting one may hold identifiers behind them.
+_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|x([0-9a-fA-F]{2})|(.))", re.DOTALL)
+_SINGLE_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Unescaped:
+    """`text` with its escapes decoded, and where each of its positions came from: position `p` of `text`
+    is `origin_at[i] + (p - decoded_at[i])` of the original, `i` the last anchor at or before `p` (an
+    escape decodes to one character, so anchors sit on both sides of each)."""
+
+    text: str
+    decoded_at: list[int]
+    origin_at: list[int]
+
+    def origin(self, position: int) -> int:
+        anchor = bisect.bisect_right(self.decoded_at, position) - 1
+        return self.origin_at[anchor] + position - self.decoded_at[anchor]
+
+
+def _unescaped(text: str) -> _Unescaped:
+    parts: list[str] = []
+    decoded_at, origin_at = [0], [0]
+    at = length = 0
+    for escape in _ESCAPE.finditer(text):
+        hex_digits = escape[1] or escape[2] or escape[3]
+        if hex_digits is None:
+            char = _SINGLE_ESCAPES.get(escape[4], escape[4])
+        elif int(hex_digits, 16) <= 0x10FFFF:
+            char = chr(int(hex_digits, 16))
+        else:
+            continue  # no character: left as written
+        parts += (text[at : escape.start()], char)
+        length += escape.start() - at
+        decoded_at += (length, length + 1)
+        origin_at += (escape.start(), escape.end())
+        length += 1
+        at = escape.end()
+    parts.append(text[at:])
+    return _Unescaped("".join(parts), decoded_at, origin_at)
+
+
 @dataclass(frozen=True, slots=True)
 class TicketScan:
     """One ticket's personal data: `kinds` found (in `KINDS` order, each once; what a result's `pii` lists),
@@ -72,10 +117,31 @@ class Redactor:
     def findings(self, text: str) -> list[Finding]:
         return find(text, self._region, self._detect) if self._detect else []
 
+    def to_hide(self, text: str) -> list[Finding]:
+        """The findings in `text` that are not of a kind kept in clear: what `redact` replaces."""
+        return [f for f in self.findings(text) if f.kind not in self._keep]
+
     def redact(self, text: str) -> str:
-        """`text` with the detected kinds not kept replaced (the text itself when there are none)."""
-        findings = [f for f in self.findings(text) if f.kind not in self._keep]
+        """`text` with the detected kinds not kept replaced (the text itself when there are none). Escapes
+        (JSON's `\\u0034`, Python's `\\x34`, `\\n`, ...) are decoded before the text is searched, so that
+        a raw value or a message quoting one hides nothing behind them; what is found is replaced where it
+        was written, escapes and all."""
+        if "\\" in text:
+            unescaped = _unescaped(text)
+            if unescaped.text != text:
+                return self._redact_unescaped(text, unescaped)
+        findings = self.to_hide(text)
         return redact_findings(text, findings) if findings else text
+
+    def _redact_unescaped(self, text: str, unescaped: _Unescaped) -> str:
+        parts: list[str] = []
+        at = 0
+        for finding in self.to_hide(unescaped.text):
+            start, end = unescaped.origin(finding.start), unescaped.origin(finding.end)
+            parts += (text[at:start], placeholder(finding, unescaped.text))
+            at = end
+        parts.append(text[at:])
+        return "".join(parts)
 
     def scan(self, subject: str | None, body: str) -> TicketScan:
         """A ticket's kinds and its redacted subject and body, from one pass over each."""

@@ -48,7 +48,13 @@ from worker.config import Settings, mask_secrets
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.kafka.commits import TopicPartitionKey
-from worker.kafka.dead_letters import ERROR_TYPES, DeadLetterInfo, read_dead_letter, replay_headers
+from worker.kafka.dead_letters import (
+    ERROR_TYPES,
+    REDACTED_DROPPED,
+    DeadLetterInfo,
+    read_dead_letter,
+    replay_headers,
+)
 from worker.kafka.errors import PURGED
 from worker.logs import librdkafka_logger
 from worker.pipeline.failure import Failure
@@ -323,8 +329,9 @@ def why_not_replayed(info: DeadLetterInfo, options: ReplayOptions) -> ReplayOutc
     """Why this dead letter is not replayed (a filter, a shrunk dead letter, the max-replay bound), or None
     if it is selected.
 
-    A shrunk dead letter (`triage.omitted.bytes`) has no key and no value left: republishing it would send a
-    null that the worker dead-letters again as `null_value`, and its real cause would be gone."""
+    A shrunk dead letter (`triage.omitted.bytes`: too large, or its value dropped by `dead_letter.redact`) has
+    no value left: republishing it would send a null that the worker dead-letters again as `null_value`, and
+    its real cause would be gone."""
     if options.error_types and info.error_type not in options.error_types:
         return ReplayOutcome.SKIPPED_FILTER
     if options.source_topic is not None and info.topic != options.source_topic:
@@ -339,10 +346,15 @@ def why_not_replayed(info: DeadLetterInfo, options: ReplayOptions) -> ReplayOutc
 
 
 def not_kept(info: DeadLetterInfo) -> str:
-    """What a person needs for a shrunk dead letter: how much was left out and where the original is."""
+    """What a person needs for a shrunk dead letter: how much was left out, why, and where the original is."""
+    why = (
+        "of a binary value (Avro, Protobuf) were left out by dead_letter.redact, which cannot redact it"
+        if info.redacted == REDACTED_DROPPED
+        else "were too large to keep in the dead-letter topic"
+    )
     return (
-        f"{info.omitted_bytes} bytes were too large to keep in the dead-letter topic; the original is "
-        f"{info.topic} [{info.partition}] offset {info.offset}, within that topic's retention"
+        f"{info.omitted_bytes} bytes {why}; the original is {info.topic} [{info.partition}] offset "
+        f"{info.offset}, within that topic's retention"
     )
 
 

@@ -3,9 +3,13 @@
 The function is arbitrary code. Called in the replay's own thread, one that never returns hangs the replay at
 full CPU and deaf to SIGTERM (the handler only sets a flag the loop never gets back to read), and a Python
 thread cannot be stopped from outside. A process can: `TransformProcess` sends each value to a child
-(`python -m worker.replay.transforms`) over a pipe and waits at most `timeout_s` for the answer; a child that
-overruns is killed, its record is reported as a transform failure, and the next record gets a fresh child.
-While it waits it checks the replay's stop flag, so SIGTERM/SIGINT stop a replay even inside a call.
+(`python -P -m worker.replay.transforms`) over a pipe and waits at most `timeout_s` for the answer; a child
+that overruns is killed, its record is reported as a transform failure, and the next record gets a fresh
+child. While it waits it checks the replay's stop flag, so SIGTERM/SIGINT stop a replay even inside a call.
+
+The child starts in the folder the operator runs `replay` from, which anyone may have written to: `-P` keeps
+that folder off its `sys.path` (plain `-m` puts it first), so a `struct.py` or `json.py` lying there is never
+imported in place of the real module. The fix the spec names in that folder is loaded from its file alone.
 
 Frames on the pipes: one kind byte, a 4-byte big-endian length, the payload. The child's own stdout goes to
 stderr, so a `print()` in a transform never mixes into the frames (nor into `replay --json`).
@@ -61,22 +65,20 @@ class TransformStopped(Exception):
 
 
 def load_transform(spec: str) -> TransformFunction:
-    """``module:function`` (importable, or in the current directory) or ``path/to/file.py:function``."""
+    """``module:function`` (its file in the current directory, else importable) or
+    ``path/to/file.py:function``. A module of the current directory is loaded from its file alone: the
+    directory never goes on `sys.path`, where its other files would shadow the modules the process imports."""
     module_name, sep, function_name = spec.rpartition(":")
     if not sep or not module_name or not function_name:
         raise UserError(f"invalid --transform {spec!r}: expected module:function or file.py:function")
+    local = Path(*module_name.split(".")).with_suffix(".py")
     try:
         if module_name.endswith(".py"):
             module = _load_file(Path(module_name))
+        elif local.is_file():  # ops keep fixes next to them, and it came first when `-m` put it on sys.path
+            module = _load_file(local)
         else:
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError:
-                # Console scripts do not put the current directory on sys.path; ops keep fixes next to them.
-                local = Path(*module_name.split(".")).with_suffix(".py")
-                if not local.is_file():
-                    raise
-                module = _load_file(local)
+            module = importlib.import_module(module_name)
     except UserError:
         raise
     except Exception as error:
@@ -180,7 +182,7 @@ class TransformProcess:
     def _start(self) -> None:
         # Its own session: a terminal's Ctrl-C reaches only the replay, which decides what to stop.
         child = subprocess.Popen(
-            [sys.executable, "-m", "worker.replay.transforms"],
+            [sys.executable, "-P", "-m", "worker.replay.transforms"],  # -P: see the module docstring
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             bufsize=0,

@@ -1,11 +1,24 @@
 """The HTTP side of telemetry: `/metrics`, `/healthz`, `/readyz` (and the worker's `POST /reload`, for
 holders of its token only: see access.py) on a threading WSGI server in a daemon thread, never on the
-consumer's thread; `Probes` is what a process answers."""
+consumer's thread; `Probes` is what a process answers.
+
+Each connection has a thread of its own, so a client that connects and says nothing, or sends its request a
+byte at a time, would hold one for as long as it likes, and enough of them would exhaust the process's
+threads (a pod's pid limit) and with them the worker's own. Hence: a connection idle for `IDLE_TIMEOUT_S` is
+closed, one still unanswered `REQUEST_DEADLINE_S` after it was accepted is cut off, and at most
+`MAX_CONNECTIONS` are open at once (one more is closed at once, logged once per interval). A scrape or a probe
+sends its request at once and is answered in milliseconds.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import socketserver
+import sys
 import threading
+import time
 import wsgiref.simple_server
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,6 +38,12 @@ if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
 
 _log = structlog.get_logger("worker.telemetry")
+# Longer than any scraper or prober takes to send its request (kubelet probes time out after 3 s here).
+IDLE_TIMEOUT_S = 5.0
+# From accept to the answer sent: Prometheus' own scrape timeout is 10 s.
+REQUEST_DEADLINE_S = 10.0
+# Prometheus (a pair for HA), the kubelet's probes and an operator's curl need a handful.
+MAX_CONNECTIONS = 64
 _BUSY = (
     "a reload is already waiting or running, and reloads go one at a time: its outcome is logged "
     "(reload_succeeded or reload_failed) and counted in triage_reloads_total; ask again after it"
@@ -68,7 +87,7 @@ class TelemetryServer:
         self._refusals = Throttle()
         try:
             self._server = wsgiref.simple_server.make_server(
-                settings.host, settings.port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler
+                settings.host, settings.port, self._app, _BoundedServer, handler_class=_QuietHandler
             )
         except OSError as error:
             raise UserError(
@@ -155,8 +174,83 @@ def _json(
     return [json.dumps(body).encode() + b"\n"]
 
 
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most `MAX_CONNECTIONS` at once, each cut off `REQUEST_DEADLINE_S` after it
+    was accepted (the handler's socket timeout closes idle ones sooner)."""
+
+    # The listen backlog (socketserver's is 5): a burst of connections waits in the kernel's queue for its
+    # accept instead of having its SYNs dropped and retried a second later.
+    request_queue_size = MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}  # each open connection → when it is cut off
+        self._refusals = Throttle()
+
+    def server_bind(self) -> None:
+        """As http.server's, less its `socket.getfqdn` of the address: a name look-up (the host's own name, by
+        DNS where /etc/hosts lacks it, for the default 0.0.0.0) that a worker which connects nowhere but its
+        broker, its registry and this port must not make. SERVER_NAME is the address it listens on."""
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.socket.getsockname()[:2]
+        self.server_name, self.server_port = host, port
+        self.setup_environ()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            full = len(self._deadlines) >= MAX_CONNECTIONS
+            if not full:
+                self._deadlines[request] = time.monotonic() + REQUEST_DEADLINE_S
+        if full:
+            self.shutdown_request(request)
+            suppressed = self._refusals.admit("connections")
+            if suppressed is not None:
+                _log.warning(
+                    "telemetry_connection_refused",
+                    reason=f"{MAX_CONNECTIONS} connections are open, the most the port serves at once",
+                    client=client_address[0],
+                    suppressed_since_last=suppressed,
+                )
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread was started; the caller closes the connection
+            self._forget(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def service_actions(self) -> None:
+        """Runs on the serving thread between accepts (at least every half second): a shutdown wakes the
+        connection's thread from its read or write, which then ends."""
+        now = time.monotonic()
+        with self._lock:
+            late = [connection for connection, deadline in self._deadlines.items() if deadline <= now]
+        for connection in late:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                connection.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that timed out, was cut off or reset is the client's doing: it is closed, and that
+        is all (the default prints a traceback). Anything else is still reported."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            self._deadlines.pop(request, None)
+
+
 class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
-    """No access log: probes every few seconds would drown the worker's own events."""
+    """No access log: probes every few seconds would drown the worker's own events. Every read and write
+    on the connection waits at most `IDLE_TIMEOUT_S`."""
+
+    timeout = IDLE_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -18,6 +18,7 @@ before, issue #44):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import confluent_kafka
@@ -27,9 +28,8 @@ from worker.kafka import errors
 from worker.kafka.clients import produce
 from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.triage.records import dead_letter
+from worker.pipeline.triage.records import DeadLetterRedaction, dead_letter
 from worker.pipeline.work import Output, Work
-from worker.privacy.redaction import Redactor
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -88,18 +88,17 @@ def smaller(work: Work, output: Output, shrunk: int) -> Output:
 class DeliveryRules:
     """The delivery-error rules (see the module docstring). `dead_letter_topic` None: outputs have no
     dead-letter topic (a replay's go back where they came from), so none is written smaller and a refused one
-    fails as any other; `redactor` and `redact` mask a refused result's dead letter as any other."""
+    fails as any other; `redaction` masks a refused result's dead letter as any other's."""
 
     def __init__(
         self,
         dead_letter_topic: str | None,
-        redactor: Redactor,
-        redact: bool,
+        redaction: DeadLetterRedaction,
         metrics: PipelineMetrics,
-        clock: Any,
+        clock: Callable[[], float],
     ) -> None:
         self.dead_letter_topic = dead_letter_topic
-        self._redactor, self._redact = redactor, redact
+        self._redaction = redaction
         self._metrics = metrics
         self._clock = clock
 
@@ -142,7 +141,7 @@ class DeliveryRules:
             effect="the ticket is dead-lettered",
         )
         reason = f"the triage record was refused: {error.name()}: {error.str()}"
-        return dead_letter(work, self.dead_letter_topic, RESULT_REFUSED, reason, self._redactor, self._redact)
+        return dead_letter(work, self.dead_letter_topic, RESULT_REFUSED, reason, self._redaction)
 
     def failed(self, work: Work, error: confluent_kafka.KafkaError, effect: str, severe: bool = True) -> None:
         """A delivery failed for good: counted and logged with what the settlement does about it."""

@@ -60,6 +60,7 @@ from worker.pipeline.settlements.committer import Committer
 from worker.pipeline.settlements.deliveries import Deliveries
 from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send, smaller
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
+from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.pipeline.work import Output, Work
 
 _log = structlog.get_logger("worker.pipeline")
@@ -133,11 +134,7 @@ class _Base:
         self._pipeline = settings.pipeline
         self._dead_letter_topic = settings.topics.dead_letter if wiring.dead_letters else None
         self._rules = DeliveryRules(
-            self._dead_letter_topic,
-            settings.privacy.redactor(),
-            settings.dead_letter.redact,
-            wiring.metrics,
-            wiring.clock,
+            self._dead_letter_topic, DeadLetterRedaction.configured(settings), wiring.metrics, wiring.clock
         )
         self._clients = wiring.clients
         self._consumer = wiring.consumer

@@ -1,11 +1,12 @@
 """What the pipeline writes for a ticket: its triage record, or a dead letter, handed to the guarantee.
 
 - `result(work, answer, made_at)`: the `TriageResult` in the output format (`output.format`), keyed by the
-  input key (or the ticket id), with the input's headers carried up to `pipeline.max_header_bytes`; then
-  every side topic (`side_topic.ResultWatcher`: the shadow, the review) is told of it. Side topics never
-  hold the record or a commit back.
+  input key (or the ticket id, where the key holds personal data), with the input's headers that
+  `privacy.carry_headers` names, their personal data redacted, carried up to `pipeline.max_header_bytes`; then
+  every side topic (`side_topics.side_topic.ResultWatcher`: the shadow, the review) is told of it, with the
+  same key and headers. Side topics never hold the record or a commit back.
 - `dead_letter(work, error_type, message)`: the original record with the reason, its personal data masked
-  where `dead_letter.redact` asks (worker/pipeline/triage/records.py).
+  where `dead_letter.redact` asks (`records.py`).
 
 How and when each output reaches Kafka is the guarantee's (`guarantees.py`).
 """
@@ -21,8 +22,15 @@ from worker.config import Settings
 from worker.messages import TriageResult
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.side_topics.side_topic import ResultWatcher, WrittenResult
-from worker.pipeline.triage.records import carried_headers, dead_letter, result_key, triage_result
+from worker.pipeline.triage.records import (
+    DeadLetterRedaction,
+    carried_headers,
+    dead_letter,
+    result_key,
+    triage_result,
+)
 from worker.pipeline.work import Output, Work
+from worker.privacy.values import CarriedMetadata
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -41,8 +49,8 @@ class Outputs:
         self._output_topic = settings.topics.output
         self._dead_letter_topic = settings.topics.dead_letter
         self._max_header_bytes = settings.pipeline.max_header_bytes
-        self._redactor = settings.privacy.redactor()
-        self._redact_dead_letters = settings.dead_letter.redact
+        self._carried = CarriedMetadata(settings.privacy.copy_redactor(), settings.privacy.carry_headers)
+        self._dead_letter_redaction = DeadLetterRedaction.configured(settings)
         self._encode, self._write = encode, write
         self._side_topics = side_topics
         self._metrics = metrics
@@ -51,8 +59,8 @@ class Outputs:
         event, scan = work.event, work.scan
         assert event is not None and scan is not None  # a ticket: set by the intake
         value = self._encode(triage_result(event, answer, work.source, made_at or None, scan.kinds))
-        key = result_key(work.key, event)
-        headers, left_off = carried_headers(work.headers, self._max_header_bytes)
+        key = result_key(work.key, event, self._carried)
+        headers, left_off = carried_headers(self._carried.headers(work.headers), self._max_header_bytes)
         if left_off:
             self._metrics.headers_left_off += left_off
             _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
@@ -71,7 +79,5 @@ class Outputs:
             offset=work.offset,
             error_type=error_type,
         )
-        letter = dead_letter(
-            work, self._dead_letter_topic, error_type, message, self._redactor, self._redact_dead_letters
-        )
+        letter = dead_letter(work, self._dead_letter_topic, error_type, message, self._dead_letter_redaction)
         self._write(work, letter)

@@ -1,21 +1,26 @@
 """What the pipeline writes: one TriageResult per ticket (classified or fallback), its Kafka key and the
-input headers it carries; or a dead letter: the record as taken, with the `triage.*` headers.
+input headers it carries; or a dead letter: the record as taken (or redacted, with `dead_letter.redact`),
+with the `triage.*` headers.
 
-Results are keyed by the input record's key (or, when it has none, the ticket id), so every record about one
-ticket — and, with a customer key, about one customer — lands in the same output partition, in order.
+Results are keyed by the input record's key (or, when it has none or it holds personal data, the ticket id),
+so every record about one ticket — and, with a customer key, about one customer — lands in the same output
+partition, in order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 
 from worker.classification import Classification
-from worker.kafka.dead_letters import dead_letter_headers
+from worker.config import Settings
+from worker.kafka.dead_letters import OMITTED_BYTES, REDACTED_DROPPED, dead_letter_headers
 from worker.messages import SCHEMA_VERSION, PiiKind, SourcePosition, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.work import Headers, Output, Work
 from worker.privacy.redaction import Redactor
+from worker.privacy.values import CarriedMetadata, redact_bytes, redact_headers, redact_value
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -56,9 +61,12 @@ def encode_result(result: TriageResult) -> bytes:
     return _ENCODER.encode(result)
 
 
-def result_key(input_key: bytes | None, event: TicketEvent) -> bytes:
-    """The input record's key, or the ticket id when the input had none."""
-    return input_key if input_key is not None else event.ticket_id.encode("utf-8")
+def result_key(input_key: bytes | None, event: TicketEvent, carried: CarriedMetadata) -> bytes:
+    """The input record's key, or the ticket id when the input had none or its key holds personal data (the
+    key goes to every copy of the result: an e-mail address there would be in clear on each topic)."""
+    if input_key is None or carried.key_is_personal(input_key):
+        return event.ticket_id.encode("utf-8")
+    return input_key
 
 
 def carried_headers(headers: Headers | None, budget: int) -> tuple[Headers | None, int]:
@@ -79,38 +87,51 @@ def carried_headers(headers: Headers | None, budget: int) -> tuple[Headers | Non
     return kept, len(headers) - len(kept)
 
 
+@dataclass(frozen=True, slots=True)
+class DeadLetterRedaction:
+    """What a dead letter redacts (docs/privacy.md#dead-letters): the worker's message always, with `words`
+    (every kind, none kept: it may quote the value); the record's key, value and headers with `record`
+    (`privacy.detect`'s kinds, none kept) where `dead_letter.redact` asks, else (None) they stay as taken,
+    for replay."""
+
+    words: Redactor
+    record: Redactor | None
+
+    @classmethod
+    def configured(cls, settings: Settings) -> DeadLetterRedaction:
+        privacy = settings.privacy
+        return cls(privacy.log_redactor(), privacy.copy_redactor() if settings.dead_letter.redact else None)
+
+    def letter(
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers | None,
+        error_type: str,
+        message: str,
+        source: SourcePosition,
+    ) -> tuple[bytes | None, bytes | None, Headers]:
+        """The dead letter's key, value and headers for a record taken at `source`: as taken (or redacted),
+        plus the `triage.*` headers that say why (`error_type`, `message`) and where it came from."""
+        message = self.words.redact(message)
+        where = (source.topic, source.partition, source.offset)
+        if self.record is None:
+            return key, value, dead_letter_headers(headers, error_type, message, *where)
+        redactor = self.record
+        redacted, form = redact_value(value, redactor) if value else (value, "text")
+        key = None if key is None else redact_bytes(key, redactor)
+        letter = dead_letter_headers(
+            redact_headers(headers or (), redactor), error_type, message, *where, redacted=form
+        )
+        if form == REDACTED_DROPPED:
+            assert value is not None  # only a value is dropped
+            letter.append((OMITTED_BYTES, str(len(value)).encode("ascii")))
+        return key, redacted, letter
+
+
 def dead_letter(
-    work: Work, topic: str, error_type: str, message: str, redactor: Redactor, redact_value: bool
+    work: Work, topic: str, error_type: str, message: str, redaction: DeadLetterRedaction
 ) -> Output:
-    """The dead letter of `work`'s record: its key, value and headers as taken, plus the `triage.*` headers
-    that say why (`error_type`, `message`) and where it came from. The message is the worker's own words but
-    may quote the value, so its personal data is always redacted; the value only with `redact_value`
-    (`dead_letter.redact`: replay needs the original)."""
-    message = redactor.redact(message)
-    headers = dead_letter_headers(work.headers, error_type, message, work.topic, work.partition, work.offset)
-    value = redacted_value(work.value, redactor) if redact_value and work.value else work.value
-    return Output(topic, work.key, value, headers)
-
-
-_ANY_JSON = msgspec.json.Decoder()
-
-
-def redacted_value(value: bytes, redactor: Redactor) -> bytes:
-    """A record value with its personal data redacted: in every string of a JSON document (so that escapes
-    such as `\\u0034` hide nothing), otherwise in its text as UTF-8 (undecodable bytes replaced)."""
-    try:
-        document = _ANY_JSON.decode(value)
-    except msgspec.DecodeError:
-        return redactor.redact(value.decode("utf-8", errors="replace")).encode("utf-8")
-    return _ENCODER.encode(redact_strings(document, redactor))
-
-
-def redact_strings(document: object, redactor: Redactor) -> object:
-    """`document` (decoded JSON) with every string in it, keys included, redacted."""
-    if isinstance(document, str):
-        return redactor.redact(document)
-    if isinstance(document, list):
-        return [redact_strings(item, redactor) for item in document]
-    if isinstance(document, dict):
-        return {redactor.redact(str(k)): redact_strings(v, redactor) for k, v in document.items()}
-    return document
+    """The dead letter of `work`'s record (`DeadLetterRedaction.letter`) for `topic`."""
+    letter = redaction.letter(work.key, work.value, work.headers, error_type, message, work.source)
+    return Output(topic, *letter)
