@@ -23,9 +23,9 @@ import confluent_kafka
 import msgspec
 import pytest
 from doubles import InstantClassifier, Running
-from worker.app.doors import TriageParts, group_pipeline
 
 from tools.harness import Topics, make_topics, read_topic, settings_for, wait_until_committed
+from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import start_review
 from worker.classification import FallbackLabel
 from worker.contracts.input import decoder_for

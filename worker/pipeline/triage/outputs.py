@@ -3,7 +3,7 @@
 - `result(work, answer, made_at)`: the `TriageResult` in the output format (`output.format`), keyed by the
   input key (or the ticket id, where the key holds personal data), with the input's headers that
   `privacy.carry_headers` names, their personal data redacted, carried up to `pipeline.max_header_bytes`; then
-  every side topic (`side_topics.side_topic.ResultWatcher`: the shadow, the review) is told of it, with the
+  every side topic (`ResultWatcher`: the shadow, the review) is told of it, with the
   same key and headers. Side topics never hold the record or a commit back.
 - `dead_letter(work, error_type, message)`: the original record with the reason, its personal data masked
   where `dead_letter.redact` asks (`records.py`).
