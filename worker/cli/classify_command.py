@@ -126,7 +126,7 @@ def _classify_stream(settings: Settings, name: str, source: IO[bytes], out: IO[b
     reader = LineReader(stream_lines(source, limit), name)
     with contextlib.closing(reader):
         problems = reader.first(lambda line: _problem(line, limit))
-        if reader.drained:
+        if problems is not None:
             # Before the pool starts: loading the model for nothing would only hide the problem for a while.
             detail = (
                 f"{len(problems)} line(s) rejected ({_why(collections.Counter(problems))})"

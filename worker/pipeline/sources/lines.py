@@ -74,6 +74,9 @@ class LineReader:
         when there is none yet, or no more (`ended`)."""
         if self._peeked:
             return self._peeked.pop(0)
+        return self._next(timeout)
+
+    def _next(self, timeout: float | None) -> Line | None:
         while not self.ended:
             try:
                 item = self._queue.get(timeout=0.2 if timeout is None else timeout)
@@ -90,15 +93,15 @@ class LineReader:
             self.ended = True
         return None
 
-    def first(self, readable: Callable[[Line], str | None]) -> list[str]:
-        """Read until a line `readable` finds nothing wrong with (kept for `get`, with those before it), or to
-        the end: the problems of the lines before it (`readable` returns why a line is not readable)."""
+    def first(self, readable: Callable[[Line], str | None]) -> list[str] | None:
+        """Read until a line `readable` finds nothing wrong with (kept for `get`, with those before it): None;
+        or, when the input ends first, why each line was not readable (`readable` says why)."""
         problems = []
-        while (line := self.get(None)) is not None:
+        while (line := self._next(None)) is not None:
             self._peeked.append(line)
             problem = readable(line)
             if problem is None:
-                return []
+                return None
             problems.append(problem)
         return problems
 
