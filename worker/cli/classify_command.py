@@ -125,14 +125,28 @@ def _classify_stream(settings: Settings, name: str, source: IO[bytes], out: IO[b
     limit = settings.pipeline.max_value_bytes
     reader = LineReader(stream_lines(source, limit), name)
     with contextlib.closing(reader):
-        problems = reader.first(lambda line: _problem(line, limit))
-        if problems is not None:
-            # Before the pool starts: loading the model for nothing would only hide the problem for a while.
-            detail = (
-                f"{len(problems)} line(s) rejected ({_why(collections.Counter(problems))})"
-                if problems
-                else "the file has no lines"
+        redactor = settings.privacy.log_redactor()
+        before = collections.Counter[str]()
+
+        def skipped(line: int, error_type: str, message: str) -> None:
+            # The message quotes the line's own text: print it as is, never as rich markup.
+            console.print(
+                f"{name}:{line + 1}: skipped, not a TicketEvent: {error_type}: {redactor.redact(message)}",
+                markup=False,
+                highlight=False,
             )
+
+        def readable(line: Line) -> bool:
+            problem = _problem(line, limit)
+            if problem is not None:
+                before[problem[0]] += 1
+                skipped(line[0], *problem)
+            return problem is None
+
+        if not reader.first(readable):
+            # Before the pool starts: loading the model for nothing would only hide the problem for a while.
+            total = sum(before.values())
+            detail = f"{total} line(s) rejected ({_why(before)})" if total else "the file has no lines"
             raise UserError(f"{name}: no ticket to classify: {detail}")
         progress = Progress(
             TextColumn("classifying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -145,15 +159,8 @@ def _classify_stream(settings: Settings, name: str, source: IO[bytes], out: IO[b
                 out.flush()  # a reader sees each result once it is known, whatever the buffering
                 progress.advance(task)
 
-            def skipped(line: int, error_type: str, message: str) -> None:
-                # The message quotes the line's own text: print it as is, never as rich markup.
-                console.print(
-                    f"{name}:{line + 1}: skipped, not a TicketEvent: {error_type}: {message}",
-                    markup=False,
-                    highlight=False,
-                )
-
             run = classify_lines(settings, reader, result, skipped)
+            run.skipped.update(before)
             progress.update(task, total=run.written)
     rate = run.written / run.seconds if run.seconds > 0 else 0.0
     summary = ", ".join(f"{reason}={count}" for reason, count in sorted(run.fallbacks.items())) or "none"
@@ -168,15 +175,15 @@ def _classify_stream(settings: Settings, name: str, source: IO[bytes], out: IO[b
     return EXIT_LINES_SKIPPED if run.skipped else 0
 
 
-def _problem(line: Line, limit: int) -> str | None:
-    """Why a line is not a ticket (its dead letter's type), or None: it is one."""
+def _problem(line: Line, limit: int) -> tuple[str, str] | None:
+    """Why a line is not a ticket (its dead letter's type and message), or None: it is one."""
     _, value, unread = line
     if unread is not None:
-        return unread[0]
+        return unread
     try:
         decode_ticket(value, limit)
     except DecodeError as error:
-        return error.error_type
+        return error.error_type, error.message
     return None
 
 

@@ -93,17 +93,14 @@ class LineReader:
             self.ended = True
         return None
 
-    def first(self, readable: Callable[[Line], str | None]) -> list[str] | None:
-        """Read until a line `readable` finds nothing wrong with (kept for `get`, with those before it): None;
-        or, when the input ends first, why each line was not readable (`readable` says why)."""
-        problems = []
+    def first(self, readable: Callable[[Line], bool]) -> bool:
+        """Read until a line is `readable` (kept for `get`): True; False when the input ends first. The lines
+        before it are dropped (`readable` reported them as it read them)."""
         while (line := self._next(None)) is not None:
-            self._peeked.append(line)
-            problem = readable(line)
-            if problem is None:
-                return None
-            problems.append(problem)
-        return problems
+            if readable(line):
+                self._peeked.append(line)
+                return True
+        return False
 
     @property
     def drained(self) -> bool:
