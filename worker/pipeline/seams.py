@@ -231,6 +231,12 @@ class Settlement(Protocol):
     def write(self, work: Work, output: Output) -> None:
         """The output for one record; it is settled once the destination acknowledged it."""
 
+    def done(self, work: Work) -> None:
+        """A taken record that needs no output (replay: one its filters or its loop bound pass over) is
+        settled as if its output had been acknowledged: its position may be committed past, and, in order, it
+        holds its partition's later outputs back no longer. Added for replay (the triage stage writes an
+        output for every record: a triage record or a dead letter)."""
+
     def serve(self, wait_s: float) -> None:
         """Delivery reports, waiting up to `wait_s` for one."""
 

@@ -73,6 +73,10 @@ class Acknowledging:
             self._give_up_at(),
         )
 
+    def done(self, work: Work) -> None:
+        """A record that needs no output is accepted: settled, never handed out again."""
+        self._acknowledge(work, Acknowledgement.ACCEPT)
+
     def serve(self, wait_s: float) -> None:
         try:
             self._producer.poll(wait_s)

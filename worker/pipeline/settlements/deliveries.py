@@ -49,6 +49,12 @@ class Deliveries:
         if self._in_order:
             self._partition_order.setdefault(work.state, collections.deque()).append(work)
 
+    def without_output(self, work: Work) -> None:
+        """In order: `work` needs no output, so its partition's later outputs no longer wait for it (`release`
+        may produce them)."""
+        if self._in_order and (queue := self._partition_order.get(work.state)) is not None:
+            queue.remove(work)
+
     def hold(self, work: Work, output: Output) -> None:
         """In order: keep `output` until `release` says it may be produced."""
         work.output = output

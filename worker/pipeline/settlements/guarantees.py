@@ -17,7 +17,8 @@ What each step of the seam means here (every call on the loop's thread):
 - `start()` once before the consumer subscribes (exactly-once: fences an earlier producer of the id);
 - `taken(work)`, in consume order (in order, its output waits for its predecessors'); `write(work, output)`:
   its offset counts as done once the broker acknowledged the output (failed deliveries:
-  `delivery.DeliveryRules`, then the partition stops at the offset);
+  `delivery.DeliveryRules`, then the partition stops at the offset); `done(work)`, a record that needs no
+  output (a replay's filters passed over it): its offset counts as done at once;
 - `advance()`: apply commit outcomes (an abort or a stuck commit is handled here), start a commit when one is
   due (every `commit_interval_ms`, or early when done work fills half of the in-flight bound), on the
   committer thread (`committing` meanwhile);
@@ -161,6 +162,11 @@ class _Base:
     def taken(self, work: Work) -> None:
         """A record was taken, in consume order (in order, its output waits for its predecessors')."""
         self.deliveries.taken(work)
+
+    def done(self, work: Work) -> None:
+        """A record that needs no output: its offset counts as done at once."""
+        self.deliveries.without_output(work)
+        work.state.done(work.offset)
 
     @property
     def outstanding(self) -> int:
@@ -443,6 +449,11 @@ class ExactlyOnce(_Base):
         if tries and output.topic == self._dead_letter_topic:
             output = smaller(work, output, tries)
         self.deliveries.hold(work, output)
+        self._release(work.state)
+
+    def done(self, work: Work) -> None:
+        """As at-least-once; the outputs of its partition held behind it may go now."""
+        super().done(work)
         self._release(work.state)
 
     def advance(self) -> None:

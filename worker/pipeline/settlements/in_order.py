@@ -4,7 +4,8 @@ line's is known — `classify` prints them, `model eval` collects them.
 A triage record or a dead letter written for a line is held until the lines before it have theirs, then
 `deliver(work, output)` gets it (the dead-letter topic's name tells one from the other). Nothing goes to
 Kafka, so nothing is produced, awaited or committed: what is held is what is in flight, and the in-flight
-bound is the memory bound of a stream.
+bound is the memory bound of a stream. A record handed over, or one that needs no output (`done`), counts as
+done in its partition's offsets, as an acknowledged one would.
 """
 
 from __future__ import annotations
@@ -41,12 +42,23 @@ class InOrder:
 
     def write(self, work: Work, output: Output) -> None:
         self._order[work] = output
+        self._hand_over()
+
+    def done(self, work: Work) -> None:
+        """A record that needs no output: the outputs held behind it are handed over."""
+        del self._order[work]
+        work.state.done(work.offset)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Deliver the outputs whose earlier records are all settled, in order."""
         while self._order:
             first, ready = next(iter(self._order.items()))
             if ready is None:
                 return
             del self._order[first]
             self.delivered += 1
+            first.state.done(first.offset)
             self._deliver(first, ready)
 
     def serve(self, wait_s: float) -> None:
