@@ -187,11 +187,12 @@ class Engine(Loop):
         return self._source.exhausted and self._in_flight() == 0 and not self._stage.busy
 
     def _may_read(self) -> bool:
-        """Read when the bound and the source allow it and no background commit is on its way: a rebalance
-        callback runs inside a read, and a commit from another thread waiting for it could land after the
-        revoke's own and move the position back. Never held back longer than `_COMMIT_BEFORE_READ_S`
-        (keeps the member alive)."""
-        settled = not self._settlement.committing or self._clock() - self._last_read >= _COMMIT_BEFORE_READ_S
+        """Read when the bound and the source allow it and, where a read may run a rebalance callback, no
+        background commit is on its way: a commit from another thread waiting for the callback could land
+        after the revoke's own and move the position back. Never held back longer than
+        `_COMMIT_BEFORE_READ_S` (keeps the member alive)."""
+        committing = self._source.rebalances and self._settlement.committing
+        settled = not committing or self._clock() - self._last_read >= _COMMIT_BEFORE_READ_S
         return settled and self._gate.may_poll() and self._source.may_take()
 
     def _service(self, wait_s: float) -> None:

@@ -135,6 +135,14 @@ class Source(Protocol):
         """A finite source (a file, a replay's range) was read to its end."""
         ...
 
+    @property
+    def rebalances(self) -> bool:
+        """Whether a read may run a rebalance callback (a consumer group's partitions are revoked inside a
+        poll): the loop then reads nothing while a background commit is on its way (`engine.Engine`). Added
+        for replay, whose assigned partitions never move: holding its reads back for each commit made it a
+        third slower (5,000 dead letters at least once: 1.3-1.5 s against 0.8 s)."""
+        ...
+
     def stop_taking(self) -> None:
         """Shutdown began: nothing more is taken; what was read and not taken may go back now."""
 

@@ -197,6 +197,10 @@ class GroupSource:
     def exhausted(self) -> bool:
         return False
 
+    @property
+    def rebalances(self) -> bool:
+        return True
+
     def stop_taking(self) -> None:
         self.pause_all()
 

@@ -191,6 +191,10 @@ class LinesSource:
     def exhausted(self) -> bool:
         return self._reader.drained
 
+    @property
+    def rebalances(self) -> bool:
+        return False
+
     def stop_taking(self) -> None:
         self._taking = False
 

@@ -246,6 +246,10 @@ class ShareSource:
     def exhausted(self) -> bool:
         return False
 
+    @property
+    def rebalances(self) -> bool:
+        return False  # a share consumer has no rebalance callbacks
+
     def poll_while_stopping(self) -> None:
         pass  # heartbeats run in librdkafka's background thread; a poll would refuse with records unsettled
 
