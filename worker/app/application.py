@@ -17,7 +17,8 @@ Contract:
 - Stopping: SIGTERM, SIGINT or `request_stop()` stop it gracefully (in-flight tickets drain, finished
   offsets are committed, within `pipeline.shutdown_timeout_ms`); a stop asked for before the pipeline exists
   stops it as soon as it does. A second signal exits the process at once (exit 128+signal): nothing
-  uncommitted is lost, the next owner of the partitions reads it again.
+  uncommitted is lost, the next owner of the partitions reads it again (worker/app/signals.py, as for
+  `replay`).
 - Reloading: SIGHUP, or `POST /reload` when metrics.port and metrics.reload_token_file are set, loads the
   model again without leaving the consumer group (worker/app/reload.py).
 """
@@ -26,13 +27,13 @@ from __future__ import annotations
 
 import os
 import signal
-import types
 from collections.abc import Callable, Sequence
 
 import structlog
 
 from worker.app.doors import TriageParts, group_pipeline, lock_budget, queue_pipeline, refuse_exactly_once
 from worker.app.reload import Reloader
+from worker.app.signals import StopOnSignals
 from worker.app.stages import (
     dispatch_window,
     open_cascade,
@@ -101,7 +102,7 @@ class WorkerApp:
         """Check, load and assemble everything (see the contract); the pipeline, not running yet."""
         settings = with_zero_shot_review(self._configured)
         configure_logging(settings.log, settings.privacy)
-        stop = _StopOnSignals(self._held, self.request_stop)
+        StopOnSignals(self._held, self.request_stop, _log_stop)
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
         queue = settings.pipeline.consume == "queue"
@@ -190,7 +191,7 @@ class WorkerApp:
             telemetry.watch_model_processes("escalation", self._escalation_pool.worker_pids)
         telemetry.serve_reload(lambda: reloader.request_unless_busy("POST /reload"))
         self._pipeline = pipeline
-        if stop.received or self._stop_requested:
+        if self._stop_requested:
             pipeline.request_stop()
         reloader.start(classifier, cascade)
         return pipeline
@@ -234,26 +235,8 @@ def check_topics(settings: Settings) -> Settings:
     return producer_record_limit(settings, record_size_limits(producer_config(settings), written))
 
 
-class _StopOnSignals:
-    """SIGTERM/SIGINT from the very start: a stop asked for while the modules import (`held`, see
-    `cli.HeldStopSignals`) or the model loads (a pod stopped during start-up) is remembered and the pipeline
-    stops as soon as it exists (exit 0), instead of the process dying by the signal's default action. A
-    second signal exits at once."""
-
-    def __init__(self, held: Sequence[int], stop: Callable[[], None]) -> None:
-        self.received: list[int] = []
-        self._stop = stop
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
-        if held:  # held signals count as one: the next one is the one that exits at once
-            self.received.append(held[0])
-            name = signal.Signals(held[0]).name
-            _log.info("stop_requested", signal=name, when="while the modules imported")
-
-    def _on_signal(self, signum: int, _frame: types.FrameType | None) -> None:
-        if self.received:
-            # Second signal: leave now. Nothing uncommitted is lost; the next owner re-reads it.
-            os._exit(128 + signum)
-        self.received.append(signum)
-        _log.info("stop_requested", signal=signal.Signals(signum).name, again="exits at once")
-        self._stop()
+def _log_stop(name: str, held: bool) -> None:
+    if held:
+        _log.info("stop_requested", signal=name, when="while the modules imported")
+    else:
+        _log.info("stop_requested", signal=name, again="exits at once")
