@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator
 from typing import IO
 
 from worker.errors import UserError
-from worker.kafka.commits import TopicPartitionKey
-from worker.pipeline.seams import HandBack, Loop, Record
+from worker.pipeline.seams import Loop, Record
 from worker.pipeline.settlements.offsets import PartitionOffsets
+from worker.pipeline.sources.standalone import Standalone
 from worker.pipeline.work import Work
 
 # Where an offline result says its ticket came from: topic `cli`, partition 0, offset = the line's index.
@@ -128,9 +128,9 @@ class LineReader:
         return False
 
 
-class LinesSource:
+class LinesSource(Standalone):
     """The lines of a `LineReader` as records (see the module docstring); `held()` is the settlement's count
-    of lines taken and not yet written."""
+    of lines taken and not yet written. Outside any group (`Standalone`): offline lines need no registry."""
 
     def __init__(self, reader: LineReader, held: Callable[[], int]) -> None:
         self._reader = reader
@@ -154,35 +154,7 @@ class LinesSource:
             take(Record(SOURCE_TOPIC, 0, index, None, value, None, rejected=unread))
 
     def work(self, record: Record, now: float, deadline: float) -> Work | None:
-        return Work(
-            state=self._state,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=None,
-            headers=None,
-            polled_at=now,
-            deadline=deadline,
-            value=record.value,
-        )
-
-    def hold_back(self, record: Record) -> bool:
-        return False  # offline lines need no registry
-
-    def resume(self, key: TopicPartitionKey) -> None:
-        pass
-
-    def hand_back(self, work: Work) -> HandBack:
-        return HandBack.ANSWER
-
-    def maintain(self, now: float) -> None:
-        pass
-
-    def pause_all(self) -> None:
-        pass
-
-    def resume_all(self) -> None:
-        pass
+        return record.work(self._state, now, deadline)
 
     def in_flight(self) -> int:
         return self._held()
@@ -191,21 +163,11 @@ class LinesSource:
     def exhausted(self) -> bool:
         return self._reader.drained
 
-    @property
-    def rebalances(self) -> bool:
-        return False
-
     def stop_taking(self) -> None:
         self._taking = False
-
-    def poll_while_stopping(self) -> None:
-        pass
 
     def stop(self, limit: float) -> None:
         self._reader.close()
 
     def described(self) -> dict[str, object]:
         return {"input": self._reader.name}
-
-    def logged(self) -> dict[str, object]:
-        return {}
