@@ -8,7 +8,9 @@ import pytest
 from worker.classification import FallbackLabel, fallback_answer
 from worker.config import Scheduling
 from worker.messages import TicketEvent
+from worker.pipeline.seams import Settlement
 from worker.pipeline.settlements.deliveries import Deliveries
+from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import PartitionOffsets
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
@@ -151,7 +153,7 @@ def test_a_replaced_producer_forgets_its_reports_and_their_orphans() -> None:
     assert len(deliveries) == 0 and deliveries.orphans == 0
 
 
-def _taken(ledger: Deliveries, state: PartitionOffsets, offsets: range) -> list[Work]:
+def _taken(ledger: Deliveries | Settlement, state: PartitionOffsets, offsets: range) -> list[Work]:
     works = []
     for offset in offsets:
         work = _work(state.key, offset)
@@ -211,3 +213,29 @@ def test_in_order_release_of_one_partition_leaves_the_others_held() -> None:
     ledger.hold(on_b, _output(0))
     assert ledger.release(b) == [on_b]
     assert ledger.held == 1 and ledger.release(a) == [on_a]
+
+
+def test_in_order_a_record_that_needs_no_output_holds_its_partition_back_no_longer() -> None:
+    """Exactly-once replay: a dead letter passed over (filtered out) writes nothing; the republished ones
+    after it must still go out."""
+    ledger = Deliveries(in_order=True)
+    passed_over, republished = _taken(ledger, PartitionOffsets(A), range(2))
+    ledger.hold(republished, _output(1))
+    assert ledger.release() == []  # behind offset 0, whose outcome is not known yet
+    ledger.without_output(passed_over)
+    assert ledger.release() == [republished] and ledger.held == 0
+
+
+def test_in_input_order_a_record_that_needs_no_output_lets_the_outputs_behind_it_out() -> None:
+    """A replay's dry run settles through InOrder: what it passes over is done, and its position moves."""
+    delivered: list[int] = []
+    settlement = InOrder(lambda work, _output: delivered.append(work.offset))
+    state = PartitionOffsets(A)
+    passed_over, listed = _taken(settlement, state, range(2))
+    for work in (passed_over, listed):
+        state.track(work.offset)
+    settlement.write(listed, _output(1))
+    assert delivered == [] and settlement.held == 2
+    settlement.done(passed_over)
+    assert delivered == [1] and settlement.held == 0
+    assert state.position == 2  # both count as done, as acknowledged outputs would
