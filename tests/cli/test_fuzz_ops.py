@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -19,9 +20,20 @@ from worker.cli.classify_command import EXIT_LINES_SKIPPED
 from worker.cli.cli import main
 from worker.cli.replay_command import _print_report
 from worker.config import Settings
+from worker.kafka.clients import KafkaClients, create_consumer
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
-from worker.replay.engine import ReplayOptions, ReplayOutcome, _Replay
+from worker.pipeline.failure import Failure
+from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.seams import Record, Settlement
+from worker.pipeline.settlements.guarantees import AtLeastOnce, GuaranteeWiring
+from worker.pipeline.settlements.in_order import InOrder
+from worker.pipeline.settlements.offsets import OffsetTracker
+from worker.replay.outcomes import ReplayOutcome, ReplaySummary
+from worker.replay.reports import Reports
+from worker.replay.selection import ReplayOptions
+from worker.replay.source import ReplaySource
+from worker.replay.stage import ReplayStage
 from worker.replay.transforms import TransformFailed, TransformFunction, apply_transform, describe_failure
 
 TINY = REPO / "tests" / "models" / "tiny"
@@ -33,36 +45,6 @@ FUZZ = settings(
     max_examples=150,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-
-
-class _Message:
-    """The part of confluent-kafka's Message that the replay reads."""
-
-    def __init__(
-        self, offset: int, key: bytes | None, value: bytes | None, headers: list[Any] | None
-    ) -> None:
-        self._offset, self._key, self._value, self._headers = offset, key, value, headers
-
-    def error(self) -> None:
-        return None
-
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return self._offset
-
-    def key(self) -> bytes | None:
-        return self._key
-
-    def value(self) -> bytes | None:
-        return self._value
-
-    def headers(self) -> list[Any] | None:
-        return self._headers
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, 0)
 
 
 class _InProcess:
@@ -79,17 +61,47 @@ class _InProcess:
             raise TransformFailed(describe_failure(problem)) from None
 
 
-def _replay(function: TransformFunction | None, dry_run: bool = True, to_topic: str | None = None) -> _Replay:
-    """A replay of partition 0 fed by hand; the clients are created but never reach a broker."""
-    transform = None if function is None else _InProcess(function)
-    options = ReplayOptions(
-        dlq_topic="tickets.dlq", group="g", transform=transform, dry_run=dry_run, to_topic=to_topic
-    )
-    replay = _Replay(Settings(kafka={"bootstrap.servers": "127.0.0.1:1"}), options, None, lambda: False)
-    replay.tracker.assign(("tickets.dlq", 0))
-    replay.starts[0], replay.ends[0] = 0, 1 << 62
-    replay.active.add(0)
-    return replay
+_DLQ = "tickets.dlq"
+
+
+class _HandFed:
+    """A replay of partition 0 of the dead-letter topic, each record fed by hand as the loop takes it, through
+    the replay's own source, stage, reports and settlement; its clients never reach a broker."""
+
+    def __init__(
+        self, function: TransformFunction | None, dry_run: bool = True, to_topic: str | None = None
+    ) -> None:
+        transform = None if function is None else _InProcess(function)
+        self.options = ReplayOptions(
+            dlq_topic=_DLQ, group="g", transform=transform, dry_run=dry_run, to_topic=to_topic
+        )
+        settings = Settings(kafka={"bootstrap.servers": "127.0.0.1:1"})
+        self.summary = ReplaySummary(_DLQ, "g", dry_run)
+        self.consumer = create_consumer(settings)
+        tracker = OffsetTracker()
+        self.state = tracker.assign((_DLQ, 0))
+        self.source = ReplaySource(self.consumer, self.options, tracker, lambda plan: None)
+        reports = Reports(self.summary, None, self.source, exactly_once=False)
+        self.settlement: Settlement = (
+            InOrder(lambda work, _output: reports.delivered(work, None))
+            if dry_run
+            else AtLeastOnce(
+                GuaranteeWiring(
+                    settings, KafkaClients(settings), self.consumer, tracker, PipelineMetrics(),
+                    time.monotonic, reports.stopped, Failure(), reports, dead_letters=False,
+                )
+            )
+        )  # fmt: skip
+        self.stage = ReplayStage(self.options, self.source, self.settlement, reports)
+
+    def take(self, offset: int, key: bytes | None, value: bytes | None, headers: list[Any] | None) -> None:
+        """As the loop takes a record: the source starts carrying it, the settlement hears of it, the stage
+        takes it."""
+        record = Record(_DLQ, 0, offset, key, value, headers)
+        work = self.source.work(record, 0.0, 0.0)
+        assert work is not None
+        self.settlement.taken(work)
+        self.stage.take(work, record, self.stage.admit(record))
 
 
 class _Unprintable(Exception):
@@ -156,10 +168,10 @@ _records = st.lists(
 def test_every_dead_letter_settles_with_one_outcome_and_the_report_prints(
     transform_name: str, records: list[tuple[bytes | None, bytes | None, list[Any] | None]]
 ) -> None:
-    replay = _replay(TRANSFORMS[transform_name])
+    replay = _HandFed(TRANSFORMS[transform_name])
     try:
         for offset, (key, value, headers) in enumerate(records):
-            replay._handle(_Message(offset, key, value, headers), None, None)
+            replay.take(offset, key, value, headers)
     finally:
         replay.consumer.close()
     summary = replay.summary
@@ -173,7 +185,7 @@ def test_every_dead_letter_settles_with_one_outcome_and_the_report_prints(
     assert summary.counts[ReplayOutcome.UNREADABLE] == unreadable
     # All settled, a rerun would not see them again; unless none matched (no filter here: all unreadable),
     # when nothing is committed.
-    assert replay.trackers[0].position == (len(records) if unreadable < len(records) else None)
+    assert replay.state.position == (len(records) if unreadable < len(records) else None)
     assert all(len(report.detail or "") <= 200 for report in summary.attention)
     msgspec.json.encode(summary.to_json())  # --json output
     out = io.StringIO()
@@ -182,9 +194,9 @@ def test_every_dead_letter_settles_with_one_outcome_and_the_report_prints(
         assert "[/red]" in out.getvalue()  # shown as text, not read as markup
 
 
-def _valid_dead_letter(offset: int) -> _Message:
+def _take_valid_dead_letter(replay: _HandFed, offset: int) -> None:
     headers = dead_letter_headers(None, "invalid_json", "bad", "tickets.raw", 0, offset)
-    return _Message(offset, b"[/red]", b'{"ticket_id": "T"', headers)
+    replay.take(offset, b"[/red]", b'{"ticket_id": "T"', headers)
 
 
 @pytest.mark.parametrize(
@@ -205,10 +217,10 @@ def _valid_dead_letter(offset: int) -> _Message:
 def test_a_transform_failing_any_way_is_reported_for_its_record_only(
     name: str, outcome: ReplayOutcome, detail: str | None
 ) -> None:
-    replay = _replay(TRANSFORMS[name])
+    replay = _HandFed(TRANSFORMS[name])
     try:
-        replay._handle(_valid_dead_letter(0), None, None)
-        replay._handle(_Message(1, None, b"v", [("triage.replay_count", b"9" * 5000)]), None, None)
+        _take_valid_dead_letter(replay, 0)
+        replay.take(1, None, b"v", [("triage.replay_count", b"9" * 5000)])
     finally:
         replay.consumer.close()
     counts = replay.summary.counts
@@ -226,14 +238,14 @@ def test_a_transform_failing_any_way_is_reported_for_its_record_only(
 
 
 def test_a_target_the_client_refuses_is_a_publish_failure_not_a_crash() -> None:
-    replay = _replay(None, dry_run=False, to_topic="tickets\x00raw")
+    replay = _HandFed(None, dry_run=False, to_topic="tickets\x00raw")
     try:
-        replay._handle(_valid_dead_letter(0), None, None)
+        _take_valid_dead_letter(replay, 0)
     finally:
         replay.consumer.close()
     (report,) = replay.summary.attention
     assert report.outcome is ReplayOutcome.PUBLISH_FAILED and "embedded null" in (report.detail or "")
-    assert replay.trackers[0].position is None  # not settled: nothing to commit, a rerun retries it
+    assert replay.state.position is None  # not settled: nothing to commit, a rerun retries it
 
 
 def test_classify_input_reports_poison_lines_with_the_dead_letter_reason_and_goes_on(

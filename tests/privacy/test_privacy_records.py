@@ -19,7 +19,8 @@ from worker.kafka.dead_letters import ERROR_MESSAGE, OMITTED_BYTES, REDACTED, RE
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.triage.records import DeadLetterRedaction, result_key
 from worker.privacy.values import CarriedMetadata, redact_value
-from worker.replay.engine import ReplayOptions, ReplayOutcome, not_kept, why_not_replayed
+from worker.replay.outcomes import ReplayOutcome
+from worker.replay.selection import ReplayOptions, not_kept, why_not_replayed
 
 # Magic byte 0, schema id 300: the Schema Registry's wire format, as its JSON Schema serializer writes it.
 FRAMING = b"\x00\x00\x00\x01\x2c"

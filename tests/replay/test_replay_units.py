@@ -17,18 +17,15 @@ from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
 from worker.kafka.dead_letters import DeadLetterInfo
-from worker.replay.engine import (
+from worker.replay.outcomes import RecordReport, ReplayOutcome, ReplaySummary, fatal_reason
+from worker.replay.selection import (
     OffsetRange,
-    RecordReport,
     ReplayOptions,
-    ReplayOutcome,
-    ReplaySummary,
-    TokenBucket,
     check_source,
-    fatal_reason,
     replay_transactional_id,
     why_not_replayed,
 )
+from worker.replay.source import TokenBucket
 from worker.replay.transforms import (
     TransformFailed,
     TransformProcess,
@@ -176,11 +173,11 @@ def test_token_bucket_holds_the_rate_for_a_greedy_caller() -> None:
     now, granted = 0.0, 0
     bucket = TokenBucket(50.0, now)
     while now < 10.0:
-        wait = bucket.wait_time(now)
-        if wait == 0:
+        if bucket.ready(now):
+            bucket.take()
             granted += 1
         else:
-            now += wait * 1.3  # the caller oversleeps; the burst lets it catch up
+            now += 0.013  # the loop looks again a turn later (10 ms), late; the burst lets it catch up
     assert 450 <= granted <= 550
 
 

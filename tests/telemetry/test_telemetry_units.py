@@ -32,7 +32,7 @@ from worker.pipeline.metrics import (
     QueueMetrics,
     ShadowMetrics,
 )
-from worker.replay.engine import ReplayOutcome
+from worker.replay.outcomes import ReplayOutcome
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes

@@ -114,7 +114,8 @@ def triage_stage(
     return stage
 
 
-def _limits(settings: Settings) -> Limits:
+def limits(settings: Settings) -> Limits:
+    """The loop's numbers as `pipeline` sets them."""
     pipeline = settings.pipeline
     return Limits(
         max_in_flight=pipeline.max_in_flight,
@@ -165,7 +166,7 @@ def group_pipeline(
     stage = triage_stage(settings, parts, queue, requests, guarantee, source.hand_back, metrics, clock)
     registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
     return Engine(
-        source, stage, guarantee, _limits(settings), metrics, failure, give_up, registry, clock,
+        source, stage, guarantee, limits(settings), metrics, failure, give_up, registry, clock,
         metrics_interval_s, _started_line(settings),
     )  # fmt: skip
 
@@ -205,7 +206,7 @@ def queue_pipeline(
     stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
     registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
     return Engine(
-        source, stage, settlement, _limits(settings), metrics, failure, give_up, registry, clock,
+        source, stage, settlement, limits(settings), metrics, failure, give_up, registry, clock,
         metrics_interval_s, _started_line(settings),
     )  # fmt: skip
 

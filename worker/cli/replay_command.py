@@ -1,11 +1,13 @@
-"""`triage-worker replay`: the ops' command around `worker.replay.engine` (flags, progress bar, report).
+"""`triage-worker replay`: the ops' command around the replay door, `worker.app.replay` (flags, progress bar,
+report).
 
 Output is for two readers: a person (a live progress bar on stderr when it is a terminal, then tables on
 stdout) and a script (``--json``: one JSON object on stdout). Exit codes: 0 done, 1 some publish failed
 (those records stay before the committed position and are retried by the next run) or, with exactly_once,
 the transactional producer stopped (e.g. fenced by another replay of the group; the summary says why), 2 a
 user error (one line, nothing read), 130 stopped by SIGINT or SIGTERM (confirmed progress is committed
-first).
+first; `worker.app.signals`: a second signal exits at once, and the next run sends again what was not
+committed).
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import signal
 import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
-from types import FrameType, TracebackType
+from types import TracebackType
 
 import msgspec
 from rich.console import Console
@@ -27,24 +28,20 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from worker.app.replay import INTERRUPT_DRAIN_S, Replay
+from worker.app.signals import StopOnSignals
 from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
 from worker.logs import configure_logging
-from worker.replay.engine import (
+from worker.replay.outcomes import PartitionPlan, RecordReport, ReplayOutcome, ReplaySummary, printable
+from worker.replay.selection import (
     DEFAULT_MAX_REPLAYS,
-    INTERRUPT_DRAIN_S,
     OffsetRange,
-    PartitionPlan,
-    RecordReport,
     ReplayOptions,
-    ReplayOutcome,
-    ReplaySummary,
     default_group,
-    printable,
     reset_group,
-    run_replay,
 )
 from worker.replay.transforms import DEFAULT_TRANSFORM_TIMEOUT_S, TransformProcess, TransformStopped
 from worker.telemetry.replay import replay_metrics
@@ -334,50 +331,25 @@ class _ProgressBar:
         return "  ".join(f"{label} {self._counts[outcome]}" for outcome, label in _COLUMNS)
 
 
-class _StopOnSignals:
-    """SIGINT and SIGTERM alike: the first asks the replay to stop cleanly (records in flight finish, the
-    group is committed past what the broker confirmed, exit 130) and says so in one line on stderr; a second
-    one aborts at once (what was not committed yet is re-sent by the next run). A signal that arrived while
-    the modules imported (`cli.HeldStopSignals`) counts as the first."""
+class _StopNotice:
+    """Says in one line on stderr that a signal stops the replay (`StopOnSignals` announces with it): from a
+    thread of its own, since a signal handler interrupts the main thread anywhere, perhaps inside the progress
+    bar's own write to the same console."""
 
-    def __init__(self, held: list[int], console: Console) -> None:
-        self.event = threading.Event()
+    def __init__(self, console: Console) -> None:
         self._console = console
-        # Printed by a thread of its own: a signal handler interrupts the main thread anywhere, perhaps
-        # inside the progress bar's own write to the same console.
-        self._signal: int | None = None
-        threading.Thread(target=self._announce, name="replay-stop-notice", daemon=True).start()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
-        if held:
-            self._stop(held[0])
+        self._signal = threading.Event()
+        self._name = ""
+        threading.Thread(target=self._print, name="replay-stop-notice", daemon=True).start()
 
-    def __enter__(self) -> _StopOnSignals:
-        return self
+    def __call__(self, name: str, held: bool) -> None:
+        self._name = name
+        self._signal.set()
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def requested(self) -> bool:
-        return self.event.is_set()
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        self._stop(signum)
-
-    def _stop(self, signum: int) -> None:
-        self._signal = signum
-        self.event.set()
-
-    def _announce(self) -> None:
-        self.event.wait()
-        name = signal.Signals(self._signal or signal.SIGTERM).name
+    def _print(self) -> None:
+        self._signal.wait()
         self._console.print(
-            f"triage-worker: {name}: stopping the replay: records in flight finish (at most "
+            f"triage-worker: {self._name}: stopping the replay: records in flight finish (at most "
             f"{INTERRUPT_DRAIN_S:g} s), the group is committed past what was republished; exit 130. "
             "Again to abort.",
             markup=False,
@@ -388,7 +360,9 @@ class _StopOnSignals:
 
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
-    with _StopOnSignals(args.held_stop_signals.received, err) as stop:
+    replay = Replay()
+    stop = StopOnSignals(args.held_stop_signals.received, replay.request_stop, _StopNotice(err))
+    try:
         settings = settings_from_args(
             args,
             {
@@ -414,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         configure_logging(msgspec.structs.replace(settings.log, level=quiet), settings.privacy)
         try:
             # Loaded before the broker is asked anything: a bad --transform is one line, nothing read.
-            with _transform(args, stop.requested) as transform:
+            with _transform(args, replay.stop_requested) as transform:
                 options = dataclasses.replace(options, transform=transform)
                 # One clear line at start for a refused login or an untrusted certificate, which the
                 # replay's own clients would only report as metadata timeouts.
@@ -423,9 +397,11 @@ def run(args: argparse.Namespace) -> int:
                     _ProgressBar(err, options.dry_run) as bar,
                     replay_metrics(args.metrics_port, settings.metrics, bar) as observer,
                 ):
-                    summary = run_replay(settings, options, observer, should_stop=stop.requested)
+                    summary = replay.run(settings, options, observer)
         except TransformStopped:  # stopped while the transform loaded: nothing was read
             return 130
+    finally:
+        stop.restore()
     if args.json:
         sys.stdout.write(msgspec.json.encode(summary.to_json()).decode() + "\n")
     else:

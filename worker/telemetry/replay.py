@@ -14,10 +14,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from worker.config import MetricsSettings
-from worker.replay.engine import ReplayOutcome
+from worker.replay.outcomes import ReplayOutcome
 
 if TYPE_CHECKING:
-    from worker.replay.engine import PartitionPlan, RecordReport, ReplayObserver
+    from worker.replay.outcomes import PartitionPlan, RecordReport, ReplayObserver
 
 from worker.telemetry.collectors import by_label, gauge
 from worker.telemetry.server import Probes, TelemetryServer, new_registry

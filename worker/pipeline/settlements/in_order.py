@@ -6,6 +6,9 @@ A triage record or a dead letter written for a line is held until the lines befo
 Kafka, so nothing is produced, awaited or committed: what is held is what is in flight, and the in-flight
 bound is the memory bound of a stream. A record handed over, or one that needs no output (`done`), counts as
 done in its partition's offsets, as an acknowledged one would.
+
+A replay's dry run settles through it too (`worker/app/replay.py`): it publishes and commits nothing, and
+each output it would publish is handed back at once as acknowledged.
 """
 
 from __future__ import annotations

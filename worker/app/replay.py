@@ -1,0 +1,199 @@
+"""The replay door: `triage-worker replay` on the one loop (`worker.pipeline.engine.Engine`).
+
+The source is the planned dead-letter ranges (`worker/replay/source.py`), the stage selects, repairs and
+republishes each dead letter (`worker/replay/stage.py`), and the settlement is the worker's own delivery
+guarantee, `pipeline.guarantee` (`worker/pipeline/settlements/guarantees.py`, with `dead_letters=False`:
+outputs go back where they came from), with the replay's reports as its observer (`worker/replay/reports.py`).
+A dry run settles through `InOrder` instead, which produces and commits nothing and hands each output back
+as acknowledged. What a replay has of its own:
+
+- its consumer: the replay's group (never the worker's, `selection.default_group`), end-of-partition events,
+  read_committed; its partitions assigned, not subscribed;
+- exactly-once, a transactional producer of its own (`selection.replay_transactional_id`);
+- progress committed every `COMMIT_INTERVAL_MS`, so that a killed replay re-sends little;
+- `--source-topic` checked against the cluster before anything else: a typo costs nothing;
+- a stop (SIGTERM, SIGINT: `request_stop`, even before `run`) reads nothing more, gives the records in flight
+  up to `INTERRUPT_DRAIN_S` to be confirmed and commits past what was; the summary says `interrupted`, and
+  `fatal` why the producer could go no further (fenced by another replay of the group, say).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import confluent_kafka
+import msgspec
+
+from worker.app.doors import limits
+from worker.config import Settings
+from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
+from worker.logs import librdkafka_logger
+from worker.pipeline.engine import Engine, GiveUpAt
+from worker.pipeline.failure import Failure
+from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.seams import Settlement
+from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_for
+from worker.pipeline.settlements.in_order import InOrder
+from worker.pipeline.settlements.offsets import OffsetTracker
+from worker.replay.outcomes import PartitionPlan, ReplayObserver, ReplaySummary, fatal_reason
+from worker.replay.reports import Reports
+from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
+from worker.replay.source import ReplaySource
+from worker.replay.stage import ReplayStage
+
+# Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
+COMMIT_INTERVAL_MS = 200
+# How long a stopped replay waits for the records in flight before it commits what was confirmed (the
+# client's own delivery timeout bounds every record anyway).
+INTERRUPT_DRAIN_S = 30.0
+# How long a read waits for a record when nothing is in flight.
+_POLL_S = 0.1
+
+
+class Replay:
+    """One replay (see the module docstring): `run` replays what the options select and returns what
+    happened; `request_stop` (from a signal handler too, before `run` or during it) stops it gracefully."""
+
+    def __init__(self) -> None:
+        self._stop_requested = False
+        self._engine: Engine | None = None
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+        if self._engine is not None:
+            self._engine.request_stop()
+
+    def stop_requested(self) -> bool:
+        """Whether a stop was asked for (a running `--transform` call gives up then)."""
+        return self._stop_requested
+
+    def run(
+        self, settings: Settings, options: ReplayOptions, observer: ReplayObserver | None = None
+    ) -> ReplaySummary:
+        """Replay the dead letters `options` select; what happened. Raises UserError on setup problems, before
+        anything is read or published."""
+        started = time.monotonic()
+        summary = ReplaySummary(
+            options.dlq_topic, options.group, options.dry_run, guarantee=settings.pipeline.guarantee
+        )
+        failure = Failure()
+        consumer = _consumer(settings, options.group)
+        try:
+            if options.source_topic is not None:  # before anything else: a typo must cost nothing
+                check_source(_topic_partitions(consumer), options)
+            engine = self._engine = replay_pipeline(settings, options, consumer, summary, observer, failure)
+        except BaseException:
+            consumer.close()
+            raise
+        if self._stop_requested:
+            engine.request_stop()
+        try:
+            engine.run()
+        finally:
+            summary.elapsed_s = time.monotonic() - started
+        summary.interrupted = self._stop_requested
+        if failure.reason is not None:
+            summary.fatal = fatal_reason(failure.reason, failure.fenced, options.group, settings.kafka)
+        return summary
+
+
+def replay_pipeline(
+    settings: Settings,
+    options: ReplayOptions,
+    consumer: confluent_kafka.Consumer,
+    summary: ReplaySummary,
+    observer: ReplayObserver | None,
+    failure: Failure,
+) -> Engine:
+    """The loop over what `options` select, read with `consumer`, its outcomes into `summary` and on to
+    `observer`; why it had to end into `failure`."""
+    tracker, give_up, metrics = OffsetTracker(), GiveUpAt(), PipelineMetrics()
+    source = ReplaySource(consumer, options, tracker, _planned(summary, observer))
+    reports = Reports(summary, observer, source, exactly_once(settings) and not options.dry_run)
+    settlement: Settlement
+    if options.dry_run:  # nothing published, nothing committed: each output is as good as acknowledged
+        settlement = InOrder(lambda work, _output: reports.delivered(work, None))
+    else:
+        settlement = guarantee_for(
+            GuaranteeWiring(
+                _committing_often(settings),
+                _ReplayClients(settings, options.group),
+                consumer,
+                tracker,
+                metrics,
+                time.monotonic,
+                reports.stopped,
+                failure,
+                reports,
+                give_up.get,
+                # A replay's targets are the original topics: nothing goes to the dead-letter topic from
+                # here (nothing written smaller, a refused record is a failed one in the report).
+                dead_letters=False,
+            )
+        )
+    stage = ReplayStage(options, source, settlement, reports)
+    numbers = dataclasses.replace(
+        limits(settings), poll_timeout_s=_POLL_S, shutdown_timeout_s=INTERRUPT_DRAIN_S
+    )
+    return Engine(source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False)
+
+
+def _consumer(settings: Settings, group: str) -> confluent_kafka.Consumer:
+    """The pipeline's client options (the user's librdkafka options; no auto-commit), in the replay's own
+    group, with end-of-partition events to know when a range is read."""
+    overrides = {"group.id": group, "enable.partition.eof": "true", "isolation.level": "read_committed"}
+    consumer: confluent_kafka.Consumer = kafka_call(
+        "create a consumer",
+        lambda: create_consumer(settings, logger=librdkafka_logger(), overrides=overrides),
+        settings.kafka,
+    )
+    return consumer
+
+
+def _topic_partitions(consumer: confluent_kafka.Consumer) -> dict[str, int]:
+    """The cluster's topics, each with its partition count."""
+    metadata = kafka_call(
+        "read the cluster's topics", lambda: consumer.list_topics(timeout=METADATA_TIMEOUT_S)
+    )
+    return {name: len(topic.partitions) for name, topic in metadata.topics.items()}
+
+
+def _planned(
+    summary: ReplaySummary, observer: ReplayObserver | None
+) -> Callable[[list[PartitionPlan]], None]:
+    def planned(plan: list[PartitionPlan]) -> None:
+        summary.plan = plan
+        if observer is not None:
+            observer.planned(plan)
+
+    return planned
+
+
+def _committing_often(settings: Settings) -> Settings:
+    """`settings` with progress committed every COMMIT_INTERVAL_MS, so a kill re-sends little."""
+    pipeline = msgspec.structs.replace(settings.pipeline, commit_interval_ms=COMMIT_INTERVAL_MS)
+    return msgspec.structs.replace(settings, pipeline=pipeline)
+
+
+@dataclass(frozen=True)
+class _ReplayClients:
+    """The replay's producer for its guarantee (a `ProducerFactory`: the replay reads with a consumer of its
+    own): transactional under the replay's own id in exactly_once."""
+
+    settings: Settings
+    group: str
+
+    def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> Any:
+        settings = self.settings
+        transactional = replay_transactional_id(settings, self.group) if exactly_once(settings) else None
+        return kafka_call(
+            "create a producer",
+            lambda: create_producer(
+                settings, on_error=on_error, logger=librdkafka_logger(), transactional=transactional
+            ),
+            settings.kafka,
+        )
