@@ -19,8 +19,10 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   the delivery guarantee behind one seam (`guarantees`: at-least-once, or exactly-once in Kafka
   transactions), committed on a committer thread; the shadow model's side records (`shadow`). Imports the
   shared modules and `worker.kafka`; never ONNX Runtime.
-- ``worker/replay`` (replay): republishing dead letters, through the pipeline's delivery guarantees.
-  Imports the shared modules, `worker.kafka` and `worker.pipeline`.
+- ``worker/replay`` (replay): republishing dead letters on the pipeline's loop: the dead-letter ranges
+  planned at start as its source, selecting, repairing and republishing as its stage, settled through the
+  pipeline's delivery guarantees (`reports` is their observer). Imports the shared modules, `worker.kafka`
+  and `worker.pipeline`.
 - ``worker/telemetry`` (telemetry): one HTTP port per process: the Prometheus collectors, liveness and
   readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
 - ``worker/learning`` (learning): the trainers as a library: ticket exports in (`data`), the encoder stage

@@ -7,7 +7,7 @@ by the loop is kept by every door:
 | `run` | `group`: a consumer group | `triage/` | `guarantees`: offsets, at least once or in transactions |
 | `run --consume queue` | `share`: a share group | `triage/` | `acknowledgements`: one per record |
 | `classify`, `model eval` | `lines`: a file, stdin, a list | `triage/` | `in_order`: results in input order |
-| `replay` | `worker.replay`: dead-letter ranges | `worker.replay`: republishing | `guarantees` |
+| `replay` | `replay.source`: dead letters | `replay.stage`: republish | `guarantees` (dry run: `in_order`) |
 
 Every call is on the loop's thread. Each contract is one small step, explained in its docstring.
 """
