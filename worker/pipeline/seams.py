@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 from worker.decoding import RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.messages import FallbackReason
+from worker.pipeline.settlements.offsets import PartitionOffsets
 from worker.pipeline.work import Headers, Output, Work
 
 
@@ -46,6 +47,20 @@ class Record:
     @property
     def partition_key(self) -> TopicPartitionKey:
         return (self.topic, self.partition)
+
+    def taken(self, state: PartitionOffsets, now: float, deadline: float) -> Work:
+        """The record as the loop carries it from now on (`state`: its partition's offsets)."""
+        return Work(
+            state=state,
+            topic=self.topic,
+            partition=self.partition,
+            offset=self.offset,
+            key=self.key,
+            headers=self.headers,
+            polled_at=now,
+            deadline=deadline,
+            value=self.value,
+        )
 
 
 class HandBack(enum.Enum):

@@ -154,17 +154,7 @@ class LinesSource:
             take(Record(SOURCE_TOPIC, 0, index, None, value, None, rejected=unread))
 
     def work(self, record: Record, now: float, deadline: float) -> Work | None:
-        return Work(
-            state=self._state,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=None,
-            headers=None,
-            polled_at=now,
-            deadline=deadline,
-            value=record.value,
-        )
+        return record.taken(self._state, now, deadline)
 
     def hold_back(self, record: Record) -> bool:
         return False  # offline lines need no registry

@@ -187,17 +187,7 @@ class ShareSource:
         state = self._partitions.get(key)
         if state is None:
             state = self._partitions[key] = PartitionOffsets(key)
-        work = Work(
-            state=state,
-            topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-            headers=record.headers,
-            polled_at=now,
-            deadline=deadline,
-            value=record.value,
-        )
+        work = record.taken(state, now, deadline)
         self._unsettled[work] = record.handle
         if self._batch is not None and record.answer_now is None:
             self._batch.to_model += 1
