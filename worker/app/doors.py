@@ -122,6 +122,7 @@ def _limits(settings: Settings) -> Limits:
         deadline_s=pipeline.deadline_ms / 1000.0,
         poll_timeout_s=pipeline.poll_timeout_ms / 1000.0,
         shutdown_timeout_s=pipeline.shutdown_timeout_ms / 1000.0,
+        read_batch=pipeline.poll_batch_size,
     )
 
 
