@@ -14,10 +14,13 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`;
   the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. Imports only the shared
   modules.
-- ``worker/pipeline`` (the pipeline): the consumer loop (`runner.Pipeline`): the in-flight bound, deadlines,
-  the records between poll and acknowledgement, offsets committed only over a finished prefix;
-  the delivery guarantee behind one seam (`guarantees`: at-least-once, or exactly-once in Kafka
-  transactions), committed on a committer thread; the shadow model's side records (`shadow`). Imports the
+- ``worker/pipeline`` (the pipeline): the one loop every door rides (`engine.Engine`): the in-flight bound,
+  deadlines, the Schema Registry's wait, drains on revoke, shutdown; over three seams (`seams`): where
+  records come from (`sources/`: a consumer group, a share group, the lines of a file), what happens to each
+  (`triage/`: intake, the dispatch queue, the model stage with its cascade, the outputs) and how each is
+  settled (`settlements/`: the delivery guarantees, at least once or in Kafka transactions, committed on a
+  committer thread over offsets finished in order; a share group's acknowledgements; results in input
+  order; the delivery-error rules once); the side topics (`side_topics/`: shadow, review). Imports the
   shared modules and `worker.kafka`; never ONNX Runtime.
 - ``worker/replay`` (replay): republishing dead letters on the pipeline's loop: the dead-letter ranges
   planned at start as its source, selecting, repairing and republishing as its stage, settled through the
@@ -35,11 +38,13 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
 - ``worker/contracts`` (data contracts): tickets in the Schema Registry formats (Avro, JSON Schema,
   Protobuf in the Confluent wire format) mapped to a TicketEvent or a dead-letter reason (`input`), and the
   Avro schema generated from the message contracts (`avro_schema`). Imports only the shared modules.
-- ``worker/app`` (the assembly point): the running worker built from its settings
+- ``worker/app`` (the assembly point): every door assembled from the one loop (`doors`: `run` in group and
+  queue mode; `offline`: `classify` and `model eval`; `replay`: `triage-worker replay`), SIGTERM/SIGINT for
+  a command that runs until stopped (`signals`), and the running worker built from its settings
   (`application.WorkerApp`): the primary pool behind a switch, the cascade's escalation stage, the shadow,
-  the review (started by `stages`, which `classify` uses offline too), the `Pipeline`, the telemetry port
-  and the hot reloader (`reload`, on SIGHUP or `POST /reload`); it owns the life cycle: start, run until
-  stopped, drain, close, exit code. Imports every production room; never `worker.cli` or `worker.dev`.
+  the review (started by `stages`), the loop, the telemetry port and the hot reloader (`reload`, on SIGHUP
+  or `POST /reload`); it owns the life cycle: start, run until stopped, drain, close, exit code. Imports
+  every production room; never `worker.cli` or `worker.dev`.
 - ``worker/cli`` (the command line): `triage-worker` (`cli`) and one `*_command` module per sub-command
   (the lag exporter is `lag_command`), each thin (arguments, settings, then `worker.app` or a room's
   library, then the exit code; no command module imports another), with what only the commands use:

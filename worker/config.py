@@ -113,7 +113,7 @@ class PipelineSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     transactional_id: Annotated[str, msgspec.Meta(min_length=1, max_length=249)] | None = None
     # Which waiting ticket goes to the model next: earliest deadline first, or arrival order.
     scheduling: Scheduling = "edf"
-    # "queue": read through a share group, more workers than partitions (worker/pipeline/queue_loop.py).
+    # "queue": read through a share group, more workers than partitions (worker/pipeline/sources/share.py).
     consume: Consume = "group"
     # Queue mode: a record delivered this many times is dead-lettered (`delivery_count_exceeded`) instead of
     # tried again; None: the group's `share.delivery.count.limit` (Kafka's default 5). Above the group's

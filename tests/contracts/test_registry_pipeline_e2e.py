@@ -46,7 +46,7 @@ from tools.harness import (
     settings_for,
     wait_until_committed,
 )
-from worker.app.doors import TriageParts, group_pipeline
+from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.classification import FallbackLabel
 from worker.config import Settings
 from worker.contracts.input import decoder_for
@@ -55,6 +55,7 @@ from worker.decoding import RegistryCause
 from worker.dev import local_broker
 from worker.dev.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.dev.samples import KIND_HEADER
+from worker.kafka.share_groups import prepare_share_group, queue_settings
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check
@@ -339,6 +340,48 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
         assert worker.stop() == 0
 
     _assert_each_ticket_triaged_once(kafka_bootstrap, topics, count)
+
+
+def test_queue_mode_holds_a_batch_through_a_registry_outage_longer_than_its_lock_and_loses_no_delivery(
+    registry: LocalRegistry, share_group_bootstrap: str, share_topic: Callable[..., str]
+) -> None:
+    """Issue #43 item 3, on a real share group: the registry away for 35 s, longer than the batch's 30 s
+    lock. The worker holds the batch and probes the registry instead of releasing each record at once (which
+    dead-lettered them all as `delivery_count_exceeded` within a second); readiness says so; once the lock
+    is about to end the batch goes back to the group a single time, and no batch is polled again until the
+    registry answers. Every ticket is then triaged once, and nothing is dead-lettered."""
+    topics = Topics(share_topic("raw", 1), share_topic("triaged", 1), share_topic("dlq", 1))
+    producer_side: Any = SchemaRegistryClient({"url": registry.url})
+    ticket, _ = _serializers("avro", producer_side)
+    count = 12
+    records = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
+    _produce(share_group_bootstrap, topics.input, records)
+    link = _Link(registry.port)  # cut from the start: the worker has never seen the schema
+    settings = _settings(share_group_bootstrap, topics, "avro", link.url, **{"pipeline.consume": "queue"})
+    group = prepare_share_group(settings)
+    settings = queue_settings(settings, group)
+    parts = TriageParts(InstantClassifier(), FALLBACK, 64, decoder=decoder_for(settings))
+    worker = Running(queue_pipeline(settings, parts, group), settings.pipeline.group_id)
+    metrics = worker.pipeline.metrics
+    probes = WorkerProbes(60.0, _AnsweringBroker(), time.monotonic)  # type: ignore[arg-type]
+    probes.metrics, probes.warm_contexts = metrics, 1
+    try:
+        state, queue = metrics.registry, metrics.queue
+        assert state is not None and queue is not None
+        _wait_until(lambda: state.outage is not None, 120.0)
+        held_at = time.monotonic()
+        assert not probes.ready()[0]
+        time.sleep(max(0.0, held_at + 35.0 - time.monotonic()))  # past the lock of the batch at hand
+        assert queue.batches == 1  # no new batch while the registry does not answer
+        assert queue.released <= count and queue.accepted == 0 and metrics.dead_lettered == 0
+        link.restore()
+        _wait_until(lambda: queue.accepted == count, 120.0)
+        assert state.outage is None and probes.ready()[0]
+    finally:
+        link.cut()
+        assert worker.stop() == 0
+    assert queue.delivery_count_exceeded == queue.rejected == 0
+    _assert_each_ticket_triaged_once(share_group_bootstrap, topics, count)
 
 
 def _assert_each_ticket_triaged_once(bootstrap: str, topics: Topics, count: int) -> None:

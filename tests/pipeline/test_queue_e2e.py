@@ -13,12 +13,20 @@ from pathlib import Path
 import confluent_kafka
 import kafka_source
 import pytest
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
+from confluent_kafka.admin._resource import ResourceType
 
 from tools.harness import Audit, Publisher, Topics, Worker, audit, publish, settings_for, wait_until_served
 from worker.dev.local_broker import LocalBroker, configured_kafka_version, free_port
 from worker.kafka.admin import TopicSpec, create_topics
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
-from worker.kafka.share_groups import NO_SHARE_GROUPS, create_share_consumer, prepare_share_group
+from worker.kafka.share_groups import (
+    LOCK_DURATION,
+    NO_SHARE_GROUPS,
+    create_share_consumer,
+    prepare_share_group,
+)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -215,3 +223,52 @@ def test_a_record_on_its_last_delivery_is_tried_first_and_never_released(
     final = worker.metrics()[-1]["queue"]
     assert final["accepted"] == count
     assert final["released"] == final["rejected"] == final["delivery_count_exceeded"] == 0
+
+
+def test_a_backlog_of_twenty_locks_is_triaged_once_without_spending_deliveries_on_pacing(
+    share_group_bootstrap: str, share_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """Issue #43 item 4: a backlog far larger than one record lock holds, published in large producer batches
+    (the broker hands out whole ones), with a slow model (0.25 s a ticket) and the shortest lock (15 s). Each
+    poll asks for what the worker finishes within a deadline at its measured rate, so records it could not
+    even try rarely cost a delivery, and never one on their last delivery: every ticket ends with exactly one
+    triage record and none is dead-lettered `delivery_count_exceeded`. Before, the tail of each batch was
+    released untried, came back with the next, and was dead-lettered after five."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    _set_group_config(bootstrap, group, {LOCK_DURATION: "15000"})
+    # What one lock holds here: 2 model processes at 4 tickets/s each, for the 7 s of the lock in which a
+    # ticket may still be taken (15 s - 2 s deadline - 5 s delivery timeout - 1 s margin) = 56 tickets.
+    per_lock = 56
+    count = 20 * per_lock
+    publish(bootstrap, topics, count, malformed_ratio=0.0, seed=43)
+    worker = Worker(bootstrap, topics, group, tmp_path, "backlog", QUEUE, slow_model_s=0.25)
+    try:
+        worker.wait_for("pipeline_started", timeout=_STARTED_S)
+        report = _all_answered(bootstrap, topics, count, 900)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+    final = worker.metrics()[-1]
+    queue = final["queue"]
+    _report(
+        "queue, backlog of 20 locks",
+        f"{report.summary()}; accepted {queue['accepted']}, released untried {queue['released_untried']}, "
+        f"fetch size {queue['fetch_size']}, fallbacks {final['fallback']}",
+    )
+    assert len(report.inputs) == count
+    assert report.lost == [] and report.dead == {} and report.duplicates == 0
+    assert queue["delivery_count_exceeded"] == 0 and queue["accepted"] == count
+    # Pacing costs at most one batch's tail now and then, far from a delivery per record per lock.
+    assert queue["released_untried"] < count // 4
+
+
+def _set_group_config(bootstrap: str, group: str, configs: dict[str, str]) -> None:
+    """Share-group configs set before the group exists, as an operator would (kafka-configs.sh)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    entries = [
+        ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+        for name, value in configs.items()
+    ]
+    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
+    admin.incremental_alter_configs([resource])[resource].result()

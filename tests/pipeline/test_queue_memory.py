@@ -11,18 +11,22 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 import confluent_kafka
+import msgspec
 from doubles import HoldingClassifier, InstantClassifier, instant_answer
 from memory_kafka import MemoryKafka, MemoryProducer, Message, Record
 
 from worker.app.doors import TriageParts, queue_pipeline
-from worker.classification import Classification, FallbackLabel, fallback_answer
+from worker.classification import Classification, ClassifyRequest, FallbackLabel, fallback_answer
 from worker.config import Settings, load_settings
+from worker.decoding import RegistryUnavailable, decode_ticket
 from worker.dev.samples import SampleFactory
 from worker.kafka.share_groups import ShareClientFactory, ShareGroup
+from worker.messages import TicketEvent, TriageResult
 from worker.pipeline.engine import Engine
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 ACCEPT, RELEASE = confluent_kafka.AcknowledgeType.ACCEPT, confluent_kafka.AcknowledgeType.RELEASE
+REJECT = confluent_kafka.AcknowledgeType.REJECT
 # A 15 s lock (the broker's minimum) with a 2 s deadline and 5 s delivery timeout: a record may be taken
 # until 7 s into the lock, and what is unsettled is released at 14 s.
 LOCK = ShareGroup(lock_ms=15000, delivery_count_limit=5)
@@ -72,8 +76,14 @@ class MemoryShareConsumer:
 
 
 class _Message(Message):
+    """A share group's record: its delivery count (1: its first delivery)."""
+
+    def __init__(self, topic: str, partition: int, record: Record, deliveries: int = 1) -> None:
+        super().__init__(topic, partition, record)
+        self.deliveries = deliveries
+
     def delivery_count(self) -> int:
-        return 1
+        return self.deliveries
 
 
 class _Clients:
@@ -117,16 +127,20 @@ def _settings(**overrides: object) -> Settings:
     return load_settings(env={}, overrides={**given, **overrides})
 
 
-def _batch(kafka: MemoryKafka, subjects: list[str]) -> list[Message]:
+def _batch(kafka: MemoryKafka, subjects: list[str], deliveries: Sequence[int] = ()) -> list[Message]:
+    """A batch of tickets whose bodies start with `subjects` (what the classifier doubles look for), each on
+    its `deliveries[i]`-th delivery (default: its first)."""
     factory = SampleFactory(seed=1)
     batch: list[Message] = []
-    for offset, subject in enumerate(subjects):
-        sample = factory.make(offset)
+    first = len(kafka.logs["tickets.raw"][0])
+    for index, subject in enumerate(subjects):
+        sample = factory.make(first + index)
         ticket = json.loads(sample.value or b"{}")
         ticket["body"] = f"{subject}: {ticket['body']}"
-        record = Record(offset, sample.key, json.dumps(ticket).encode(), [])
+        record = Record(first + index, sample.key, json.dumps(ticket).encode(), [])
         kafka.logs["tickets.raw"][0].append(record)
-        batch.append(_Message("tickets.raw", 0, record))
+        count = deliveries[index] if index < len(deliveries) else 1
+        batch.append(_Message("tickets.raw", 0, record, count))
     return batch
 
 
@@ -207,3 +221,114 @@ def test_shutdown_finishes_what_it_can_and_releases_the_rest() -> None:
     assert codes == [0]
     assert consumer.outcomes == {0: ACCEPT, 1: RELEASE}
     assert consumer.closed
+
+
+def test_a_record_on_its_last_delivery_is_tried_first_and_its_model_death_dead_letters_it() -> None:
+    """On its last delivery a record is never released (the broker would archive it without a trace): it is
+    taken before the others, and when the model process dies under it, it is dead-lettered with why; the same
+    death on an earlier delivery releases it for another try."""
+    kafka = _kafka()
+    subjects = ["first ok", "first die", "last die", "last ok"]
+    consumer = MemoryShareConsumer([_batch(kafka, subjects, deliveries=[1, 1, 5, 5])])
+    order = _OrderRecordingClassifier()
+    pipeline = queue_pipeline(
+        _settings(), TriageParts(order, FALLBACK, 1), LOCK, clients=_clients(kafka, consumer)
+    )
+    thread, codes = _run(pipeline)
+    _wait(lambda: len(consumer.outcomes) == 4)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert order.last[:2] == [True, True] and order.last[2:] == [False, False]  # last deliveries first
+    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE, 2: REJECT, 3: ACCEPT}
+    (letter,) = kafka.logs["tickets.dlq"][0]
+    headers = dict(letter.headers or [])
+    assert headers["triage.error.type"] == b"delivery_count_exceeded"
+    assert b"the model process died under it on its last delivery" in (headers["triage.error.message"] or b"")
+
+
+def test_a_last_delivery_the_lock_leaves_no_model_time_for_is_answered_overloaded_not_released() -> None:
+    """Once the lock allows no more model time, records on their last delivery are answered at once with the
+    `overloaded` fallback (as group mode answers a ticket that waited past its deadline); the others are
+    released untried."""
+    kafka = _kafka()
+    consumer = MemoryShareConsumer([_batch(kafka, ["hold", "ok", "ok"], deliveries=[5, 5, 1])])
+    now = [1000.0]
+    classifier = HoldingClassifier()
+    pipeline = queue_pipeline(
+        _settings(**{"pipeline.max_in_flight": "1"}), TriageParts(classifier, FALLBACK, 4), LOCK,
+        clients=_clients(kafka, consumer), clock=lambda: now[0],
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    _wait(lambda: len(classifier.held) == 1)  # the bound: the other two wait in the backlog
+    now[0] += 7.5  # past the last instant a record may still go to the model (7 s into the 15 s lock)
+    classifier.release()
+    _wait(lambda: len(consumer.outcomes) == 3)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: ACCEPT, 1: ACCEPT, 2: RELEASE}
+    answered = [
+        msgspec.json.decode(r.value or b"", type=TriageResult) for r in kafka.logs["tickets.triaged"][0]
+    ]
+    assert [(r.source.offset, r.fallback_reason) for r in answered] == [(0, None), (1, "overloaded")]
+    assert pipeline.metrics.queue is not None and pipeline.metrics.queue.released_untried == 1
+
+
+def test_a_registry_that_cannot_answer_holds_the_batch_and_probes_it_instead_of_releasing_it() -> None:
+    """Issue #43 item 3: a Schema Registry outage must not spend deliveries. The records stay in the batch,
+    the registry is probed with one of them on a backoff, readiness hears of it, no new batch is polled; once
+    it answers, every record is triaged on its first delivery."""
+    kafka = _kafka()
+    consumer = MemoryShareConsumer([_batch(kafka, ["ok", "ok", "ok"]), _batch(kafka, [])])
+    decoder = _FlakyRegistry()
+    now = [1000.0]
+    pipeline = queue_pipeline(
+        _settings(), TriageParts(InstantClassifier(), FALLBACK, 4, decoder=decoder),
+        ShareGroup(lock_ms=30000, delivery_count_limit=5), clients=_clients(kafka, consumer),
+        clock=lambda: now[0],
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    state = pipeline.metrics.registry
+    assert state is not None
+    _wait(lambda: state.outage is not None)
+    for delay in (1.0, 2.0, 4.0):  # the probes' backoff: each fails, well within the 30 s lock
+        tried = decoder.tries
+        now[0] += delay
+        _wait(lambda tried=tried: decoder.tries > tried)  # type: ignore[misc]
+    assert consumer.outcomes == {} and len(consumer.batches) == 1  # nothing released, no new poll
+    decoder.answering = True
+    now[0] += 8.0
+    _wait(lambda: len(consumer.outcomes) == 3)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: ACCEPT, 1: ACCEPT, 2: ACCEPT}
+    assert state.outage is None and state.retries_by_cause["outage"] >= 4
+
+
+class _OrderRecordingClassifier(_DyingClassifier):
+    """`_DyingClassifier`, noting for each ticket, in the order sent, whether its text says "last"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: list[bool] = []
+
+    def submit(self, request: ClassifyRequest) -> None:
+        self.last.append("last" in request.text)
+        super().submit(request)
+
+
+class _FlakyRegistry:
+    """A registry-format decoder whose registry is away until `answering`: every decode raises
+    `RegistryUnavailable` (counted in `tries`), then decodes the plain JSON ticket."""
+
+    def __init__(self) -> None:
+        self.answering = False
+        self.tries = 0
+
+    def decode(self, value: bytes | None, topic: str) -> TicketEvent:
+        if not self.answering:
+            self.tries += 1
+            raise RegistryUnavailable("outage", "schema registry unreachable: connection refused")
+        return decode_ticket(value, 1 << 20)

@@ -15,6 +15,7 @@ from worker.config import Settings, load_settings
 from worker.errors import UserError
 from worker.kafka.share_groups import ShareGroup, delivery_timeout_ms, queue_settings, share_consumer_config
 from worker.pipeline.sources.lock_budget import MARGIN_S, LockBudget
+from worker.pipeline.sources.share import FetchSize
 
 # The options tests and chaos give every worker (tools/harness.py FAST_GROUP_OPTIONS) and a few more that a
 # share consumer refuses at construction (measured: a ValueError each).
@@ -134,3 +135,24 @@ def test_run_refuses_exactly_once_in_queue_mode_in_one_line_before_it_needs_a_br
         'triage-worker: error: config error: pipeline.guarantee = "exactly_once" cannot be used with '
         'pipeline.consume = "queue": share groups have no transactional acknowledgements'
     )
+
+
+def test_a_poll_asks_for_what_one_deadline_finishes_at_the_measured_rate() -> None:
+    """Queue mode's fetch size (issue #43 item 4): not more than the worker can finish, so that records it
+    could not even try rarely cost a delivery. It starts at twice the model's window and moves only by half
+    or double (each move makes the share consumer anew)."""
+    size = FetchSize.starting(smallest=4, largest=64, deadline_s=2.0, given=None)
+    assert size.current == 8
+    assert size.wanted(finished=8, busy_s=0.1) == 64  # 80/s: more than the bound takes
+    assert size.wanted(finished=8, busy_s=4.0) == 4  # 2/s: 4 in a deadline, the window
+    assert size.wanted(finished=8, busy_s=1.6) == 10  # 5/s
+    assert not size.moves(10) and not size.moves(15)
+    assert size.moves(16) and size.moves(4)
+    given = FetchSize.starting(smallest=4, largest=64, deadline_s=2.0, given=500)
+    assert given.current == 500 and not given.moves(given.wanted(finished=1, busy_s=60.0))
+
+
+def test_the_share_consumer_is_made_with_the_fetch_size_unless_the_user_set_one() -> None:
+    assert share_consumer_config(_settings(), max_poll_records=12)["max.poll.records"] == "12"
+    given = _settings(**{"kafka.max.poll.records": "500"})
+    assert share_consumer_config(given, max_poll_records=12)["max.poll.records"] == "500"

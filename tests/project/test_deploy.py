@@ -243,9 +243,7 @@ def _port_allowed(rule: dict[str, Any], port: int | str, protocol: str = "TCP") 
     )
 
 
-def test_the_network_policy_admits_only_prometheus_on_the_metrics_port_and_lets_out_only_dns_and_kafka() -> (
-    None
-):
+def test_the_network_policy_admits_only_prometheus_and_lets_out_only_dns_kafka_and_the_registry() -> None:
     policy = _by_kind("NetworkPolicy")["spec"]
     assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
     for kind, template in _pod_specs().items():
@@ -256,13 +254,15 @@ def test_the_network_policy_admits_only_prometheus_on_the_metrics_port_and_lets_
     container_ports = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["ports"]
     assert [p["port"] for p in ingress["ports"]] == [p["name"] for p in container_ports] == ["metrics"]
     assert all(source.get("podSelector", {}).get("matchLabels") for source in ingress["from"])
-    # Out: DNS to the cluster's resolver, and the broker port the ConfigMap names; nothing else.
-    dns, kafka = policy["egress"]
+    # Out: DNS to the cluster's resolver, the broker port the ConfigMap names, the Schema Registry's port
+    # (a worker reading Avro was cut off from its registry before); nothing else.
+    dns, kafka, registry = policy["egress"]
     assert _port_allowed(dns, 53, "UDP") and _port_allowed(dns, 53, "TCP")
     assert dns["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
     bootstrap = load_settings(env=_by_kind("ConfigMap")["data"]).kafka["bootstrap.servers"]
     assert all(_port_allowed(kafka, int(server.rsplit(":", 1)[1])) for server in bootstrap.split(","))
     assert not _port_allowed(kafka, 443) and not _port_allowed(kafka, 9400)
+    assert _port_allowed(registry, 8081) and not _port_allowed(registry, 443)
 
 
 # PodMonitor fields this project uses, as the Prometheus Operator's CRD (monitoring.coreos.com/v1) defines

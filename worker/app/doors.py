@@ -24,7 +24,7 @@ from worker.pipeline.engine import Engine, GiveUpAt, Limits
 from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics, RegistryState
 from worker.pipeline.registry_wait import RegistryWait
-from worker.pipeline.seams import HandBack, Settlement
+from worker.pipeline.seams import HandBack, Settlement, Source
 from worker.pipeline.settlements.acknowledgements import Acknowledging
 from worker.pipeline.settlements.delivery import DeliveryRules
 from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_for
@@ -123,6 +123,7 @@ def limits(settings: Settings) -> Limits:
         deadline_s=pipeline.deadline_ms / 1000.0,
         poll_timeout_s=pipeline.poll_timeout_ms / 1000.0,
         shutdown_timeout_s=pipeline.shutdown_timeout_ms / 1000.0,
+        read_batch=pipeline.poll_batch_size,
     )
 
 
@@ -134,6 +135,29 @@ def _started_line(settings: Settings) -> dict[str, object]:
         "guarantee": settings.pipeline.guarantee,
         "input_format": settings.input.format,
     }
+
+
+def _triage_loop(
+    settings: Settings,
+    parts: TriageParts,
+    source: Source,
+    settlement: Settlement,
+    queue: DispatchQueue,
+    requests: ModelRequests,
+    metrics: PipelineMetrics,
+    failure: Failure,
+    give_up: GiveUpAt,
+    clock: Callable[[], float],
+    metrics_interval_s: float,
+) -> Engine:
+    """A Kafka door's loop: `source` and `settlement` with the triage stage, the registry's wait where the
+    input needs one."""
+    stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
+    registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
+    return Engine(
+        source, stage, settlement, limits(settings), metrics, failure, give_up, registry, clock,
+        metrics_interval_s, _started_line(settings),
+    )  # fmt: skip
 
 
 def group_pipeline(
@@ -163,11 +187,9 @@ def group_pipeline(
             Redone(queue, requests), give_up.get,
         )
     )  # fmt: skip
-    stage = triage_stage(settings, parts, queue, requests, guarantee, source.hand_back, metrics, clock)
-    registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
-    return Engine(
-        source, stage, guarantee, limits(settings), metrics, failure, give_up, registry, clock,
-        metrics_interval_s, _started_line(settings),
+    return _triage_loop(
+        settings, parts, source, guarantee, queue, requests, metrics, failure, give_up, clock,
+        metrics_interval_s,
     )  # fmt: skip
 
 
@@ -203,11 +225,9 @@ def queue_pipeline(
     )
     settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
-    stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
-    registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
-    return Engine(
-        source, stage, settlement, limits(settings), metrics, failure, give_up, registry, clock,
-        metrics_interval_s, _started_line(settings),
+    return _triage_loop(
+        settings, parts, source, settlement, queue, requests, metrics, failure, give_up, clock,
+        metrics_interval_s,
     )  # fmt: skip
 
 

@@ -95,10 +95,11 @@ def offline_stages(
     escalation: InferenceSettings | None = None,
     escalate_below: float | None = None,
     echo: Callable[[str], None] = print,
+    announce: bool = True,
 ) -> Iterator[Offline]:
     """The pools an offline door classifies with, closed on exit: `inference` (default: the settings') as the
     first stage, and, unless `cascade` is False, the cascade as `run` would have it — or over `escalation`
-    with `escalate_below` when given (model eval measures thresholds)."""
+    with `escalate_below` when given (model eval measures thresholds). `announce`: log the pools' start."""
     inference = inference or settings.inference
     taxonomy, taxonomy_path = resolve_taxonomy(inference)
     if not cascade:
@@ -106,20 +107,20 @@ def offline_stages(
     elif escalation is None:
         escalation = choose_escalation(inference, taxonomy, taxonomy_path).settings
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(open_pool(inference, settings.log, settings.privacy))
+        pool = stack.enter_context(open_pool(inference, settings.log, settings.privacy, announce=announce))
         over: Cascade | None = None
         if escalation is not None:
-            stage = LazyPool(lambda: _open_stage(settings, escalation, echo))
+            stage = LazyPool(lambda: _open_stage(settings, escalation, echo, announce))
             stack.callback(stage.close)
             over = _offline_cascade(inference, stage, pool.size, taxonomy, escalate_below)
         yield Offline(pool, over, taxonomy.fallback_label)
 
 
 def _open_stage(
-    settings: Settings, escalation: InferenceSettings, echo: Callable[[str], None]
+    settings: Settings, escalation: InferenceSettings, echo: Callable[[str], None], announce: bool
 ) -> ClassifierPool:
     fetch_stage_files(escalation, echo)
-    return open_pool(escalation, settings.log, settings.privacy)
+    return open_pool(escalation, settings.log, settings.privacy, announce=announce)
 
 
 def _offline_cascade(
@@ -181,6 +182,7 @@ def classify_lines(
     reader: LineReader,
     on_result: Callable[[int, bytes], None],
     on_skipped: Callable[[int, str, str], None],
+    announce: bool = True,
 ) -> LinesRun:
     """Classify `reader`'s lines through the loop: each line's triage record (JSON) to `on_result(line,
     value)`, each line that is not a ticket to `on_skipped(line, error type, message)`, in input order."""
@@ -199,7 +201,7 @@ def classify_lines(
         run.written += 1
         on_result(work.offset, output.value)
 
-    with offline_stages(settings, echo=lambda line: print(line, file=sys.stderr)) as offline:
+    with offline_stages(settings, echo=_to_stderr, announce=announce) as offline:
         started = time.monotonic()
         code = lines_pipeline(settings, offline, reader, deliver).run()
         run.seconds = time.monotonic() - started
@@ -232,3 +234,8 @@ def classify_texts(
     if code != 0:
         raise UserError("the evaluation run failed (see the log above)")
     return results, time.monotonic() - started
+
+
+def _to_stderr(line: str) -> None:
+    """Where an offline door says what it fetches: stderr, since stdout carries its results."""
+    print(line, file=sys.stderr)

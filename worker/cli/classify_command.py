@@ -106,7 +106,9 @@ def _classify_text(settings: Settings, text: str, out: IO[bytes]) -> int:
     in_process = msgspec.structs.replace(settings.inference, pool="thread", pool_size=1)
     settings = msgspec.structs.replace(settings, inference=in_process)
     reader = LineReader(iter([(0, msgspec.json.encode(event), None)]), "the ticket text")
-    run = classify_lines(settings, reader, lambda _line, value: _write_line(out, value), _never_skipped)
+    run = classify_lines(
+        settings, reader, lambda _line, value: _write_line(out, value), _never_skipped, announce=False
+    )
     return 0 if run.written == 1 else 1
 
 

@@ -135,9 +135,11 @@ def open_pool(
     log_settings: LogSettings | None = None,
     privacy: PrivacySettings | None = None,
     initializer: Callable[[], None] | None = None,
+    announce: bool = True,
 ) -> ClassifierPool:
-    """Start the configured pool and return once every context is loaded and warmed (progress is logged).
-    A process pool's processes log with `log_settings`, redacted as `privacy` says (the logs' phone region).
+    """Start the configured pool and return once every context is loaded and warmed (progress is logged,
+    unless `announce` is False: `classify` of one ticket prints its result alone). A process pool's
+    processes log with `log_settings`, redacted as `privacy` says (the logs' phone region).
 
     `initializer` (picklable) runs first in each worker process of a process or batch pool (see
     `ProcessPool`); a thread pool has none to run it in."""
@@ -145,7 +147,8 @@ def open_pool(
     kind = default_pool_kind(settings)
     size = default_pool_size(settings, kind)
     warn_once_if_unpaired(settings, *resolve_taxonomy(settings))
-    log.info("starting classifier pool", pool=kind, size=size, model=settings.model, mode=settings.mode)
+    if announce:
+        log.info("starting classifier pool", pool=kind, size=size, model=settings.model, mode=settings.mode)
     started = time.monotonic()
     pool: ClassifierPool
     if kind == "thread":
@@ -159,7 +162,8 @@ def open_pool(
             privacy=privacy,
             initializer=initializer,
         )
-    log.info("classifier pool ready", model=pool.model_id, seconds=round(time.monotonic() - started, 2))
+    if announce:
+        log.info("classifier pool ready", model=pool.model_id, seconds=round(time.monotonic() - started, 2))
     return pool
 
 

@@ -79,6 +79,8 @@ class Limits:
     deadline_s: float
     poll_timeout_s: float
     shutdown_timeout_s: float
+    # The most records read in one turn of the loop (`pipeline.poll_batch_size`), before it serves answers.
+    read_batch: int = 100
     # Read a record only when the stage has room for it at once (offline doors: each ticket's deadline
     # starts when it is sent, since nothing else competes for the model).
     paced_by_model: bool = False
@@ -166,7 +168,7 @@ class Engine(Loop):
             idle = not busy and self._in_flight() == 0
             wait_s = self._limits.poll_timeout_s if idle else BUSY_WAIT_S
             self._last_read = self._clock()
-            room = self._gate.capacity()
+            room = min(self._gate.capacity(), self._limits.read_batch)
             if self._limits.paced_by_model:
                 room = min(room, self._stage.room())
             if room > 0 or not self._limits.paced_by_model:

@@ -48,8 +48,8 @@ class Record:
     def partition_key(self) -> TopicPartitionKey:
         return (self.topic, self.partition)
 
-    def work(self, state: PartitionOffsets, now: float, deadline: float) -> Work:
-        """The `Work` that carries this record from its take (`now`) on, its offset in `state`."""
+    def taken(self, state: PartitionOffsets, now: float, deadline: float) -> Work:
+        """The record as the loop carries it from now on (`state`: its partition's offsets)."""
         return Work(
             state=state,
             topic=self.topic,

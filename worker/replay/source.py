@@ -32,7 +32,7 @@ from worker.kafka.clients import record_headers
 from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.seams import Loop, Record
 from worker.pipeline.settlements.offsets import OffsetTracker
-from worker.pipeline.sources.standalone import Standalone
+from worker.pipeline.sources.without_group import WithoutGroup
 from worker.pipeline.work import Work
 from worker.replay.outcomes import PartitionPlan
 from worker.replay.selection import ReplayOptions, plan_partitions
@@ -62,10 +62,10 @@ class TokenBucket:
         self._tokens -= 1.0
 
 
-class ReplaySource(Standalone):
+class ReplaySource(WithoutGroup):
     """The dead-letter ranges `options` select (see the module docstring). `consumer` is the replay's own
     (assigned here, committed through by the guarantee); `tracker` is shared with the guarantee; `planned`
-    hears of the plan before anything is read. Outside any group (`Standalone`): partitions assigned, a dead
+    hears of the plan before anything is read. Outside any group (`WithoutGroup`): partitions assigned, a dead
     letter's headers need no registry, no model answers it."""
 
     def __init__(
@@ -134,7 +134,7 @@ class ReplaySource(Standalone):
         state = self._tracker.get(record.partition_key)
         if state is None or not state.track(record.offset):
             return None
-        work = record.work(state, now, deadline)
+        work = record.taken(state, now, deadline)
         self._awaited.add(work)
         return work
 

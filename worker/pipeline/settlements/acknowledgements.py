@@ -11,14 +11,13 @@ share group instead of a consumer group: there are no offsets to commit, each re
 
 A refused output first goes through the same delivery-error rules as in group mode
 (`delivery.DeliveryRules`: a dead letter too large is written smaller, a result refused for its content is
-replaced by the ticket's dead letter). There is no transaction, nothing to commit: `advance`, `settle`,
-`commit_now`, `assigned` and `lost` have nothing to do.
+replaced by the ticket's dead letter). There is no transaction, nothing to commit: the group-only steps
+are `without_offsets.WithoutOffsets`'.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from typing import Any
 
 import confluent_kafka
@@ -29,7 +28,8 @@ from worker.kafka.clients import ProducerFactory
 from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.failure import Failure
 from worker.pipeline.settlements.deliveries import Deliveries
-from worker.pipeline.settlements.delivery import DeliveryRules, send
+from worker.pipeline.settlements.delivery import DeliveryRules, send_tracked
+from worker.pipeline.settlements.without_offsets import WithoutOffsets
 from worker.pipeline.sources.share import Acknowledgement
 from worker.pipeline.work import Output, Work
 
@@ -38,7 +38,7 @@ _log = structlog.get_logger("worker.pipeline")
 Acknowledge = Callable[[Work, Acknowledgement], None]
 
 
-class Acknowledging:
+class Acknowledging(WithoutOffsets):
     """Produces outputs and acknowledges each record through `acknowledge` once its report arrives."""
 
     def __init__(
@@ -58,20 +58,11 @@ class Acknowledging:
 
     # -- seams.Settlement -----------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        pass
-
     def taken(self, work: Work) -> None:
         pass  # no order to keep: each record is settled on its own
 
     def write(self, work: Work, output: Output) -> None:
-        delivery_id = self.deliveries.to_broker(work)
-        send(
-            self._producer,
-            output,
-            functools.partial(self._on_delivery, delivery_id, output),
-            self._give_up_at(),
-        )
+        send_tracked(self._producer, self.deliveries, work, output, self._on_delivery, self._give_up_at())
 
     def done(self, work: Work) -> None:
         """A record that needs no output is accepted: settled, never handed out again."""
@@ -83,19 +74,8 @@ class Acknowledging:
         except confluent_kafka.KafkaException as problem:
             self._failure.set(errors.describe(problem))
 
-    def advance(self) -> None:
-        pass
-
-    @property
-    def committing(self) -> bool:
-        return False
-
     def wait(self, wait_s: float) -> None:
         self.serve(wait_s)
-
-    @property
-    def producing(self) -> bool:
-        return True
 
     @property
     def outstanding(self) -> int:
@@ -107,18 +87,6 @@ class Acknowledging:
 
     def pending(self, keys: set[TopicPartitionKey]) -> int:
         return self.deliveries.pending(keys)
-
-    def settle(self, limit: float) -> None:
-        pass
-
-    def commit_now(self, keys: set[TopicPartitionKey], limit: float) -> None:
-        pass
-
-    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None:
-        pass
-
-    def lost(self, keys: set[TopicPartitionKey]) -> None:
-        pass
 
     def give_up(self, keys: set[TopicPartitionKey]) -> None:
         self.deliveries.give_up(keys)

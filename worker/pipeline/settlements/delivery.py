@@ -18,6 +18,7 @@ before, issue #44):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from worker.kafka import errors
 from worker.kafka.clients import produce
 from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
 from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.settlements.deliveries import Deliveries
 from worker.pipeline.triage.records import DeadLetterRedaction, dead_letter
 from worker.pipeline.work import Output, Work
 
@@ -68,6 +70,20 @@ def send(
             None,
             queued=False,
         )
+
+
+def send_tracked(
+    producer: confluent_kafka.Producer,
+    deliveries: Deliveries,
+    work: Work,
+    output: Output,
+    on_delivery: Callable[[int, Output, confluent_kafka.KafkaError | None, Any, bool], None],
+    give_up_at: float | None,
+) -> None:
+    """`send` `work`'s `output`, tracked in `deliveries` until its report reaches `on_delivery(delivery id,
+    output, error, message, queued)`."""
+    delivery_id = deliveries.to_broker(work)
+    send(producer, output, functools.partial(on_delivery, delivery_id, output), give_up_at)
 
 
 def smaller(work: Work, output: Output, shrunk: int) -> Output:

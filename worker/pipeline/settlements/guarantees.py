@@ -36,7 +36,6 @@ partitions redone. What the guarantee does not own: the order tickets go to the 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -59,7 +58,7 @@ from worker.pipeline.failure import Failure, names, positions_by_name
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.settlements.committer import Committer
 from worker.pipeline.settlements.deliveries import Deliveries
-from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send, smaller
+from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send_tracked, smaller
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.pipeline.work import Output, Work
@@ -235,13 +234,7 @@ class _Base:
     # -- producing and delivery -----------------------------------------------------------------------------
 
     def _send(self, work: Work, output: Output) -> None:
-        delivery_id = self.deliveries.to_broker(work)
-        send(
-            self._producer,
-            output,
-            functools.partial(self._on_delivery, delivery_id, output),
-            self._give_up_at(),
-        )
+        send_tracked(self._producer, self.deliveries, work, output, self._on_delivery, self._give_up_at())
 
     def _on_delivery(
         self,

@@ -14,15 +14,16 @@ each output it would publish is handed back at once as acknowledged.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 
 from worker.kafka.commits import TopicPartitionKey
+from worker.pipeline.settlements.without_offsets import WithoutOffsets
 from worker.pipeline.work import Output, Work
 
 Deliver = Callable[[Work, Output], None]
 
 
-class InOrder:
+class InOrder(WithoutOffsets):
     """Outputs handed to `deliver` in the order their records were taken (see the module docstring)."""
 
     def __init__(self, deliver: Deliver) -> None:
@@ -36,9 +37,6 @@ class InOrder:
         return len(self._order)
 
     # -- seams.Settlement -----------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        pass
 
     def taken(self, work: Work) -> None:
         self._order[work] = None
@@ -67,19 +65,8 @@ class InOrder:
     def serve(self, wait_s: float) -> None:
         pass  # every write is delivered at once, or held for an earlier one: no report to wait for
 
-    def advance(self) -> None:
-        pass
-
-    @property
-    def committing(self) -> bool:
-        return False
-
     def wait(self, wait_s: float) -> None:
         time.sleep(wait_s)  # nothing to wait for here: the caller is only to not spin
-
-    @property
-    def producing(self) -> bool:
-        return True
 
     @property
     def outstanding(self) -> int:
@@ -91,18 +78,6 @@ class InOrder:
 
     def pending(self, keys: set[TopicPartitionKey]) -> int:
         return 0
-
-    def settle(self, limit: float) -> None:
-        pass
-
-    def commit_now(self, keys: set[TopicPartitionKey], limit: float) -> None:
-        pass
-
-    def assigned(self, keys: Sequence[TopicPartitionKey]) -> None:
-        pass
-
-    def lost(self, keys: set[TopicPartitionKey]) -> None:
-        pass
 
     def give_up(self, keys: set[TopicPartitionKey]) -> None:
         pass

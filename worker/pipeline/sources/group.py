@@ -139,7 +139,7 @@ class GroupSource:
                 "record_skipped", topic=record.topic, partition=record.partition, offset=record.offset
             )
             return None
-        return record.work(state, now, deadline)
+        return record.taken(state, now, deadline)
 
     def hold_back(self, record: Record) -> bool:
         """Pause the partition and seek it back to `record`; a seek that fails stops the run (going on would

@@ -26,7 +26,7 @@ from typing import IO
 from worker.errors import UserError
 from worker.pipeline.seams import Loop, Record
 from worker.pipeline.settlements.offsets import PartitionOffsets
-from worker.pipeline.sources.standalone import Standalone
+from worker.pipeline.sources.without_group import WithoutGroup
 from worker.pipeline.work import Work
 
 # Where an offline result says its ticket came from: topic `cli`, partition 0, offset = the line's index.
@@ -128,9 +128,9 @@ class LineReader:
         return False
 
 
-class LinesSource(Standalone):
+class LinesSource(WithoutGroup):
     """The lines of a `LineReader` as records (see the module docstring); `held()` is the settlement's count
-    of lines taken and not yet written. Outside any group (`Standalone`): offline lines need no registry."""
+    of lines taken and not yet written. Outside any group (`WithoutGroup`): offline lines need no registry."""
 
     def __init__(self, reader: LineReader, held: Callable[[], int]) -> None:
         self._reader = reader
@@ -154,7 +154,7 @@ class LinesSource(Standalone):
             take(Record(SOURCE_TOPIC, 0, index, None, value, None, rejected=unread))
 
     def work(self, record: Record, now: float, deadline: float) -> Work | None:
-        return record.work(self._state, now, deadline)
+        return record.taken(self._state, now, deadline)
 
     def in_flight(self) -> int:
         return self._held()

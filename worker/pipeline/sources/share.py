@@ -173,7 +173,13 @@ class ShareSource:
             self._poll(wait_s)
             if self._batch is None:
                 return
-        for record in self._from_backlog(room):
+        taken = self._from_backlog(room)
+        while taken:
+            record = taken.popleft()
+            if record.partition_key in self._held:
+                # The take before held its partition back for the registry: the rest waits in the backlog.
+                self._backlog.extendleft(reversed([record, *taken]))
+                return
             take(record)
 
     def work(self, record: Record, now: float, deadline: float) -> Work | None:
@@ -181,7 +187,7 @@ class ShareSource:
         state = self._partitions.get(key)
         if state is None:
             state = self._partitions[key] = PartitionOffsets(key)
-        work = record.work(state, now, deadline)
+        work = record.taken(state, now, deadline)
         self._unsettled[work] = record.handle
         if self._batch is not None and record.answer_now is None:
             self._batch.to_model += 1
@@ -355,13 +361,13 @@ class ShareSource:
                 _log.warning("consumer_error", code=error.name(), reason=error.str())
         return batch
 
-    def _from_backlog(self, room: int) -> list[Record]:
+    def _from_backlog(self, room: int) -> collections.deque[Record]:
         """Records the lock still allows, up to `room`. Once it allows no more model time: last deliveries are
         answered at once while their answer can still be delivered inside the lock; the rest is released."""
         batch = self._batch
         assert batch is not None
         now = self._clock()
-        taken: list[Record] = []
+        taken: collections.deque[Record] = collections.deque()
         kept: collections.deque[Record] = collections.deque()
         may_take = self._budget.may_take(batch.lock_from, now)
         may_answer = self._budget.may_answer(batch.lock_from, now)
