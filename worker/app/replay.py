@@ -10,7 +10,8 @@ as acknowledged. What a replay has of its own:
 - its consumer: the replay's group (never the worker's, `selection.default_group`), end-of-partition events,
   read_committed; its partitions assigned, not subscribed;
 - exactly-once, a transactional producer of its own (`selection.replay_transactional_id`);
-- progress committed every `COMMIT_INTERVAL_MS`, so that a killed replay re-sends little;
+- progress committed every `COMMIT_INTERVAL_MS`, so that a killed replay re-sends little, and an in-flight
+  bound of its own (`_IN_FLIGHT`: no model to keep fed, only the broker's acknowledgements to wait for);
 - `--source-topic` checked against the cluster before anything else: a typo costs nothing;
 - a stop (SIGTERM, SIGINT: `request_stop`, even before `run`) reads nothing more, gives the records in flight
   up to `INTERRUPT_DRAIN_S` to be confirmed and commits past what was; the summary says `interrupted`, and
@@ -52,6 +53,12 @@ COMMIT_INTERVAL_MS = 200
 INTERRUPT_DRAIN_S = 30.0
 # How long a read waits for a record when nothing is in flight.
 _POLL_S = 0.1
+# Records the run may wait for at once (republished, their acknowledgement not in yet), whatever the worker's
+# pipeline.max_in_flight: enough that the broker's acknowledgements never hold the reading back, and still a
+# bound on memory (a replay had none before the loop). Measured on 5,000 dead letters at least once (local
+# broker, 2 shared cores): 0.74-0.76 s before the loop, 0.74-0.88 s on it with the worker's 64, 0.64-0.69 s
+# with 1,000; exactly once 1.1-2.4 s, 1.7-2.4 s and 1.0-1.5 s.
+_IN_FLIGHT = 1000
 
 
 class Replay:
@@ -137,7 +144,11 @@ def replay_pipeline(
         )
     stage = ReplayStage(options, source, settlement, reports)
     numbers = dataclasses.replace(
-        limits(settings), poll_timeout_s=_POLL_S, shutdown_timeout_s=INTERRUPT_DRAIN_S
+        limits(settings),
+        max_in_flight=_IN_FLIGHT,
+        resume_below=_IN_FLIGHT // 2,
+        poll_timeout_s=_POLL_S,
+        shutdown_timeout_s=INTERRUPT_DRAIN_S,
     )
     return Engine(source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False)
 
