@@ -260,8 +260,8 @@ def test_a_backlog_of_twenty_locks_is_triaged_once_without_spending_deliveries_o
     assert report.lost == [] and report.dead == {} and report.duplicates == 0
     assert queue["delivery_count_exceeded"] == 0 and queue["accepted"] == count
     # A record is released untried only on a delivery that is not its last (5 by default): the broker hands
-    # out whole producer batches, which librdkafka 2.16 cannot ask to split (no strict record limit, KIP-1206),
-    # so a bulk-produced backlog's tail does circle; on its last delivery it is answered, never archived.
+    # out whole producer batches, which librdkafka 2.16 cannot ask to split (no strict record limit,
+    # KIP-1206), so a bulk-produced backlog's tail does circle; on its last delivery it is answered.
     assert queue["released_untried"] <= count * 4
 
 
