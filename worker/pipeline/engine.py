@@ -130,10 +130,6 @@ class Engine(Loop):
         """Begin a graceful shutdown at the next turn of the loop (safe from a signal handler)."""
         self._stopping = True
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
     def run(self) -> int:
         try:
             self._settlement.start()

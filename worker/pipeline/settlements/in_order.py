@@ -30,7 +30,6 @@ class InOrder(WithoutOffsets):
         self._deliver = deliver
         # Taken and not yet delivered, in take order; None until its output is written.
         self._order: dict[Work, Output | None] = {}
-        self.delivered = 0
 
     @property
     def held(self) -> int:
@@ -58,7 +57,6 @@ class InOrder(WithoutOffsets):
             if ready is None:
                 return
             del self._order[first]
-            self.delivered += 1
             first.state.done(first.offset)
             self._deliver(first, ready)
 

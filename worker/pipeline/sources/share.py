@@ -218,14 +218,8 @@ class ShareSource:
         batch = self._batch
         if batch is None:
             return
-        if self._unsettled and now >= self._budget.expires_at(batch.lock_from):
-            assert self._loop is not None
-            unfinished = list(self._unsettled)
-            self._loop.abandon(unfinished, "record lock ending")
-            for work in unfinished:
-                self.acknowledge(work, Acknowledgement.RELEASE)
-        if now >= self._budget.expires_at(batch.lock_from) and self._backlog:
-            self._release_backlog("record lock ending")
+        if now >= self._budget.expires_at(batch.lock_from):
+            self._release_all("record lock ending")
         if not self._unsettled and not self._backlog:
             self._close_batch(now)
 
@@ -256,14 +250,7 @@ class ShareSource:
 
     def stop(self, limit: float) -> None:
         self._taking = False
-        if self._unsettled:
-            assert self._loop is not None
-            unfinished = list(self._unsettled)
-            self._loop.abandon(unfinished, "stopping")
-            for work in unfinished:
-                self.acknowledge(work, Acknowledgement.RELEASE)
-        if self._backlog:
-            self._release_backlog("stopping")
+        self._release_all("stopping")
         try:
             self._consumer.commit_sync(_LAST_COMMIT_S)
         except confluent_kafka.KafkaException as problem:
@@ -414,6 +401,18 @@ class ShareSource:
         self._consumer = self._make_consumer(self._on_consumer_error, size)
         self._consumer.subscribe([self._topic])
         self._last_refetch = now
+
+    def _release_all(self, why: str) -> None:
+        """Every record of the batch at hand goes back to the group: the taken ones without an outcome (the
+        loop gives them up: their later answers and reports change nothing) and the backlog."""
+        if self._unsettled:
+            assert self._loop is not None
+            unfinished = list(self._unsettled)
+            self._loop.abandon(unfinished, why)
+            for work in unfinished:
+                self.acknowledge(work, Acknowledgement.RELEASE)
+        if self._backlog:
+            self._release_backlog(why)
 
     def _release_backlog(self, why: str) -> None:
         records = list(self._backlog)
