@@ -40,6 +40,7 @@ from typing import Any, cast
 import confluent_kafka
 
 from worker.kafka.clients import ClientFactory
+from worker.kafka.share_groups import ShareClientFactory
 
 Key = tuple[str, int]
 Headers = list[tuple[str, bytes | None]] | None
@@ -599,3 +600,76 @@ def as_client_factory(clients: MemoryClients) -> ClientFactory:
     the fake does not subclass; it answers the calls the pipeline makes as they do, which
     tests/kafka/test_kafka_contract.py checks against a real broker."""
     return cast(ClientFactory, clients)
+
+
+class ScriptedShareConsumer:
+    """The share consumer's calls the loop makes, scripted: `poll` hands out `batches` one by one,
+    `acknowledge` records each outcome, and a poll with records of the previous batch unacknowledged raises,
+    as librdkafka's does."""
+
+    def __init__(self, batches: list[list[Message]]) -> None:
+        self.batches = batches
+        self.outcomes: dict[int, confluent_kafka.AcknowledgeType] = {}
+        self._handed: list[Message] = []
+        self.polls_after_all = 0
+        self.closed = False
+
+    def subscribe(self, topics: list[str]) -> None:
+        pass
+
+    def poll(self, timeout: float) -> list[Message]:
+        unacknowledged = [m for m in self._handed if m.offset() not in self.outcomes]
+        if unacknowledged:
+            raise confluent_kafka.KafkaException(
+                confluent_kafka.KafkaError(confluent_kafka.KafkaError._STATE, "records not acknowledged")
+            )
+        if not self.batches:
+            self.polls_after_all += 1
+            time.sleep(min(timeout, 0.01))
+            return []
+        self._handed = self.batches.pop(0)
+        return self._handed
+
+    def acknowledge(self, message: Message, outcome: confluent_kafka.AcknowledgeType) -> None:
+        offset = message.offset()
+        assert offset is not None
+        self.outcomes[offset] = outcome
+
+    def commit_async(self) -> None:
+        pass
+
+    def commit_sync(self, timeout: float) -> dict[object, object]:
+        return {}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ShareMessage(Message):
+    """A share group's record: its delivery count (1: its first delivery)."""
+
+    def __init__(self, topic: str, partition: int, record: Record, deliveries: int = 1) -> None:
+        super().__init__(topic, partition, record)
+        self.deliveries = deliveries
+
+    def delivery_count(self) -> int:
+        return self.deliveries
+
+
+class _ShareClients:
+    def __init__(self, kafka: MemoryKafka, consumer: ScriptedShareConsumer) -> None:
+        self.kafka, self.consumer = kafka, consumer
+
+    def share_consumer(
+        self, on_error: Callable[[confluent_kafka.KafkaError], None], max_poll_records: int
+    ) -> ScriptedShareConsumer:
+        return self.consumer
+
+    def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryProducer:
+        return MemoryProducer(self.kafka, None, on_error)
+
+
+def share_clients(kafka: MemoryKafka, consumer: ScriptedShareConsumer) -> ShareClientFactory:
+    """The fakes where the loop takes a `ShareClientFactory`: they answer the calls it makes, without
+    subclassing confluent-kafka's classes (as memory_kafka.as_client_factory)."""
+    return cast("ShareClientFactory", _ShareClients(kafka, consumer))

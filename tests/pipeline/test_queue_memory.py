@@ -8,19 +8,25 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import confluent_kafka
 import msgspec
 from doubles import HoldingClassifier, InstantClassifier, instant_answer
-from memory_kafka import MemoryKafka, MemoryProducer, Message, Record
+from memory_kafka import (
+    MemoryKafka,
+    Message,
+    Record,
+    ScriptedShareConsumer,
+    ShareMessage,
+    share_clients,
+)
 
 from worker.app.doors import TriageParts, queue_pipeline
 from worker.classification import Classification, ClassifyRequest, FallbackLabel, fallback_answer
 from worker.config import Settings, load_settings
 from worker.decoding import RegistryUnavailable, decode_ticket
 from worker.dev.samples import SampleFactory
-from worker.kafka.share_groups import ShareClientFactory, ShareGroup
+from worker.kafka.share_groups import ShareGroup
 from worker.messages import TicketEvent, TriageResult
 from worker.pipeline.engine import Engine
 
@@ -30,79 +36,6 @@ REJECT = confluent_kafka.AcknowledgeType.REJECT
 # A 15 s lock (the broker's minimum) with a 2 s deadline and 5 s delivery timeout: a record may be taken
 # until 7 s into the lock, and what is unsettled is released at 14 s.
 LOCK = ShareGroup(lock_ms=15000, delivery_count_limit=5)
-
-
-class MemoryShareConsumer:
-    """The share consumer's calls the loop makes: `poll` hands out `batches` one by one, `acknowledge`
-    records each outcome, and a poll with records of the previous batch unacknowledged raises, as
-    librdkafka's does."""
-
-    def __init__(self, batches: list[list[Message]]) -> None:
-        self.batches = batches
-        self.outcomes: dict[int, confluent_kafka.AcknowledgeType] = {}
-        self._handed: list[Message] = []
-        self.polls_after_all = 0
-        self.closed = False
-
-    def subscribe(self, topics: list[str]) -> None:
-        pass
-
-    def poll(self, timeout: float) -> list[Message]:
-        unacknowledged = [m for m in self._handed if m.offset() not in self.outcomes]
-        if unacknowledged:
-            raise confluent_kafka.KafkaException(
-                confluent_kafka.KafkaError(confluent_kafka.KafkaError._STATE, "records not acknowledged")
-            )
-        if not self.batches:
-            self.polls_after_all += 1
-            time.sleep(min(timeout, 0.01))
-            return []
-        self._handed = self.batches.pop(0)
-        return self._handed
-
-    def acknowledge(self, message: Message, outcome: confluent_kafka.AcknowledgeType) -> None:
-        offset = message.offset()
-        assert offset is not None
-        self.outcomes[offset] = outcome
-
-    def commit_async(self) -> None:
-        pass
-
-    def commit_sync(self, timeout: float) -> dict[object, object]:
-        return {}
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class _Message(Message):
-    """A share group's record: its delivery count (1: its first delivery)."""
-
-    def __init__(self, topic: str, partition: int, record: Record, deliveries: int = 1) -> None:
-        super().__init__(topic, partition, record)
-        self.deliveries = deliveries
-
-    def delivery_count(self) -> int:
-        return self.deliveries
-
-
-class _Clients:
-    def __init__(self, kafka: MemoryKafka, consumer: MemoryShareConsumer) -> None:
-        self.kafka, self.consumer = kafka, consumer
-
-    def share_consumer(
-        self, on_error: Callable[[confluent_kafka.KafkaError], None], max_poll_records: int
-    ) -> MemoryShareConsumer:
-        return self.consumer
-
-    def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryProducer:
-        return MemoryProducer(self.kafka, None, on_error)
-
-
-def _clients(kafka: MemoryKafka, consumer: MemoryShareConsumer) -> ShareClientFactory:
-    """The fakes where the loop takes a `ShareClientFactory`: they answer the calls it makes, without
-    subclassing confluent-kafka's classes (as memory_kafka.as_client_factory)."""
-    return cast("ShareClientFactory", _Clients(kafka, consumer))
 
 
 class _DyingClassifier(InstantClassifier):
@@ -140,7 +73,7 @@ def _batch(kafka: MemoryKafka, subjects: list[str], deliveries: Sequence[int] = 
         record = Record(first + index, sample.key, json.dumps(ticket).encode(), [])
         kafka.logs["tickets.raw"][0].append(record)
         count = deliveries[index] if index < len(deliveries) else 1
-        batch.append(_Message("tickets.raw", 0, record, count))
+        batch.append(ShareMessage("tickets.raw", 0, record, count))
     return batch
 
 
@@ -167,9 +100,12 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 
 def test_a_written_record_is_accepted_and_one_whose_model_process_died_is_released() -> None:
     kafka = _kafka()
-    consumer = MemoryShareConsumer([_batch(kafka, ["ok", "die", "ok"]), _batch(kafka, [])])
+    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "die", "ok"]), _batch(kafka, [])])
     pipeline = queue_pipeline(
-        _settings(), TriageParts(_DyingClassifier(), FALLBACK, 4), LOCK, clients=_clients(kafka, consumer)
+        _settings(),
+        TriageParts(_DyingClassifier(), FALLBACK, 4),
+        LOCK,
+        clients=share_clients(kafka, consumer),
     )
     thread, codes = _run(pipeline)
     _wait(lambda: consumer.polls_after_all > 0)
@@ -185,12 +121,12 @@ def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_
     """Records a full in-flight bound left in the backlog are released once too late to take (7 s into the
     lock here); tickets still at the model are released 1 s before the lock ends, not left to expire."""
     kafka = _kafka()
-    consumer = MemoryShareConsumer([_batch(kafka, ["hold", "hold", "ok"])])
+    consumer = ScriptedShareConsumer([_batch(kafka, ["hold", "hold", "ok"])])
     now = [1000.0]
     classifier = HoldingClassifier()
     pipeline = queue_pipeline(
         _settings(**{"pipeline.max_in_flight": "2"}), TriageParts(classifier, FALLBACK, 4), LOCK,
-        clients=_clients(kafka, consumer), clock=lambda: now[0],
+        clients=share_clients(kafka, consumer), clock=lambda: now[0],
     )  # fmt: skip
     thread, codes = _run(pipeline)
     _wait(lambda: len(classifier.held) == 2)  # the bound: the third record waits in the backlog
@@ -209,10 +145,13 @@ def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_
 
 def test_shutdown_finishes_what_it_can_and_releases_the_rest() -> None:
     kafka = _kafka()
-    consumer = MemoryShareConsumer([_batch(kafka, ["ok", "hold"])])
+    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "hold"])])
     settings = _settings(**{"pipeline.shutdown_timeout_ms": "300"})
     pipeline = queue_pipeline(
-        settings, TriageParts(HoldingClassifier(), FALLBACK, 4), LOCK, clients=_clients(kafka, consumer)
+        settings,
+        TriageParts(HoldingClassifier(), FALLBACK, 4),
+        LOCK,
+        clients=share_clients(kafka, consumer),
     )
     thread, codes = _run(pipeline)
     _wait(lambda: consumer.outcomes == {0: ACCEPT})
@@ -229,10 +168,10 @@ def test_a_record_on_its_last_delivery_is_tried_first_and_its_model_death_dead_l
     death on an earlier delivery releases it for another try."""
     kafka = _kafka()
     subjects = ["first ok", "first die", "last die", "last ok"]
-    consumer = MemoryShareConsumer([_batch(kafka, subjects, deliveries=[1, 1, 5, 5])])
+    consumer = ScriptedShareConsumer([_batch(kafka, subjects, deliveries=[1, 1, 5, 5])])
     order = _OrderRecordingClassifier()
     pipeline = queue_pipeline(
-        _settings(), TriageParts(order, FALLBACK, 1), LOCK, clients=_clients(kafka, consumer)
+        _settings(), TriageParts(order, FALLBACK, 1), LOCK, clients=share_clients(kafka, consumer)
     )
     thread, codes = _run(pipeline)
     _wait(lambda: len(consumer.outcomes) == 4)
@@ -252,12 +191,12 @@ def test_a_last_delivery_the_lock_leaves_no_model_time_for_is_answered_overloade
     `overloaded` fallback (as group mode answers a ticket that waited past its deadline); the others are
     released untried."""
     kafka = _kafka()
-    consumer = MemoryShareConsumer([_batch(kafka, ["hold", "ok", "ok"], deliveries=[5, 5, 1])])
+    consumer = ScriptedShareConsumer([_batch(kafka, ["hold", "ok", "ok"], deliveries=[5, 5, 1])])
     now = [1000.0]
     classifier = HoldingClassifier()
     pipeline = queue_pipeline(
         _settings(**{"pipeline.max_in_flight": "1"}), TriageParts(classifier, FALLBACK, 4), LOCK,
-        clients=_clients(kafka, consumer), clock=lambda: now[0],
+        clients=share_clients(kafka, consumer), clock=lambda: now[0],
     )  # fmt: skip
     thread, codes = _run(pipeline)
     _wait(lambda: len(classifier.held) == 1)  # the bound: the other two wait in the backlog
@@ -280,12 +219,12 @@ def test_a_registry_that_cannot_answer_holds_the_batch_and_probes_it_instead_of_
     the registry is probed with one of them on a backoff, readiness hears of it, no new batch is polled; once
     it answers, every record is triaged on its first delivery."""
     kafka = _kafka()
-    consumer = MemoryShareConsumer([_batch(kafka, ["ok", "ok", "ok"]), _batch(kafka, [])])
+    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "ok", "ok"]), _batch(kafka, [])])
     decoder = _FlakyRegistry()
     now = [1000.0]
     pipeline = queue_pipeline(
         _settings(), TriageParts(InstantClassifier(), FALLBACK, 4, decoder=decoder),
-        ShareGroup(lock_ms=30000, delivery_count_limit=5), clients=_clients(kafka, consumer),
+        ShareGroup(lock_ms=30000, delivery_count_limit=5), clients=share_clients(kafka, consumer),
         clock=lambda: now[0],
     )  # fmt: skip
     thread, codes = _run(pipeline)
