@@ -11,11 +11,15 @@ test-brokers` (tools/broker_matrix.py) runs the accounting tests so against each
 Queue mode's tests need share groups (Kafka >= 4.2): `share_group_bootstrap` is
 `KAFKA_SHARE_BOOTSTRAP_SERVERS` when set, else the session's local broker when its release has them (the
 default, 4.4.0, does), else a second local broker, Kafka 4.4.0, started once for the session.
+
+Tests that name a Schema Registry share one: `schema_registry`, a local in-memory Apicurio Registry started
+once for the session (each test registers its own subjects, so the tests do not see each other's schemas).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import tomllib
 import uuid
@@ -31,6 +35,7 @@ from testcontainers.core.wait_strategies import LogMessageWaitStrategy
 
 from tools.harness import wait_until_served
 from worker.dev import local_broker
+from worker.dev.local_registry import LocalRegistry
 from worker.kafka.admin import TopicSpec, create_topics
 
 
@@ -255,3 +260,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _SOURCE.description:
         terminalreporter.write_sep("-", "kafka")
         terminalreporter.write_line(_SOURCE.description)
+
+
+@pytest.fixture(scope="session")
+def schema_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
+    """One local Schema Registry (in-memory Apicurio, its Confluent-compatible API) for the session: a
+    registry JVM starts in tens of seconds, so the suites share it rather than start one each."""
+    if shutil.which("java") is None or shutil.which("mvn") is None:
+        pytest.skip("the local Schema Registry needs java and mvn")
+    started = LocalRegistry(Path(tmp_path_factory.mktemp("registry")), port=local_broker.free_port())
+    started.start(echo=lambda _line: None)
+    try:
+        yield started
+    finally:
+        started.stop()

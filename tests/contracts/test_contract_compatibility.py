@@ -9,10 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import json
-import shutil
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,7 +23,6 @@ import fastavro
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
 from worker.contracts.avro_schema import avro_schema
-from worker.dev import local_broker
 from worker.dev.local_registry import LocalRegistry
 from worker.messages import SourcePosition, TriageResult
 
@@ -72,15 +68,8 @@ def test_a_triage_record_round_trips_through_its_generated_avro_schema() -> None
 
 
 @pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SchemaRegistryClient]:
-    if shutil.which("java") is None or shutil.which("mvn") is None:
-        pytest.skip("the local Schema Registry needs java and mvn")
-    started = LocalRegistry(Path(tmp_path_factory.mktemp("registry")), port=local_broker.free_port())
-    started.start(echo=lambda _line: None)
-    try:
-        yield SchemaRegistryClient({"url": started.url})
-    finally:
-        started.stop()
+def registry(schema_registry: LocalRegistry) -> SchemaRegistryClient:
+    return SchemaRegistryClient({"url": schema_registry.url})
 
 
 def _backward_compatible(client: SchemaRegistryClient, candidate: dict[str, Any]) -> bool:

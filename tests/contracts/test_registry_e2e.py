@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,7 +26,6 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from worker.contracts.input import TicketDecoder
 from worker.decoding import DecodeError
-from worker.dev import local_broker
 from worker.dev.local_registry import LocalRegistry
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -51,16 +49,6 @@ HELPDESK_AVRO = json.dumps(
     }
 )
 MAPPING = {"ticket_id": "id", "body": "description", "customer_id": "requester.email"}
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
-    started = LocalRegistry(Path(tmp_path_factory.mktemp("registry")), port=local_broker.free_port())
-    started.start(echo=lambda _line: None)
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 def _roundtrip(kafka_config: dict[str, str], topic: str, values: list[bytes]) -> list[bytes]:
@@ -87,10 +75,10 @@ def _roundtrip(kafka_config: dict[str, str], topic: str, values: list[bytes]) ->
 
 
 def test_avro_tickets_through_the_real_registry_and_broker_decode_with_a_mapping(
-    registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
+    schema_registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
 ) -> None:
     topic = unique_topic("avro-tickets", partitions=1)
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     serialize = AvroSerializer(client, HELPDESK_AVRO)
     ctx = SerializationContext(topic, MessageField.VALUE)
     records: list[dict[str, Any]] = [
@@ -109,10 +97,10 @@ def test_avro_tickets_through_the_real_registry_and_broker_decode_with_a_mapping
 
 
 def test_bad_registry_input_gets_its_reason_from_the_real_registry(
-    registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
+    schema_registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
 ) -> None:
     topic = unique_topic("bad-tickets", partitions=1)
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     schema = json.dumps(
         {
             "type": "object",
@@ -161,10 +149,10 @@ def _helpdesk_proto_class() -> Any:
 
 
 def test_protobuf_tickets_through_the_real_registry_and_broker_decode_with_a_mapping(
-    registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
+    schema_registry: LocalRegistry, kafka_config: dict[str, str], unique_topic: Callable[..., str]
 ) -> None:
     topic = unique_topic("protobuf-tickets", partitions=1)
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     helpdesk_ticket = _helpdesk_proto_class()
     serialize = ProtobufSerializer(helpdesk_ticket, client, {"use.deprecated.format": False})
     ctx = SerializationContext(topic, MessageField.VALUE)

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,16 +94,6 @@ HELPDESK_JSON = {
     },
     "required": ["id"],
 }
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
-    started = LocalRegistry(Path(tmp_path_factory.mktemp("registry")), port=local_broker.free_port())
-    started.start(echo=lambda _line: None)
-    try:
-        yield started
-    finally:
-        started.stop()
 
 
 def _running(settings: Settings, result_encoder: ResultEncoder | None = None) -> Running:
@@ -189,10 +179,10 @@ def _without_body_reason(input_format: str) -> str:
 
 @pytest.mark.parametrize("input_format", ["avro", "json_schema", "protobuf"])
 def test_registry_tickets_with_a_mapped_layout_get_one_result_each_and_bad_records_their_reason(
-    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], input_format: str
+    schema_registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], input_format: str
 ) -> None:
     topics = make_topics(unique_topic)
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     ticket, missing_body = _serializers(input_format, client)
     count = 9
     good = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
@@ -205,7 +195,7 @@ def test_registry_tickets_with_a_mapped_layout_get_one_result_each_and_bad_recor
     ]
     _produce(kafka_bootstrap, topics.input, good[:4] + bad + good[4:])
     extra = {"input.protobuf_message": "helpdesk_proto:HelpdeskTicket"} if input_format == "protobuf" else {}
-    worker = _running(_settings(kafka_bootstrap, topics, input_format, registry.url, **extra))
+    worker = _running(_settings(kafka_bootstrap, topics, input_format, schema_registry.url, **extra))
     try:
         wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
     finally:
@@ -286,21 +276,21 @@ class _AnsweringBroker:
 
 @pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
 def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_nothing(
-    registry: LocalRegistry,
+    schema_registry: LocalRegistry,
     kafka_bootstrap: str,
     unique_topic: Callable[..., str],
     guarantee: str,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     topics = make_topics(unique_topic)
-    producer_side: Any = SchemaRegistryClient({"url": registry.url})
+    producer_side: Any = SchemaRegistryClient({"url": schema_registry.url})
     ticket, _ = _serializers("avro", producer_side)
     count = 12
     _produce(
         kafka_bootstrap, topics.input, [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
     )
 
-    link = _Link(registry.port)  # cut from the start: the worker has never seen the schema
+    link = _Link(schema_registry.port)  # cut from the start: the worker has never seen the schema
     worker = _running(
         _settings(kafka_bootstrap, topics, "avro", link.url, **{"pipeline.guarantee": guarantee})
     )
@@ -343,7 +333,7 @@ def test_a_registry_outage_holds_records_back_until_it_answers_and_dead_letters_
 
 
 def test_queue_mode_holds_a_batch_through_a_registry_outage_longer_than_its_lock_and_loses_no_delivery(
-    registry: LocalRegistry, share_group_bootstrap: str, share_topic: Callable[..., str]
+    schema_registry: LocalRegistry, share_group_bootstrap: str, share_topic: Callable[..., str]
 ) -> None:
     """Issue #43 item 3, on a real share group: the registry away for 35 s, longer than the batch's 30 s
     lock. The worker holds the batch and probes the registry instead of releasing each record at once (which
@@ -351,12 +341,12 @@ def test_queue_mode_holds_a_batch_through_a_registry_outage_longer_than_its_lock
     is about to end the batch goes back to the group a single time, and no batch is polled again until the
     registry answers. Every ticket is then triaged once, and nothing is dead-lettered."""
     topics = Topics(share_topic("raw", 1), share_topic("triaged", 1), share_topic("dlq", 1))
-    producer_side: Any = SchemaRegistryClient({"url": registry.url})
+    producer_side: Any = SchemaRegistryClient({"url": schema_registry.url})
     ticket, _ = _serializers("avro", producer_side)
     count = 12
     records = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
     _produce(share_group_bootstrap, topics.input, records)
-    link = _Link(registry.port)  # cut from the start: the worker has never seen the schema
+    link = _Link(schema_registry.port)  # cut from the start: the worker has never seen the schema
     settings = _settings(share_group_bootstrap, topics, "avro", link.url, **{"pipeline.consume": "queue"})
     group = prepare_share_group(settings)
     settings = queue_settings(settings, group)
@@ -484,7 +474,7 @@ class _GateHandler(http.server.BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("refusal", list(REFUSALS))
 def test_a_registry_refusing_our_credentials_or_answering_garbage_holds_records_until_it_answers(
-    registry: LocalRegistry,
+    schema_registry: LocalRegistry,
     kafka_bootstrap: str,
     unique_topic: Callable[..., str],
     capfd: pytest.CaptureFixture[str],
@@ -496,12 +486,12 @@ def test_a_registry_refusing_our_credentials_or_answering_garbage_holds_records_
     credentials, which the gate echoes back in its refusals, are in no log line."""
     status, cause, reason = REFUSALS[refusal]
     topics = make_topics(unique_topic)
-    ticket, _ = _serializers("avro", SchemaRegistryClient({"url": registry.url}))
+    ticket, _ = _serializers("avro", SchemaRegistryClient({"url": schema_registry.url}))
     count = 9
     _produce(
         kafka_bootstrap, topics.input, [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
     )
-    gate = _Gate(registry.port, status)
+    gate = _Gate(schema_registry.port, status)
     secret = "rotated-registry-password"
     credentials = {"schema_registry.basic_auth_user_info": f"triage:{secret}"}
     worker = _running(_settings(kafka_bootstrap, topics, "avro", gate.url, **credentials))
@@ -540,15 +530,15 @@ def test_a_registry_refusing_our_credentials_or_answering_garbage_holds_records_
 
 
 def test_a_registry_cut_mid_stream_holds_back_only_what_needs_it_and_loses_nothing(
-    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+    schema_registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
 ) -> None:
     """The worker has the producer's first schema cached; the registry goes away; the producer moves to a
     new schema version (a new id the worker must fetch). Records of the new version wait, nothing is
     dead-lettered, and once the registry is back every ticket has exactly one triage record."""
     topics = make_topics(unique_topic)
-    producer_side: Any = SchemaRegistryClient({"url": registry.url})
+    producer_side: Any = SchemaRegistryClient({"url": schema_registry.url})
     first, _ = _serializers("avro", producer_side)
-    link = _Link(registry.port)
+    link = _Link(schema_registry.port)
     link.restore()
     worker = _running(_settings(kafka_bootstrap, topics, "avro", link.url))
     try:
@@ -597,7 +587,7 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 90.0) -> None:
 
 
 def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clients_deserializer(
-    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+    schema_registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
 ) -> None:
     topics = make_topics(unique_topic)
     count = 9
@@ -612,7 +602,7 @@ def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clien
         **{
             "pipeline.group_id": f"registry-pipeline-{uuid.uuid4().hex[:8]}",
             "output.format": "avro",
-            "schema_registry.url": registry.url,
+            "schema_registry.url": schema_registry.url,
         },
     )
     worker = _running(settings, result_encoder=result_encoder_for(settings))
@@ -621,7 +611,7 @@ def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clien
     finally:
         assert worker.stop() == 0
 
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     assert f"{topics.output}-value" in client.get_subjects()
     deserialize = AvroDeserializer(client)
     ctx = SerializationContext(topics.output, MessageField.VALUE)
@@ -633,12 +623,12 @@ def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clien
 
 
 def test_triage_worker_run_reads_and_writes_avro_through_the_registry_and_never_logs_its_credentials(
-    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+    schema_registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
 ) -> None:
     """The command itself (`triage-worker run`, the test model), configured only by settings: the decoder
     and the result encoder are the ones `run` builds."""
     topics = make_topics(unique_topic, partitions=1)  # run_to_completion waits for a commit on each
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     ticket, _ = _serializers("avro", client)
     count = 6
     records = [(ticket(_helpdesk(n), topics.input), "ticket") for n in range(count)]
@@ -651,7 +641,7 @@ def test_triage_worker_run_reads_and_writes_avro_through_the_registry_and_never_
         tmp_path,
         settings={"input.format": "avro", "output.format": "avro", **MAPPING},
         env={
-            "TRIAGE_SCHEMA_REGISTRY__URL": registry.url,
+            "TRIAGE_SCHEMA_REGISTRY__URL": schema_registry.url,
             # The local registry asks for no authentication and ignores it: here to show it is never logged.
             "TRIAGE_SCHEMA_REGISTRY__BASIC_AUTH_USER_INFO": f"triage:{secret}",
         },

@@ -16,7 +16,6 @@ import contextlib
 import json
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import confluent_kafka
@@ -29,7 +28,6 @@ from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import start_review
 from worker.classification import FallbackLabel
 from worker.contracts.input import decoder_for
-from worker.dev import local_broker
 from worker.dev.local_registry import LocalRegistry
 from worker.kafka.clients import ClientErrorLog, create_producer, record_headers
 from worker.kafka.dead_letters import ERROR_TYPE, OMITTED_BYTES, REDACTED
@@ -188,25 +186,15 @@ HELPDESK_JSON = {
 }
 
 
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
-    started = LocalRegistry(Path(tmp_path_factory.mktemp("registry")), port=local_broker.free_port())
-    started.start(echo=lambda _line: None)
-    try:
-        yield started
-    finally:
-        started.stop()
-
-
 def test_a_redacted_json_schema_dead_letter_still_decodes_with_its_schema(
-    registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
+    schema_registry: LocalRegistry, kafka_bootstrap: str, unique_topic: Callable[..., str]
 ) -> None:
     from confluent_kafka.schema_registry import SchemaRegistryClient
     from confluent_kafka.schema_registry.json_schema import JSONSerializer
     from confluent_kafka.serialization import MessageField, SerializationContext
 
     topics = make_topics(unique_topic, partitions=1)
-    client: Any = SchemaRegistryClient({"url": registry.url})
+    client: Any = SchemaRegistryClient({"url": schema_registry.url})
     serialize = JSONSerializer(json.dumps(HELPDESK_JSON), client)
     registered = serialize({"id": "X", "text": "x"}, SerializationContext(topics.input, MessageField.VALUE))
     framing = bytes(registered or b"")[:5]  # the schema id the registry gave
@@ -222,7 +210,7 @@ def test_a_redacted_json_schema_dead_letter_still_decodes_with_its_schema(
         **{
             "pipeline.group_id": f"privacy-registry-{uuid.uuid4().hex[:8]}",
             "input.format": "json_schema",
-            "schema_registry.url": registry.url,
+            "schema_registry.url": schema_registry.url,
             "dead_letter.redact": "true",
             **wrong,
         },
