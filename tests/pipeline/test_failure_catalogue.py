@@ -280,6 +280,9 @@ class GroupDoor(Door):
         self.kafka.revoke(consumer, [(INPUT, 0)])
         threading.Timer(0.2, classifier.release).start()  # its answer comes while the revoke waits
         wait_until(lambda: (INPUT, 0) not in consumer.assigned, "the revoke")
+        # Committed before the partition went: its next owner starts after them.
+        left = [i for i, (p, _) in enumerate(self.positions) if p == 0 and not self._committed(i)]
+        assert left == [], f"inputs {left} not committed before partition 0 went"
         assert self.engine.metrics.discarded_after_revoke == 0
 
 

@@ -1,6 +1,7 @@
-"""Queue mode's loop against an in-memory share consumer: how each record of a batch is acknowledged when
-its record is written, when its model process dies, when the lock runs out and at shutdown; and that every
-record of a batch is acknowledged before the next poll (the share consumer raises otherwise)."""
+"""Queue mode's loop against an in-memory share consumer, beyond the failure catalogue
+(test_failure_catalogue.py, which settles each record of a batch through every failure): which records go to
+the model first, what the lock's budget leaves untried, the registry's probes; and that every record of a
+batch is acknowledged before the next poll (the share consumer raises otherwise)."""
 
 from __future__ import annotations
 
@@ -85,25 +86,6 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_written_record_is_accepted_and_one_whose_model_process_died_is_released() -> None:
-    kafka = _kafka()
-    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "die", "ok"]), _batch(kafka, [])])
-    pipeline = queue_pipeline(
-        _settings(),
-        TriageParts(DyingClassifier(), FALLBACK, 4),
-        LOCK,
-        clients=share_clients(kafka, consumer),
-    )
-    thread, codes = _run(pipeline)
-    _wait(lambda: consumer.polls_after_all > 0)
-    pipeline.request_stop()
-    thread.join(20)
-    assert codes == [0]
-    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE, 2: ACCEPT}
-    assert len(kafka.logs["tickets.triaged"][0]) == 2  # the released ticket has no record
-    assert pipeline.metrics.queue is not None and pipeline.metrics.queue.released == 1
-
-
 def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_after() -> None:
     """Records a full in-flight bound left in the backlog are released once too late to take (7 s into the
     lock here); tickets still at the model are released 1 s before the lock ends, not left to expire."""
@@ -128,25 +110,6 @@ def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_
     assert consumer.outcomes == {0: RELEASE, 1: RELEASE, 2: RELEASE}
     classifier.release()  # a late answer for a released ticket writes nothing
     assert kafka.logs["tickets.triaged"][0] == []
-
-
-def test_shutdown_finishes_what_it_can_and_releases_the_rest() -> None:
-    kafka = _kafka()
-    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "hold"])])
-    settings = _settings(**{"pipeline.shutdown_timeout_ms": "300"})
-    pipeline = queue_pipeline(
-        settings,
-        TriageParts(HoldingClassifier(), FALLBACK, 4),
-        LOCK,
-        clients=share_clients(kafka, consumer),
-    )
-    thread, codes = _run(pipeline)
-    _wait(lambda: consumer.outcomes == {0: ACCEPT})
-    pipeline.request_stop()
-    thread.join(20)
-    assert codes == [0]
-    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE}
-    assert consumer.closed
 
 
 def test_a_record_on_its_last_delivery_is_tried_first_and_its_model_death_dead_letters_it() -> None:
