@@ -2,12 +2,14 @@
 
 A door is a source and a settlement as the app assembles them: group mode at least once and exactly once
 (`doors.group_pipeline` over `memory_kafka.MemoryKafka`), queue mode (`doors.queue_pipeline` over a
-`ScriptedShareConsumer`), the replay of a dead-letter topic (`replay.replay_pipeline`) and the lines of
-`classify` / `model eval` (`offline.lines_pipeline`). Each failure of the catalogue is one scenario, driven
-the same way on every door it can happen on; each door says how it settles each input, and every cell checks
-the promise every door keeps: **each input ends as exactly one triage record or one dead letter, or, where the
-door's promise says so, is left unsettled for another try — nothing lost, nothing written twice — and the
-loop goes on after the failure** (every scenario but shutdown ends with an input taken after the failure).
+`ScriptedShareConsumer`), the replay of a dead-letter topic (`replay.replay_pipeline`, under both
+guarantees) and the lines of `classify` / `model eval` (`offline.lines_pipeline`). Each failure of the
+catalogue is one scenario, driven the same way on every door it can happen on; each door says how it settles
+each input, and every cell checks the promise every door keeps: **each input ends as exactly one triage
+record or one dead letter, or, where the door's promise says so, is left unsettled for another try — nothing
+lost, nothing written twice — and the loop goes on after the failure**: every scenario but shutdown ends with
+an input after the failure, settled unless the door's promise stops its partition at the failure, and the
+run ends with exit code 0.
 
 `CATALOGUE` is the table: one row per failure, one cell per door, each cell the outcome of each input in
 order, one code per input:
@@ -469,13 +471,13 @@ class _StoppableTransform:
 
 
 class ReplayDoor(Door):
-    """`replay` of the dead-letter topic, at least once: each input is a dead letter of it (a poison one has
-    no `triage.*` headers); settled = committed past, with a final report; `T`: republished once to its
+    """`replay` of the dead-letter topic under `guarantee`: each input is a dead letter of it (a poison one
+    has no `triage.*` headers); settled = committed past, with a final report; `T`: republished once to its
     source topic and reported `replayed`; `D`: reported as not republished, nothing written."""
 
-    name = "replay"
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, guarantee: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.name = f"replay {guarantee}"
+        self.guarantee = guarantee
         self.kafka = MemoryKafka()
         self.kafka.create_topic(INPUT, 1)
         self.kafka.create_topic(DEAD, 1)
@@ -485,7 +487,7 @@ class ReplayDoor(Door):
         kafka = self.kafka
 
         def clients(settings: Settings, group: str) -> Any:
-            return kafka.clients(group)
+            return kafka.clients(group, "replay-tid" if guarantee == "exactly_once" else None)
 
         monkeypatch.setattr(replay_door, "_ReplayClients", clients)
 
@@ -522,7 +524,12 @@ class ReplayDoor(Door):
                 reports[report.offset] = report
 
         self.engine = replay_door.replay_pipeline(
-            _settings(dict(settings or {})), options, consumer, summary, Observer(), Failure()
+            _settings({"pipeline.guarantee": self.guarantee, **(settings or {})}),
+            options,
+            consumer,
+            summary,
+            Observer(),
+            Failure(),
         )
         self.running = Running(self.engine)
 
@@ -534,7 +541,7 @@ class ReplayDoor(Door):
         return self._stop_running()
 
     def seen(self) -> list[Seen]:
-        written = [record.value for record in self.kafka.logs[INPUT][0]]
+        written = [record.value for _, record in self.kafka.read_committed(INPUT)]
         found = []
         for index, value in enumerate(self.values):
             report = self.reports.get(index)
@@ -593,6 +600,17 @@ def refused_as_too_large(door: Door) -> None:
     _refusing(door.kafka, "T-1", confluent_kafka.KafkaError.MSG_SIZE_TOO_LARGE)
     door.start([OK, OK, OK], HoldingClassifier())
     wait_until(lambda: door.engine.metrics.produced >= 2, "the outputs")
+
+
+def dead_letter_too_large(door: Door) -> None:
+    """A poison record too large for the dead-letter topic (its dead letter carries it whole)."""
+    assert isinstance(door, GroupDoor | QueueDoor)
+    door.kafka.message_max_bytes = 2000
+    door.start([OK, Input(raw=b"{" + b"x" * 3000), OK], HoldingClassifier())
+    wait_until(lambda: bool(door.kafka.read_committed(DEAD)), "the dead letter")
+    ((_, letter),) = door.kafka.read_committed(DEAD)
+    assert letter.value is None, "the dead letter was not written smaller"
+    assert dict(letter.headers or [])[dead_letters.OMITTED_BYTES] is not None
 
 
 def delivery_failed(door: Door) -> None:
@@ -656,13 +674,17 @@ class Skip:
 
 NO_REGISTRY_OFFLINE = Skip("offline input is plain JSON: no Schema Registry is asked")
 NO_REGISTRY_REPLAY = Skip("a dead letter's triage.* headers need no Schema Registry")
+NO_DEAD_LETTERS = Skip("a replay writes no dead letter: a refused record is reported (the rows above)")
 NO_PRODUCER = Skip("a file door writes to its output stream: no broker can refuse a record")
 NO_MODEL = Skip("a replay republishes: no model, no dispatch queue")
 PACED = Skip("a line is read only when the model has room for it: it never waits in the dispatch queue")
 NO_GROUP = Skip("no group membership, no lock: partitions assigned (replay) or lines read once")
 
 Scenario = Callable[[Door], None]
-DOORS = ("group at_least_once", "group exactly_once", "queue", "replay", "lines")
+DOORS = (
+    "group at_least_once", "group exactly_once", "queue", "replay at_least_once", "replay exactly_once",
+    "lines",
+)  # fmt: skip
 
 # failure → (its scenario, {door: each input's outcome | why it cannot happen there})
 CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
@@ -670,14 +692,16 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "group at_least_once": "T D D T",
         "group exactly_once": "T D D T",
         "queue": "T D D T",
-        "replay": "T D D T",  # D: reported `unreadable`, committed past
+        "replay at_least_once": "T D D T",  # D: reported `unreadable`, committed past
+        "replay exactly_once": "T D D T",  # D: reported `unreadable`, committed past
         "lines": "T D D T",  # D: the line's skip reported
     }),
     "registry outage": (registry_outage, {
         "group at_least_once": "T T",
         "group exactly_once": "T T",
         "queue": "T T",
-        "replay": NO_REGISTRY_REPLAY,
+        "replay at_least_once": NO_REGISTRY_REPLAY,
+        "replay exactly_once": NO_REGISTRY_REPLAY,
         "lines": NO_REGISTRY_OFFLINE,
     }),
     "producer refusal: too large": (refused_as_too_large, {
@@ -687,42 +711,60 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "queue": "T D T",
         # Reported `publish_failed` (a replay writes no dead letter) and its partition stopped at it, as at
         # least once: the next run tries it again, and republishes the one after it again (W).
-        "replay": "T L W",
+        "replay at_least_once": "T L W",
+        # Refused every time, with no dead-letter topic to turn to: its partition stops at its last commit,
+        # before the whole transaction (the next run reads them again).
+        "replay exactly_once": "L L L",
+        "lines": NO_PRODUCER,
+    }),
+    "producer refusal: dead letter too large": (dead_letter_too_large, {
+        # D: written smaller, with its triage.* headers only (they point at the original)
+        "group at_least_once": "T D T",
+        "group exactly_once": "T D T",
+        "queue": "T D T",
+        "replay at_least_once": NO_DEAD_LETTERS,
+        "replay exactly_once": NO_DEAD_LETTERS,
         "lines": NO_PRODUCER,
     }),
     "producer refusal: delivery failed": (delivery_failed, {
         "group at_least_once": "T L T",  # its partition stops at it: redelivered after a restart
         "group exactly_once": "T T T",  # the transaction is aborted and redone
         "queue": "T L T",  # released for another try
-        "replay": "T L W",  # as a refusal: stopped at it
+        "replay at_least_once": "T L W",  # as a refusal: stopped at it
+        # Aborted and redone; in the redo it fails as it did (no second try in one run), stopped at it.
+        "replay exactly_once": "T L L",
         "lines": NO_PRODUCER,
     }),
     "model process death": (model_death, {
         "group at_least_once": "T T:model_error T:model_error T",
         "group exactly_once": "T T:model_error T:model_error T",
         "queue": "T L D T",  # released for another try; on its last delivery dead-lettered with why
-        "replay": NO_MODEL,
+        "replay at_least_once": NO_MODEL,
+        "replay exactly_once": NO_MODEL,
         "lines": "T T:model_error T:model_error T",
     }),
     "deadline expires in the dispatch queue": (deadline_in_queue, {
         "group at_least_once": "T T:overloaded T",
         "group exactly_once": "T T:overloaded T",
         "queue": "T T:overloaded T",
-        "replay": NO_MODEL,
+        "replay at_least_once": NO_MODEL,
+        "replay exactly_once": NO_MODEL,
         "lines": PACED,
     }),
     "rebalance / lock expiry mid-batch": (interrupted_mid_batch, {
         "group at_least_once": "T T T T",  # the revoke waits for partition 0's tickets and commits them
         "group exactly_once": "T T T T",
         "queue": "T L L T",  # released at the lock's end
-        "replay": NO_GROUP,
+        "replay at_least_once": NO_GROUP,
+        "replay exactly_once": NO_GROUP,
         "lines": NO_GROUP,
     }),
     "shutdown mid-batch": (shutdown_mid_batch, {
         "group at_least_once": "T L",  # uncommitted: the next owner takes it
         "group exactly_once": "T L",
         "queue": "T L",  # released
-        "replay": "T L",  # the position stays before it for the next run
+        "replay at_least_once": "T L",  # the position stays before it for the next run
+        "replay exactly_once": "T L",  # the position stays before it for the next run
         "lines": "T L",  # no line: the run ended before its answer
     }),
 }  # fmt: skip
@@ -733,8 +775,8 @@ def _door(name: str, monkeypatch: pytest.MonkeyPatch) -> Door:
         return GroupDoor(name.removeprefix("group "))
     if name == "queue":
         return QueueDoor()
-    if name == "replay":
-        return ReplayDoor(monkeypatch)
+    if name.startswith("replay "):
+        return ReplayDoor(name.removeprefix("replay "), monkeypatch)
     return LinesDoor()
 
 
