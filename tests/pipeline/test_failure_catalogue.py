@@ -27,6 +27,7 @@ A cell that is a `Skip` cannot happen on its door, and says why.
 from __future__ import annotations
 
 import contextlib
+import io
 import queue
 import threading
 import time
@@ -61,7 +62,7 @@ from worker.kafka.share_groups import ShareGroup
 from worker.messages import TriageResult
 from worker.pipeline.engine import Engine
 from worker.pipeline.failure import Failure
-from worker.pipeline.sources.lines import Line, LineReader
+from worker.pipeline.sources.lines import Line, LineReader, stream_lines
 from worker.pipeline.work import Output, Work
 from worker.replay.outcomes import PartitionPlan, RecordReport, ReplayOutcome, ReplaySummary
 from worker.replay.selection import ReplayOptions
@@ -372,6 +373,7 @@ class LinesDoor(Door):
         self.count = 0
         self.outputs: dict[int, list[Output]] = {}
         self.order: list[int] = []
+        self.limit = 0
 
     def _lines(self) -> Iterator[Line]:
         while (line := self.lines.get()) is not None:
@@ -387,8 +389,9 @@ class LinesDoor(Door):
         settings: Mapping[str, object] | None = None,
     ) -> None:
         assert decoder is None, "offline input is plain JSON"
-        self.add(inputs)
         config = _settings(dict(settings or {}))
+        self.limit = config.pipeline.max_value_bytes
+        self.add(inputs)
         offline = Offline(cast(ClassifierPool, classifier), None, FALLBACK)
         self.reader = LineReader(self._lines(), "catalogue.jsonl")
 
@@ -400,8 +403,10 @@ class LinesDoor(Door):
         self.running = Running(self.engine)
 
     def add(self, inputs: Sequence[Input]) -> None:
+        """Each input a line of the stream, read as `classify --input` reads a file (`stream_lines`)."""
         for each in inputs:
-            self.lines.put((self.count, each.value(self.count), None))
+            ((_, line, unread),) = stream_lines(io.BytesIO(each.value(self.count) + b"\n"), self.limit)
+            self.lines.put((self.count, line, unread))
             self.count += 1
 
     def settled(self, index: int) -> bool:
@@ -560,10 +565,13 @@ class ReplayDoor(Door):
 
 
 def poison(door: Door) -> None:
-    """Undecodable bytes and a ticket that fails validation, between good tickets."""
-    inputs = [OK, Input(raw=b"\xff\xfe{not json"), Input(raw=b'{"body": "no ticket id"}'), OK]
-    door.start(inputs, HoldingClassifier())
-    door.wait_settled(0, 1, 2, 3)
+    """Undecodable bytes, a ticket that fails validation and one over `pipeline.max_value_bytes`, between
+    good tickets."""
+    oversized = msgspec.json.encode({"ticket_id": "big", "body": "x" * 5000})
+    undecodable, invalid = Input(raw=b"\xff\xfe{not json"), Input(raw=b'{"body": "no ticket id"}')
+    inputs = [OK, undecodable, invalid, Input(raw=oversized), OK]
+    door.start(inputs, HoldingClassifier(), settings={"pipeline.max_value_bytes": 4096})
+    door.wait_settled(0, 1, 2, 3, 4)
 
 
 def registry_outage(door: Door) -> None:
@@ -653,6 +661,24 @@ def interrupted_mid_batch(door: Door) -> None:
     door.wait_settled(3)
 
 
+def partition_lost(door: Door) -> None:
+    """Partition 0 is lost (the group went on without this worker) while a ticket of it is at the model:
+    nothing of it may be committed any more, and the held ticket's late answer is not written (the
+    partition's next owner writes it); partition 1 goes on."""
+    assert isinstance(door, GroupDoor)
+    classifier = HoldingClassifier()
+    door.start([HOLD, OK, Input(partition=1)], classifier)
+    # Exactly once holds the answer after it back until the held one is written (in order).
+    written = 2 if door.guarantee == "at_least_once" else 1
+    wait_until(lambda: len(classifier.held) == 1 and door.engine.metrics.produced == written, "the outputs")
+    consumer = door.kafka.members[0]
+    door.kafka.lose(consumer, [(INPUT, 0)])
+    wait_until(lambda: (INPUT, 0) not in consumer.assigned, "the loss")
+    classifier.release()
+    door.add([Input(partition=1)])
+    door.wait_settled(2, 3)
+
+
 def shutdown_mid_batch(door: Door) -> None:
     """Shutdown while a ticket is at the model (a dead letter in the transform, for a replay): what is
     done is settled, the rest is left for the next run within `pipeline.shutdown_timeout_ms`."""
@@ -678,6 +704,7 @@ NO_DEAD_LETTERS = Skip("a replay writes no dead letter: a refused record is repo
 NO_PRODUCER = Skip("a file door writes to its output stream: no broker can refuse a record")
 NO_MODEL = Skip("a replay republishes: no model, no dispatch queue")
 PACED = Skip("a line is read only when the model has room for it: it never waits in the dispatch queue")
+NO_PARTITIONS = Skip("a share group hands out records, not partitions: its records' locks end instead")
 NO_GROUP = Skip("no group membership, no lock: partitions assigned (replay) or lines read once")
 
 Scenario = Callable[[Door], None]
@@ -689,12 +716,12 @@ DOORS = (
 # failure → (its scenario, {door: each input's outcome | why it cannot happen there})
 CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
     "poison record": (poison, {
-        "group at_least_once": "T D D T",
-        "group exactly_once": "T D D T",
-        "queue": "T D D T",
-        "replay at_least_once": "T D D T",  # D: reported `unreadable`, committed past
-        "replay exactly_once": "T D D T",  # D: reported `unreadable`, committed past
-        "lines": "T D D T",  # D: the line's skip reported
+        "group at_least_once": "T D D D T",
+        "group exactly_once": "T D D D T",
+        "queue": "T D D D T",
+        "replay at_least_once": "T D D D T",  # D: without triage.* headers, reported `unreadable`
+        "replay exactly_once": "T D D D T",
+        "lines": "T D D D T",  # D: the line's skip reported (the long one never held whole)
     }),
     "registry outage": (registry_outage, {
         "group at_least_once": "T T",
@@ -755,6 +782,14 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "group at_least_once": "T T T T",  # the revoke waits for partition 0's tickets and commits them
         "group exactly_once": "T T T T",
         "queue": "T L L T",  # released at the lock's end
+        "replay at_least_once": NO_GROUP,
+        "replay exactly_once": NO_GROUP,
+        "lines": NO_GROUP,
+    }),
+    "partition lost mid-batch": (partition_lost, {
+        "group at_least_once": "L W T T",  # W: written before the loss, its next owner writes it again
+        "group exactly_once": "L L T T",  # the transaction holding partition 0's outputs is aborted
+        "queue": NO_PARTITIONS,
         "replay at_least_once": NO_GROUP,
         "replay exactly_once": NO_GROUP,
         "lines": NO_GROUP,
