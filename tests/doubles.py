@@ -1,5 +1,5 @@
-"""Test doubles that more than one test module uses: stand-in classifiers, a pipeline run on a thread and a
-broker check that always answers.
+"""Test doubles that more than one test module uses: stand-in classifiers, a Schema Registry that comes
+back, a pipeline run on a thread and a broker check that always answers.
 
 One-offs stay in their module; a double moves here once a second module needs the same behaviour.
 """
@@ -10,7 +10,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from worker.classification import Classification, ClassifyRequest
+from worker.classification import Classification, ClassifyRequest, FallbackLabel, fallback_answer
+from worker.decoding import RegistryUnavailable, decode_ticket
+from worker.messages import TicketEvent
 from worker.pipeline.engine import Engine
 from worker.telemetry.server import Check
 
@@ -67,6 +69,36 @@ class HoldingClassifier(InstantClassifier):
             self.holding = False
             self._asked.extend(self.held)
             self.held.clear()
+
+
+class DyingClassifier(InstantClassifier):
+    """Answers `model_error` (its process died under the ticket) for tickets whose text says "die", the others
+    at once."""
+
+    fallback = FallbackLabel("unclassified", "Medium")
+
+    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
+        with self._lock:
+            asked, self._asked = self._asked, []
+        if not asked:
+            time.sleep(min(timeout, 0.005))
+        died = fallback_answer("model_error", self.fallback, self.model_id, 1.0)
+        return [(r.request_id, died if "die" in r.text else instant_answer(self.model_id)) for r in asked]
+
+
+class FlakyRegistry:
+    """A registry-format decoder whose registry is away until `answering`: every decode raises
+    `RegistryUnavailable` (counted in `tries`), then decodes the plain JSON ticket."""
+
+    def __init__(self) -> None:
+        self.answering = False
+        self.tries = 0
+
+    def decode(self, value: bytes | None, topic: str) -> TicketEvent:
+        if not self.answering:
+            self.tries += 1
+            raise RegistryUnavailable("outage", "schema registry unreachable: connection refused")
+        return decode_ticket(value, 1 << 20)
 
 
 class RecordingClassifier(InstantClassifier):

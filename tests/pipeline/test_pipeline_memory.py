@@ -184,29 +184,6 @@ BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactl
 
 
 @BOTH_GUARANTEES
-def test_a_revoke_waits_for_the_partition_s_tickets_at_the_model_then_commits_them(
-    kafka: MemoryKafka, guarantee: str
-) -> None:
-    """Tickets of a revoked partition still at the model finish (within revoke_timeout_ms) before the
-    partition is handed over: its new owner starts after them, nothing is redone or lost."""
-    fill_texts(kafka, 0, ["where is my card"] * 10)
-    fill_texts(kafka, 1, ["where is my card"] * 5 + ["hold: card stolen"] * 5)
-    classifier = HoldingClassifier()
-    worker = pipeline(kafka, guarantee, classifier=classifier)
-    running = Running(worker)
-    wait_until(lambda: len(classifier.held) == 5, "the held tickets at the model")
-    consumer = kafka.members[0]
-    kafka.revoke(consumer, [(INPUT, 1)])
-    threading.Timer(0.3, classifier.release).start()  # answers arrive while the revoke waits
-    wait_until(lambda: (INPUT, 1) not in consumer.assigned, "the revoke")
-    assert kafka.committed["memory-group"].get((INPUT, 1)) == 10  # the new owner starts after them
-    wait_until(lambda: worker.metrics.produced == 20, "partition 0 written")
-    assert running.stop() == 0
-    assert_exactly_once(kafka, "memory-group")
-    assert worker.metrics.discarded_after_revoke == 0
-
-
-@BOTH_GUARANTEES
 def test_answers_that_come_after_the_revoke_timeout_are_discarded_not_written(
     kafka: MemoryKafka, guarantee: str
 ) -> None:
@@ -256,33 +233,6 @@ def test_a_lost_partition_is_never_committed_and_exactly_once_never_shows_its_ou
         assert sorted(outputs) == [(0, offset) for offset in range(8)]
     else:  # at-least-once: written before the loss; the new owner writes them again (the duplicate bound)
         assert sorted(outputs) == sorted([(p, o) for p in (0, 1) for o in range(8)])
-
-
-def test_a_failed_delivery_aborts_the_transaction_and_the_redo_writes_each_output_once(
-    kafka: MemoryKafka,
-) -> None:
-    """One record the broker fails (a retriable error that outlasted the client's retries) fails its whole
-    transaction: it is aborted and every partition is redone from its last commit."""
-    fill_texts(kafka, 0, ["where is my card"] * 13)
-    fill_texts(kafka, 1, ["where is my card"] * 6)
-    failed: list[bytes] = []
-
-    def fail_once(topic: str, value: bytes | None) -> confluent_kafka.KafkaError | None:
-        if topic == OUTPUT and value is not None and b'"T0-6"' in value and not failed:
-            failed.append(value)
-            return confluent_kafka.KafkaError(
-                confluent_kafka.KafkaError.NOT_ENOUGH_REPLICAS, "retries ran out"
-            )
-        return None
-
-    kafka.hooks.delivery = fail_once
-    worker = pipeline(kafka, "exactly_once", settings={"pipeline.commit_interval_ms": 100})
-    running = Running(worker)
-    ends = kafka.end_offsets(INPUT)
-    wait_until(lambda: worker.metrics.transactions_aborted == 1, "the abort")
-    wait_until(lambda: all(kafka.committed["memory-group"].get((INPUT, p)) == ends[p] for p in (0, 1)), "all")
-    assert running.stop() == 0
-    assert_exactly_once(kafka, "memory-group")
 
 
 def test_a_worker_fenced_by_another_with_its_transactional_id_stops_and_its_open_transaction_is_aborted(

@@ -1,6 +1,7 @@
-"""Queue mode's loop against an in-memory share consumer: how each record of a batch is acknowledged when
-its record is written, when its model process dies, when the lock runs out and at shutdown; and that every
-record of a batch is acknowledged before the next poll (the share consumer raises otherwise)."""
+"""Queue mode's loop against an in-memory share consumer, beyond the failure catalogue
+(test_failure_catalogue.py, which settles each record of a batch through every failure): which records go to
+the model first, what the lock's budget leaves untried, the registry's probes; and that every record of a
+batch is acknowledged before the next poll (the share consumer raises otherwise)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import confluent_kafka
 import msgspec
-from doubles import HoldingClassifier, InstantClassifier, instant_answer
+from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, InstantClassifier
 from memory_kafka import (
     MemoryKafka,
     Message,
@@ -22,12 +23,11 @@ from memory_kafka import (
 )
 
 from worker.app.doors import TriageParts, queue_pipeline
-from worker.classification import Classification, ClassifyRequest, FallbackLabel, fallback_answer
+from worker.classification import ClassifyRequest, FallbackLabel
 from worker.config import Settings, load_settings
-from worker.decoding import RegistryUnavailable, decode_ticket
 from worker.dev.samples import SampleFactory
 from worker.kafka.share_groups import ShareGroup
-from worker.messages import TicketEvent, TriageResult
+from worker.messages import TriageResult
 from worker.pipeline.engine import Engine
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
@@ -36,18 +36,6 @@ REJECT = confluent_kafka.AcknowledgeType.REJECT
 # A 15 s lock (the broker's minimum) with a 2 s deadline and 5 s delivery timeout: a record may be taken
 # until 7 s into the lock, and what is unsettled is released at 14 s.
 LOCK = ShareGroup(lock_ms=15000, delivery_count_limit=5)
-
-
-class _DyingClassifier(InstantClassifier):
-    """Answers `model_error` (its process died under the ticket) for tickets whose text says "die"."""
-
-    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
-        with self._lock:
-            asked, self._asked = self._asked, []
-        if not asked:
-            time.sleep(min(timeout, 0.005))
-        died = fallback_answer("model_error", FALLBACK, self.model_id, 1.0)
-        return [(r.request_id, died if "die" in r.text else instant_answer(self.model_id)) for r in asked]
 
 
 def _settings(**overrides: object) -> Settings:
@@ -98,25 +86,6 @@ def _wait(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_written_record_is_accepted_and_one_whose_model_process_died_is_released() -> None:
-    kafka = _kafka()
-    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "die", "ok"]), _batch(kafka, [])])
-    pipeline = queue_pipeline(
-        _settings(),
-        TriageParts(_DyingClassifier(), FALLBACK, 4),
-        LOCK,
-        clients=share_clients(kafka, consumer),
-    )
-    thread, codes = _run(pipeline)
-    _wait(lambda: consumer.polls_after_all > 0)
-    pipeline.request_stop()
-    thread.join(20)
-    assert codes == [0]
-    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE, 2: ACCEPT}
-    assert len(kafka.logs["tickets.triaged"][0]) == 2  # the released ticket has no record
-    assert pipeline.metrics.queue is not None and pipeline.metrics.queue.released == 1
-
-
 def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_after() -> None:
     """Records a full in-flight bound left in the backlog are released once too late to take (7 s into the
     lock here); tickets still at the model are released 1 s before the lock ends, not left to expire."""
@@ -141,25 +110,6 @@ def test_what_cannot_finish_inside_the_lock_is_released_and_the_next_poll_comes_
     assert consumer.outcomes == {0: RELEASE, 1: RELEASE, 2: RELEASE}
     classifier.release()  # a late answer for a released ticket writes nothing
     assert kafka.logs["tickets.triaged"][0] == []
-
-
-def test_shutdown_finishes_what_it_can_and_releases_the_rest() -> None:
-    kafka = _kafka()
-    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "hold"])])
-    settings = _settings(**{"pipeline.shutdown_timeout_ms": "300"})
-    pipeline = queue_pipeline(
-        settings,
-        TriageParts(HoldingClassifier(), FALLBACK, 4),
-        LOCK,
-        clients=share_clients(kafka, consumer),
-    )
-    thread, codes = _run(pipeline)
-    _wait(lambda: consumer.outcomes == {0: ACCEPT})
-    pipeline.request_stop()
-    thread.join(20)
-    assert codes == [0]
-    assert consumer.outcomes == {0: ACCEPT, 1: RELEASE}
-    assert consumer.closed
 
 
 def test_a_record_on_its_last_delivery_is_tried_first_and_its_model_death_dead_letters_it() -> None:
@@ -220,7 +170,7 @@ def test_a_registry_that_cannot_answer_holds_the_batch_and_probes_it_instead_of_
     it answers, every record is triaged on its first delivery."""
     kafka = _kafka()
     consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "ok", "ok"]), _batch(kafka, [])])
-    decoder = _FlakyRegistry()
+    decoder = FlakyRegistry()
     now = [1000.0]
     pipeline = queue_pipeline(
         _settings(), TriageParts(InstantClassifier(), FALLBACK, 4, decoder=decoder),
@@ -246,8 +196,8 @@ def test_a_registry_that_cannot_answer_holds_the_batch_and_probes_it_instead_of_
     assert state.outage is None and state.retries_by_cause["outage"] >= 4
 
 
-class _OrderRecordingClassifier(_DyingClassifier):
-    """`_DyingClassifier`, noting for each ticket, in the order sent, whether its text says "last"."""
+class _OrderRecordingClassifier(DyingClassifier):
+    """`DyingClassifier`, noting for each ticket, in the order sent, whether its text says "last"."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -256,18 +206,3 @@ class _OrderRecordingClassifier(_DyingClassifier):
     def submit(self, request: ClassifyRequest) -> None:
         self.last.append("last" in request.text)
         super().submit(request)
-
-
-class _FlakyRegistry:
-    """A registry-format decoder whose registry is away until `answering`: every decode raises
-    `RegistryUnavailable` (counted in `tries`), then decodes the plain JSON ticket."""
-
-    def __init__(self) -> None:
-        self.answering = False
-        self.tries = 0
-
-    def decode(self, value: bytes | None, topic: str) -> TicketEvent:
-        if not self.answering:
-            self.tries += 1
-            raise RegistryUnavailable("outage", "schema registry unreachable: connection refused")
-        return decode_ticket(value, 1 << 20)
