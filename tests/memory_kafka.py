@@ -23,6 +23,10 @@ What it models, because the pipeline's correctness depends on it:
   lookup waits; if the assignment changes meanwhile, the partition starts at the beginning
   (`auto.offset.reset=earliest`), as librdkafka 2.16 does (see worker/kafka/starts.py).
 
+- **A share group** (`MemoryShareGroup`, queue mode's): records acquired by one member at a time under a
+  lock on the test's clock, with delivery counts, acknowledgements and whole producer batches (its
+  docstring); tests/kafka/test_share_contract.py holds it to a real Kafka 4.4 share group.
+
 Not modelled: several brokers, leaders, compaction, control records' offsets, timing of the network.
 """
 
@@ -63,6 +67,8 @@ class Record:
     value: bytes | None
     headers: Headers
     transaction: Transaction | None = None
+    # The producer batch it was written in (a share group hands out whole ones); None: a batch of its own.
+    batch: int | None = None
 
     @property
     def visible(self) -> bool:
@@ -137,6 +143,7 @@ class MemoryKafka:
         self.hooks = Hooks()
         self._epochs: dict[str, MemoryProducer] = {}
         self._open: dict[str, Transaction] = {}
+        self.batches = itertools.count()
 
     # -- topics -------------------------------------------------------------------------------------------
 
@@ -496,6 +503,7 @@ class MemoryProducer:
     def poll(self, timeout: float = 0) -> int:
         """Writes the queued records and serves their delivery reports."""
         queue, self._queue = self._queue, []
+        batch = next(self.kafka.batches)  # what one call writes is one producer batch per partition
         for topic, value, key, headers, on_delivery in queue:
             if topic not in self.kafka.logs:  # as librdkafka reports it where the broker creates no topic
                 unknown = KafkaError(KafkaError._UNKNOWN_TOPIC, f"Local: Unknown topic {topic}")
@@ -506,7 +514,7 @@ class MemoryProducer:
             error = self.kafka.hooks.delivery(topic, value)
             if error is None:
                 with self.kafka.lock:
-                    record = Record(len(partitions[partition]), key, value, headers, self._transaction)
+                    record = Record(len(partitions[partition]), key, value, headers, self._transaction, batch)
                     partitions[partition].append(record)
                 on_delivery(None, Message(topic, partition, record))
             else:
@@ -620,8 +628,8 @@ class ScriptedShareConsumer:
     def poll(self, timeout: float) -> list[Message]:
         unacknowledged = [m for m in self._handed if m.offset() not in self.outcomes]
         if unacknowledged:
-            raise confluent_kafka.KafkaException(
-                confluent_kafka.KafkaError(confluent_kafka.KafkaError._STATE, "records not acknowledged")
+            raise confluent_kafka.IllegalStateException(
+                f"{len(unacknowledged)} records from previous poll have not been acknowledged"
             )
         if not self.batches:
             self.polls_after_all += 1
@@ -673,3 +681,194 @@ def share_clients(kafka: MemoryKafka, consumer: ScriptedShareConsumer) -> ShareC
     """The fakes where the loop takes a `ShareClientFactory`: they answer the calls it makes, without
     subclassing confluent-kafka's classes (as memory_kafka.as_client_factory)."""
     return cast("ShareClientFactory", _ShareClients(kafka, consumer))
+
+
+@dataclass
+class _Delivery:
+    """A record's state in a share group: available, acquired (by `holder` until `locked_until`),
+    acknowledged or archived; `count`: how often it was acquired."""
+
+    state: str = "available"
+    count: int = 0
+    holder: MemoryShareConsumer | None = None
+    locked_until: float = 0.0
+
+
+class MemoryShareGroup:
+    """A share group over a MemoryKafka's topics (KIP-932 as Kafka 4.4 and librdkafka 2.16 behave, for the
+    calls queue mode makes; tests/kafka/test_share_contract.py checks it against a real share group).
+
+    - Members acquire records of their subscribed topics from the earliest offset (the worker sets
+      `share.auto.offset.reset=earliest`), one member at a time; each acquisition adds one to the record's
+      delivery count and locks it for `lock_ms` on `clock`.
+    - A poll takes available records up to the consumer's `max.poll.records`, but never part of a producer
+      batch: a batch larger than that comes whole (measured on the broker).
+    - Acknowledgements are applied when the client sends them (the next poll, a commit, close): ACCEPT
+      settles the record, RELEASE makes it available again, REJECT archives it. A lock that ends, a RELEASE,
+      and close (for what the member holds) make a record available again, or archive it once its delivery
+      count reached `delivery_count_limit`.
+    - Explicit acknowledgement: a poll while a record of the previous one is unacknowledged raises
+      `IllegalStateException`, and so does acknowledging a record that is not the member's to acknowledge.
+
+    Not modelled: the first member's wait for its assignment (about 5 s on a broker), partitions'
+    leaders, the archive's broker-side dead-letter topic.
+    """
+
+    def __init__(
+        self,
+        kafka: MemoryKafka,
+        group: str,
+        lock_ms: int = 30000,
+        delivery_count_limit: int = 5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kafka, self.group = kafka, group
+        self.lock_ms, self.delivery_count_limit = lock_ms, delivery_count_limit
+        self.clock = clock
+        self.deliveries: dict[tuple[str, int, int], _Delivery] = {}
+
+    def clients(self) -> ShareClientFactory:
+        """The share consumers of this group and a producer, where queue mode takes a `ShareClientFactory`."""
+        return cast("ShareClientFactory", _ShareGroupClients(self))
+
+    def delivery(self, topic: str, partition: int, offset: int) -> _Delivery:
+        with self.kafka.lock:
+            return self.deliveries.setdefault((topic, partition, offset), _Delivery())
+
+    def _acquire(self, member: MemoryShareConsumer, topics: list[str], limit: int) -> list[ShareMessage]:
+        with self.kafka.lock:
+            self._expire()
+            taken: list[ShareMessage] = []
+            for topic in topics:
+                for partition, log in enumerate(self.kafka.logs[topic]):
+                    previous: int | None = None
+                    for record in log:
+                        whole = record.batch is not None and record.batch == previous
+                        if len(taken) >= limit and not whole:
+                            return taken
+                        delivery = self.delivery(topic, partition, record.offset)
+                        if record.visible and delivery.state == "available":
+                            delivery.state, delivery.holder = "acquired", member
+                            delivery.count += 1
+                            delivery.locked_until = self.clock() + self.lock_ms / 1000.0
+                            taken.append(ShareMessage(topic, partition, record, delivery.count))
+                            previous = record.batch
+                        elif not whole:
+                            previous = None
+            return taken
+
+    def _settle(
+        self, member: MemoryShareConsumer, key: tuple[str, int, int], outcome: confluent_kafka.AcknowledgeType
+    ) -> bool:
+        """Apply `member`'s acknowledgement of a record; False where the record is no longer its own."""
+        with self.kafka.lock:
+            self._expire()
+            delivery = self.delivery(*key)
+            if delivery.holder is not member or delivery.state != "acquired":
+                return False
+            if outcome == confluent_kafka.AcknowledgeType.ACCEPT:
+                delivery.state, delivery.holder = "acknowledged", None
+            elif outcome == confluent_kafka.AcknowledgeType.REJECT:
+                delivery.state, delivery.holder = "archived", None
+            else:
+                self._give_back(delivery)
+            return True
+
+    def _leave(self, member: MemoryShareConsumer) -> None:
+        with self.kafka.lock:
+            for delivery in self.deliveries.values():
+                if delivery.holder is member and delivery.state == "acquired":
+                    self._give_back(delivery)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for delivery in self.deliveries.values():
+            if delivery.state == "acquired" and delivery.locked_until <= now:
+                self._give_back(delivery)
+
+    def _give_back(self, delivery: _Delivery) -> None:
+        delivery.holder = None
+        delivery.state = "archived" if delivery.count >= self.delivery_count_limit else "available"
+
+
+class MemoryShareConsumer:
+    """The calls queue mode makes on a confluent_kafka.ShareConsumer in explicit-acknowledgement mode."""
+
+    def __init__(self, group: MemoryShareGroup, max_poll_records: int) -> None:
+        self.group, self.max_poll_records = group, max_poll_records
+        self.topics: list[str] = []
+        self._handed: dict[tuple[str, int, int], ShareMessage] = {}
+        self._acknowledged: dict[tuple[str, int, int], confluent_kafka.AcknowledgeType] = {}
+        self._unsent: dict[tuple[str, int, int], confluent_kafka.AcknowledgeType] = {}
+        self.closed = False
+
+    def subscribe(self, topics: list[str]) -> None:
+        self.topics = list(topics)
+
+    def poll(self, timeout: float) -> list[ShareMessage]:
+        unacknowledged = len(self._handed) - len(self._acknowledged)
+        if unacknowledged:
+            raise confluent_kafka.IllegalStateException(
+                f"{unacknowledged} records from previous poll have not been acknowledged"
+            )
+        self._send()
+        batch = self.group._acquire(self, self.topics, self.max_poll_records)
+        self._handed = {_share_key(message): message for message in batch}
+        self._acknowledged = {}
+        if not batch and timeout:
+            time.sleep(min(timeout, 0.002))
+        return batch
+
+    def acknowledge(self, message: ShareMessage, outcome: confluent_kafka.AcknowledgeType) -> None:
+        key = _share_key(message)
+        if key not in self._handed or key in self._acknowledged:
+            raise confluent_kafka.IllegalStateException(
+                "Failed to acknowledge message: Local: Erroneous state"
+            )
+        self._acknowledged[key] = self._unsent[key] = outcome
+
+    def commit_async(self) -> None:
+        self._send()
+
+    def commit_sync(self, timeout: float) -> dict[confluent_kafka.TopicPartition, KafkaException | None]:
+        """The acknowledgements sent, by partition: None, or the error of one the broker refused (its lock
+        ended, and the record went on)."""
+        return self._send()
+
+    def _send(self) -> dict[confluent_kafka.TopicPartition, KafkaException | None]:
+        results: dict[Key, KafkaException | None] = {}
+        unsent, self._unsent = self._unsent, {}
+        for key, outcome in unsent.items():
+            refused = not self.group._settle(self, key, outcome)
+            if refused:
+                error = KafkaError(KafkaError.INVALID_RECORD_STATE, "Broker: The record state is invalid")
+                results[key[:2]] = KafkaException(error)
+            else:
+                results.setdefault(key[:2], None)
+        return {confluent_kafka.TopicPartition(topic, p): result for (topic, p), result in results.items()}
+
+    def close(self) -> None:
+        """Sends the acknowledgements made, and releases every other record this member holds."""
+        if not self.closed:
+            self._send()
+            self.group._leave(self)
+            self.closed = True
+
+
+def _share_key(message: Message) -> tuple[str, int, int]:
+    offset = message.offset()
+    assert offset is not None
+    return message.topic(), message.partition(), offset
+
+
+class _ShareGroupClients:
+    def __init__(self, group: MemoryShareGroup) -> None:
+        self.group = group
+
+    def share_consumer(
+        self, on_error: Callable[[confluent_kafka.KafkaError], None], max_poll_records: int
+    ) -> MemoryShareConsumer:
+        return MemoryShareConsumer(self.group, max_poll_records)
+
+    def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> MemoryProducer:
+        return MemoryProducer(self.group.kafka, None, on_error)

@@ -1,7 +1,12 @@
 """Queue mode's loop against an in-memory share consumer, beyond the failure catalogue
 (test_failure_catalogue.py, which settles each record of a batch through every failure): which records go to
 the model first, what the lock's budget leaves untried, the registry's probes; and that every record of a
-batch is acknowledged before the next poll (the share consumer raises otherwise)."""
+batch is acknowledged before the next poll (the share consumer raises otherwise).
+
+Most tests script the batches (`ScriptedShareConsumer`: a delivery count is whatever the test says); the
+last two run against the in-memory share group (`MemoryShareGroup`, held to a real one by
+tests/kafka/test_share_contract.py), where what a release costs and who gets the record next is the
+group's doing."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import msgspec
 from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, InstantClassifier
 from memory_kafka import (
     MemoryKafka,
+    MemoryShareGroup,
     Message,
     Record,
     ScriptedShareConsumer,
@@ -206,3 +212,63 @@ class _OrderRecordingClassifier(DyingClassifier):
     def submit(self, request: ClassifyRequest) -> None:
         self.last.append("last" in request.text)
         super().submit(request)
+
+
+def test_a_ticket_whose_model_process_always_dies_is_retried_on_each_delivery_then_dead_lettered() -> None:
+    """Against the in-memory share group (held to a real one by tests/kafka/test_share_contract.py): a
+    released record comes back with its delivery count raised, so a poison ticket is tried once per delivery
+    and, on the group's last, dead-lettered with why instead of archived by the group without a trace; the
+    tickets beside it are triaged once."""
+    kafka = _kafka()
+    _batch(kafka, ["ok", "die", "ok"])
+    group = MemoryShareGroup(kafka, "triage", lock_ms=15000, delivery_count_limit=5)
+    pipeline = queue_pipeline(
+        _settings(), TriageParts(DyingClassifier(), FALLBACK, 4), LOCK, clients=group.clients()
+    )
+    thread, codes = _run(pipeline)
+    poison = group.delivery("tickets.raw", 0, 1)
+    _wait(lambda: poison.state == "archived")  # rejected (or, released on its last delivery, dropped)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert poison.count == 5
+    assert [group.delivery("tickets.raw", 0, n).state for n in (0, 2)] == ["acknowledged", "acknowledged"]
+    assert len(kafka.logs["tickets.triaged"][0]) == 2
+    (letter,) = kafka.logs["tickets.dlq"][0]
+    assert dict(letter.headers or [])["triage.error.type"] == b"delivery_count_exceeded"
+    assert pipeline.metrics.queue is not None
+    assert (pipeline.metrics.queue.released, pipeline.metrics.queue.rejected) == (4, 1)
+
+
+def test_a_stopping_worker_hands_its_unfinished_tickets_to_the_next_each_triaged_once() -> None:
+    """Against the in-memory share group: what a worker could not finish before its shutdown time goes back
+    to the group (released, its delivery spent) and the next worker of the group triages it; every ticket
+    ends with exactly one triage record."""
+    kafka = _kafka()
+    _batch(kafka, ["ok", "hold", "hold"])
+    group = MemoryShareGroup(kafka, "triage", lock_ms=15000, delivery_count_limit=5)
+    settled = [group.delivery("tickets.raw", 0, n) for n in range(3)]
+    holding = HoldingClassifier()
+    first = queue_pipeline(
+        _settings(**{"pipeline.shutdown_timeout_ms": "300"}), TriageParts(holding, FALLBACK, 4), LOCK,
+        clients=group.clients(),
+    )  # fmt: skip
+    thread, codes = _run(first)
+    _wait(lambda: len(kafka.logs["tickets.triaged"][0]) == 1 and len(holding.held) == 2)
+    first.request_stop()
+    thread.join(20)
+    assert [(d.state, d.count) for d in settled] == [("acknowledged", 1), ("available", 1), ("available", 1)]
+
+    second = queue_pipeline(
+        _settings(), TriageParts(InstantClassifier(), FALLBACK, 4), LOCK, clients=group.clients()
+    )
+    thread, more_codes = _run(second)
+    _wait(lambda: all(d.state == "acknowledged" for d in settled))
+    second.request_stop()
+    thread.join(20)
+    assert codes == more_codes == [0]
+    assert [d.count for d in settled] == [1, 2, 2]
+    answered = [
+        msgspec.json.decode(r.value or b"", type=TriageResult) for r in kafka.logs["tickets.triaged"][0]
+    ]
+    assert sorted(r.source.offset for r in answered) == [0, 1, 2]
