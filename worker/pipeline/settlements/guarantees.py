@@ -109,8 +109,8 @@ class GuaranteeWiring:
     the taken offsets; `pause` stops a partition a guarantee cannot go on with; `give_up_at()` is the
     caller's instant (a `clock()` value, None: none) after which a produce stops waiting for room in the
     client's queue: set while revoking or stopping. `dead_letters=False`: outputs have no dead-letter topic
-    (a replay's go back where they came from), so none is written smaller and a refused one fails as any
-    other.
+    (a replay's go back where they came from), so none is written smaller and one refused for its content
+    is left out (`DeliveryRules.left_out`).
     """
 
     settings: Settings
