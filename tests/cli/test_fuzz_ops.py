@@ -237,15 +237,16 @@ def test_a_transform_failing_any_way_is_reported_for_its_record_only(
         assert "[/red]" in out.getvalue()
 
 
-def test_a_target_the_client_refuses_is_a_publish_failure_not_a_crash() -> None:
+def test_a_target_the_client_refuses_is_reported_refused_and_committed_past_not_a_crash() -> None:
     replay = _HandFed(None, dry_run=False, to_topic="tickets\x00raw")
     try:
         _take_valid_dead_letter(replay, 0)
     finally:
         replay.consumer.close()
     (report,) = replay.summary.attention
-    assert report.outcome is ReplayOutcome.PUBLISH_FAILED and "embedded null" in (report.detail or "")
-    assert replay.state.position is None  # not settled: nothing to commit, a rerun retries it
+    assert report.outcome is ReplayOutcome.REFUSED and "embedded null" in (report.detail or "")
+    # Settled: sending it again cannot help, so the run commits past it (it stays in the dead-letter topic).
+    assert replay.state.position == 1
 
 
 def test_classify_input_reports_poison_lines_with_the_dead_letter_reason_and_goes_on(

@@ -736,12 +736,10 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "group at_least_once": "T D T",
         "group exactly_once": "T D T",
         "queue": "T D T",
-        # Reported `publish_failed` (a replay writes no dead letter) and its partition stopped at it, as at
-        # least once: the next run tries it again, and republishes the one after it again (W).
-        "replay at_least_once": "T L W",
-        # Refused every time, with no dead-letter topic to turn to: its partition stops at its last commit,
-        # before the whole transaction (the next run reads them again).
-        "replay exactly_once": "L L L",
+        # D: reported `refused` with why, not republished, committed past (it stays in the dead-letter topic);
+        # exactly once, the transaction that held it is redone without it
+        "replay at_least_once": "T D T",
+        "replay exactly_once": "T D T",
         "lines": NO_PRODUCER,
     }),
     "producer refusal: dead letter too large": (dead_letter_too_large, {

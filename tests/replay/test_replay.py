@@ -239,6 +239,7 @@ def test_filtered_replay_with_transform_repairs_exactly_the_selected_records(
         "shrunk": 0,
         "transform_skipped": 1,
         "transform_failed": 1,
+        "refused": 0,
         "publish_failed": 0,
         "unreadable": 0,
     }
@@ -559,7 +560,7 @@ def test_exactly_once_replay_of_the_same_group_fences_the_running_one(
 
 
 @pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
-def test_a_record_its_topic_always_refuses_is_reported_once_and_the_rest_is_replayed_once(
+def test_a_record_too_large_for_its_topic_is_reported_and_committed_past_and_the_rest_replayed_once(
     kafka_bootstrap: str,
     unique_topic: Callable[..., str],
     capsys: pytest.CaptureFixture[str],
@@ -569,31 +570,36 @@ def test_a_record_its_topic_always_refuses_is_reported_once_and_the_rest_is_repl
     small = f"{source}.small"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(small, 1, 1, config={"max.message.bytes": "2000"})])[small].result(30)
-    # Dead-letter partition 0: ten records from `source`; partition 1: one too large for its topic. Read at
-    # full speed, they share a transaction, which the refused one makes abortable: exactly_once aborts it,
-    # reads again, republishes the ten and reports the refused one without sending it again.
+    # Dead-letter partition 0: ten records from `source`; partition 1: one too large for its topic `small`
+    # between two from `source`. Read at full speed, they share a transaction, which the refused one makes
+    # abortable: exactly_once aborts it, reads again, and redoes it without the refused one. (The broker
+    # refuses a whole batch for one record too large: records batched with it to `small` would be refused
+    # with it, reported as it is; docs/operations.md says so.)
     letters = [DeadLetter(f"v{i}".encode(), source_partition=0) for i in range(10)]
+    around = [DeadLetter(f"s{i}".encode(), source_partition=1) for i in range(2)]
     _seed(
         kafka_bootstrap,
         dlq,
         source,
-        [*letters, DeadLetter(b"x" * 5000, source_partition=1, source_topic=small)],
+        [*letters, around[0], DeadLetter(b"x" * 5000, source_partition=1, source_topic=small), around[1]],
     )
     args = _replay_args(kafka_bootstrap, dlq, "--from-beginning", "--guarantee", guarantee, "--json")
 
-    summary = _replay_json(capsys, args, expect_code=1)
-    rerun = _replay_json(capsys, args, expect_code=1)
+    summary = _replay_json(capsys, args)
+    rerun = _replay_json(capsys, args)
 
-    assert (summary["counts"]["replayed"], rerun["counts"]["replayed"]) == (10, 0)
-    for run in (summary, rerun):
-        (failure,) = run["attention"]
-        assert (failure["outcome"], failure["partition"], failure["offset"]) == ("publish_failed", 1, 0)
-        assert "too large" in failure["detail"].lower()
+    assert (summary["counts"]["replayed"], summary["counts"]["refused"]) == (12, 1)
+    (refused,) = summary["attention"]
+    assert (refused["outcome"], refused["partition"], refused["offset"]) == ("refused", 1, 1)
+    assert refused["detail"].startswith(f"too large for {small} (MSG_SIZE_TOO_LARGE: ")
+    # Committed past: the rerun finds nothing left, and the dead letter is still in its topic.
+    assert sum(rerun["counts"].values()) == 0
+    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 2) == {0: 10, 1: 3}
+    assert len(_read_all(kafka_bootstrap, dlq)) == 13
     assert Counter(r.value for r in _read_all(kafka_bootstrap, source)) == Counter(
-        letter.value for letter in letters
+        letter.value for letter in [*letters, *around]
     )
     assert _read_all(kafka_bootstrap, small) == []
-    assert _committed(kafka_bootstrap, f"triage-replay.{dlq}", dlq, 2) == {0: 10}
 
 
 @pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])

@@ -138,7 +138,8 @@ def replay_pipeline(
                 reports,
                 give_up.get,
                 # A replay's targets are the original topics: nothing goes to the dead-letter topic from
-                # here (nothing written smaller, a refused record is a failed one in the report).
+                # here (nothing written smaller; a record refused for its content is left out, `refused` in
+                # the report, and stays where it is).
                 dead_letters=False,
             )
         )

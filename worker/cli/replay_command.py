@@ -63,6 +63,7 @@ _COLUMNS: tuple[tuple[ReplayOutcome, str], ...] = (
     (ReplayOutcome.SHRUNK, "value not kept"),
     (ReplayOutcome.TRANSFORM_SKIPPED, "transform skipped"),
     (ReplayOutcome.TRANSFORM_FAILED, "transform failed"),
+    (ReplayOutcome.REFUSED, "refused by target"),
     (ReplayOutcome.PUBLISH_FAILED, "publish failed"),
     (ReplayOutcome.UNREADABLE, "unreadable"),
 )
@@ -495,6 +496,13 @@ def _print_report(console: Console, summary: ReplaySummary, options: ReplayOptio
         console.print(
             "Note: records the transform failed on stay in the dead-letter topic; after fixing it, replay "
             "them with --offsets and another --group."
+        )
+    if summary.counts[ReplayOutcome.REFUSED]:
+        console.print(
+            f"Note: {summary.counts[ReplayOutcome.REFUSED]} records were refused by their target topic for "
+            "their content (the detail says why, e.g. too large for it): sending them again cannot help, so "
+            "they were committed past and stay in the dead-letter topic; after raising the topic's limit, "
+            "replay them with --offsets and another --group."
         )
     if summary.failed:
         console.print(

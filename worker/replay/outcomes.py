@@ -22,6 +22,9 @@ class ReplayOutcome(StrEnum):
     SHRUNK = "shrunk"
     TRANSFORM_SKIPPED = "transform_skipped"
     TRANSFORM_FAILED = "transform_failed"
+    # Refused by its target topic for its content (too large, an invalid record): resending cannot help, so it
+    # is not republished and stays in the dead-letter topic; the run commits past it.
+    REFUSED = "refused"
     PUBLISH_FAILED = "publish_failed"
     UNREADABLE = "unreadable"
 
@@ -32,6 +35,7 @@ SELECTED = frozenset(
         ReplayOutcome.REPLAYED,
         ReplayOutcome.TRANSFORM_SKIPPED,
         ReplayOutcome.TRANSFORM_FAILED,
+        ReplayOutcome.REFUSED,
         ReplayOutcome.PUBLISH_FAILED,
     }
 )
@@ -44,6 +48,7 @@ ATTENTION = frozenset(
         ReplayOutcome.SKIPPED_MAX_REPLAYS,
         ReplayOutcome.SHRUNK,
         ReplayOutcome.TRANSFORM_FAILED,
+        ReplayOutcome.REFUSED,
         ReplayOutcome.PUBLISH_FAILED,
         ReplayOutcome.UNREADABLE,
     }

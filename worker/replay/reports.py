@@ -5,8 +5,12 @@
 - A republished record is reported once the broker acknowledged it (at-least-once), or once the transaction
   holding it commits (exactly-once: its report is pending until then; an aborted transaction published
   nothing, and its records are read and reported again).
-- A publish that failed is reported with why, and its partition is read no more in this run: the committed
-  position stays before it, so the next run tries it again. Exactly-once, a failed record dooms its
+- A record its target refuses for its content (too large for the topic, an invalid record: the delivery
+  rules leave its output out, `DeliveryRules.left_out`) is reported `refused` with why, and the run commits
+  past it: sending it again cannot help, and the dead letter stays in the dead-letter topic. Exactly-once,
+  the transaction that held it is redone without it.
+- A publish that failed otherwise is reported with why, and its partition is read no more in this run: the
+  committed position stays before it, so the next run tries it again. Exactly-once, a failed record dooms its
   transaction; it is reported once its partition is stopped for good, or when the redo reads it again (it
   then fails as it did, without another try, or it could loop).
 
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 from confluent_kafka import KafkaError
 
 from worker.kafka.commits import TopicPartitionKey
-from worker.kafka.errors import PURGED
+from worker.kafka.errors import PURGED, describe
 from worker.pipeline.settlements.guarantees import Observer
 from worker.pipeline.work import Work
 from worker.replay.outcomes import SELECTED, RecordReport, ReplayObserver, ReplayOutcome, ReplaySummary
@@ -122,6 +126,13 @@ class Reports(Observer):
         if not self._exactly_once:
             self.fail(failed)
 
+    def left_out(self, work: Work, error: KafkaError) -> None:
+        report = self._sent.pop(work)
+        if work.orphan:
+            return  # of a transaction aborted already: the redo reads it again, and leaves it out
+        self._source.done_with(work)
+        self._report(_refused(report, error))
+
     def committed(self, positions: dict[TopicPartitionKey, int]) -> None:
         by_partition = {partition: position for (_, partition), position in positions.items()}
         self.summary.committed.update(by_partition)
@@ -156,15 +167,25 @@ class Reports(Observer):
             self._observer.settled(report)
 
 
-def _failed(report: RecordReport, detail: str) -> RecordReport:
-    """`report` (a record sent) as failed, with why."""
+def _failed(
+    report: RecordReport, detail: str, outcome: ReplayOutcome = ReplayOutcome.PUBLISH_FAILED
+) -> RecordReport:
+    """`report` (a record sent) as failed (`outcome`), with why."""
     return RecordReport(
         report.partition,
         report.offset,
-        ReplayOutcome.PUBLISH_FAILED,
+        outcome,
         report.error_type,
         report.replay_count,
         report.target,
         report.key,
         detail,
     )
+
+
+def _refused(report: RecordReport, error: KafkaError) -> RecordReport:
+    """`report` (a record sent) as refused by its target for its content, with why: `too large for <topic>`
+    (the commonest), else `refused by <topic>`, then Kafka's error."""
+    why = "too large for" if error.code() == KafkaError.MSG_SIZE_TOO_LARGE else "refused by"
+    detail = f"{why} {report.target} ({describe(error)})"
+    return _failed(report, detail, ReplayOutcome.REFUSED)

@@ -12,6 +12,9 @@ before, issue #44):
 - a **triage record refused for its content** (its size, its form: another record to the topic would go
   through) is replaced by the ticket's dead letter (`result_refused`), so that no single ticket can stop
   its partition;
+- an **output refused for its content with no dead-letter topic to turn to** (a replay's: each record it
+  reads is a dead letter already) is *left out*: its record is settled without it, and stays where it was,
+  for the same reason;
 - anything else **failed for good**: the settlement decides what that means (group mode stops the partition
   at it, queue mode releases the record for another try, exactly-once redoes the transaction).
 """
@@ -103,8 +106,8 @@ def smaller(work: Work, output: Output, shrunk: int) -> Output:
 
 class DeliveryRules:
     """The delivery-error rules (see the module docstring). `dead_letter_topic` None: outputs have no
-    dead-letter topic (a replay's go back where they came from), so none is written smaller and a refused one
-    fails as any other; `redaction` masks a refused result's dead letter as any other's."""
+    dead-letter topic (a replay's go back where they came from), so none is written smaller and one refused
+    for its content is left out; `redaction` masks a refused result's dead letter as any other's."""
 
     def __init__(
         self,
@@ -128,7 +131,7 @@ class DeliveryRules:
         refused result is not replaced: its partition's new owner writes it."""
         if error.code() == TOO_LARGE and self.shrinkable(output):
             return smaller(work, output, output.shrunk + 1)
-        if not work.orphan and self.refused_for_content(output, error):
+        if not work.orphan and self.dead_letter_topic is not None and self.refused_for_content(output, error):
             return self.refused_result(work, error)
         return None
 
@@ -137,11 +140,28 @@ class DeliveryRules:
         return output.topic == self.dead_letter_topic and output.shrunk < _SHRUNK_DEAD_LETTER_TRIES
 
     def refused_for_content(self, output: Output, error: confluent_kafka.KafkaError) -> bool:
-        """Whether a refused output is a result whose ticket goes to the dead-letter topic instead."""
-        return (
-            self.dead_letter_topic is not None
-            and output.topic != self.dead_letter_topic
-            and error.code() in errors.REFUSED_CONTENT
+        """Whether the broker refused an output that is not a dead letter for its content: another record to
+        its topic would go through, so its record must not stop its partition. Its ticket goes to the
+        dead-letter topic instead (`refused_result`), or, without one, the output is left out (`left_out`)."""
+        return output.topic != self.dead_letter_topic and error.code() in errors.REFUSED_CONTENT
+
+    def left_out(self, output: Output, error: confluent_kafka.KafkaError) -> bool:
+        """Whether a refused output is left out: refused for its content with no dead-letter topic to turn to
+        (a replay's outputs: the record read is a dead letter already, which stays where it is). Its record
+        is settled without it, as one that needs no output (`leaving_out`)."""
+        return self.dead_letter_topic is None and self.refused_for_content(output, error)
+
+    def leaving_out(self, work: Work, output: Output, error: confluent_kafka.KafkaError) -> None:
+        """An output is left out (`left_out`): logged with why, as a delivery that failed is."""
+        _log.warning(
+            "output_left_out",
+            topic=work.topic,
+            partition=work.partition,
+            offset=work.offset,
+            target=output.topic,
+            code=error.name(),
+            reason=error.str(),
+            effect="settled without it: the record stays where it was",
         )
 
     def refused_result(self, work: Work, error: confluent_kafka.KafkaError) -> Output:

@@ -17,8 +17,10 @@ What each step of the seam means here (every call on the loop's thread):
 - `start()` once before the consumer subscribes (exactly-once: fences an earlier producer of the id);
 - `taken(work)`, in consume order (in order, its output waits for its predecessors'); `write(work, output)`:
   its offset counts as done once the broker acknowledged the output (failed deliveries:
-  `delivery.DeliveryRules`, then the partition stops at the offset); `done(work)`, a record that needs no
-  output (a replay's filters passed over it): its offset counts as done at once;
+  `delivery.DeliveryRules`: an output refused for its content is replaced by its ticket's dead letter, or,
+  with no dead-letter topic, left out, its offset done without it; anything else that fails for good stops
+  the partition at the offset); `done(work)`, a record that needs no output (a replay's filters passed over
+  it): its offset counts as done at once;
 - `advance()`: apply commit outcomes (an abort or a stuck commit is handled here), start a commit when one is
   due (every `commit_interval_ms`, or early when done work fills half of the in-flight bound), on the
   committer thread (`committing` meanwhile);
@@ -79,12 +81,18 @@ _BUSY_WAIT_S = 0.01
 
 class Observer:
     """Told what a guarantee did with each record: a delivery report (`error` None: acknowledged; the work
-    may be an orphan of an aborted transaction), confirmed commit positions, and a redo (records produced
-    since the last commit will be read and written again). This default ignores everything; the pipeline
-    drops the redone partitions' tickets still waiting or at the model."""
+    may be an orphan of an aborted transaction), an output left out, confirmed commit positions, and a redo
+    (records produced since the last commit will be read and written again). This default ignores
+    everything; the pipeline drops the redone partitions' tickets still waiting or at the model."""
 
     def delivered(self, work: Work, error: confluent_kafka.KafkaError | None) -> None:
         pass
+
+    def left_out(self, work: Work, error: confluent_kafka.KafkaError) -> None:
+        """`work`'s output was refused for its content with no dead-letter topic to turn to
+        (`DeliveryRules.left_out`): its offset counts as done without it, told instead of `delivered`.
+        Exactly-once, the transaction that held it is redone, and the record read again is left out at once
+        (told again); the work may be an orphan of an aborted transaction."""
 
     def committed(self, positions: dict[TopicPartitionKey, int]) -> None:
         pass
@@ -101,8 +109,8 @@ class GuaranteeWiring:
     the taken offsets; `pause` stops a partition a guarantee cannot go on with; `give_up_at()` is the
     caller's instant (a `clock()` value, None: none) after which a produce stops waiting for room in the
     client's queue: set while revoking or stopping. `dead_letters=False`: outputs have no dead-letter topic
-    (a replay's go back where they came from), so none is written smaller and a refused one fails as any
-    other.
+    (a replay's go back where they came from), so none is written smaller and one refused for its content
+    is left out (`DeliveryRules.left_out`).
     """
 
     settings: Settings
@@ -247,7 +255,10 @@ class _Base:
         work = self.deliveries.delivered(delivery_id)
         if work is None:
             return
-        self._observer.delivered(work, error)
+        if error is not None and self._rules.left_out(output, error):
+            self._observer.left_out(work, error)
+        else:
+            self._observer.delivered(work, error)
         if error is None:
             self._rules.delivered(work)
             work.state.done(work.offset)
@@ -257,9 +268,13 @@ class _Base:
     def _delivery_error(
         self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
     ) -> None:
-        """The delivery-error rules (`delivery.DeliveryRules`); a delivery that still fails stops its
-        partition: the commit position never passes the offset, the partition is paused; a restart or
-        rebalance re-reads it."""
+        """The delivery-error rules (`delivery.DeliveryRules`): an output left out counts as done; a delivery
+        that still fails stops its partition: the commit position never passes the offset, the partition is
+        paused; a restart or rebalance re-reads it."""
+        if self._rules.left_out(output, error):
+            self._rules.leaving_out(work, output, error)
+            work.state.done(work.offset)
+            return
         instead = self._rules.instead(work, output, error)
         if instead is not None:
             self._send(work, instead)
@@ -389,9 +404,11 @@ class ExactlyOnce(_Base):
     """Transactions holding the outputs of exactly the offsets they commit (see the module docstring).
 
     A lost partition aborts the open transaction (its outputs would duplicate the new owner's). A record the
-    broker refuses every time cannot be redone forever: a dead letter is redone smaller, anything else stops
-    its partition at its last commit. A fenced producer (another worker with the same transactional id) ends
-    the run; any other fatal producer error, or a commit stuck in librdkafka, is settled by a new producer.
+    broker refuses every time cannot be redone forever: a dead letter is redone smaller, a result refused for
+    its content as its ticket's dead letter (left out where there is no dead-letter topic), anything else
+    stops its partition at its last commit. A fenced producer (another worker with the same transactional
+    id) ends the run; any other fatal producer error, or a commit stuck in librdkafka, is settled by a new
+    producer.
     """
 
     in_order = True
@@ -413,10 +430,11 @@ class ExactlyOnce(_Base):
         self._taken_over = False
         # Producers and committers left behind by `_replace_producer`: a thread may still be inside them.
         self._abandoned: list[object] = []
-        # Dead letters to write smaller when redone (source position → tries), and tickets whose result
-        # was refused, to dead-letter when redone (source position → Kafka's error); kept until committed,
-        # as librdkafka can fail the next transaction too (measured: after a refused record and an abort,
-        # the next commit fails with OUT_OF_ORDER_SEQUENCE_NUMBER), so a redo may repeat.
+        # Dead letters to write smaller when redone (source position → tries), and records whose output was
+        # refused for its content, to dead-letter (or, without a dead-letter topic, to leave out) when redone
+        # (source position → Kafka's error); kept until committed, as librdkafka can fail the next
+        # transaction too (measured: after a refused record and an abort, the next commit fails with
+        # OUT_OF_ORDER_SEQUENCE_NUMBER), so a redo may repeat.
         self._redo_smaller: dict[tuple[str, int, int], int] = {}
         self._redo_refused: dict[tuple[str, int, int], confluent_kafka.KafkaError] = {}
         # Partitions stopped at their last commit because a record of theirs is refused every time.
@@ -433,9 +451,15 @@ class ExactlyOnce(_Base):
         self._txn.begin()
 
     def write(self, work: Work, output: Output) -> None:
-        """In order: held until every earlier record of its partition has been produced."""
+        """In order: held until every earlier record of its partition has been produced. Redone, an output
+        the broker refused for its content is replaced as the rules say, or left out: done at once."""
         position = (work.topic, work.partition, work.offset)
         refused = self._redo_refused.get(position)
+        if refused is not None and self._rules.left_out(output, refused):
+            self._observer.left_out(work, refused)
+            self._rules.leaving_out(work, output, refused)
+            self.done(work)
+            return
         if refused is not None and output.topic != self._dead_letter_topic:
             output = self._rules.refused_result(work, refused)
         tries = self._redo_smaller.get(position, 0)
@@ -574,8 +598,9 @@ class ExactlyOnce(_Base):
         self, work: Work, output: Output, error: confluent_kafka.KafkaError, queued: bool
     ) -> None:
         """One failed record fails its transaction, which is aborted and redone. A record the broker refuses
-        every time must not be redone forever: a dead letter is redone smaller (a few times), a refused
-        result is redone as its ticket's dead letter; anything else stops its partition at its last commit.
+        every time must not be redone forever: a dead letter is redone smaller (a few times), a result
+        refused for its content is redone as its ticket's dead letter, or left out (no dead-letter topic);
+        anything else stops its partition at its last commit.
         The refusal may be reported after the abort (its record is an orphan by then): it still counts for
         the redo. Refused before queueing for its content, the transaction never saw it: as at-least-once.
         (Refused before queueing for another reason, e.g. the transaction already failed, it is part of the
