@@ -23,7 +23,7 @@ BENCH_ARGS ?=
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-inference eval model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
-.PHONY: help format test-fast test-slow test-brokers
+.PHONY: help format test-fast test-slow test-release test-brokers
 
 ## Creates .venv with the package, its runtime and the dev tools (once; again when pyproject.toml changes)
 setup: $(STAMP) $(ENCODER)
@@ -66,9 +66,9 @@ run: setup kafka-jars
 	$(BIN)/triage-worker demo $(if $(filter-out default file,$(origin PORT)),--port $(PORT)) $(RUN_ARGS)
 
 # `make test` runs the two tiers in turn, the fast one first, and stops at the first that fails; together they
-# run every test once. Each prints its time. PYTEST_ARGS goes to both: a tier left with no test among the
-# ones it names passes (pytest's exit status 5).
-## Every test: test-fast, then test-slow (stops at the first failing tier)
+# run every test once but the release checks (`make test-release`). Each prints its time. PYTEST_ARGS goes to
+# both: a tier left with no test among the ones it names passes (pytest's exit status 5).
+## Every test but the release checks: test-fast, then test-slow (stops at the first failing tier)
 test: setup
 	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-fast || rc=$$?; \
 		echo "=== test-fast: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
@@ -81,14 +81,24 @@ pytest_tier = rc=0; $(BIN)/pytest -m $(1) $(PYTEST_ARGS) || rc=$$?; \
 
 ## The tests that need no broker and take seconds (-m "not kafka and not slow"): no Java, no Kafka jars
 test-fast: setup
-	@$(call pytest_tier,'not kafka and not slow')
+	@$(call pytest_tier,'not kafka and not slow and not release')
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one or a Docker API
 # answers (testcontainers then starts one; tests/kafka_source.py decides): Java and Maven only for the former.
-## The rest (-m "kafka or slow"): the real broker, the demo, wheels installed in fresh venvs
+## The rest (-m "kafka or slow"): the real broker, real models, the demo
 test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
-	@$(call pytest_tier,'kafka or slow')
+	@$(call pytest_tier,'(kafka or slow) and not release')
+
+# What a release ships, not part of `make test` (about 6 minutes, most of it pip): the wheel built and installed
+# into fresh venvs and used from another folder, each ONNX Runtime GenAI extra resolved against PyPI, the
+# Dockerfile's build steps replayed in a venv, the oldest supported broker release started, and a classifying
+# worker under strace connecting to nothing but its broker (what its libraries do changes with their pins).
+# CI runs it after `make test`.
+## Release checks (-m release): the wheel in fresh venvs, each extra, the image's steps, Kafka 3.9, no phoning home
+test-release: setup
+	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
+	@$(call pytest_tier,release)
 
 # The broker compatibility matrix, not part of `make test` (4-7 minutes per release on 2 loaded cores): the
 # kill -9, broker restart and rebalance tests (both guarantees) and the Kafka contract suite against one local

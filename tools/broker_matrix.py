@@ -38,12 +38,9 @@ from worker.dev.local_broker import KAFKA_VERSION, KAFKA_VERSION_ENV, fetch_jars
 REPO = Path(__file__).resolve().parents[1]
 # The newest 3.x (the last line with ZooKeeper, which many clusters still run), the default, the newest 4.x.
 SUPPORTED_VERSIONS = ("3.9.2", "4.1.1", KAFKA_VERSION)
-# Kill -9, broker restart and rebalance without their cascade variants, the whole contract suite (its kafka
-# half, by -m), and the local broker's restart test.
-SELECTION = (
-    "no_cascade and (kill_9 or broker_restart or joins_and_leaves) "
-    "or kafka_contract or restart_on_the_same_log_dir"
-)
+# Kill -9, broker restart and rebalance (each guarantee once), the whole contract suite (its kafka half, by
+# -m), and the local broker's restart test.
+SELECTION = "kill_9 or broker_restart or joins_and_leaves or kafka_contract or restart_on_the_same_log_dir"
 TEST_FILES = (
     "tests/pipeline/test_pipeline_e2e.py",
     "tests/kafka/test_kafka_contract.py",

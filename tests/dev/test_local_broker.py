@@ -255,6 +255,7 @@ def test_broker_commands_refuse_a_version_they_cannot_run(capsys: pytest.Capture
 
 
 @pytest.mark.kafka
+@pytest.mark.release
 def test_broker_start_runs_the_release_it_is_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

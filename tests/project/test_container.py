@@ -173,7 +173,7 @@ def test_compose_references_only_files_that_exist() -> None:
 
 
 @pytest.mark.kafka
-@pytest.mark.slow
+@pytest.mark.release
 def test_dockerfile_steps_build_a_working_worker(kafka_bootstrap: str) -> None:
     """The build stage's RUN in a fresh venv, then the result started as the image would start it."""
     checked = subprocess.run(

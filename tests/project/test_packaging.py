@@ -74,7 +74,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-@pytest.mark.slow
+@pytest.mark.release
 def test_a_wheel_without_the_cascades_encoder_is_refused_saying_how_to_get_it(tmp_path: Path) -> None:
     """A fresh clone before `make setup`: the build stops instead of shipping a worker without its cascade."""
     source = _committed_files(tmp_path / "source")
@@ -104,7 +104,7 @@ def _resolved(wheel: Path, extra: str, platform: list[str], target: Path) -> set
     return {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
 
 
-@pytest.mark.slow
+@pytest.mark.release
 @pytest.mark.parametrize(
     ("extra", "platform", "genai", "runtime"),
     [
@@ -180,7 +180,7 @@ def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.slow
+@pytest.mark.release
 def test_the_bare_install_names_the_extras_and_still_shows_its_config(installed: Installed) -> None:
     line = _one_line_error(installed.bare["classify"])
     assert line == f"triage-worker: error: {MISSING_RUNTIME}"
@@ -189,7 +189,7 @@ def test_the_bare_install_names_the_extras_and_still_shows_its_config(installed:
     assert '"bootstrap.servers" = "127.0.0.1:9092"' in installed.bare["config"].stdout
 
 
-@pytest.mark.slow
+@pytest.mark.release
 def test_the_installed_wheel_classifies_with_its_embedded_model_from_any_folder(installed: Installed) -> None:
     done = installed.cli("classify", "my card was stolen yesterday, please block it")
     assert done.returncode == 0, done.stderr
@@ -210,7 +210,7 @@ def test_the_installed_wheel_classifies_with_its_embedded_model_from_any_folder(
     assert "pass --dir" in _one_line_error(installed.cli("schemas", "--write"))
 
 
-@pytest.mark.slow
+@pytest.mark.release
 def test_checkout_only_commands_say_so_in_one_line(installed: Installed) -> None:
     broker = _one_line_error(installed.cli("broker", "start"))
     assert "runs only from a source checkout" in broker and "--bootstrap-servers" in broker
@@ -237,7 +237,7 @@ def test_checkout_only_commands_say_so_in_one_line(installed: Installed) -> None
 
 
 @pytest.mark.kafka
-@pytest.mark.slow
+@pytest.mark.release
 def test_the_installed_wheel_runs_and_replays_against_a_real_broker(
     installed: Installed, kafka_bootstrap: str, unique_topic: Callable[..., str]
 ) -> None:
@@ -320,7 +320,7 @@ def _wait_for_audit(
         time.sleep(2)
 
 
-@pytest.mark.slow
+@pytest.mark.release
 def test_the_installed_wheel_carries_the_escalation_stage_with_its_encoder(installed: Installed) -> None:
     """The cascade's stage ships like the embedded model, its 34 MB encoder included: nothing to fetch into
     the (empty) user cache."""
@@ -333,7 +333,7 @@ def test_the_installed_wheel_carries_the_escalation_stage_with_its_encoder(insta
 _PRINT_METADATA_VERSION = "import importlib.metadata as m; print(m.version('triage-worker'))"
 
 
-@pytest.mark.slow
+@pytest.mark.release
 def test_the_wheel_its_metadata_and_its_cli_carry_the_packages_one_version(
     wheel: Path, installed: Installed
 ) -> None:
