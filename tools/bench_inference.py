@@ -23,11 +23,11 @@ import msgspec
 
 from tools import REPO
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.batch import BatchRunner
 from worker.inference.engine import Engine
 from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
 from worker.inference.pool import open_pool
+from worker.settings import InferenceSettings
 
 TICKETS = [
     "I am still waiting on my card, it has been two weeks. What should I do?",

@@ -28,11 +28,11 @@ from typing import TypeVar
 
 from tools.pii_corpus import card_number, iban, phone, us_ssn
 from worker.classification import ClassifyRequest
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings, PrivacySettings
 from worker.inference.engine import Engine
 from worker.learning.evaluation import Example, read_examples, resolve_taxonomy
 from worker.privacy.redaction import Redactor
 from worker.privacy.values import CarriedMetadata
+from worker.settings import DEFAULT_MODEL_DIR, InferenceSettings, PrivacySettings
 
 REPO = Path(__file__).resolve().parents[1]
 Item = TypeVar("Item")

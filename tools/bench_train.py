@@ -44,11 +44,11 @@ import numpy as np
 from rich.console import Console
 
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.encoder import EncoderEngine, SentenceEmbedder
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import compose, encoder_stage
 from worker.learning.evaluation import baselines, read_examples
+from worker.settings import InferenceSettings
 
 REPO = Path(__file__).resolve().parent.parent
 BANKING77 = REPO / "data" / "banking77"

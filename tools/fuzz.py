@@ -325,10 +325,10 @@ class ModelPath:
 
     def __init__(self, model: Path) -> None:
         from worker.classification import ClassifyRequest, ticket_text
-        from worker.config import InferenceSettings
         from worker.inference.engine import Engine
         from worker.messages import SourcePosition
         from worker.pipeline.triage.records import encode_result, triage_result
+        from worker.settings import InferenceSettings
 
         schema = json.loads((REPO / "schemas" / "triage_result.schema.json").read_text(encoding="utf-8"))
         self.validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())

@@ -22,12 +22,12 @@ from tools import REPO
 from tools.harness import TINY_MODEL
 from worker.app.reload import Reloader
 from worker.classification import Classification, ClassifyRequest
-from worker.config import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.triage.cascade import Cascade
+from worker.settings import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes

@@ -19,7 +19,6 @@ from tools import REPO
 from worker.cli.classify_command import EXIT_LINES_SKIPPED
 from worker.cli.cli import main
 from worker.cli.replay_command import _print_report
-from worker.config import Settings
 from worker.kafka.clients import KafkaClients, create_consumer
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
@@ -35,6 +34,7 @@ from worker.replay.selection import ReplayOptions
 from worker.replay.source import ReplaySource
 from worker.replay.stage import ReplayStage
 from worker.replay.transforms import TransformFailed, TransformFunction, apply_transform, describe_failure
+from worker.settings import Settings
 
 TINY = REPO / "tests" / "models" / "tiny"
 

@@ -27,12 +27,12 @@ import pytest
 
 from tools import REPO
 from tools.harness import read_topic
-from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
 from worker.kafka.clients import record_headers
 from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
+from worker.settings import DEFAULT_MODEL_DIR, load_settings
 
 pytestmark = [pytest.mark.kafka]
 

@@ -21,7 +21,6 @@ from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
 
-from worker.config import load_settings
 from worker.contracts.input import (
     RegistryUnavailable,
     TicketDecoder,
@@ -32,6 +31,7 @@ from worker.contracts.input import (
 from worker.decoding import DecodeError, decode_ticket
 from worker.dev import local_broker
 from worker.errors import UserError
+from worker.settings import load_settings
 
 TOPIC = "helpdesk.tickets"
 LIMIT = 1_000_000

@@ -48,7 +48,6 @@ from tools.harness import (
 )
 from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.classification import FallbackLabel
-from worker.config import Settings
 from worker.contracts.input import decoder_for
 from worker.contracts.output import ResultEncoder, result_encoder_for
 from worker.decoding import RegistryCause
@@ -56,6 +55,7 @@ from worker.dev import local_broker
 from worker.dev.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.dev.samples import KIND_HEADER
 from worker.kafka.share_groups import prepare_share_group, queue_settings
+from worker.settings import Settings
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check

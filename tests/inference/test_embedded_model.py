@@ -17,11 +17,11 @@ import pytest
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.cli.cli import main
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.engine import Engine
 from worker.inference.prompt import INTENT_OPENING
 from worker.learning.evaluation import canonical_label
 from worker.messages import TriageResult
+from worker.settings import DEFAULT_MODEL_DIR, InferenceSettings
 
 TEST_CSV = REPO / "data" / "banking77" / "test.csv"
 SAMPLE_SIZE = 200

@@ -17,7 +17,6 @@ import pytest
 
 from tools import REPO
 from worker.classification import ClassifyRequest
-from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_dir, load_settings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderEngine, ordered_labels_sha256, read_manifest
 from worker.inference.escalation import EscalationChoice, choose_escalation
@@ -25,6 +24,7 @@ from worker.inference.pool import Result, measure_turnaround, open_pool
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import canonical_label, stratified_split
+from worker.settings import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_dir, load_settings
 
 BANKING77 = REPO / "taxonomies" / "banking77.toml"
 TINY_TAXONOMY = REPO / "tests" / "models" / "tiny" / "taxonomy.toml"

@@ -14,12 +14,12 @@ import pytest
 
 from tools import REPO
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import FallbackReason, SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.triage.records import encode_result, triage_result
+from worker.settings import InferenceSettings
 
 TINY = REPO / "tests" / "models" / "tiny"
 

@@ -15,8 +15,8 @@ from slow_model import install_for_good as install_slow_model_for_good
 
 from tools import REPO
 from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, ProcessPool, open_pool
+from worker.settings import InferenceSettings
 
 TINY = REPO / "tests" / "models" / "tiny"
 LONG_TICKET = "My card has not arrived yet and I am travelling next week, please help. " * 40

@@ -29,10 +29,10 @@ import pytest
 
 from tools import REPO
 from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.engine import Engine
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.triage.records import encode_result, triage_result
+from worker.settings import InferenceSettings
 
 CORPUS = REPO / "tests" / "data" / "prompt_injection.jsonl"
 

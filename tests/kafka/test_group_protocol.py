@@ -11,7 +11,6 @@ import confluent_kafka
 import pytest
 
 from tools.harness import FAST_GROUP_OPTIONS, fast_group_options
-from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import (
@@ -22,6 +21,7 @@ from worker.kafka.clients import (
 )
 from worker.kafka.commits import consumer_commit
 from worker.pipeline.failure import Failure
+from worker.settings import load_settings
 
 KafkaError = confluent_kafka.KafkaError
 TOPIC = "tickets.raw"

@@ -24,8 +24,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from memory_kafka import MemoryKafka, as_client_factory
 
-from worker.config import load_settings
 from worker.kafka.clients import ClientFactory, KafkaClients, produce
+from worker.settings import load_settings
 
 Key = tuple[str, int]
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.engine import Engine
 from worker.inference.pairing import read_trained_labels
 from worker.inference.taxonomy import load_taxonomy
 from worker.learning import first_stage
 from worker.learning.first_stage import Recipe, Shape, augment, train_first_stage
+from worker.settings import InferenceSettings
 
 needs_train_extra = pytest.mark.skipif(
     bool(first_stage.missing_modules()),

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from tools import REPO
 from worker.classification import ClassifyRequest, ticket_text
-from worker.config import InferenceSettings
 from worker.decoding import DecodeError, decode_ticket
 from worker.inference.engine import Context, Engine
 from worker.kafka.dead_letters import Headers, dead_letter_headers, read_dead_letter
 from worker.messages import SourcePosition
 from worker.pipeline.triage.records import encode_result, triage_result
+from worker.settings import InferenceSettings
 
 TINY = REPO / "tests" / "models" / "tiny"
 LIMIT = 1_048_576

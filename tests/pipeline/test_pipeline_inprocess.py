@@ -28,10 +28,10 @@ from tools.harness import (
 )
 from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import Classifier, FallbackLabel
-from worker.config import InferenceSettings
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.kafka.clients import record_headers
 from worker.messages import TriageResult
+from worker.settings import InferenceSettings
 
 pytestmark = pytest.mark.kafka
 

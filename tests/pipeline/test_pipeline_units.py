@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from worker.classification import Classification, FallbackLabel, fallback_answer
-from worker.config import PrivacySettings, load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
 from worker.messages import DEADLINE_METADATA_KEY, SourcePosition, TicketEvent, TriageResult
@@ -18,6 +17,7 @@ from worker.pipeline.flow import Flow, InFlightGate
 from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.triage.records import encode_result, result_key, triage_result
 from worker.privacy.values import CarriedMetadata
+from worker.settings import PrivacySettings, load_settings
 
 # -- in-flight gate -------------------------------------------------------------------------------------
 

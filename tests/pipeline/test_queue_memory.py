@@ -23,12 +23,12 @@ from memory_kafka import (
 
 from worker.app.doors import TriageParts, queue_pipeline
 from worker.classification import Classification, ClassifyRequest, FallbackLabel, fallback_answer
-from worker.config import Settings, load_settings
 from worker.decoding import RegistryUnavailable, decode_ticket
 from worker.dev.samples import SampleFactory
 from worker.kafka.share_groups import ShareGroup
 from worker.messages import TicketEvent, TriageResult
 from worker.pipeline.engine import Engine
+from worker.settings import Settings, load_settings
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 ACCEPT, RELEASE = confluent_kafka.AcknowledgeType.ACCEPT, confluent_kafka.AcknowledgeType.RELEASE

@@ -11,11 +11,11 @@ import pytest
 from tools import REPO
 from tools.harness import TINY_MODEL
 from worker.app.doors import lock_budget, refuse_exactly_once
-from worker.config import Settings, load_settings
 from worker.errors import UserError
 from worker.kafka.share_groups import ShareGroup, delivery_timeout_ms, queue_settings, share_consumer_config
 from worker.pipeline.sources.lock_budget import MARGIN_S, LockBudget
 from worker.pipeline.sources.share import FetchSize
+from worker.settings import Settings, load_settings
 
 # The options tests and chaos give every worker (tools/harness.py FAST_GROUP_OPTIONS) and a few more that a
 # share consumer refuses at construction (measured: a ValueError each).

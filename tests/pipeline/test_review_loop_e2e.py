@@ -32,12 +32,12 @@ import pytest
 
 from tools import REPO
 from tools.harness import Topics, Worker, audit, make_topics, read_topic, wait_until_committed
-from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
 from worker.kafka.clients import record_headers
 from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
+from worker.settings import DEFAULT_MODEL_DIR, load_settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

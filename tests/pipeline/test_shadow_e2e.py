@@ -30,11 +30,11 @@ from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import SHADOW_NICENESS
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.cli.cli import main
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer
 from worker.messages import ShadowResult
 from worker.pipeline.side_topics.shadow import Shadow
+from worker.settings import DEFAULT_MODEL_DIR, InferenceSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 # Side records are never in the primary's transactions: either guarantee, the same promises.

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from worker.cli.cli import main
-from worker.config import PrivacySettings, Settings, load_settings
 from worker.errors import UserError
 from worker.inference.loading import with_zero_shot_review
 from worker.kafka.dead_letters import ERROR_MESSAGE, OMITTED_BYTES, REDACTED, REPLAY_COUNT, read_dead_letter
@@ -21,6 +20,7 @@ from worker.pipeline.triage.records import DeadLetterRedaction, result_key
 from worker.privacy.values import CarriedMetadata, redact_value
 from worker.replay.outcomes import ReplayOutcome
 from worker.replay.selection import ReplayOptions, not_kept, why_not_replayed
+from worker.settings import PrivacySettings, Settings, load_settings
 
 # Magic byte 0, schema id 300: the Schema Registry's wire format, as its JSON Schema serializer writes it.
 FRAMING = b"\x00\x00\x00\x01\x2c"

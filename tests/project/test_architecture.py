@@ -10,30 +10,47 @@ import worker
 PACKAGE = Path(worker.__file__).parent
 # What each room may import besides the shared modules (worker/*.py); cli may import everything.
 ALLOWED = {
-    "shared": {"privacy"},
-    "kafka": {"privacy"},
-    "inference": {"privacy"},
-    "pipeline": {"kafka", "privacy"},
-    "replay": {"kafka", "pipeline", "privacy"},
-    "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
+    "shared": {"settings", "privacy"},
+    # The settings (worker/settings): the sections, their loader, the command-line glue and the writer; of
+    # the worker only the shared modules and the kinds of personal data a section names, so every room may
+    # use it.
+    "settings": {"privacy"},
+    "kafka": {"settings", "privacy"},
+    "inference": {"settings", "privacy"},
+    "pipeline": {"kafka", "settings", "privacy"},
+    "replay": {"kafka", "pipeline", "settings", "privacy"},
+    "telemetry": {"kafka", "inference", "pipeline", "replay", "settings", "privacy"},
     # The trainers, evaluation, fine-tuning on feedback (read from its topic, rejects dead-lettered with the
     # pipeline's redaction of a value) and the artifact fetch: never the command line or the dev parts.
-    "learning": {"inference", "kafka", "pipeline", "privacy"},
+    "learning": {"inference", "kafka", "pipeline", "settings", "privacy"},
     # Data contracts (Schema Registry formats): what a record's bytes mean; no Kafka client, no model.
-    "contracts": {"privacy"},
+    "contracts": {"settings", "privacy"},
     # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
     "privacy": set(),
     # The assembly point: the running worker built from its settings, so every production room, and the
     # hot-reload thread; never the command line or the dev parts.
-    "app": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"},
+    "app": {
+        *("kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "settings"),
+        "privacy",
+    },
     # The command line: every command, so everything.
     "cli": {
-        *("app", "kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"),
-        "dev",
+        *(
+            "app",
+            "kafka",
+            "inference",
+            "pipeline",
+            "replay",
+            "telemetry",
+            "learning",
+            "contracts",
+            "settings",
+        ),
+        *("privacy", "dev"),
     },
     # Development-only parts: the local broker and registry, sample tickets, and the generator of docs/'s
     # reference parts, which reads the settings, the metrics' collectors and the CLI's flags and defaults.
-    "dev": {"kafka", "pipeline", "telemetry", "cli", "privacy"},
+    "dev": {"kafka", "pipeline", "telemetry", "cli", "settings", "privacy"},
 }
 # The rooms the running worker is made of: none of them may import the command line or the dev parts.
 PRODUCTION = set(ALLOWED) - {"cli", "dev"}

@@ -12,7 +12,6 @@ from confluent_kafka import KafkaError, KafkaException
 
 from worker.cli.cli import main
 from worker.cli.replay_command import parse_offset_ranges, parse_rate, parse_seconds, parse_time
-from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
@@ -33,6 +32,7 @@ from worker.replay.transforms import (
     apply_transform,
     load_transform,
 )
+from worker.settings import load_settings
 
 
 def test_offset_ranges_accept_closed_open_and_single_forms() -> None:

@@ -18,10 +18,10 @@ from tools.load import Offsets, Tickets, new_topics, produce_tickets
 from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings, Settings
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config
 from worker.logs import librdkafka_logger
+from worker.settings import InferenceSettings, Settings
 
 # P1's second pipeline run: a bound that never fills (each run still waits for its commits).
 P1_LIFTED_BOUND = 4096

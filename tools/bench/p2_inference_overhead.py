@@ -12,8 +12,8 @@ from typing import Any
 from tools.bench.measure import group_name, last_metrics, progress, rate_of
 from tools.load import BROKER_PID, BenchWorker, Offsets, Tickets, cpu_seconds, new_topics, produce_tickets
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.pool import open_pool
+from worker.settings import InferenceSettings
 
 POOL_QUEUE_PER_CONTEXT = 32
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from tools.bench.measure import progress
 from tools.load import Tickets, cpu_seconds
-from worker.config import InferenceSettings
 from worker.inference.engine import Engine, InvalidOutput
 from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
+from worker.settings import InferenceSettings
 
 
 def measure(tickets: Tickets, count: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Contract:
 - `WorkerApp(settings, reread, metrics_interval_s=..., held_stop_signals=...)` does nothing yet; `settings`
-  as loaded (worker/config.py), `reread` loads them again the same way for a hot reload (an edited config
+  as loaded (worker/settings), `reread` loads them again the same way for a hot reload (an edited config
   file takes effect), `held_stop_signals` are SIGTERM/SIGINT received before (the CLI holds them while the
   modules import, `cli.HeldStopSignals`).
 - `start()` configures logging, takes SIGTERM/SIGINT (and SIGHUP) and checks before it loads anything heavy:
@@ -41,7 +41,6 @@ from worker.app.stages import (
     start_review,
     start_shadow,
 )
-from worker.config import Settings, masked_kafka_config
 from worker.contracts.input import decoder_for
 from worker.contracts.output import result_encoder_for
 from worker.errors import UserError
@@ -54,6 +53,7 @@ from worker.kafka.clients import KafkaClients, consumer_config, producer_config,
 from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_settings
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
+from worker.settings import Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.worker import WorkerTelemetry
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 
 from worker.classification import Classifier, FallbackLabel
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config
 from worker.kafka.share_groups import ShareClientFactory, ShareClients, ShareGroup, delivery_timeout_ms
@@ -44,6 +43,7 @@ from worker.pipeline.triage.records import DeadLetterRedaction, encode_result
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.triage.stage import TriageStage
 from worker.pipeline.work import Work
+from worker.settings import Settings
 
 ResultEncoder = Callable[[TriageResult], bytes]
 

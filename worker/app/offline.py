@@ -21,7 +21,6 @@ import msgspec
 from worker.app.doors import TriageParts, triage_stage
 from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
-from worker.config import InferenceSettings, Settings
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation, escalation_threshold
 from worker.inference.loading import resolve_taxonomy
@@ -38,6 +37,7 @@ from worker.pipeline.triage.cascade import Cascade
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Output, Work
+from worker.settings import InferenceSettings, Settings
 
 # Lines read and not yet written (at the model, at the escalation stage, or waiting for an earlier line to be
 # written first): the memory bound of a stream, and the escalation stage's window, so that it never sheds.

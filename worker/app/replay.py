@@ -30,7 +30,6 @@ import confluent_kafka
 import msgspec
 
 from worker.app.doors import limits
-from worker.config import Settings
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.logs import librdkafka_logger
 from worker.pipeline.engine import Engine, GiveUpAt
@@ -45,6 +44,7 @@ from worker.replay.reports import Reports
 from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
 from worker.replay.source import ReplaySource
 from worker.replay.stage import ReplayStage
+from worker.settings import Settings
 
 # Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
 COMMIT_INTERVAL_MS = 200

@@ -15,7 +15,6 @@ from typing import cast
 import msgspec
 import structlog
 
-from worker.config import InferenceSettings, Settings
 from worker.inference.escalation import escalation_threshold
 from worker.inference.pool import (
     ClassifierPool,
@@ -31,6 +30,7 @@ from worker.logs import librdkafka_logger
 from worker.pipeline.side_topics.review import Review
 from worker.pipeline.side_topics.shadow import Shadow
 from worker.pipeline.triage.cascade import Cascade
+from worker.settings import InferenceSettings, Settings
 
 _log = structlog.get_logger("worker.run")
 # Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from worker.cache import cache_root
-from worker.config import add_config_argument, settings_from_args
 from worker.dev import local_broker
 from worker.kafka.admin import create_topics, worker_topics
+from worker.settings import add_config_argument, settings_from_args
 
 SASL_USER = "triage"
 SASL_CLIENT_FILE = "sasl-ssl-client.toml"

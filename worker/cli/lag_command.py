@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.settings import add_config_argument, settings_from_args
 from worker.telemetry.server import Probes, TelemetryServer
 
 DEFAULT_PORT = 9401

@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from rich.console import Console
 
-from worker.config import (
+from worker.errors import UserError
+from worker.inference.escalation import choose_escalation
+from worker.inference.taxonomy import load_taxonomy
+from worker.learning.export import export_model
+from worker.learning.folders import refuse_shipped
+from worker.settings import (
     DEFAULT_ESCALATION_DIR,
     ESCALATION_AUTO,
     ESCALATION_OFF,
@@ -40,19 +45,14 @@ from worker.config import (
     escalation_dir,
     settings_from_args,
 )
-from worker.errors import UserError
-from worker.inference.escalation import choose_escalation
-from worker.inference.taxonomy import load_taxonomy
-from worker.learning.export import export_model
-from worker.learning.folders import refuse_shipped
 from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
     from worker.app.offline import Offline
-    from worker.config import InferenceSettings, Settings
     from worker.inference.taxonomy import Taxonomy
     from worker.learning import feedback
     from worker.learning.evaluation import Example, Figures, Prediction
+    from worker.settings import InferenceSettings, Settings
 
 BANKING77 = "data/banking77"
 

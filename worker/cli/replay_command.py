@@ -30,7 +30,6 @@ from rich.table import Table
 
 from worker.app.replay import INTERRUPT_DRAIN_S, Replay
 from worker.app.signals import StopOnSignals
-from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
@@ -44,6 +43,7 @@ from worker.replay.selection import (
     reset_group,
 )
 from worker.replay.transforms import DEFAULT_TRANSFORM_TIMEOUT_S, TransformProcess, TransformStopped
+from worker.settings import Settings, add_config_argument, settings_from_args
 from worker.telemetry.replay import replay_metrics
 
 EXAMPLES = """\

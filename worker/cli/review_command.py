@@ -32,7 +32,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from worker.classification import ticket_text
-from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.admin import existing_topics
@@ -45,6 +44,7 @@ from worker.kafka.clients import (
     producer_config,
 )
 from worker.messages import FeedbackEvent, ReviewRecord, utc_timestamp
+from worker.settings import Settings, add_config_argument, settings_from_args
 
 _DECODER = msgspec.json.Decoder(ReviewRecord)
 _ENCODER = msgspec.json.Encoder()

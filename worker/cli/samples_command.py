@@ -8,11 +8,11 @@ import sys
 import threading
 from typing import Any
 
-from worker.config import add_config_argument, settings_from_args
 from worker.dev.samples import SampleFactory, produce_samples
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
+from worker.settings import add_config_argument, settings_from_args
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:

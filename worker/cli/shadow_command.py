@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from worker.config import add_config_argument, settings_from_args
 from worker.kafka.side_topics import read_side_topic
 from worker.messages import ShadowResult
+from worker.settings import add_config_argument, settings_from_args
 
 _DECODER = msgspec.json.Decoder(ShadowResult)
 

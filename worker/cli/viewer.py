@@ -11,11 +11,11 @@ import uuid
 import confluent_kafka
 import msgspec
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import dead_letters
 from worker.kafka.clients import create_consumer
 from worker.messages import TriageResult
+from worker.settings import Settings
 
 _TOPIC_READY_TIMEOUT_S = 30.0
 # Errors of a topic created a moment ago, before its partitions have a leader.

@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 from worker.cli.viewer import dead_letter_line, decode_result, open_viewer, result_line
-from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
+from worker.settings import add_config_argument, settings_from_args
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:

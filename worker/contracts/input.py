@@ -33,10 +33,10 @@ from typing import Any
 
 import msgspec
 
-from worker.config import REGISTRY_FORMATS, InputFormat, Settings
 from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
 from worker.messages import TicketEvent
+from worker.settings import REGISTRY_FORMATS, InputFormat, Settings
 
 __all__ = [
     "REGISTRY_FORMATS",

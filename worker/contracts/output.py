@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from worker.config import Settings
 from worker.contracts.avro_schema import avro_schema
 from worker.errors import UserError
 from worker.messages import TriageResult
+from worker.settings import Settings
 
 ResultEncoder = Callable[[TriageResult], bytes]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import confluent_kafka
 import msgspec
 
-from worker.config import Settings
 from worker.kafka.clients import DeliveryCallback, create_producer, produce
 from worker.messages import utc_timestamp
+from worker.settings import Settings
 
 SAMPLES_FILE = Path(__file__).with_name("sample_tickets.csv")
 KIND_HEADER = "sample.kind"

@@ -31,11 +31,11 @@ import structlog
 
 from worker.cache import cache_root
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.loading import model_id, resolve_taxonomy
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason
+from worker.settings import InferenceSettings
 
 log = structlog.get_logger(__name__)
 

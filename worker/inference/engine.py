@@ -30,7 +30,6 @@ import numpy.typing as npt
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.genai import og
 from worker.inference.loading import load_model, model_dir, model_id, resolve_taxonomy
@@ -38,6 +37,7 @@ from worker.inference.pairing import taxonomy_mark
 from worker.inference.prompt import INTENT_OPENING, PRIORITY_OPENING, PromptBuilder, truncate_ticket
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason, Priority
+from worker.settings import InferenceSettings
 
 log = structlog.get_logger(__name__)
 

@@ -38,7 +38,6 @@ import msgspec
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings, LogSettings, PoolKind, PrivacySettings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderContext, EncoderEngine, is_encoder_folder
 from worker.inference.engine import Context, Engine
@@ -46,6 +45,7 @@ from worker.inference.genai import require_runtime
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.prompt import max_ticket_chars
+from worker.settings import InferenceSettings, LogSettings, PoolKind, PrivacySettings
 
 log = structlog.get_logger(__name__)
 

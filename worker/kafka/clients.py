@@ -33,10 +33,10 @@ import confluent_kafka
 import msgspec
 import structlog
 
-from worker.config import Settings, mask_secrets, masked_kafka_config
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.logs import REPEAT_INTERVAL_S, Throttle
+from worker.settings import Settings, mask_secrets, masked_kafka_config
 
 _log = structlog.get_logger("worker.kafka")
 # How long `kafka_call` retries passing errors.

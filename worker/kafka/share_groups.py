@@ -34,7 +34,6 @@ from confluent_kafka.admin._config import (  # re-exported untyped by confluent_
 )
 from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.clients import (
     ClientErrorLog,
@@ -45,6 +44,7 @@ from worker.kafka.clients import (
     kafka_call,
     producer_config,
 )
+from worker.settings import Settings
 
 # Kafka's defaults for the group configs (a broker may set others: `group.share.*`).
 DEFAULT_LOCK_MS = 30000

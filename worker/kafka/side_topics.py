@@ -10,10 +10,10 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Message, TopicPartition
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import create_consumer, kafka_call, producer_config
+from worker.settings import Settings
 
 _METADATA_TIMEOUT_S = 10.0
 _PROGRESS_EVERY_S = 2.0

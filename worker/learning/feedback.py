@@ -21,7 +21,6 @@ import confluent_kafka
 import msgspec
 
 from worker.classification import ticket_text
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import (
@@ -37,6 +36,7 @@ from worker.kafka.side_topics import read_side_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
 from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.privacy.redaction import Redactor
+from worker.settings import Settings
 
 # `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).
 FEEDBACK_ERROR_DOCS: tuple[tuple[str, str], ...] = (

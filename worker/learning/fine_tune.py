@@ -38,11 +38,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Engine
 from worker.learning.feedback import Correction
 from worker.learning.folders import writing
+from worker.settings import InferenceSettings
 
 FloatArray = npt.NDArray[np.float64]
 Example = tuple[str, str]  # (text, intent)

@@ -484,8 +484,8 @@ def check_parity(model_dir: Path, builder: PromptBuilder, hf_tokenizer: Any, tex
 def served_answers(model_dir: Path, texts: Sequence[str]) -> list[tuple[str, float]]:
     """(intent, confidence) for each of `texts`, as the engine serves an exported folder in `score` mode
     (one thread): the chosen intent and its renormalised probability."""
-    from worker.config import InferenceSettings
     from worker.inference.engine import Engine
+    from worker.settings import InferenceSettings
 
     settings = InferenceSettings(
         model=str(model_dir), taxonomy=str(model_dir / "taxonomy.toml"), mode="score", escalation="off"

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 from confluent_kafka import TopicPartition
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, kafka_call
 from worker.kafka.dead_letters import ERROR_TYPES, REDACTED_DROPPED, DeadLetterInfo
 from worker.replay.outcomes import PartitionPlan, ReplayOutcome
+from worker.settings import Settings
 
 DEFAULT_MAX_REPLAYS = 3
 METADATA_TIMEOUT_S = 10.0

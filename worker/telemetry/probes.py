@@ -11,10 +11,10 @@ import confluent_kafka
 import structlog
 from confluent_kafka.admin import AdminClient
 
-from worker.config import Settings
 from worker.kafka.admin import METADATA_ONLY
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.pipeline.metrics import PartitionGauges, PipelineMetrics, RegistryState
+from worker.settings import Settings
 from worker.telemetry.server import Check, Probes, report
 
 _log = structlog.get_logger("worker.telemetry")

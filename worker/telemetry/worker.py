@@ -11,9 +11,9 @@ from typing import Any
 import structlog
 
 from worker import __version__
-from worker.config import InferenceSettings, Settings
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.pipeline.metrics import PipelineMetrics
+from worker.settings import InferenceSettings, Settings
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import BrokerProbe, WorkerProbes

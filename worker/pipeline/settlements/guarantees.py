@@ -43,7 +43,6 @@ from typing import Any, ClassVar, TypeVar
 import confluent_kafka
 import structlog
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import ProducerFactory
@@ -62,6 +61,7 @@ from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send_
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.pipeline.work import Output, Work
+from worker.settings import Settings
 
 _log = structlog.get_logger("worker.pipeline")
 _T = TypeVar("_T")

@@ -20,12 +20,12 @@ from typing import Protocol
 import msgspec
 import structlog
 
-from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.messages import TicketEvent
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.work import Work
+from worker.settings import Settings
 
 _log = structlog.get_logger("worker.pipeline")
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from worker.classification import Classification
-from worker.config import Settings
 from worker.messages import TriageResult
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.side_topics.side_topic import ResultWatcher, WrittenResult
@@ -31,6 +30,7 @@ from worker.pipeline.triage.records import (
 )
 from worker.pipeline.work import Output, Work
 from worker.privacy.values import CarriedMetadata
+from worker.settings import Settings
 
 _log = structlog.get_logger("worker.pipeline")
 

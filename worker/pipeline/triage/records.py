@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import msgspec
 
 from worker.classification import Classification
-from worker.config import Settings
 from worker.kafka.dead_letters import OMITTED_BYTES, REDACTED_DROPPED, dead_letter_headers
 from worker.messages import SCHEMA_VERSION, PiiKind, SourcePosition, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.work import Headers, Output, Work
 from worker.privacy.redaction import Redactor
 from worker.privacy.values import CarriedMetadata, redact_bytes, redact_headers, redact_value
+from worker.settings import Settings
 
 _ENCODER = msgspec.json.Encoder()
 
