@@ -25,9 +25,11 @@ from worker.messages import TriageResult
 from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import Record, Settlement
+from worker.pipeline.settlements.delivery import DeliveryRules
 from worker.pipeline.settlements.guarantees import AtLeastOnce, GuaranteeWiring
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import OffsetTracker
+from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.replay.outcomes import ReplayOutcome, ReplaySummary
 from worker.replay.reports import Reports
 from worker.replay.selection import ReplayOptions
@@ -77,7 +79,9 @@ class _HandFed:
         )
         settings = Settings(kafka={"bootstrap.servers": "127.0.0.1:1"})
         self.summary = ReplaySummary(_DLQ, "g", dry_run)
-        self.consumer = create_consumer(settings)
+        self.consumer = create_consumer(settings.kafka, settings.pipeline)
+        metrics = PipelineMetrics()
+        redaction = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter)
         tracker = OffsetTracker()
         self.state = tracker.assign((_DLQ, 0))
         self.source = ReplaySource(self.consumer, self.options, tracker, lambda plan: None)
@@ -87,8 +91,9 @@ class _HandFed:
             if dry_run
             else AtLeastOnce(
                 GuaranteeWiring(
-                    settings, KafkaClients(settings), self.consumer, tracker, PipelineMetrics(),
-                    time.monotonic, reports.stopped, Failure(), reports, dead_letters=False,
+                    settings.pipeline, DeliveryRules(None, redaction, metrics, time.monotonic),
+                    KafkaClients(settings.kafka, settings.pipeline), self.consumer, tracker, metrics,
+                    time.monotonic, reports.stopped, Failure(), reports,
                 )
             )
         )  # fmt: skip

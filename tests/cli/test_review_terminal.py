@@ -222,7 +222,15 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
         },
     )
     labels = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml").labels
-    corrections, refused = read_feedback_topic(settings, labels, progress=False)
+    corrections, refused = read_feedback_topic(
+        settings.kafka,
+        settings.pipeline,
+        settings.topics,
+        settings.privacy,
+        settings.dead_letter,
+        labels,
+        progress=False,
+    )
     assert [(c.ticket_id, c.intent) for c in corrections] == [
         ("T-accept", "card_arrival"),
         ("T-correct", "lost_or_stolen_card"),

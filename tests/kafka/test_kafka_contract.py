@@ -77,7 +77,8 @@ class KafkaBackend:
         }
         if transactional_id is not None:
             overrides["pipeline.transactional_id"] = transactional_id
-        return KafkaClients(load_settings(env={}, overrides=overrides))
+        settings = load_settings(env={}, overrides=overrides)
+        return KafkaClients(settings.kafka, settings.pipeline)
 
 
 @pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])

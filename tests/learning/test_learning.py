@@ -448,8 +448,8 @@ def test_a_bad_out_folder_is_refused_before_any_work(tmp_path: Path) -> None:
 
 
 def test_a_zero_shot_model_runs_with_review_on_unless_review_is_configured(tmp_path: Path) -> None:
+    from worker.app.application import with_zero_shot_review as _review_for_zero_shot
     from worker.inference.loading import ZERO_SHOT_REVIEW_THRESHOLD
-    from worker.inference.loading import with_zero_shot_review as _review_for_zero_shot
     from worker.settings import load_settings
 
     folder = _served_folder(tmp_path)

@@ -210,7 +210,13 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
         },
     )
     corrections, rejections = read_feedback_topic(
-        settings, load_taxonomy(tuned / "taxonomy.toml").labels, False
+        settings.kafka,
+        settings.pipeline,
+        settings.topics,
+        settings.privacy,
+        settings.dead_letter,
+        load_taxonomy(tuned / "taxonomy.toml").labels,
+        False,
     )
     assert (len(corrections), len(rejections)) == (len(to_review), 3)
     assert len(list(read_topic(kafka_bootstrap, feedback_dead_letters))) == 3

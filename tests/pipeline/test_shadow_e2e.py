@@ -185,7 +185,7 @@ def test_a_shadow_that_never_answers_holds_back_no_result_and_no_commit(
         **{"pipeline.group_id": group, "topics.shadow": side, "pipeline.guarantee": guarantee},
     )
     silent = _SilentShadow()
-    shadow = Shadow(silent, 2, create_producer(settings), side, budget_s=2.0)
+    shadow = Shadow(silent, 2, create_producer(settings.kafka), side, budget_s=2.0)
     outcome: dict[str, Any] = {}
     with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
         parts = TriageParts(pool, FallbackLabel("unclassified", "Medium"), 2, shadow=shadow)

@@ -121,6 +121,64 @@ def test_no_command_module_imports_another() -> None:
     assert wrong == []
 
 
+# The assembly point and the rooms above it: where the whole `Settings` is split into what each part uses.
+TAKES_WHOLE_SETTINGS = {"app", "cli", "dev", "settings"}
+
+
+def _names_whole_settings(annotation: ast.expr | None) -> bool:
+    """Whether an annotation mentions `Settings` itself (bare, dotted, quoted or inside a union or generic),
+    not one of its sections (`PipelineSettings`, ...)."""
+    if annotation is None:
+        return False
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name) and node.id == "Settings":
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "Settings":
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                quoted = ast.parse(node.value, mode="eval").body
+            except SyntaxError:
+                continue
+            if _names_whole_settings(quoted):
+                return True
+    return False
+
+
+def _whole_settings_annotations(path: Path) -> list[str]:
+    """Where `path` annotates a parameter, a return or an attribute with the whole `Settings`."""
+    annotated: list[tuple[int, str, ast.expr | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            arguments = node.args
+            every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+            every += [each for each in (arguments.vararg, arguments.kwarg) if each is not None]
+            annotated += [
+                (node.lineno, f"{node.name}({argument.arg})", argument.annotation) for argument in every
+            ]
+            annotated.append((node.lineno, f"{node.name} -> return", node.returns))
+        elif isinstance(node, ast.AnnAssign):
+            annotated.append((node.lineno, ast.unparse(node.target), node.annotation))
+    return [
+        f"{path.relative_to(PACKAGE)}:{line} {where}"
+        for line, where, annotation in annotated
+        if _names_whole_settings(annotation)
+    ]
+
+
+def test_no_part_below_the_assembly_point_takes_the_whole_settings() -> None:
+    """A part takes its own section (`PipelineSettings`, ...) or plain values, so that what it depends on is
+    in its signature; only the assembly point (`worker.app`), the rooms above it and the settings room itself
+    hold the whole `Settings`."""
+    wrong = [
+        where
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if _room(path) not in TAKES_WHOLE_SETTINGS
+        for where in _whole_settings_annotations(path)
+    ]
+    assert wrong == []
+
+
 REPO = PACKAGE.parent
 TESTS = {path.stem for path in (REPO / "tests").rglob("*.py")}
 # The test folders: one per room of the package (tests/shared for worker/*.py), and tests/project for the

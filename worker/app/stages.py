@@ -107,14 +107,14 @@ def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: C
     primary's; at most its own dispatch window outstanding (the drop rule, see
     worker/pipeline/side_topics/shadow.py)."""
     window = dispatch_window(msgspec.structs.replace(settings, inference=shadow_settings))
-    producer = create_producer(settings, ClientErrorLog("shadow-producer"), librdkafka_logger())
+    producer = create_producer(settings.kafka, ClientErrorLog("shadow-producer"), librdkafka_logger())
     _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)
     return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
 
 
 def start_review(settings: Settings) -> Review:
     """Results to review go through a producer of their own, as the shadow's side records do."""
-    producer = create_producer(settings, ClientErrorLog("review-producer"), librdkafka_logger())
+    producer = create_producer(settings.kafka, ClientErrorLog("review-producer"), librdkafka_logger())
     review = settings.review
     _log.info(
         "review_started", topic=settings.topics.review, threshold=review.threshold, fallbacks=review.fallbacks

@@ -96,7 +96,9 @@ def serve(args: argparse.Namespace) -> int:
     group = args.group or settings.pipeline.group_id
     topic = args.topic or settings.topics.input
     # Its client's lines and errors in the configured format, one per cause and interval.
-    reader = GroupLagReader(producer_config(settings), librdkafka_logger(), ClientErrorLog("lag-exporter"))
+    reader = GroupLagReader(
+        producer_config(settings.kafka), librdkafka_logger(), ClientErrorLog("lag-exporter")
+    )
     registry = CollectorRegistry()
     registry.register(GroupLagCollector(lambda: reader.read(group, topic), group, topic))
     metrics = msgspec.structs.replace(

@@ -290,10 +290,17 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     if args.feedback is not None:
         corrections, rejections = feedback.read_feedback_file(
-            Path(args.feedback), taxonomy.labels, feedback.training_redactor(settings)
+            Path(args.feedback), taxonomy.labels, feedback.training_redactor(settings.privacy)
         )
     else:
-        corrections, rejections = feedback.read_feedback_topic(settings, taxonomy.labels)
+        corrections, rejections = feedback.read_feedback_topic(
+            settings.kafka,
+            settings.pipeline,
+            settings.topics,
+            settings.privacy,
+            settings.dead_letter,
+            taxonomy.labels,
+        )
     for rejection in rejections:
         console.print(f"skipped {rejection.where}: {rejection.error_type}: {rejection.message}", markup=False)
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")

@@ -392,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
                 options = dataclasses.replace(options, transform=transform)
                 # One clear line at start for a refused login or an untrusted certificate, which the
                 # replay's own clients would only report as metadata timeouts.
-                check_cluster(producer_config(settings))
+                check_cluster(producer_config(settings.kafka))
                 with (
                     _ProgressBar(err, options.dry_run) as bar,
                     replay_metrics(args.metrics_port, settings.metrics, bar) as observer,
@@ -430,8 +430,8 @@ def _transform(
 def _reset(args: argparse.Namespace, settings: Settings, dlq_topic: str) -> int:
     """`--reset-group`: the group's positions on the dead-letter topic back to its beginning."""
     group = args.group or default_group(dlq_topic)
-    check_cluster(producer_config(settings))
-    resets = reset_group(settings, dlq_topic, group, args.dry_run)
+    check_cluster(producer_config(settings.kafka))
+    resets = reset_group(settings.kafka, settings.pipeline, dlq_topic, group, args.dry_run)
     if args.json:
         data = {
             "dlq_topic": dlq_topic,

@@ -60,8 +60,8 @@ def send(args: argparse.Namespace) -> int:
         value = msgspec.json.encode(event)
         _refuse_a_dead_letter(value, settings.pipeline.max_value_bytes)
         what = f"ticket {ticket_id}"
-    check_cluster(producer_config(settings))
-    producer = create_producer(settings)
+    check_cluster(producer_config(settings.kafka))
+    producer = create_producer(settings.kafka)
     outcome: list[Any] = []
     try:
         produce(producer, topic, value, None, None, lambda error, message: outcome.append((error, message)))

@@ -32,7 +32,9 @@ def open_viewer(settings: Settings, from_beginning: bool) -> confluent_kafka.Con
     """A consumer of the output and dead-letter topics, by assignment (no group membership, no commits), from
     their beginning or from their current end (only what arrives from now on)."""
     # Through the worker's client options, so SASL/TLS settings apply here too.
-    consumer = create_consumer(settings, overrides={"group.id": f"triage-viewer-{uuid.uuid4().hex[:8]}"})
+    consumer = create_consumer(
+        settings.kafka, settings.pipeline, overrides={"group.id": f"triage-viewer-{uuid.uuid4().hex[:8]}"}
+    )
     partitions = []
     for topic in (settings.topics.output, settings.topics.dead_letter):
         metadata = consumer.list_topics(topic, timeout=15).topics[topic]

@@ -47,7 +47,7 @@ def watch(args: argparse.Namespace) -> int:
     if args.count < 0 or args.idle < 0:
         raise UserError("--count and --idle must not be negative")
     settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
-    check_cluster(producer_config(settings))
+    check_cluster(producer_config(settings.kafka))
     viewer = open_viewer(settings, from_beginning=not args.new)
     shown = 0
     last_seen = time.monotonic()

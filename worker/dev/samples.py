@@ -129,7 +129,7 @@ def produce_samples(
     Returns once every record is acknowledged or failed, or `flush_timeout_s` passed (records still
     unacknowledged then count as failed); `on_sent(sample, n)` is called after each record is queued.
     """
-    producer = create_producer(settings)
+    producer = create_producer(settings.kafka)
     stats = ProduceStats()
 
     def delivered(error: object, _message: object) -> None:
