@@ -115,10 +115,12 @@ class WorkerApp:
         # The input's decoder (with its registry client) reads only input settings: a Protobuf class that
         # does not import stops the start here, before the broker is asked.
         decoder = decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes)
-        # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
+        # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py). Each
+        # model's taxonomy is resolved here, once: its pool, engines and fallbacks take this one value (the
+        # escalation stage takes the first stage's).
         taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
-        if (shadow_inference := settings.inference.shadow_settings()) is not None:
-            resolve_taxonomy(shadow_inference)
+        shadow_inference = settings.inference.shadow_settings()
+        shadow_taxonomy = None if shadow_inference is None else resolve_taxonomy(shadow_inference)
         escalation = choose_escalation(settings.inference, taxonomy, taxonomy_path)
         if escalation.why_off is not None:
             _log.info("cascade_off", reason=escalation.why_off)
@@ -152,7 +154,7 @@ class WorkerApp:
         if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
             # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
             signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
-        pool = open_pool(settings.inference, settings.log, settings.privacy)
+        pool = open_pool(settings.inference, taxonomy, taxonomy_path, settings.log, settings.privacy)
         classifier = self._classifier = SwitchingClassifier(pool)
         cascade = None
         if escalation.settings is not None:
@@ -160,13 +162,14 @@ class WorkerApp:
                 settings,
                 escalation.settings,
                 taxonomy,
+                taxonomy_path,
                 classifier.current.size,
                 lambda line: _log.info("fetching", what=line),
             )
         shadow = None
-        if (shadow_settings := settings.inference.shadow_settings()) is not None:
-            self._shadow_pool = open_shadow_pool(shadow_settings, settings)
-            shadow = start_shadow(settings, shadow_settings, self._shadow_pool)
+        if shadow_inference is not None and shadow_taxonomy is not None:
+            self._shadow_pool = open_shadow_pool(shadow_inference, *shadow_taxonomy, settings)
+            shadow = start_shadow(settings, shadow_inference, self._shadow_pool)
         review = start_review(settings) if settings.review.enabled else None
         parts = TriageParts(
             classifier,

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -107,20 +108,30 @@ def offline_stages(
     elif escalation is None:
         escalation = choose_escalation(inference, taxonomy, taxonomy_path).settings
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(open_pool(inference, settings.log, settings.privacy, announce=announce))
+        pool = stack.enter_context(
+            open_pool(inference, taxonomy, taxonomy_path, settings.log, settings.privacy, announce=announce)
+        )
         over: Cascade | None = None
         if escalation is not None:
-            stage = LazyPool(lambda: _open_stage(settings, escalation, echo, announce))
+            # The stage answers with the first stage's taxonomy: the one value resolved above.
+            stage = LazyPool(
+                lambda: _open_stage(settings, escalation, taxonomy, taxonomy_path, echo, announce)
+            )
             stack.callback(stage.close)
             over = _offline_cascade(inference, stage, pool.size, taxonomy, escalate_below)
         yield Offline(pool, over, taxonomy.fallback_label)
 
 
 def _open_stage(
-    settings: Settings, escalation: InferenceSettings, echo: Callable[[str], None], announce: bool
+    settings: Settings,
+    escalation: InferenceSettings,
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    echo: Callable[[str], None],
+    announce: bool,
 ) -> ClassifierPool:
     fetch_stage_files(escalation, echo)
-    return open_pool(escalation, settings.log, settings.privacy, announce=announce)
+    return open_pool(escalation, taxonomy, taxonomy_path, settings.log, settings.privacy, announce=announce)
 
 
 def _offline_cascade(

@@ -142,7 +142,7 @@ class Reloader:
                     f"{taxonomy_path} changes the label set the running escalation stage was checked "
                     'against: needs a restart (or inference.escalation = "auto", which stands aside)'
                 )
-            pool = open_pool(settings.inference, settings.log, settings.privacy)
+            pool = open_pool(settings.inference, taxonomy, taxonomy_path, settings.log, settings.privacy)
             answer = _canary(pool)
             if answer.fallback or answer.intent not in taxonomy.labels:
                 raise ReloadError(

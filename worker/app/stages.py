@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import msgspec
@@ -55,14 +56,16 @@ def open_cascade(
     settings: Settings,
     escalation: InferenceSettings,
     taxonomy: Taxonomy,
+    taxonomy_path: Path,
     first_contexts: int,
     echo: Callable[[str], None],
     window: int | None = None,
 ) -> tuple[ClassifierPool, Cascade]:
-    """The escalation stage's files fetched where missing (each step told to `echo`), its pool opened and the
-    cascade over it started (`start_cascade`); the caller closes the pool (closed here if the start fails)."""
+    """The escalation stage's files fetched where missing (each step told to `echo`), its pool opened with the
+    first stage's `taxonomy` (from `taxonomy_path`, as resolved for it) and the cascade over it started
+    (`start_cascade`); the caller closes the pool (closed here if the start fails)."""
     fetch_stage_files(escalation, echo)
-    pool = open_pool(escalation, settings.log, settings.privacy)
+    pool = open_pool(escalation, taxonomy, taxonomy_path, settings.log, settings.privacy)
     try:
         return pool, start_cascade(settings, escalation, pool, taxonomy, first_contexts, window)
     except BaseException:
@@ -94,12 +97,14 @@ def start_cascade(
     return Cascade(pool, escalate_below, window, prior_s, first_contexts, taxonomy.labels)
 
 
-def open_shadow_pool(shadow_settings: InferenceSettings, settings: Settings) -> ClassifierPool:
-    """The shadow's pool: its processes run at a lower CPU priority, so that on shared cores the primary's
-    contexts come first."""
+def open_shadow_pool(
+    shadow_settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path, settings: Settings
+) -> ClassifierPool:
+    """The shadow's pool, with the shadow model's `taxonomy` (from `taxonomy_path`, as resolved for it): its
+    processes run at a lower CPU priority, so that on shared cores the primary's contexts come first."""
     # (A partial of a builtin pickles by reference, so the spawned processes import nothing more.)
     lower_priority = cast("Callable[[], None]", functools.partial(os.nice, SHADOW_NICENESS))
-    return open_pool(shadow_settings, settings.log, settings.privacy, lower_priority)
+    return open_pool(shadow_settings, taxonomy, taxonomy_path, settings.log, settings.privacy, lower_priority)
 
 
 def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: ClassifierPool) -> Shadow:
