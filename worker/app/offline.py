@@ -92,6 +92,7 @@ def offline_stages(
     settings: Settings,
     inference: InferenceSettings | None = None,
     *,
+    resolved: tuple[Taxonomy, Path] | None = None,
     cascade: bool = True,
     escalation: InferenceSettings | None = None,
     escalate_below: float | None = None,
@@ -100,9 +101,11 @@ def offline_stages(
 ) -> Iterator[Offline]:
     """The pools an offline door classifies with, closed on exit: `inference` (default: the settings') as the
     first stage, and, unless `cascade` is False, the cascade as `run` would have it — or over `escalation`
-    with `escalate_below` when given (model eval measures thresholds). `announce`: log the pools' start."""
+    with `escalate_below` when given (model eval measures thresholds). `announce`: log the pools' start.
+    `resolved`: the first stage's taxonomy and its file as the caller resolved them (a command that reads its
+    examples with them), else resolved here; both stages take this one value."""
     inference = inference or settings.inference
-    taxonomy, taxonomy_path = resolve_taxonomy(inference)
+    taxonomy, taxonomy_path = resolved or resolve_taxonomy(inference)
     if not cascade:
         escalation = None
     elif escalation is None:
