@@ -403,8 +403,8 @@ def _json_map_key(key: object) -> str:
 def decoder_for(
     chosen: InputSettings, registry_settings: SchemaRegistrySettings, max_value_bytes: int
 ) -> TicketDecoder | None:
-    """The decoder the input section `chosen` describes, with its client of the registry `registry_settings`
-    describe, refusing values over `max_value_bytes`; None for plain JSON without a field mapping, which the
+    """The decoder the input section `chosen` describes, with a client of the registry `registry_settings`
+    names, refusing values over `max_value_bytes`; None for plain JSON without a field mapping, which the
     pipeline decodes as it always has (`decode_ticket`). Raises UserError (one line) when the Protobuf
     message class cannot be imported."""
     if chosen.format == "json" and not chosen.fields:
