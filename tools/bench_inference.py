@@ -23,11 +23,12 @@ import msgspec
 
 from tools import REPO
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.batch import BatchRunner
 from worker.inference.engine import Engine
 from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
+from worker.settings import InferenceSettings
 
 TICKETS = [
     "I am still waiting on my card, it has been two weeks. What should I do?",
@@ -45,10 +46,15 @@ def _rate(count: int, seconds: float) -> float:
     return round(count / seconds, 1)
 
 
+def _engine(settings: InferenceSettings) -> Engine:
+    """The engine as a pool assembles it: its taxonomy resolved, then the model loaded."""
+    return Engine(settings, *resolve_taxonomy(settings))
+
+
 def prefix_reuse(settings: InferenceSettings, requests: int) -> dict[str, float]:
     figures: dict[str, float] = {}
     for mode in ("score", "generate"):
-        engine = Engine(msgspec.structs.replace(settings, mode=mode))
+        engine = _engine(msgspec.structs.replace(settings, mode=mode))
         context = engine.new_context()
         started = time.perf_counter()
         for index in range(requests):
@@ -76,7 +82,7 @@ def prefix_reuse(settings: InferenceSettings, requests: int) -> dict[str, float]
 
 def pools(settings: InferenceSettings, requests: int) -> dict[str, float]:
     size = os.cpu_count() or 1
-    engine = Engine(settings)
+    engine = _engine(settings)
     context = engine.new_context()
     started = time.perf_counter()
     for index in range(requests):
@@ -84,7 +90,8 @@ def pools(settings: InferenceSettings, requests: int) -> dict[str, float]:
     baseline = _rate(requests, time.perf_counter() - started)
     figures: dict[str, float] = {"pool_size": size, "one_context_req_s": baseline}
     for kind in ("thread", "process"):
-        with open_pool(msgspec.structs.replace(settings, pool=kind, pool_size=size)) as pool:
+        pool_settings = msgspec.structs.replace(settings, pool=kind, pool_size=size)
+        with open_pool(pool_settings, *resolve_taxonomy(pool_settings)) as pool:
             gaps: list[float] = []
             stop = threading.Event()
 
@@ -114,7 +121,7 @@ def pools(settings: InferenceSettings, requests: int) -> dict[str, float]:
 
 
 def batches(settings: InferenceSettings, requests: int) -> dict[str, float]:
-    engine = Engine(msgspec.structs.replace(settings, mode="generate"))
+    engine = _engine(msgspec.structs.replace(settings, mode="generate"))
     runner = BatchRunner(engine)
     figures: dict[str, float] = {}
     baseline = 0.0

@@ -28,11 +28,11 @@ from typing import TypeVar
 
 from tools.pii_corpus import card_number, iban, phone, us_ssn
 from worker.classification import ClassifyRequest
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings, PrivacySettings
 from worker.inference.engine import Engine
 from worker.learning.evaluation import Example, read_examples, resolve_taxonomy
 from worker.privacy.redaction import Redactor
 from worker.privacy.values import CarriedMetadata
+from worker.settings import DEFAULT_MODEL_DIR, InferenceSettings, PrivacySettings
 
 REPO = Path(__file__).resolve().parents[1]
 Item = TypeVar("Item")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     redactor = Redactor()
     settings = InferenceSettings(model=str(DEFAULT_MODEL_DIR), escalation=None)
-    taxonomy = resolve_taxonomy(settings)[0]
+    taxonomy, taxonomy_path = resolve_taxonomy(settings)
     test = read_examples(DATA / "test.csv", taxonomy)
     train = read_examples(DATA / "train.csv", taxonomy)
     flagged = [e.text for e in test + train if redactor.scan(None, e.text).kinds]
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         kind not in redactor.scan(None, text).kinds for kind, text in zip(kinds, with_pii, strict=True)
     )
 
-    engine = Engine(settings)
+    engine = Engine(settings, taxonomy, taxonomy_path)
     plain = [e.text for e in examples]
     accuracy = {
         "original": _accuracy(engine, plain, examples),

@@ -18,8 +18,8 @@ from typing import Any
 
 from tools.bench.measure import group_name, progress, rate_of
 from tools.load import BenchWorker, Offsets, Tickets, cpu_seconds, kafka, new_topics, produce_tickets
-from worker.config import LogSettings, PrivacySettings
 from worker.logs import configure_logging
+from worker.settings import LogSettings, PrivacySettings
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {"off": ["--set", "privacy.detect=", "--set", "inference.redact_input=false"], "on": []}

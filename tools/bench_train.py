@@ -44,11 +44,12 @@ import numpy as np
 from rich.console import Console
 
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.encoder import EncoderEngine, SentenceEmbedder
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import compose, encoder_stage
 from worker.learning.evaluation import baselines, read_examples
+from worker.settings import InferenceSettings
 
 REPO = Path(__file__).resolve().parent.parent
 BANKING77 = REPO / "data" / "banking77"
@@ -198,7 +199,7 @@ def _folder_row(
         settings = InferenceSettings(
             model=str(out / compose.ENCODER_DIR), taxonomy=str(out / "taxonomy.toml")
         )
-        engine = EncoderEngine(settings)
+        engine = EncoderEngine(settings, *resolve_taxonomy(settings))
         started = time.monotonic()
         encoder: list[str] = []
         for start in range(0, len(texts), 64):

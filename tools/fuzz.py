@@ -325,16 +325,18 @@ class ModelPath:
 
     def __init__(self, model: Path) -> None:
         from worker.classification import ClassifyRequest, ticket_text
-        from worker.config import InferenceSettings
         from worker.inference.engine import Engine
+        from worker.inference.loading import resolve_taxonomy
         from worker.messages import SourcePosition
         from worker.pipeline.triage.records import encode_result, triage_result
+        from worker.settings import InferenceSettings
 
         schema = json.loads((REPO / "schemas" / "triage_result.schema.json").read_text(encoding="utf-8"))
         self.validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+        modes = {mode: InferenceSettings(model=str(model), mode=mode) for mode in ("score", "generate")}
         self.contexts = {
-            mode: Engine(InferenceSettings(model=str(model), mode=mode)).new_context()
-            for mode in ("score", "generate")
+            mode: Engine(settings, *resolve_taxonomy(settings)).new_context()
+            for mode, settings in modes.items()
         }
         self.request, self.ticket_text, self.source = ClassifyRequest, ticket_text, SourcePosition
         self.encode_result, self.triage_result = encode_result, triage_result

@@ -29,12 +29,12 @@ from confluent_kafka.admin import AdminClient
 
 from tools import REPO
 from worker.cli.launch import run_command
-from worker.config import Settings, load_settings
 from worker.dev.samples import KIND_HEADER, SampleFactory, produce_samples
 from worker.kafka import dead_letters
 from worker.kafka.admin import METADATA_ONLY
 from worker.kafka.clients import CLASSIC_ONLY, CONSUMER_PROTOCOL, group_protocol
 from worker.messages import TriageResult
+from worker.settings import Settings, load_settings
 
 TINY_MODEL = REPO / "tests" / "models" / "tiny"
 SLOW_MODEL_SCRIPT = REPO / "tests" / "slow_model.py"

@@ -6,7 +6,7 @@ librdkafka prints its own property table (the one in its CONFIGURATION.md) with
 `rd_kafka_conf_properties_show(FILE *)`; confluent-kafka's wheels bundle the library, which is called here
 through ctypes (Linux: the bundled `confluent_kafka.libs/librdkafka-*.so*`, else a system librdkafka).
 Without --write it prints the differences from worker/librdkafka.py and exits 1 if there are any;
-tests/shared/test_kafka_env.py runs the same comparison.
+tests/settings/test_kafka_env.py runs the same comparison.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def render(properties: set[str], version: str) -> str:
         '"""The configuration property names librdkafka knows; settings check `[kafka]` keys against them.',
         "",
         f"Generated from librdkafka {version}'s table by `python -m tools.librdkafka_properties --write`.",
-        "tests/shared/test_kafka_env.py fails when the installed librdkafka's table differs.",
+        "tests/settings/test_kafka_env.py fails when the installed librdkafka's table differs.",
         '"""',
         "",
         f'LIBRDKAFKA_VERSION = "{version}"',

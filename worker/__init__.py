@@ -1,8 +1,13 @@
 """triage-worker: Kafka stream-processing worker that triages support tickets with a local ORT GenAI model.
 
 Architecture. A record flows one way: consume → decode → dispatch → classify → encode → produce → commit.
-The code is in eleven rooms, one folder each, plus a few shared modules; each room has one contract.
+The code is in twelve rooms, one folder each, plus a few shared modules; each room has one contract.
 
+- ``worker/settings`` (the settings): one validated `Settings`, one frozen struct per TOML table
+  (`sections`), built from defaults < TOML file < environment < command line (`loading`), every command's
+  ``--config``/``--set`` (`command_line`), written back as TOML (`writing`), secrets masked (`masking`).
+  Below the assembly point a part takes its own section or plain values, never the whole `Settings`.
+  Imports the shared modules and `worker.privacy`; every room may import it.
 - ``worker/kafka`` (Kafka I/O): client factories and the options the guarantees rely on (`clients`), one
   `produce` that waits out a full client queue, one table of Kafka error classes (`errors`), group commits
   and the transactional producer's life cycle (`commits`), topic admin and the group's lag read from the
@@ -12,8 +17,9 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   labels, `pairing`), builds the prompt from a taxonomy, scores or generates an answer in prefix-reusing
   contexts, and serves them from a pool. Its contract is a
   `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`;
-  the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. Imports only the shared
-  modules.
+  the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. A model's taxonomy is
+  resolved once where the model is assembled (`loading.resolve_taxonomy`, called by `worker.app` or a
+  command) and handed to its pool, engines and encoder stage as a value. Imports only the shared modules.
 - ``worker/pipeline`` (the pipeline): the one loop every door rides (`engine.Engine`): the in-flight bound,
   deadlines, the Schema Registry's wait, drains on revoke, shutdown; over three seams (`seams`): where
   records come from (`sources/`: a consumer group, a share group, the lines of a file), what happens to each
@@ -60,8 +66,8 @@ The code is in eleven rooms, one folder each, plus a few shared modules; each ro
   `values` redacts a record's raw bytes by their wire format (dead-letter values, keys and headers).
   Imports nothing of the worker, so every room and the shared modules may import it.
 - Shared: `messages` (the Kafka message contracts), `classification` (the classifier contract), `decoding`
-  (bytes → TicketEvent or the dead-letter reason), `config` (layered settings), `small_files` (settings files
-  and taxonomies, read with a bound), `logs`, `errors`.
+  (bytes → TicketEvent or the dead-letter reason), `small_files` (settings files and taxonomies, read with
+  a bound), `logs`, `errors`.
 
 `tests/project/test_architecture.py` checks the import rules, that no room but `cli` and `dev` imports
 either, and that no command module imports another.

@@ -1,7 +1,7 @@
 """The configuration property names librdkafka knows; settings check `[kafka]` keys against them.
 
 Generated from librdkafka 2.16.0's table by `python -m tools.librdkafka_properties --write`.
-tests/shared/test_kafka_env.py fails when the installed librdkafka's table differs.
+tests/settings/test_kafka_env.py fails when the installed librdkafka's table differs.
 """
 
 LIBRDKAFKA_VERSION = "2.16.0"

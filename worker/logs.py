@@ -20,8 +20,8 @@ from typing import TextIO
 
 import structlog
 
-from worker.config import LogSettings, PrivacySettings
 from worker.privacy.redaction import Redactor
+from worker.settings import LogSettings, PrivacySettings
 
 
 def configure_logging(settings: LogSettings, privacy: PrivacySettings, stream: TextIO | None = None) -> None:

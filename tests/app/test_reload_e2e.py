@@ -31,7 +31,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from tools.harness import TINY_MODEL, Publisher, Worker, audit, make_topics, publish, wait_until_committed
-from worker.config import DEFAULT_MODEL_DIR
+from worker.settings import DEFAULT_MODEL_DIR
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

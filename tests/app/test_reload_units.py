@@ -22,12 +22,12 @@ from tools import REPO
 from tools.harness import TINY_MODEL
 from worker.app.reload import Reloader
 from worker.classification import Classification, ClassifyRequest
-from worker.config import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.triage.cascade import Cascade
+from worker.settings import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
@@ -44,7 +44,9 @@ def _settings(model: Path, **inference: object) -> Settings:
 
 @pytest.fixture
 def tiny_switch() -> Iterator[SwitchingClassifier]:
-    switch = SwitchingClassifier(open_pool(_settings(TINY_MODEL).inference), closer=lambda pool: pool.close())
+    inference = _settings(TINY_MODEL).inference
+    pool = open_pool(inference, *resolve_taxonomy(inference))
+    switch = SwitchingClassifier(pool, closer=lambda pool: pool.close())
     try:
         yield switch
     finally:
@@ -256,7 +258,7 @@ def test_post_reload_starts_a_reload_and_the_outcome_is_counted() -> None:
 
         settings = _settings(DEFAULT_MODEL_DIR)
         telemetry.reloaded("failed", None, None)
-        new_pool = open_pool(settings.inference)
+        new_pool = open_pool(settings.inference, *resolve_taxonomy(settings.inference))
         try:
             telemetry.reloaded("succeeded", settings.inference, new_pool)
         finally:

@@ -19,22 +19,24 @@ from tools import REPO
 from worker.cli.classify_command import EXIT_LINES_SKIPPED
 from worker.cli.cli import main
 from worker.cli.replay_command import _print_report
-from worker.config import Settings
 from worker.kafka.clients import KafkaClients, create_consumer
 from worker.kafka.dead_letters import DEAD_LETTER_HEADERS, REPLAY_COUNT, dead_letter_headers, read_dead_letter
 from worker.messages import TriageResult
 from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import Record, Settlement
+from worker.pipeline.settlements.delivery import DeliveryRules
 from worker.pipeline.settlements.guarantees import AtLeastOnce, GuaranteeWiring
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import OffsetTracker
+from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.replay.outcomes import ReplayOutcome, ReplaySummary
 from worker.replay.reports import Reports
 from worker.replay.selection import ReplayOptions
 from worker.replay.source import ReplaySource
 from worker.replay.stage import ReplayStage
 from worker.replay.transforms import TransformFailed, TransformFunction, apply_transform, describe_failure
+from worker.settings import Settings
 
 TINY = REPO / "tests" / "models" / "tiny"
 
@@ -77,7 +79,9 @@ class _HandFed:
         )
         settings = Settings(kafka={"bootstrap.servers": "127.0.0.1:1"})
         self.summary = ReplaySummary(_DLQ, "g", dry_run)
-        self.consumer = create_consumer(settings)
+        self.consumer = create_consumer(settings.kafka, settings.pipeline)
+        metrics = PipelineMetrics()
+        redaction = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter)
         tracker = OffsetTracker()
         self.state = tracker.assign((_DLQ, 0))
         self.source = ReplaySource(self.consumer, self.options, tracker, lambda plan: None)
@@ -87,8 +91,9 @@ class _HandFed:
             if dry_run
             else AtLeastOnce(
                 GuaranteeWiring(
-                    settings, KafkaClients(settings), self.consumer, tracker, PipelineMetrics(),
-                    time.monotonic, reports.stopped, Failure(), reports, dead_letters=False,
+                    settings.pipeline, DeliveryRules(None, redaction, metrics, time.monotonic),
+                    KafkaClients(settings.kafka, settings.pipeline), self.consumer, tracker, metrics,
+                    time.monotonic, reports.stopped, Failure(), reports,
                 )
             )
         )  # fmt: skip

@@ -27,12 +27,12 @@ import pytest
 
 from tools import REPO
 from tools.harness import read_topic
-from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
 from worker.kafka.clients import record_headers
 from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
+from worker.settings import DEFAULT_MODEL_DIR, load_settings
 
 pytestmark = [pytest.mark.kafka]
 
@@ -222,7 +222,15 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
         },
     )
     labels = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml").labels
-    corrections, refused = read_feedback_topic(settings, labels, progress=False)
+    corrections, refused = read_feedback_topic(
+        settings.kafka,
+        settings.pipeline,
+        settings.topics,
+        settings.privacy,
+        settings.dead_letter,
+        labels,
+        progress=False,
+    )
     assert [(c.ticket_id, c.intent) for c in corrections] == [
         ("T-accept", "card_arrival"),
         ("T-correct", "lost_or_stolen_card"),

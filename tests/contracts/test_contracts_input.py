@@ -21,7 +21,6 @@ from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, wrappers_pb2
 
-from worker.config import load_settings
 from worker.contracts.input import (
     RegistryUnavailable,
     TicketDecoder,
@@ -32,6 +31,7 @@ from worker.contracts.input import (
 from worker.decoding import DecodeError, decode_ticket
 from worker.dev import local_broker
 from worker.errors import UserError
+from worker.settings import load_settings
 
 TOPIC = "helpdesk.tickets"
 LIMIT = 1_000_000
@@ -395,8 +395,10 @@ def test_a_mapping_naming_no_ticket_field_is_refused(registry: Any) -> None:
 
 
 def test_plain_json_without_a_mapping_keeps_the_plain_decoder_and_a_mapping_gets_one() -> None:
-    assert decoder_for(load_settings(env={})) is None
-    mapped = decoder_for(load_settings(env={}, overrides={"input.fields.body": "description"}))
+    plain = load_settings(env={})
+    assert decoder_for(plain.input, plain.schema_registry, plain.pipeline.max_value_bytes) is None
+    settings = load_settings(env={}, overrides={"input.fields.body": "description"})
+    mapped = decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes)
     assert mapped is not None
     ticket = mapped.decode(b'{"ticket_id": "T-1", "description": "card declined"}', TOPIC)
     assert (ticket.ticket_id, ticket.body) == ("T-1", "card declined")
@@ -412,7 +414,7 @@ def test_a_protobuf_message_class_that_does_not_import_is_refused_in_one_line() 
         },
     )
     with pytest.raises(UserError) as caught:
-        decoder_for(settings)
+        decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes)
     assert str(caught.value).startswith(
         "config error: input.protobuf_message: cannot import no_such_module_here:Ticket"
     )
@@ -429,7 +431,7 @@ def test_an_unreachable_registry_is_retried_at_once_and_its_credentials_never_sh
             "schema_registry.url": f"http://svc:{secret}@127.0.0.1:{local_broker.free_port()}",
         },
     )
-    decoder = decoder_for(settings)
+    decoder = decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes)
     assert decoder is not None
     started = time.monotonic()
     with pytest.raises(RegistryUnavailable) as caught:

@@ -29,6 +29,7 @@ pytest.importorskip("fastavro", reason="the avro extra of confluent-kafka is not
 
 import confluent_kafka
 import helpdesk_proto
+import msgspec
 from confluent_kafka.schema_registry import SchemaRegistryClient, topic_record_subject_name_strategy
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.schema_registry.json_schema import JSONSerializer
@@ -48,14 +49,14 @@ from tools.harness import (
 )
 from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.classification import FallbackLabel
-from worker.config import Settings
 from worker.contracts.input import decoder_for
 from worker.contracts.output import ResultEncoder, result_encoder_for
 from worker.decoding import RegistryCause
 from worker.dev import local_broker
 from worker.dev.local_registry import CCOMPAT_PATH, LocalRegistry
 from worker.dev.samples import KIND_HEADER
-from worker.kafka.share_groups import prepare_share_group, queue_settings
+from worker.kafka.share_groups import prepare_share_group, queue_kafka_options
+from worker.settings import Settings
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import Check
@@ -100,7 +101,11 @@ def _running(settings: Settings, result_encoder: ResultEncoder | None = None) ->
     """The pipeline that `settings` describe (its decoder built as `triage-worker run` builds it), answering
     at once (these tests are about what reaches the model, not the model), run on a thread."""
     parts = TriageParts(
-        InstantClassifier(), FALLBACK, 64, decoder=decoder_for(settings), result_encoder=result_encoder
+        InstantClassifier(),
+        FALLBACK,
+        64,
+        decoder=decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes),
+        result_encoder=result_encoder,
     )
     pipeline = group_pipeline(settings, parts)
     return Running(pipeline, settings.pipeline.group_id)
@@ -348,9 +353,14 @@ def test_queue_mode_holds_a_batch_through_a_registry_outage_longer_than_its_lock
     _produce(share_group_bootstrap, topics.input, records)
     link = _Link(schema_registry.port)  # cut from the start: the worker has never seen the schema
     settings = _settings(share_group_bootstrap, topics, "avro", link.url, **{"pipeline.consume": "queue"})
-    group = prepare_share_group(settings)
-    settings = queue_settings(settings, group)
-    parts = TriageParts(InstantClassifier(), FALLBACK, 64, decoder=decoder_for(settings))
+    group = prepare_share_group(settings.kafka, settings.pipeline)
+    settings = msgspec.structs.replace(settings, kafka=queue_kafka_options(settings.kafka, group))
+    parts = TriageParts(
+        InstantClassifier(),
+        FALLBACK,
+        64,
+        decoder=decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes),
+    )
     worker = Running(queue_pipeline(settings, parts, group), settings.pipeline.group_id)
     metrics = worker.pipeline.metrics
     probes = WorkerProbes(60.0, _AnsweringBroker(), time.monotonic)  # type: ignore[arg-type]
@@ -605,7 +615,10 @@ def test_avro_output_is_registered_under_the_topic_subject_and_read_by_the_clien
             "schema_registry.url": schema_registry.url,
         },
     )
-    worker = _running(settings, result_encoder=result_encoder_for(settings))
+    worker = _running(
+        settings,
+        result_encoder=result_encoder_for(settings.output, settings.schema_registry, settings.topics.output),
+    )
     try:
         wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=90)
     finally:

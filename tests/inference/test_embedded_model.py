@@ -17,11 +17,12 @@ import pytest
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.cli.cli import main
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
 from worker.inference.engine import Engine
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
 from worker.learning.evaluation import canonical_label
 from worker.messages import TriageResult
+from worker.settings import DEFAULT_MODEL_DIR, InferenceSettings
 
 TEST_CSV = REPO / "data" / "banking77" / "test.csv"
 SAMPLE_SIZE = 200
@@ -41,7 +42,8 @@ def _sample(size: int) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(InferenceSettings())
+    settings = InferenceSettings()
+    return Engine(settings, *resolve_taxonomy(settings))
 
 
 def test_the_default_model_is_the_embedded_one_and_fits_the_size_budget() -> None:

@@ -17,14 +17,15 @@ import pytest
 
 from tools import REPO
 from worker.classification import ClassifyRequest
-from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_dir, load_settings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderEngine, ordered_labels_sha256, read_manifest
 from worker.inference.escalation import EscalationChoice, choose_escalation
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import Result, measure_turnaround, open_pool
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import canonical_label, stratified_split
+from worker.settings import DEFAULT_ESCALATION_DIR, InferenceSettings, escalation_dir, load_settings
 
 BANKING77 = REPO / "taxonomies" / "banking77.toml"
 TINY_TAXONOMY = REPO / "tests" / "models" / "tiny" / "taxonomy.toml"
@@ -42,7 +43,12 @@ def _settings(**overrides: object) -> InferenceSettings:
 
 @functools.cache
 def _engine() -> EncoderEngine:
-    return EncoderEngine(_settings())
+    return _encoder_engine(_settings())
+
+
+def _encoder_engine(settings: InferenceSettings) -> EncoderEngine:
+    """The stage as the worker assembles it: its taxonomy resolved, then its engine loaded."""
+    return EncoderEngine(settings, *resolve_taxonomy(settings))
 
 
 def _validation(count: int) -> list[tuple[str, str]]:
@@ -78,7 +84,7 @@ def test_without_its_encoder_the_stage_says_how_to_get_it(
 ) -> None:
     folder = _stage_without_encoder(tmp_path, monkeypatch)
     with pytest.raises(UserError, match=r"not downloaded yet: run `triage-worker model fetch`"):
-        EncoderEngine(_settings(model=str(folder)))
+        _encoder_engine(_settings(model=str(folder)))
 
 
 def _first_stage(taxonomy: Path, escalation: str = "auto") -> tuple[InferenceSettings, Taxonomy]:
@@ -177,7 +183,7 @@ def test_a_ticket_longer_than_the_encoder_takes_is_cut_and_says_so() -> None:
 
 def test_a_taxonomy_with_labels_the_head_never_saw_stops_at_load_naming_them() -> None:
     with pytest.raises(UserError, match=r"without card, refund of .*taxonomy.toml"):
-        EncoderEngine(_settings(taxonomy=str(TINY_TAXONOMY)))
+        _encoder_engine(_settings(taxonomy=str(TINY_TAXONOMY)))
 
 
 def test_a_head_that_is_not_the_one_the_manifest_describes_is_refused(tmp_path: Path) -> None:
@@ -191,7 +197,7 @@ def test_a_head_that_is_not_the_one_the_manifest_describes_is_refused(tmp_path: 
         msgspec.json.encode({**manifest, "labels": manifest["labels"][:-1]})
     )
     with pytest.raises(UserError, match="labels_sha256 does not match"):
-        EncoderEngine(_settings(model=str(folder)))
+        _encoder_engine(_settings(model=str(folder)))
 
 
 def test_the_process_pool_runs_it_and_its_warm_turnaround_is_measured() -> None:
@@ -199,7 +205,8 @@ def test_the_process_pool_runs_it_and_its_warm_turnaround_is_measured() -> None:
     settings = load_settings(env={}, overrides={"inference.escalation": "triage-encoder"}).inference
     escalation = settings.escalation_settings(str(BANKING77))
     assert escalation is not None and escalation.pool_size == 1
-    with open_pool(escalation) as pool:
+    # The stage answers with the first stage's taxonomy, as the worker hands it over.
+    with open_pool(escalation, load_taxonomy(BANKING77), BANKING77) as pool:
         assert pool.model_id == "triage-encoder" and pool.size == 1
         turnaround = measure_turnaround(pool, samples=4)
         assert 0.0 < turnaround < 30.0

@@ -14,12 +14,13 @@ import pytest
 
 from tools import REPO
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine, log_softmax
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import FallbackReason, SourcePosition, TicketEvent, TriageResult
 from worker.pipeline.triage.records import encode_result, triage_result
+from worker.settings import InferenceSettings
 
 TINY = REPO / "tests" / "models" / "tiny"
 
@@ -62,7 +63,12 @@ ADVERSARIAL = [
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, Engine]:
-    return {mode: Engine(InferenceSettings(model=str(TINY), mode=mode)) for mode in ("score", "generate")}
+    return {mode: _engine(InferenceSettings(model=str(TINY), mode=mode)) for mode in ("score", "generate")}
+
+
+def _engine(settings: InferenceSettings) -> Engine:
+    """The engine as a pool assembles it: its taxonomy resolved, then the model loaded."""
+    return Engine(settings, *resolve_taxonomy(settings))
 
 
 @pytest.fixture(scope="module")
@@ -210,9 +216,9 @@ def test_truncation_keeps_the_ticket_within_budget_at_a_whitespace_boundary(
 
 def test_cuda_without_the_cuda_package_names_the_package() -> None:
     with pytest.raises(UserError, match=r"onnxruntime-genai-cuda.*triage-worker\[cuda\]"):
-        Engine(InferenceSettings(model=str(TINY), provider="cuda"))
+        _engine(InferenceSettings(model=str(TINY), provider="cuda"))
 
 
 def test_a_folder_that_is_not_a_model_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"genai_config\.json"):
-        Engine(InferenceSettings(model=str(tmp_path)))
+        _engine(InferenceSettings(model=str(tmp_path)))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from slow_model import install as install_slow_model
@@ -15,8 +18,9 @@ from slow_model import install_for_good as install_slow_model_for_good
 
 from tools import REPO
 from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import ClassifierPool, ProcessPool, open_pool
+from worker.settings import InferenceSettings
 
 TINY = REPO / "tests" / "models" / "tiny"
 LONG_TICKET = "My card has not arrived yet and I am travelling next week, please help. " * 40
@@ -24,6 +28,12 @@ LONG_TICKET = "My card has not arrived yet and I am travelling next week, please
 
 def _settings(**changes: object) -> InferenceSettings:
     return InferenceSettings(model=str(TINY), **changes)  # type: ignore[arg-type]
+
+
+def _pool(**changes: object) -> ClassifierPool:
+    """A pool of the test model as the worker assembles one: its taxonomy resolved, then the pool opened."""
+    settings = _settings(**changes)
+    return open_pool(settings, *resolve_taxonomy(settings))
 
 
 def _collect(pool: ClassifierPool, count: int, timeout: float = 60.0) -> dict[int, Classification]:
@@ -38,7 +48,7 @@ def _collect(pool: ClassifierPool, count: int, timeout: float = 60.0) -> dict[in
 
 @pytest.fixture(scope="module")
 def process_pool() -> Iterator[ClassifierPool]:
-    with open_pool(_settings(pool="process", pool_size=2)) as pool:
+    with _pool(pool="process", pool_size=2) as pool:
         yield pool
 
 
@@ -83,7 +93,7 @@ def _max_ticker_gap(pool: ClassifierPool, tickets: int) -> float:
 
 
 def test_process_pool_does_not_starve_the_callers_threads(process_pool: ClassifierPool) -> None:
-    with open_pool(_settings(pool="thread", pool_size=2, max_ticket_tokens=1024)) as threads:
+    with _pool(pool="thread", pool_size=2, max_ticket_tokens=1024) as threads:
         thread_gap = _max_ticker_gap(threads, 30)
     process_gap = _max_ticker_gap(process_pool, 30)
     print(f"max ticker gap: thread pool {thread_gap * 1000:.1f} ms, process pool {process_gap * 1000:.1f} ms")
@@ -95,7 +105,7 @@ def test_process_pool_does_not_starve_the_callers_threads(process_pool: Classifi
 def test_a_model_slower_than_the_deadline_gives_deadline_exceeded() -> None:
     undo = install_slow_model(0.2)
     try:
-        with open_pool(_settings(pool="thread", pool_size=1)) as pool:
+        with _pool(pool="thread", pool_size=1) as pool:
             started = time.monotonic()
             pool.submit(ClassifyRequest(1, "where is my card", started + 0.05))
             answer = _collect(pool, 1)[1]
@@ -107,7 +117,8 @@ def test_a_model_slower_than_the_deadline_gives_deadline_exceeded() -> None:
 
 def test_a_dead_worker_is_replaced_and_its_requests_answered_model_error() -> None:
     slow = functools.partial(install_slow_model_for_good, 0.3)
-    with ProcessPool(_settings(), size=1, batch=False, initializer=slow) as pool:
+    settings = _settings()
+    with ProcessPool(settings, *resolve_taxonomy(settings), size=1, batch=False, initializer=slow) as pool:
         for request_id in range(3):
             pool.submit(ClassifyRequest(request_id, "where is my card", time.monotonic() + 30))
         time.sleep(0.1)
@@ -122,8 +133,33 @@ def test_a_dead_worker_is_replaced_and_its_requests_answered_model_error() -> No
         assert pool.worker_pids() != [victim]
 
 
+def test_a_replaced_worker_answers_with_the_taxonomy_the_pool_was_opened_with(tmp_path: Path) -> None:
+    """The taxonomy is resolved once, where the pool is assembled: a worker process started later (after a
+    crash) gets that value, not what the file says by then, so a pool's processes never disagree."""
+    taxonomy_file = tmp_path / "taxonomy.toml"
+    shutil.copy(TINY / "taxonomy.toml", taxonomy_file)
+    settings = _settings(taxonomy=str(taxonomy_file))
+    with ProcessPool(settings, *resolve_taxonomy(settings), size=1, batch=False) as pool:
+        pool.submit(ClassifyRequest(1, "where is my card", time.monotonic() + 30))
+        before = _collect(pool, 1)[1]
+        assert not before.fallback
+        # The file edited while the pool runs: every intent's priority moved away from the answer's.
+        moved = "Low" if before.priority != "Low" else "High"
+        edited = re.sub(r'^priority = "\w+"', f'priority = "{moved}"', taxonomy_file.read_text(), flags=re.M)
+        taxonomy_file.write_text(edited)
+        [victim] = pool.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        limit = time.monotonic() + 30
+        while pool.worker_pids() == [victim] and time.monotonic() < limit:
+            pool.poll(0.1)
+        assert pool.worker_pids() != [victim]
+        pool.submit(ClassifyRequest(2, "where is my card", time.monotonic() + 60))
+        after = _collect(pool, 1)[2]
+    assert (after.intent, after.priority) == (before.intent, before.priority)
+
+
 def test_batch_pool_generates_valid_answers_in_static_batches() -> None:
-    with open_pool(_settings(pool="batch", mode="generate", batch_size=4)) as pool:
+    with _pool(pool="batch", mode="generate", batch_size=4) as pool:
         for request_id in range(10):
             pool.submit(
                 ClassifyRequest(

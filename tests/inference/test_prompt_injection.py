@@ -29,10 +29,11 @@ import pytest
 
 from tools import REPO
 from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.engine import Engine
+from worker.inference.loading import resolve_taxonomy
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.triage.records import encode_result, triage_result
+from worker.settings import InferenceSettings
 
 CORPUS = REPO / "tests" / "data" / "prompt_injection.jsonl"
 
@@ -47,7 +48,8 @@ def answers() -> dict[str, tuple[Engine, dict[str, Classification]]]:
     texts = {text for row in _corpus() for text in (row["body"], row["base"]) if text is not None}
     result = {}
     for mode in ("score", "generate"):
-        engine = Engine(InferenceSettings(mode=mode))
+        settings = InferenceSettings(mode=mode)
+        engine = Engine(settings, *resolve_taxonomy(settings))
         context = engine.new_context()
         result[mode] = (
             engine,

@@ -11,7 +11,6 @@ import confluent_kafka
 import pytest
 
 from tools.harness import FAST_GROUP_OPTIONS, fast_group_options
-from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import (
@@ -22,6 +21,7 @@ from worker.kafka.clients import (
 )
 from worker.kafka.commits import consumer_commit
 from worker.pipeline.failure import Failure
+from worker.settings import load_settings
 
 KafkaError = confluent_kafka.KafkaError
 TOPIC = "tickets.raw"
@@ -35,14 +35,16 @@ CLASSIC_VALUES = {
 
 
 def test_the_classic_protocol_is_the_default_with_cooperative_sticky_assignment() -> None:
-    config = consumer_config(load_settings(env={}))
+    settings = load_settings(env={})
+    config = consumer_config(settings.kafka, settings.pipeline)
     assert config["group.protocol"] == "classic"  # pinned: a librdkafka whose default moves does not move it
     assert config["partition.assignment.strategy"] == "cooperative-sticky"
     assert incremental_assignment(config)
 
 
 def test_an_eager_assignor_under_the_classic_protocol_is_not_incremental() -> None:
-    config = consumer_config(load_settings(env={"KAFKA_PARTITION_ASSIGNMENT_STRATEGY": "range"}))
+    settings = load_settings(env={"KAFKA_PARTITION_ASSIGNMENT_STRATEGY": "range"})
+    config = consumer_config(settings.kafka, settings.pipeline)
     assert not incremental_assignment(config)
 
 
@@ -50,12 +52,12 @@ def test_the_consumer_protocol_sends_no_assignor_and_assigns_incrementally() -> 
     settings = load_settings(
         env={"KAFKA_GROUP_PROTOCOL": "consumer", "KAFKA_GROUP_REMOTE_ASSIGNOR": "uniform"}
     )
-    config = consumer_config(settings)
+    config = consumer_config(settings.kafka, settings.pipeline)
     assert config["group.protocol"] == "consumer"
     assert config["group.remote.assignor"] == "uniform"
     assert not set(config) & set(CLASSIC_ONLY)
     assert incremental_assignment(config)
-    assert "group.protocol" not in producer_config(settings)  # a consumer option stays with the consumer
+    assert "group.protocol" not in producer_config(settings.kafka)  # a consumer option stays with it
     # librdkafka takes the whole set (it refuses a consumer given any CLASSIC_ONLY option).
     confluent_kafka.Consumer(config).close()
 
@@ -65,14 +67,15 @@ def test_an_option_the_consumer_protocol_refuses_is_one_line_naming_it(option: s
     variable = "KAFKA_" + option.upper().replace(".", "_")
     settings = load_settings(env={"KAFKA_GROUP_PROTOCOL": "consumer", variable: CLASSIC_VALUES[option]})
     with pytest.raises(UserError) as refused:
-        consumer_config(settings)
+        consumer_config(settings.kafka, settings.pipeline)
     message = str(refused.value)
     assert "\n" not in message
     assert message.startswith(
         f"config error: kafka.{option} cannot be set with kafka.group.protocol = consumer"
     )
     # The same option under the classic protocol is the user's to choose.
-    assert consumer_config(load_settings(env={variable: CLASSIC_VALUES[option]}))[option]
+    classic = load_settings(env={variable: CLASSIC_VALUES[option]})
+    assert consumer_config(classic.kafka, classic.pipeline)[option]
 
 
 @pytest.mark.parametrize("option", sorted(CLASSIC_ONLY))

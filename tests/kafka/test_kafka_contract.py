@@ -24,8 +24,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from memory_kafka import MemoryKafka, as_client_factory
 
-from worker.config import load_settings
 from worker.kafka.clients import ClientFactory, KafkaClients, produce
+from worker.settings import load_settings
 
 Key = tuple[str, int]
 
@@ -77,7 +77,8 @@ class KafkaBackend:
         }
         if transactional_id is not None:
             overrides["pipeline.transactional_id"] = transactional_id
-        return KafkaClients(load_settings(env={}, overrides=overrides))
+        settings = load_settings(env={}, overrides=overrides)
+        return KafkaClients(settings.kafka, settings.pipeline)
 
 
 @pytest.fixture(params=["memory", pytest.param("kafka", marks=pytest.mark.kafka)])

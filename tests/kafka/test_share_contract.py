@@ -28,7 +28,6 @@ from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, Config
 from confluent_kafka.admin._resource import ResourceType
 from memory_kafka import MemoryKafka, MemoryShareGroup
 
-from worker.config import load_settings
 from worker.kafka.clients import produce
 from worker.kafka.share_groups import (
     DELIVERY_COUNT_LIMIT,
@@ -36,8 +35,9 @@ from worker.kafka.share_groups import (
     ShareClientFactory,
     ShareClients,
     prepare_share_group,
-    queue_settings,
+    queue_kafka_options,
 )
+from worker.settings import load_settings
 
 ACCEPT, RELEASE, REJECT = AcknowledgeType.ACCEPT, AcknowledgeType.RELEASE, AcknowledgeType.REJECT
 # The broker's shortest lock (group.share.min.record.lock.duration.ms).
@@ -125,7 +125,8 @@ class KafkaBackend:
                 "pipeline.consume": "queue",
             },
         )
-        return ShareClients(queue_settings(settings, prepare_share_group(settings)))
+        group_settings = prepare_share_group(settings.kafka, settings.pipeline)
+        return ShareClients(queue_kafka_options(settings.kafka, group_settings), settings.pipeline)
 
     def lock_passes(self, seconds: float) -> None:
         """The broker's clock runs on its own: the next `take` waits for it (its patience outlasts a lock)."""

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
 from worker.inference.engine import Engine
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import read_trained_labels
 from worker.inference.taxonomy import load_taxonomy
 from worker.learning import first_stage
 from worker.learning.first_stage import Recipe, Shape, augment, train_first_stage
+from worker.settings import InferenceSettings
 
 needs_train_extra = pytest.mark.skipif(
     bool(first_stage.missing_modules()),
@@ -127,7 +128,8 @@ def test_a_tiny_first_stage_trains_in_its_budget_and_serves_the_taxonomy(tmp_pat
     record = read_trained_labels(out)
     assert record is not None and record.labels == taxonomy.labels
 
-    context = Engine(InferenceSettings(model=str(out), mode="score", escalation="off")).new_context("score")
+    settings = InferenceSettings(model=str(out), mode="score", escalation="off")
+    context = Engine(settings, *resolve_taxonomy(settings)).new_context("score")
     answers = [context.classify(ClassifyRequest(i, text, time.monotonic() + 10)) for i, (text, _) in
                enumerate(held_out)]  # fmt: skip
     assert all(answer.intent in taxonomy.labels for answer in answers)
@@ -155,7 +157,8 @@ def test_zero_shot_from_the_taxonomy_texts_gives_a_valid_folder_quickly(tmp_path
     assert report.seconds <= 60 * 1.1 + 3 and report.validation_accuracy is None and report.ece is None
     assert any("few-shot" in note for note in report.notes)
     assert any("teacher's probabilities" in note for note in report.notes)
-    context = Engine(InferenceSettings(model=str(out), mode="score", escalation="off")).new_context("score")
+    settings = InferenceSettings(model=str(out), mode="score", escalation="off")
+    context = Engine(settings, *resolve_taxonomy(settings)).new_context("score")
     held_out = _tickets(50, 5)
     predicted = [max((d := context.label_distribution(text)), key=d.__getitem__) for text, _ in held_out]
     assert sum(p == intent for p, (_, intent) in zip(predicted, held_out, strict=True)) / len(held_out) > 0.4

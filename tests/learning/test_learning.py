@@ -26,7 +26,6 @@ import pytest
 
 from tools import REPO
 from worker.cli.cli import main
-from worker.config import DEFAULT_ESCALATION_DIR, InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder, read_manifest
 from worker.inference.escalation import choose_escalation
@@ -35,6 +34,7 @@ from worker.learning import compose, encoder_stage, folders
 from worker.learning.artifacts import fetch_jar_members
 from worker.learning.evaluation import canonical_label
 from worker.learning.first_stage import Teacher
+from worker.settings import DEFAULT_ESCALATION_DIR, InferenceSettings
 
 BANK_DESK_PATH = REPO / "taxonomies" / "bank-desk.toml"
 BANK_DESK = load_taxonomy(BANK_DESK_PATH)
@@ -448,9 +448,9 @@ def test_a_bad_out_folder_is_refused_before_any_work(tmp_path: Path) -> None:
 
 
 def test_a_zero_shot_model_runs_with_review_on_unless_review_is_configured(tmp_path: Path) -> None:
-    from worker.config import load_settings
+    from worker.app.application import with_zero_shot_review as _review_for_zero_shot
     from worker.inference.loading import ZERO_SHOT_REVIEW_THRESHOLD
-    from worker.inference.loading import with_zero_shot_review as _review_for_zero_shot
+    from worker.settings import load_settings
 
     folder = _served_folder(tmp_path)
     settings = load_settings(None, overrides={"inference.model": str(folder)})

@@ -55,7 +55,6 @@ from worker.app import replay as replay_door
 from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.app.offline import Offline, lines_pipeline
 from worker.classification import Classifier, FallbackLabel
-from worker.config import Settings, load_settings
 from worker.inference.pool import ClassifierPool
 from worker.kafka import dead_letters
 from worker.kafka.share_groups import ShareGroup
@@ -67,6 +66,7 @@ from worker.pipeline.work import Output, Work
 from worker.replay.outcomes import PartitionPlan, RecordReport, ReplayOutcome, ReplaySummary
 from worker.replay.selection import ReplayOptions
 from worker.replay.transforms import TransformStopped
+from worker.settings import Settings, load_settings
 
 INPUT, OUTPUT, DEAD = "tickets.raw", "tickets.triaged", "tickets.dlq"
 FALLBACK = FallbackLabel("unclassified", "Medium")

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 from tools import REPO
 from worker.classification import ClassifyRequest, ticket_text
-from worker.config import InferenceSettings
 from worker.decoding import DecodeError, decode_ticket
 from worker.inference.engine import Context, Engine
+from worker.inference.loading import resolve_taxonomy
 from worker.kafka.dead_letters import Headers, dead_letter_headers, read_dead_letter
 from worker.messages import SourcePosition
 from worker.pipeline.triage.records import encode_result, triage_result
+from worker.settings import InferenceMode, InferenceSettings
 
 TINY = REPO / "tests" / "models" / "tiny"
 LIMIT = 1_048_576
@@ -36,10 +37,12 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def contexts() -> dict[str, Context]:
-    return {
-        mode: Engine(InferenceSettings(model=str(TINY), mode=mode)).new_context()
-        for mode in ("score", "generate")
-    }
+    return {mode: _context(mode) for mode in ("score", "generate")}
+
+
+def _context(mode: InferenceMode) -> Context:
+    settings = InferenceSettings(model=str(TINY), mode=mode)
+    return Engine(settings, *resolve_taxonomy(settings)).new_context()
 
 
 @pytest.fixture(scope="module")

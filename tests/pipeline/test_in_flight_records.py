@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from worker.classification import FallbackLabel, fallback_answer
-from worker.config import Scheduling
 from worker.messages import TicketEvent
 from worker.pipeline.seams import Settlement
 from worker.pipeline.settlements.deliveries import Deliveries
@@ -15,6 +14,7 @@ from worker.pipeline.settlements.offsets import PartitionOffsets
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Output, Work
+from worker.settings import Scheduling
 
 A, B = ("tickets", 0), ("tickets", 1)
 

@@ -28,15 +28,18 @@ from tools.harness import (
 )
 from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import Classifier, FallbackLabel
-from worker.config import InferenceSettings
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.kafka.clients import record_headers
 from worker.messages import TriageResult
+from worker.settings import InferenceSettings
 
 pytestmark = pytest.mark.kafka
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 BOTH_GUARANTEES = pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+# The test model in one thread: the pool these tests classify with.
+_ONE_THREAD = InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)
 
 
 Start = Callable[..., Running]
@@ -66,7 +69,7 @@ def test_the_loop_in_process_gives_every_record_one_result_or_dead_letter(
     topics = make_topics(unique_topic)
     count = 300
     publish(kafka_bootstrap, topics, count, malformed_ratio=0.1, seed=21)
-    with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
+    with open_pool(_ONE_THREAD, *resolve_taxonomy(_ONE_THREAD)) as pool:
         worker = start(topics, pool, dispatch_window=2, **{"pipeline.guarantee": guarantee})
         wait_until_committed(kafka_bootstrap, worker.group, topics.input, timeout=120)
         assert worker.stop() == 0
@@ -299,7 +302,7 @@ SLOW_S = 0.5  # per ticket, one context: the tests' model is the tiny one slowed
 def slow_pool() -> Iterator[ClassifierPool]:
     undo = slow_model.install(SLOW_S)
     try:
-        with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
+        with open_pool(_ONE_THREAD, *resolve_taxonomy(_ONE_THREAD)) as pool:
             yield pool
     finally:
         undo()

@@ -21,12 +21,12 @@ from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka, as_client_f
 
 from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import Classifier, FallbackLabel
-from worker.config import load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka import dead_letters
 from worker.messages import TriageResult
 from worker.pipeline.engine import Engine
 from worker.pipeline.triage.cascade import Cascade
+from worker.settings import load_settings
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 INPUT, OUTPUT, DEAD = "tickets", "triaged", "dead"

@@ -10,7 +10,6 @@ import msgspec
 import pytest
 
 from worker.classification import Classification, FallbackLabel, fallback_answer
-from worker.config import PrivacySettings, load_settings
 from worker.errors import UserError
 from worker.kafka.clients import consumer_config, producer_config
 from worker.messages import DEADLINE_METADATA_KEY, SourcePosition, TicketEvent, TriageResult
@@ -18,6 +17,7 @@ from worker.pipeline.flow import Flow, InFlightGate
 from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.triage.records import encode_result, result_key, triage_result
 from worker.privacy.values import CarriedMetadata
+from worker.settings import PrivacySettings, load_settings
 
 # -- in-flight gate -------------------------------------------------------------------------------------
 
@@ -146,7 +146,7 @@ def test_result_key_is_the_input_key_else_the_ticket_id() -> None:
 
 def test_consumer_never_auto_commits_and_defaults_to_cooperative_sticky() -> None:
     settings = load_settings(env={"KAFKA_SESSION_TIMEOUT_MS": "6000", "KAFKA_LINGER_MS": "50"})
-    config = consumer_config(settings)
+    config = consumer_config(settings.kafka, settings.pipeline)
     assert config["enable.auto.commit"] == "false"
     assert config["enable.auto.offset.store"] == "false"
     assert config["partition.assignment.strategy"] == "cooperative-sticky"
@@ -157,7 +157,7 @@ def test_consumer_never_auto_commits_and_defaults_to_cooperative_sticky() -> Non
 
 def test_producer_is_idempotent_with_acks_all() -> None:
     settings = load_settings(env={"KAFKA_SESSION_TIMEOUT_MS": "6000", "KAFKA_LINGER_MS": "50"})
-    config = producer_config(settings)
+    config = producer_config(settings.kafka)
     assert config["enable.idempotence"] == "true"
     assert config["acks"] == "all"
     assert config["linger.ms"] == "50"
@@ -171,8 +171,8 @@ def test_producer_is_idempotent_with_acks_all() -> None:
 def test_options_the_pipeline_relies_on_cannot_be_weakened(variable: str, value: str) -> None:
     settings = load_settings(env={variable: value})
     with pytest.raises(UserError, match="must be"):
-        consumer_config(settings)
-        producer_config(settings)
+        consumer_config(settings.kafka, settings.pipeline)
+        producer_config(settings.kafka)
 
 
 # -- rooms ----------------------------------------------------------------------------------------------

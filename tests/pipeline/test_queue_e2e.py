@@ -197,8 +197,8 @@ def test_a_record_on_its_last_delivery_is_tried_first_and_never_released(
     count = 3
     publish(bootstrap, topics, count, malformed_ratio=0.0, seed=5)
     settings = settings_for(bootstrap, topics, **{"pipeline.group_id": group, "pipeline.consume": "queue"})
-    prepare_share_group(settings)  # the group starts at the earliest offset
-    releasing = create_share_consumer(settings)
+    prepare_share_group(settings.kafka, settings.pipeline)  # the group starts at the earliest offset
+    releasing = create_share_consumer(settings.kafka, settings.pipeline)
     try:
         releasing.subscribe([topics.input])
         released, deadline = 0, time.monotonic() + _STARTED_S

@@ -30,11 +30,11 @@ from memory_kafka import (
 
 from worker.app.doors import TriageParts, queue_pipeline
 from worker.classification import ClassifyRequest, FallbackLabel
-from worker.config import Settings, load_settings
 from worker.dev.samples import SampleFactory
 from worker.kafka.share_groups import ShareGroup
 from worker.messages import TriageResult
 from worker.pipeline.engine import Engine
+from worker.settings import Settings, load_settings
 
 FALLBACK = FallbackLabel("unclassified", "Medium")
 ACCEPT, RELEASE = confluent_kafka.AcknowledgeType.ACCEPT, confluent_kafka.AcknowledgeType.RELEASE

@@ -6,16 +6,22 @@ import subprocess
 import sys
 
 import confluent_kafka
+import msgspec
 import pytest
 
 from tools import REPO
 from tools.harness import TINY_MODEL
 from worker.app.doors import lock_budget, refuse_exactly_once
-from worker.config import Settings, load_settings
 from worker.errors import UserError
-from worker.kafka.share_groups import ShareGroup, delivery_timeout_ms, queue_settings, share_consumer_config
+from worker.kafka.share_groups import (
+    ShareGroup,
+    delivery_timeout_ms,
+    queue_kafka_options,
+    share_consumer_config,
+)
 from worker.pipeline.sources.lock_budget import MARGIN_S, LockBudget
 from worker.pipeline.sources.share import FetchSize
+from worker.settings import Settings, load_settings
 
 # The options tests and chaos give every worker (tools/harness.py FAST_GROUP_OPTIONS) and a few more that a
 # share consumer refuses at construction (measured: a ValueError each).
@@ -43,7 +49,7 @@ def test_the_share_consumer_gets_the_users_options_without_the_group_and_produce
         **{"kafka.max.poll.interval.ms": "10000", "kafka.linger.ms": "20", "kafka.client.id": "me"},
         **{"pipeline.group_id": "triage-q"},
     )
-    config = share_consumer_config(settings)
+    config = share_consumer_config(settings.kafka, settings.pipeline)
     assert config == {
         "bootstrap.servers": "b:9092",
         "max.poll.interval.ms": "10000",
@@ -53,12 +59,13 @@ def test_the_share_consumer_gets_the_users_options_without_the_group_and_produce
         "max.poll.records": "64",  # max_in_flight: a batch's rest would wait locked while others could work
     }
     given = _settings(**{"kafka.max.poll.records": "500"})
-    assert share_consumer_config(given)["max.poll.records"] == "500"
+    assert share_consumer_config(given.kafka, given.pipeline)["max.poll.records"] == "500"
 
 
 def test_a_share_consumer_is_made_from_those_options() -> None:
     """confluent-kafka refuses a consumer-group option at construction: none may reach it."""
-    consumer = confluent_kafka.ShareConsumer(share_consumer_config(_settings(**_GROUP_ONLY)))
+    settings = _settings(**_GROUP_ONLY)
+    consumer = confluent_kafka.ShareConsumer(share_consumer_config(settings.kafka, settings.pipeline))
     consumer.close()
 
 
@@ -66,7 +73,8 @@ def test_acknowledgements_other_than_explicit_are_refused() -> None:
     """librdkafka takes an unknown mode silently and acknowledges implicitly: every ticket would be
     accepted before its record is written."""
     with pytest.raises(UserError, match=r"share\.acknowledgement\.mode must be explicit"):
-        share_consumer_config(_settings(**{"kafka.share.acknowledgement.mode": "implicit"}))
+        settings = _settings(**{"kafka.share.acknowledgement.mode": "implicit"})
+        share_consumer_config(settings.kafka, settings.pipeline)
 
 
 def test_exactly_once_is_refused_in_one_line() -> None:
@@ -79,16 +87,17 @@ def test_exactly_once_is_refused_in_one_line() -> None:
 
 def test_the_producer_delivery_timeout_defaults_to_a_third_of_the_lock_unless_set() -> None:
     group = ShareGroup(lock_ms=30000)
-    assert delivery_timeout_ms(queue_settings(_settings(), group)) == 10000
+    assert delivery_timeout_ms(queue_kafka_options(_settings().kafka, group)) == 10000
     given = _settings(**{"kafka.delivery.timeout.ms": "5000"})
-    assert delivery_timeout_ms(queue_settings(given, group)) == 5000
+    assert delivery_timeout_ms(queue_kafka_options(given.kafka, group)) == 5000
     # librdkafka's default without queue mode's fitting: longer than any lock.
-    assert delivery_timeout_ms(_settings()) == 300000
+    assert delivery_timeout_ms(_settings().kafka) == 300000
 
 
 def test_the_defaults_fit_the_default_lock() -> None:
     group = ShareGroup()
-    settings = queue_settings(_settings(), group)
+    settings = _settings()
+    settings = msgspec.structs.replace(settings, kafka=queue_kafka_options(settings.kafka, group))
     budget = lock_budget(settings, group)
     budget.check()
     assert budget.needed_s == 2.0 + 10.0 + MARGIN_S
@@ -153,6 +162,12 @@ def test_a_poll_asks_for_what_one_deadline_finishes_at_the_measured_rate() -> No
 
 
 def test_the_share_consumer_is_made_with_the_fetch_size_unless_the_user_set_one() -> None:
-    assert share_consumer_config(_settings(), max_poll_records=12)["max.poll.records"] == "12"
+    defaults = _settings()
+    assert (
+        share_consumer_config(defaults.kafka, defaults.pipeline, max_poll_records=12)["max.poll.records"]
+        == "12"
+    )
     given = _settings(**{"kafka.max.poll.records": "500"})
-    assert share_consumer_config(given, max_poll_records=12)["max.poll.records"] == "500"
+    assert (
+        share_consumer_config(given.kafka, given.pipeline, max_poll_records=12)["max.poll.records"] == "500"
+    )

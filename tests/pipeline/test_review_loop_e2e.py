@@ -32,12 +32,12 @@ import pytest
 
 from tools import REPO
 from tools.harness import Topics, Worker, audit, make_topics, read_topic, wait_until_committed
-from worker.config import DEFAULT_MODEL_DIR, load_settings
 from worker.inference.taxonomy import load_taxonomy
 from worker.kafka import dead_letters
 from worker.kafka.clients import record_headers
 from worker.learning.feedback import read_feedback_topic
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
+from worker.settings import DEFAULT_MODEL_DIR, load_settings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -210,7 +210,13 @@ def test_the_review_loop_from_low_confidence_tickets_to_a_promoted_model(
         },
     )
     corrections, rejections = read_feedback_topic(
-        settings, load_taxonomy(tuned / "taxonomy.toml").labels, False
+        settings.kafka,
+        settings.pipeline,
+        settings.topics,
+        settings.privacy,
+        settings.dead_letter,
+        load_taxonomy(tuned / "taxonomy.toml").labels,
+        False,
     )
     assert (len(corrections), len(rejections)) == (len(to_review), 3)
     assert len(list(read_topic(kafka_bootstrap, feedback_dead_letters))) == 3

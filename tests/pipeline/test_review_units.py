@@ -13,7 +13,6 @@ import pytest
 from tools import REPO
 from worker.classification import Classification
 from worker.cli.review_command import Picker, matches
-from worker.config import ReviewSettings, load_settings
 from worker.errors import UserError
 from worker.kafka.admin import worker_topics
 from worker.learning.feedback import FeedbackBook, ReviewIndex, read_feedback_file
@@ -21,6 +20,7 @@ from worker.learning.fine_tune import OutputLayer, Recipe, _quantize_int4, fit_r
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition, TicketEvent
 from worker.pipeline.side_topics.review import Review, review_reason
 from worker.privacy.redaction import Redactor
+from worker.settings import ReviewSettings, load_settings
 
 LABELS = ("card_arrival", "card_delivery_estimate", "lost_or_stolen_card")
 SOURCE = SourcePosition(topic="tickets.raw", partition=1, offset=7)

@@ -30,11 +30,15 @@ from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import SHADOW_NICENESS
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.cli.cli import main
-from worker.config import DEFAULT_MODEL_DIR, InferenceSettings
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
 from worker.kafka.clients import create_producer
 from worker.messages import ShadowResult
 from worker.pipeline.side_topics.shadow import Shadow
+from worker.settings import DEFAULT_MODEL_DIR, InferenceSettings
+
+# The test model in one thread: the pool these tests classify with.
+_ONE_THREAD = InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 # Side records are never in the primary's transactions: either guarantee, the same promises.
@@ -185,9 +189,9 @@ def test_a_shadow_that_never_answers_holds_back_no_result_and_no_commit(
         **{"pipeline.group_id": group, "topics.shadow": side, "pipeline.guarantee": guarantee},
     )
     silent = _SilentShadow()
-    shadow = Shadow(silent, 2, create_producer(settings), side, budget_s=2.0)
+    shadow = Shadow(silent, 2, create_producer(settings.kafka), side, budget_s=2.0)
     outcome: dict[str, Any] = {}
-    with open_pool(InferenceSettings(model=str(TINY_MODEL), pool="thread", pool_size=1)) as pool:
+    with open_pool(_ONE_THREAD, *resolve_taxonomy(_ONE_THREAD)) as pool:
         parts = TriageParts(pool, FallbackLabel("unclassified", "Medium"), 2, shadow=shadow)
         pipeline = group_pipeline(settings, parts)
         thread = threading.Thread(target=lambda: outcome.update(code=pipeline.run()), daemon=True)

@@ -10,10 +10,10 @@ import pytest
 
 from worker.classification import Classification, ClassifyRequest
 from worker.cli.shadow_command import ShadowTally, render, summarize
-from worker.config import InferenceSettings, load_settings
 from worker.kafka.admin import worker_topics
 from worker.messages import ShadowResult, SourcePosition, TicketEvent
 from worker.pipeline.side_topics.shadow import Shadow, shadow_record
+from worker.settings import InferenceSettings, load_settings
 
 
 def _answer(intent: str, fallback: bool = False, model: str = "shadow-model") -> Classification:

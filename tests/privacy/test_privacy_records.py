@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from worker.app.application import with_zero_shot_review
 from worker.cli.cli import main
-from worker.config import PrivacySettings, Settings, load_settings
 from worker.errors import UserError
-from worker.inference.loading import with_zero_shot_review
 from worker.kafka.dead_letters import ERROR_MESSAGE, OMITTED_BYTES, REDACTED, REPLAY_COUNT, read_dead_letter
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.triage.records import DeadLetterRedaction, result_key
 from worker.privacy.values import CarriedMetadata, redact_value
 from worker.replay.outcomes import ReplayOutcome
 from worker.replay.selection import ReplayOptions, not_kept, why_not_replayed
+from worker.settings import PrivacySettings, Settings, load_settings
 
 # Magic byte 0, schema id 300: the Schema Registry's wire format, as its JSON Schema serializer writes it.
 FRAMING = b"\x00\x00\x00\x01\x2c"
@@ -64,7 +64,8 @@ def test_a_binary_value_is_left_out_and_replay_says_why_instead_of_sending_a_nul
     """Avro behind the wire format's header: a length byte (`,`) glued to the card hides it from any search
     of the bytes, so the value is dropped rather than kept in clear."""
     avro = FRAMING + b"\x08T-96,4111 1111 1111 1111 ok\x06"
-    key, value, headers = DeadLetterRedaction.configured(_settings()).letter(
+    settings = _settings()
+    key, value, headers = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter).letter(
         b"T-96", avro, [(REPLAY_COUNT, b"1")], "schema_mismatch", "payload does not match", SOURCE
     )
     assert (key, value) == (b"T-96", None)
@@ -79,7 +80,7 @@ def test_privacy_keep_applies_to_the_review_topic_only_never_to_dead_letters() -
     settings = _settings(TRIAGE_PRIVACY__KEEP="email")
     value = b'{"ticket_id": "", "body": "mail jane.doe@example.com"}'
     message = 'empty field; the record began {"ticket_id": "", "body": "mail jane.doe@example.com"'
-    key, letter, headers = DeadLetterRedaction.configured(settings).letter(
+    key, letter, headers = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter).letter(
         b"jane.doe@example.com",
         value,
         [("reply-to", b"jane.doe@example.com")],
@@ -97,7 +98,7 @@ def test_the_error_message_is_redacted_whatever_privacy_keep_and_detect_say() ->
     `dead_letter.redact`."""
     settings = load_settings(env={"TRIAGE_PRIVACY__KEEP": "email", "TRIAGE_PRIVACY__DETECT": "email"})
     message = r"bad value: {\"body\": \"jo\u0040example.com, 4111 1111 1111 1111\""
-    key, value, headers = DeadLetterRedaction.configured(settings).letter(
+    key, value, headers = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter).letter(
         b"k", b"{", None, "invalid_json", message, SOURCE
     )
     assert (key, value) == (b"k", b"{")  # as taken: replay needs the original

@@ -126,7 +126,7 @@ def test_no_identifier_reaches_a_topic_in_clear_through_keys_headers_separators_
         },
     )
     _publish(kafka_bootstrap, topics.input)
-    producer = create_producer(settings, ClientErrorLog("shadow-producer"))
+    producer = create_producer(settings.kafka, ClientErrorLog("shadow-producer"))
     side = Shadow(InstantClassifier(), 8, producer, shadow, 60.0)
     parts = TriageParts(InstantClassifier(), FALLBACK, 64, shadow=side, review=start_review(settings))
     pipeline = group_pipeline(settings, parts)
@@ -216,7 +216,13 @@ def test_a_redacted_json_schema_dead_letter_still_decodes_with_its_schema(
         },
     )
     pipeline = group_pipeline(
-        settings, TriageParts(InstantClassifier(), FALLBACK, 64, decoder=decoder_for(settings))
+        settings,
+        TriageParts(
+            InstantClassifier(),
+            FALLBACK,
+            64,
+            decoder=decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes),
+        ),
     )
     worker = Running(pipeline, settings.pipeline.group_id)
     try:
@@ -231,7 +237,7 @@ def test_a_redacted_json_schema_dead_letter_still_decodes_with_its_schema(
     fixed = msgspec.structs.replace(
         settings, input=msgspec.structs.replace(settings.input, fields={"ticket_id": "id", "body": "text"})
     )
-    decoder = decoder_for(fixed)
+    decoder = decoder_for(fixed.input, fixed.schema_registry, fixed.pipeline.max_value_bytes)
     assert decoder is not None
     ticket = decoder.decode(value, topics.input)
     assert (ticket.ticket_id, ticket.body) == ("J-1", "card [card ••••1111], mail [email]")

@@ -15,12 +15,12 @@ import structlog
 from tools import REPO
 from tools.pii_corpus import corpus
 from worker.cli.cli import main
-from worker.config import LogSettings, PrivacySettings, load_settings
 from worker.learning.feedback import FeedbackBook
 from worker.logs import configure_logging
 from worker.messages import FeedbackEvent
 from worker.privacy.detector import find, luhn_valid
 from worker.privacy.redaction import Redactor
+from worker.settings import LogSettings, PrivacySettings, load_settings
 
 
 def _digits(text: str) -> str:

@@ -10,30 +10,47 @@ import worker
 PACKAGE = Path(worker.__file__).parent
 # What each room may import besides the shared modules (worker/*.py); cli may import everything.
 ALLOWED = {
-    "shared": {"privacy"},
-    "kafka": {"privacy"},
-    "inference": {"privacy"},
-    "pipeline": {"kafka", "privacy"},
-    "replay": {"kafka", "pipeline", "privacy"},
-    "telemetry": {"kafka", "inference", "pipeline", "replay", "privacy"},
+    "shared": {"settings", "privacy"},
+    # The settings (worker/settings): the sections, their loader, the command-line glue and the writer; of
+    # the worker only the shared modules and the kinds of personal data a section names, so every room may
+    # use it.
+    "settings": {"privacy"},
+    "kafka": {"settings", "privacy"},
+    "inference": {"settings", "privacy"},
+    "pipeline": {"kafka", "settings", "privacy"},
+    "replay": {"kafka", "pipeline", "settings", "privacy"},
+    "telemetry": {"kafka", "inference", "pipeline", "replay", "settings", "privacy"},
     # The trainers, evaluation, fine-tuning on feedback (read from its topic, rejects dead-lettered with the
     # pipeline's redaction of a value) and the artifact fetch: never the command line or the dev parts.
-    "learning": {"inference", "kafka", "pipeline", "privacy"},
+    "learning": {"inference", "kafka", "pipeline", "settings", "privacy"},
     # Data contracts (Schema Registry formats): what a record's bytes mean; no Kafka client, no model.
-    "contracts": {"privacy"},
+    "contracts": {"settings", "privacy"},
     # Personal data (worker/privacy): imports nothing of the worker, so every room may use it.
     "privacy": set(),
     # The assembly point: the running worker built from its settings, so every production room, and the
     # hot-reload thread; never the command line or the dev parts.
-    "app": {"kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"},
+    "app": {
+        *("kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "settings"),
+        "privacy",
+    },
     # The command line: every command, so everything.
     "cli": {
-        *("app", "kafka", "inference", "pipeline", "replay", "telemetry", "learning", "contracts", "privacy"),
-        "dev",
+        *(
+            "app",
+            "kafka",
+            "inference",
+            "pipeline",
+            "replay",
+            "telemetry",
+            "learning",
+            "contracts",
+            "settings",
+        ),
+        *("privacy", "dev"),
     },
     # Development-only parts: the local broker and registry, sample tickets, and the generator of docs/'s
     # reference parts, which reads the settings, the metrics' collectors and the CLI's flags and defaults.
-    "dev": {"kafka", "pipeline", "telemetry", "cli", "privacy"},
+    "dev": {"kafka", "pipeline", "telemetry", "cli", "settings", "privacy"},
 }
 # The rooms the running worker is made of: none of them may import the command line or the dev parts.
 PRODUCTION = set(ALLOWED) - {"cli", "dev"}
@@ -101,6 +118,64 @@ def test_no_command_module_imports_another() -> None:
             elif isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             wrong += [f"{path.name} imports {name}" for name in names if name.endswith("_command")]
+    assert wrong == []
+
+
+# The assembly point and the rooms above it: where the whole `Settings` is split into what each part uses.
+TAKES_WHOLE_SETTINGS = {"app", "cli", "dev", "settings"}
+
+
+def _names_whole_settings(annotation: ast.expr | None) -> bool:
+    """Whether an annotation mentions `Settings` itself (bare, dotted, quoted or inside a union or generic),
+    not one of its sections (`PipelineSettings`, ...)."""
+    if annotation is None:
+        return False
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name) and node.id == "Settings":
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "Settings":
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                quoted = ast.parse(node.value, mode="eval").body
+            except SyntaxError:
+                continue
+            if _names_whole_settings(quoted):
+                return True
+    return False
+
+
+def _whole_settings_annotations(path: Path) -> list[str]:
+    """Where `path` annotates a parameter, a return or an attribute with the whole `Settings`."""
+    annotated: list[tuple[int, str, ast.expr | None]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            arguments = node.args
+            every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+            every += [each for each in (arguments.vararg, arguments.kwarg) if each is not None]
+            annotated += [
+                (node.lineno, f"{node.name}({argument.arg})", argument.annotation) for argument in every
+            ]
+            annotated.append((node.lineno, f"{node.name} -> return", node.returns))
+        elif isinstance(node, ast.AnnAssign):
+            annotated.append((node.lineno, ast.unparse(node.target), node.annotation))
+    return [
+        f"{path.relative_to(PACKAGE)}:{line} {where}"
+        for line, where, annotation in annotated
+        if _names_whole_settings(annotation)
+    ]
+
+
+def test_no_part_below_the_assembly_point_takes_the_whole_settings() -> None:
+    """A part takes its own section (`PipelineSettings`, ...) or plain values, so that what it depends on is
+    in its signature; only the assembly point (`worker.app`), the rooms above it and the settings room itself
+    hold the whole `Settings`."""
+    wrong = [
+        where
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if _room(path) not in TAKES_WHOLE_SETTINGS
+        for where in _whole_settings_annotations(path)
+    ]
     assert wrong == []
 
 

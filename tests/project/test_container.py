@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from tools import REPO
-from worker.config import load_settings
 from worker.dev.local_broker import KAFKA_VERSION
+from worker.settings import load_settings
 
 DEPLOY = REPO / "deploy"
 

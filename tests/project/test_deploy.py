@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tools import REPO
-from worker.config import load_settings
+from worker.settings import load_settings
 
 K8S = REPO / "deploy" / "k8s"
 # The overlay for exactly-once: the base with a StatefulSet in place of the Deployment.

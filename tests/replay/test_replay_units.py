@@ -12,7 +12,6 @@ from confluent_kafka import KafkaError, KafkaException
 
 from worker.cli.cli import main
 from worker.cli.replay_command import parse_offset_ranges, parse_rate, parse_seconds, parse_time
-from worker.config import load_settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import kafka_call, transactional_id
@@ -33,6 +32,7 @@ from worker.replay.transforms import (
     apply_transform,
     load_transform,
 )
+from worker.settings import load_settings
 
 
 def test_offset_ranges_accept_closed_open_and_single_forms() -> None:
@@ -212,14 +212,16 @@ def test_kafka_errors_never_echo_a_secret_config_value() -> None:
 
 def test_an_exactly_once_replay_has_one_transactional_id_per_group_on_any_host_never_a_workers() -> None:
     defaults = load_settings(env={})
-    replay_id = replay_transactional_id(defaults, "triage-replay.tickets.dlq")
+    replay_id = replay_transactional_id(defaults.pipeline, "triage-replay.tickets.dlq")
     assert (
         replay_id == "triage-worker-replay-triage-replay.tickets.dlq"
     )  # no host name: a rerun anywhere fences
-    assert replay_id != transactional_id(defaults)
-    assert replay_transactional_id(defaults, "triage-replay.incident-42") != replay_id
+    assert replay_id != transactional_id(defaults.pipeline)
+    assert replay_transactional_id(defaults.pipeline, "triage-replay.incident-42") != replay_id
     pinned = load_settings(env={}, overrides={"pipeline.transactional_id": "triage-eu.worker-1"})
-    assert replay_transactional_id(pinned, "g") == "triage-eu.worker-1-replay-g"  # within an ACL prefix
+    assert (
+        replay_transactional_id(pinned.pipeline, "g") == "triage-eu.worker-1-replay-g"
+    )  # within an ACL prefix
 
 
 def test_a_fenced_replay_says_so_in_one_line_without_secret_values() -> None:

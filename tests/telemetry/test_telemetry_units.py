@@ -20,7 +20,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from worker.config import MetricsSettings, load_settings
 from worker.decoding import DecodeErrorType
 from worker.errors import UserError
 from worker.messages import FallbackReason
@@ -33,6 +32,7 @@ from worker.pipeline.metrics import (
     ShadowMetrics,
 )
 from worker.replay.outcomes import ReplayOutcome
+from worker.settings import MetricsSettings, load_settings
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes

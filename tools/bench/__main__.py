@@ -48,8 +48,8 @@ from tools.bench import (
 )
 from tools.bench.measure import bracket, progress
 from tools.load import Tickets, kafka
-from worker.config import LogSettings, PrivacySettings
 from worker.logs import configure_logging
+from worker.settings import LogSettings, PrivacySettings
 
 
 @contextlib.contextmanager

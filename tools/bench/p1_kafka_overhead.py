@@ -18,10 +18,10 @@ from tools.load import Offsets, Tickets, new_topics, produce_tickets
 from worker.app.doors import TriageParts, group_pipeline
 from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest
-from worker.config import InferenceSettings, Settings
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config
 from worker.logs import librdkafka_logger
+from worker.settings import InferenceSettings, Settings
 
 # P1's second pipeline run: a bound that never fills (each run still waits for its commits).
 P1_LIFTED_BOUND = 4096
@@ -61,8 +61,8 @@ def bare_loop(settings: Settings, stop: threading.Event, first: list[float]) -> 
     """The floor for P1: the pipeline's own client options, no bookkeeping. Commits the consumed positions
     asynchronously every second, and once more as soon as a poll comes back empty, so the figure is not
     rounded up to the commit timer (the pipeline also commits early when done work piles up)."""
-    consumer = confluent_kafka.Consumer(dict(consumer_config(settings)))
-    producer = confluent_kafka.Producer(dict(producer_config(settings)))
+    consumer = confluent_kafka.Consumer(dict(consumer_config(settings.kafka, settings.pipeline)))
+    producer = confluent_kafka.Producer(dict(producer_config(settings.kafka)))
     decode, encode = msgspec.json.decode, msgspec.json.Encoder().encode
     topic_in, topic_out = settings.topics.input, settings.topics.output
     consumer.subscribe([topic_in])
@@ -200,7 +200,9 @@ def measure(bootstrap: str, tickets: Tickets, count: int, budget: float) -> dict
         classifier = InstantClassifier(settings.inference)
         taxonomy, _ = resolve_taxonomy(settings.inference)
         parts = TriageParts(classifier, taxonomy.fallback_label, dispatch_window(settings))
-        pipeline = group_pipeline(settings, parts, clients=KafkaClients(settings, librdkafka_logger()))
+        pipeline = group_pipeline(
+            settings, parts, clients=KafkaClients(settings.kafka, settings.pipeline, librdkafka_logger())
+        )
         return _timed_run(
             "pipeline",
             bootstrap,

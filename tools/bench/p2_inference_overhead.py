@@ -12,8 +12,9 @@ from typing import Any
 from tools.bench.measure import group_name, last_metrics, progress, rate_of
 from tools.load import BROKER_PID, BenchWorker, Offsets, Tickets, cpu_seconds, new_topics, produce_tickets
 from worker.classification import ClassifyRequest
-from worker.config import InferenceSettings
+from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
+from worker.settings import InferenceSettings
 
 POOL_QUEUE_PER_CONTEXT = 32
 
@@ -28,7 +29,8 @@ def measure_pool(tickets: Tickets, count: int) -> dict[str, Any]:
     """
     progress("P2 baseline: opening the classifier pool (default inference settings)")
     fallbacks: dict[str, int] = {}
-    with open_pool(InferenceSettings()) as pool:
+    settings = InferenceSettings()
+    with open_pool(settings, *resolve_taxonomy(settings)) as pool:
         progress(f"P2 baseline: {count} texts through the pool ({pool.size} contexts)")
         window = POOL_QUEUE_PER_CONTEXT * pool.size
         cpu_before = cpu_seconds(os.getpid())

@@ -9,15 +9,17 @@ from typing import Any
 
 from tools.bench.measure import progress
 from tools.load import Tickets, cpu_seconds
-from worker.config import InferenceSettings
 from worker.inference.engine import Engine, InvalidOutput
 from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
+from worker.inference.loading import resolve_taxonomy
+from worker.settings import InferenceSettings
 
 
 def measure(tickets: Tickets, count: int) -> dict[str, Any]:
     """One ticket at a time: a new Generator, the whole prompt, schema-guided generation, batch 1."""
     progress(f"P3 seed design: {count} tickets, a new Generator each, guided generation")
-    engine = Engine(InferenceSettings(mode="generate"))
+    settings = InferenceSettings(mode="generate")
+    engine = Engine(settings, *resolve_taxonomy(settings))
 
     def classify(text: str) -> bool:
         _, ids, _ = engine.prepare(text)

@@ -2,7 +2,7 @@
 
 Contract:
 - `WorkerApp(settings, reread, metrics_interval_s=..., held_stop_signals=...)` does nothing yet; `settings`
-  as loaded (worker/config.py), `reread` loads them again the same way for a hot reload (an edited config
+  as loaded (worker/settings), `reread` loads them again the same way for a hot reload (an edited config
   file takes effect), `held_stop_signals` are SIGTERM/SIGINT received before (the CLI holds them while the
   modules import, `cli.HeldStopSignals`).
 - `start()` configures logging, takes SIGTERM/SIGINT (and SIGHUP) and checks before it loads anything heavy:
@@ -29,6 +29,7 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 
+import msgspec
 import structlog
 
 from worker.app.doors import TriageParts, group_pipeline, lock_budget, queue_pipeline, refuse_exactly_once
@@ -41,19 +42,19 @@ from worker.app.stages import (
     start_review,
     start_shadow,
 )
-from worker.config import Settings, masked_kafka_config
 from worker.contracts.input import decoder_for
 from worker.contracts.output import result_encoder_for
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation
-from worker.inference.loading import resolve_taxonomy, with_zero_shot_review
+from worker.inference.loading import resolve_taxonomy, zero_shot_review
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics, record_size_limits
 from worker.kafka.clients import KafkaClients, consumer_config, producer_config, producer_record_limit
-from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_settings
+from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_kafka_options
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
+from worker.settings import Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.worker import WorkerTelemetry
 
@@ -110,27 +111,38 @@ class WorkerApp:
             refuse_exactly_once(settings)
         else:
             # An option the group protocol refuses (or one the pipeline relies on, weakened) stops it here.
-            consumer_config(settings)
+            consumer_config(settings.kafka, settings.pipeline)
         # The input's decoder (with its registry client) reads only input settings: a Protobuf class that
         # does not import stops the start here, before the broker is asked.
-        decoder = decoder_for(settings)
-        # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py).
+        decoder = decoder_for(settings.input, settings.schema_registry, settings.pipeline.max_value_bytes)
+        # Model and taxonomy pairs first: a config problem needs no broker to be found (pairing.py). Each
+        # model's taxonomy is resolved here, once: its pool, engines and fallbacks take this one value (the
+        # escalation stage takes the first stage's).
         taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
-        if (shadow_inference := settings.inference.shadow_settings()) is not None:
-            resolve_taxonomy(shadow_inference)
+        shadow_inference = settings.inference.shadow_settings()
+        shadow_taxonomy = None if shadow_inference is None else resolve_taxonomy(shadow_inference)
         escalation = choose_escalation(settings.inference, taxonomy, taxonomy_path)
         if escalation.why_off is not None:
             _log.info("cascade_off", reason=escalation.why_off)
         settings = check_topics(settings)
         share_group = None
         if queue:  # the share group's lock and delivery limit; its start at the earliest offset
-            share_group = prepare_share_group(settings)
-            settings = queue_settings(settings, share_group)
+            share_group = prepare_share_group(settings.kafka, settings.pipeline)
+            settings = msgspec.structs.replace(
+                settings, kafka=queue_kafka_options(settings.kafka, share_group)
+            )
             lock_budget(settings, share_group).check()
         # Registered once, here: a registry that refuses the output schema stops the start in one line.
-        result_encoder = result_encoder_for(settings)
+        result_encoder = result_encoder_for(settings.output, settings.schema_registry, settings.topics.output)
         # A no-op unless metrics.port is set.
-        telemetry = self._telemetry = WorkerTelemetry.start(settings, librdkafka_logger(), reload_access)
+        telemetry = self._telemetry = WorkerTelemetry.start(
+            settings.metrics,
+            settings.inference,
+            settings.kafka,
+            settings.topics.input,
+            librdkafka_logger(),
+            reload_access,
+        )
         # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
         reloader = self._reloader = Reloader(
             settings,
@@ -142,7 +154,7 @@ class WorkerApp:
         if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
             # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
             signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request("SIGHUP"))
-        pool = open_pool(settings.inference, settings.log, settings.privacy)
+        pool = open_pool(settings.inference, taxonomy, taxonomy_path, settings.log, settings.privacy)
         classifier = self._classifier = SwitchingClassifier(pool)
         cascade = None
         if escalation.settings is not None:
@@ -150,13 +162,14 @@ class WorkerApp:
                 settings,
                 escalation.settings,
                 taxonomy,
+                taxonomy_path,
                 classifier.current.size,
                 lambda line: _log.info("fetching", what=line),
             )
         shadow = None
-        if (shadow_settings := settings.inference.shadow_settings()) is not None:
-            self._shadow_pool = open_shadow_pool(shadow_settings, settings)
-            shadow = start_shadow(settings, shadow_settings, self._shadow_pool)
+        if shadow_inference is not None and shadow_taxonomy is not None:
+            self._shadow_pool = open_shadow_pool(shadow_inference, *shadow_taxonomy, settings)
+            shadow = start_shadow(settings, shadow_inference, self._shadow_pool)
         review = start_review(settings) if settings.review.enabled else None
         parts = TriageParts(
             classifier,
@@ -173,14 +186,14 @@ class WorkerApp:
                 settings,
                 parts,
                 share_group,
-                clients=ShareClients(settings, librdkafka_logger()),
+                clients=ShareClients(settings.kafka, settings.pipeline, librdkafka_logger()),
                 metrics_interval_s=self._metrics_interval_s,
             )
         else:
             pipeline = group_pipeline(
                 settings,
                 parts,
-                clients=KafkaClients(settings, librdkafka_logger()),
+                clients=KafkaClients(settings.kafka, settings.pipeline, librdkafka_logger()),
                 metrics_interval_s=self._metrics_interval_s,
             )
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
@@ -217,7 +230,7 @@ def check_topics(settings: Settings) -> Settings:
     bootstrap = settings.kafka.get("bootstrap.servers", "")
     # In the configured log format (JSON logs stay JSON), not a bare line on stderr.
     existing = existing_topics(
-        producer_config(settings), on_wait=lambda line: _log.info("waiting_for_kafka", line=line)
+        producer_config(settings.kafka), on_wait=lambda line: _log.info("waiting_for_kafka", line=line)
     )
     topics = settings.topics
     needed = [topics.input, topics.output, topics.dead_letter]
@@ -232,7 +245,15 @@ def check_topics(settings: Settings) -> Settings:
             "`triage-worker topics create` (same settings)"
         )
     written = [topic for topic in needed if topic != topics.input]
-    return producer_record_limit(settings, record_size_limits(producer_config(settings), written))
+    limits = record_size_limits(producer_config(settings.kafka), written)
+    return msgspec.structs.replace(settings, kafka=producer_record_limit(settings.kafka, limits))
+
+
+def with_zero_shot_review(settings: Settings) -> Settings:
+    """`settings` with review on for a zero-shot model (`worker.inference.loading.zero_shot_review`): what
+    `run` serves and what `topics create` makes topics for."""
+    review = zero_shot_review(settings.review, settings.privacy, settings.inference.model)
+    return msgspec.structs.replace(settings, review=review)
 
 
 def _log_stop(name: str, held: bool) -> None:

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 
 from worker.classification import Classifier, FallbackLabel
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.clients import ClientFactory, KafkaClients, consumer_config
 from worker.kafka.share_groups import ShareClientFactory, ShareClients, ShareGroup, delivery_timeout_ms
@@ -44,6 +43,7 @@ from worker.pipeline.triage.records import DeadLetterRedaction, encode_result
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.triage.stage import TriageStage
 from worker.pipeline.work import Work
+from worker.settings import Settings
 
 ResultEncoder = Callable[[TriageResult], bytes]
 
@@ -93,9 +93,12 @@ def triage_stage(
     clock: Callable[[], float],
 ) -> TriageStage:
     side_topics = parts.side_topics
-    outputs = Outputs(settings, parts.encode, settlement.write, side_topics, metrics)
+    outputs = Outputs(
+        settings.topics, settings.privacy, settings.dead_letter, settings.pipeline.max_header_bytes,
+        parts.encode, settlement.write, side_topics, metrics,
+    )  # fmt: skip
     stage = TriageStage(
-        Intake(settings, metrics),
+        Intake(settings.pipeline, settings.privacy, settings.inference.redact_input, metrics),
         parts.decoder,
         queue,
         requests,
@@ -170,21 +173,21 @@ def group_pipeline(
 ) -> Engine:
     """`run` in group mode: a consumer group's partitions, the delivery guarantee `pipeline.guarantee`."""
     pipeline = settings.pipeline
-    clients = clients or KafkaClients(settings)
+    clients = clients or KafkaClients(settings.kafka, settings.pipeline)
     metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
     failure, give_up = Failure(), GiveUpAt()
     consumer = clients.consumer(failure.client_error)
     tracker = OffsetTracker()
     paused = PausedPartitions(consumer)
     source = GroupSource(
-        consumer, consumer_config(settings), settings.topics.input, pipeline.group_id,
+        consumer, consumer_config(settings.kafka, pipeline), settings.topics.input, pipeline.group_id,
         pipeline.revoke_timeout_ms / 1000.0, tracker, paused, metrics, failure, clock,
     )  # fmt: skip
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     guarantee = guarantee_for(
         GuaranteeWiring(
-            settings, clients, consumer, tracker, metrics, clock, paused.pause, failure,
-            Redone(queue, requests), give_up.get,
+            pipeline, _dead_letter_rules(settings, metrics, clock), clients, consumer, tracker, metrics,
+            clock, paused.pause, failure, Redone(queue, requests), give_up.get,
         )
     )  # fmt: skip
     return _triage_loop(
@@ -202,13 +205,14 @@ def queue_pipeline(
     metrics_interval_s: float = 10.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> Engine:
-    """`run --consume queue`: a share group's records, each acknowledged on its own. `settings` as
-    `share_groups.queue_settings` made them; `group` as `share_groups.prepare_share_group` read it."""
+    """`run --consume queue`: a share group's records, each acknowledged on its own. `settings` with the
+    `[kafka]` options `share_groups.queue_kafka_options` fitted; `group` as `share_groups.prepare_share_group`
+    read it."""
     refuse_exactly_once(settings)
     pipeline = settings.pipeline
     budget = lock_budget(settings, group)
     budget.check()
-    factory = clients or ShareClients(settings)
+    factory = clients or ShareClients(settings.kafka, settings.pipeline)
     metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
     failure, give_up = Failure(), GiveUpAt()
     given = settings.kafka.get("max.poll.records")
@@ -220,15 +224,22 @@ def queue_pipeline(
         factory.share_consumer, settings.topics.input, pipeline.group_id, group, budget, fetch,
         pipeline.poll_timeout_ms / 1000.0, metrics, failure, clock,
     )  # fmt: skip
-    rules = DeliveryRules(
-        settings.topics.dead_letter, DeadLetterRedaction.configured(settings), metrics, clock
-    )
+    rules = _dead_letter_rules(settings, metrics, clock)
     settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     return _triage_loop(
         settings, parts, source, settlement, queue, requests, metrics, failure, give_up, clock,
         metrics_interval_s,
     )  # fmt: skip
+
+
+def _dead_letter_rules(
+    settings: Settings, metrics: PipelineMetrics, clock: Callable[[], float]
+) -> DeliveryRules:
+    """The delivery-error rules of `run`'s outputs: dead letters to `topics.dead_letter`, redacted as the
+    privacy and dead-letter sections say."""
+    redaction = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter)
+    return DeliveryRules(settings.topics.dead_letter, redaction, metrics, clock)
 
 
 def refuse_exactly_once(settings: Settings) -> None:
@@ -245,5 +256,5 @@ def lock_budget(settings: Settings, group: ShareGroup) -> LockBudget:
     return LockBudget(
         lock_s=group.lock_ms / 1000.0,
         deadline_s=settings.pipeline.deadline_ms / 1000.0,
-        delivery_s=delivery_timeout_ms(settings) / 1000.0,
+        delivery_s=delivery_timeout_ms(settings.kafka) / 1000.0,
     )

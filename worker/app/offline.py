@@ -15,13 +15,13 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
 from worker.app.doors import TriageParts, triage_stage
 from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
-from worker.config import InferenceSettings, Settings
 from worker.errors import UserError
 from worker.inference.escalation import choose_escalation, escalation_threshold
 from worker.inference.loading import resolve_taxonomy
@@ -38,6 +38,7 @@ from worker.pipeline.triage.cascade import Cascade
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Output, Work
+from worker.settings import InferenceSettings, Settings
 
 # Lines read and not yet written (at the model, at the escalation stage, or waiting for an earlier line to be
 # written first): the memory bound of a stream, and the escalation stage's window, so that it never sheds.
@@ -91,6 +92,7 @@ def offline_stages(
     settings: Settings,
     inference: InferenceSettings | None = None,
     *,
+    resolved: tuple[Taxonomy, Path] | None = None,
     cascade: bool = True,
     escalation: InferenceSettings | None = None,
     escalate_below: float | None = None,
@@ -99,28 +101,40 @@ def offline_stages(
 ) -> Iterator[Offline]:
     """The pools an offline door classifies with, closed on exit: `inference` (default: the settings') as the
     first stage, and, unless `cascade` is False, the cascade as `run` would have it — or over `escalation`
-    with `escalate_below` when given (model eval measures thresholds). `announce`: log the pools' start."""
+    with `escalate_below` when given (model eval measures thresholds). `announce`: log the pools' start.
+    `resolved`: the first stage's taxonomy and its file as the caller resolved them (a command that reads its
+    examples with them), else resolved here; both stages take this one value."""
     inference = inference or settings.inference
-    taxonomy, taxonomy_path = resolve_taxonomy(inference)
+    taxonomy, taxonomy_path = resolved or resolve_taxonomy(inference)
     if not cascade:
         escalation = None
     elif escalation is None:
         escalation = choose_escalation(inference, taxonomy, taxonomy_path).settings
     with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(open_pool(inference, settings.log, settings.privacy, announce=announce))
+        pool = stack.enter_context(
+            open_pool(inference, taxonomy, taxonomy_path, settings.log, settings.privacy, announce=announce)
+        )
         over: Cascade | None = None
         if escalation is not None:
-            stage = LazyPool(lambda: _open_stage(settings, escalation, echo, announce))
+            # The stage answers with the first stage's taxonomy: the one value resolved above.
+            stage = LazyPool(
+                lambda: _open_stage(settings, escalation, taxonomy, taxonomy_path, echo, announce)
+            )
             stack.callback(stage.close)
             over = _offline_cascade(inference, stage, pool.size, taxonomy, escalate_below)
         yield Offline(pool, over, taxonomy.fallback_label)
 
 
 def _open_stage(
-    settings: Settings, escalation: InferenceSettings, echo: Callable[[str], None], announce: bool
+    settings: Settings,
+    escalation: InferenceSettings,
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
+    echo: Callable[[str], None],
+    announce: bool,
 ) -> ClassifierPool:
     fetch_stage_files(escalation, echo)
-    return open_pool(escalation, settings.log, settings.privacy, announce=announce)
+    return open_pool(escalation, taxonomy, taxonomy_path, settings.log, settings.privacy, announce=announce)
 
 
 def _offline_cascade(

@@ -30,12 +30,12 @@ import msgspec
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
-from worker.config import ESCALATION_AUTO, InferenceSettings, Settings
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.triage.cascade import Cascade
+from worker.settings import ESCALATION_AUTO, InferenceSettings, Settings
 
 _log = structlog.get_logger("worker.reload")
 
@@ -142,7 +142,7 @@ class Reloader:
                     f"{taxonomy_path} changes the label set the running escalation stage was checked "
                     'against: needs a restart (or inference.escalation = "auto", which stands aside)'
                 )
-            pool = open_pool(settings.inference, settings.log, settings.privacy)
+            pool = open_pool(settings.inference, taxonomy, taxonomy_path, settings.log, settings.privacy)
             answer = _canary(pool)
             if answer.fallback or answer.intent not in taxonomy.labels:
                 raise ReloadError(

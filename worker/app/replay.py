@@ -2,7 +2,7 @@
 
 The source is the planned dead-letter ranges (`worker/replay/source.py`), the stage selects, repairs and
 republishes each dead letter (`worker/replay/stage.py`), and the settlement is the worker's own delivery
-guarantee, `pipeline.guarantee` (`worker/pipeline/settlements/guarantees.py`, with `dead_letters=False`:
+guarantee, `pipeline.guarantee` (`worker/pipeline/settlements/guarantees.py`, with no dead-letter topic:
 outputs go back where they came from), with the replay's reports as its observer (`worker/replay/reports.py`).
 A dry run settles through `InOrder` instead, which produces and commits nothing and hands each output back
 as acknowledged. What a replay has of its own:
@@ -30,21 +30,23 @@ import confluent_kafka
 import msgspec
 
 from worker.app.doors import limits
-from worker.config import Settings
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
 from worker.logs import librdkafka_logger
 from worker.pipeline.engine import Engine, GiveUpAt
 from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import Settlement
+from worker.pipeline.settlements.delivery import DeliveryRules
 from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_for
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import OffsetTracker
+from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.replay.outcomes import PartitionPlan, ReplayObserver, ReplaySummary, fatal_reason
 from worker.replay.reports import Reports
 from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
 from worker.replay.source import ReplaySource
 from worker.replay.stage import ReplayStage
+from worker.settings import PipelineSettings, Settings
 
 # Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
 COMMIT_INTERVAL_MS = 200
@@ -120,14 +122,23 @@ def replay_pipeline(
     `observer`; why it had to end into `failure`."""
     tracker, give_up, metrics = OffsetTracker(), GiveUpAt(), PipelineMetrics()
     source = ReplaySource(consumer, options, tracker, _planned(summary, observer))
-    reports = Reports(summary, observer, source, exactly_once(settings) and not options.dry_run)
+    reports = Reports(summary, observer, source, exactly_once(settings.pipeline) and not options.dry_run)
     settlement: Settlement
     if options.dry_run:  # nothing published, nothing committed: each output is as good as acknowledged
         settlement = InOrder(lambda work, _output: reports.delivered(work, None))
     else:
         settlement = guarantee_for(
             GuaranteeWiring(
-                _committing_often(settings),
+                _committing_often(settings.pipeline),
+                # A replay's targets are the original topics: nothing goes to the dead-letter topic from
+                # here (nothing written smaller; a record refused for its content is left out, `refused` in
+                # the report, and stays where it is).
+                DeliveryRules(
+                    None,
+                    DeadLetterRedaction.configured(settings.privacy, settings.dead_letter),
+                    metrics,
+                    time.monotonic,
+                ),
                 _ReplayClients(settings, options.group),
                 consumer,
                 tracker,
@@ -137,10 +148,6 @@ def replay_pipeline(
                 failure,
                 reports,
                 give_up.get,
-                # A replay's targets are the original topics: nothing goes to the dead-letter topic from
-                # here (nothing written smaller; a record refused for its content is left out, `refused` in
-                # the report, and stays where it is).
-                dead_letters=False,
             )
         )
     stage = ReplayStage(options, source, settlement, reports)
@@ -160,7 +167,9 @@ def _consumer(settings: Settings, group: str) -> confluent_kafka.Consumer:
     overrides = {"group.id": group, "enable.partition.eof": "true", "isolation.level": "read_committed"}
     consumer: confluent_kafka.Consumer = kafka_call(
         "create a consumer",
-        lambda: create_consumer(settings, logger=librdkafka_logger(), overrides=overrides),
+        lambda: create_consumer(
+            settings.kafka, settings.pipeline, logger=librdkafka_logger(), overrides=overrides
+        ),
         settings.kafka,
     )
     return consumer
@@ -185,10 +194,9 @@ def _planned(
     return planned
 
 
-def _committing_often(settings: Settings) -> Settings:
-    """`settings` with progress committed every COMMIT_INTERVAL_MS, so a kill re-sends little."""
-    pipeline = msgspec.structs.replace(settings.pipeline, commit_interval_ms=COMMIT_INTERVAL_MS)
-    return msgspec.structs.replace(settings, pipeline=pipeline)
+def _committing_often(pipeline: PipelineSettings) -> PipelineSettings:
+    """`pipeline` with progress committed every COMMIT_INTERVAL_MS, so a kill re-sends little."""
+    return msgspec.structs.replace(pipeline, commit_interval_ms=COMMIT_INTERVAL_MS)
 
 
 @dataclass(frozen=True)
@@ -201,11 +209,12 @@ class _ReplayClients:
 
     def producer(self, on_error: Callable[[confluent_kafka.KafkaError], None]) -> Any:
         settings = self.settings
-        transactional = replay_transactional_id(settings, self.group) if exactly_once(settings) else None
+        pipeline = settings.pipeline
+        transactional = replay_transactional_id(pipeline, self.group) if exactly_once(pipeline) else None
         return kafka_call(
             "create a producer",
             lambda: create_producer(
-                settings, on_error=on_error, logger=librdkafka_logger(), transactional=transactional
+                settings.kafka, on_error=on_error, logger=librdkafka_logger(), transactional=transactional
             ),
             settings.kafka,
         )

@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import msgspec
 import structlog
 
-from worker.config import InferenceSettings, Settings
 from worker.inference.escalation import escalation_threshold
 from worker.inference.pool import (
     ClassifierPool,
@@ -31,6 +31,7 @@ from worker.logs import librdkafka_logger
 from worker.pipeline.side_topics.review import Review
 from worker.pipeline.side_topics.shadow import Shadow
 from worker.pipeline.triage.cascade import Cascade
+from worker.settings import InferenceSettings, Settings
 
 _log = structlog.get_logger("worker.run")
 # Niceness added to the shadow pool's processes (Linux CFS: a nice-10 process gets about a tenth of the CPU
@@ -55,14 +56,16 @@ def open_cascade(
     settings: Settings,
     escalation: InferenceSettings,
     taxonomy: Taxonomy,
+    taxonomy_path: Path,
     first_contexts: int,
     echo: Callable[[str], None],
     window: int | None = None,
 ) -> tuple[ClassifierPool, Cascade]:
-    """The escalation stage's files fetched where missing (each step told to `echo`), its pool opened and the
-    cascade over it started (`start_cascade`); the caller closes the pool (closed here if the start fails)."""
+    """The escalation stage's files fetched where missing (each step told to `echo`), its pool opened with the
+    first stage's `taxonomy` (from `taxonomy_path`, as resolved for it) and the cascade over it started
+    (`start_cascade`); the caller closes the pool (closed here if the start fails)."""
     fetch_stage_files(escalation, echo)
-    pool = open_pool(escalation, settings.log, settings.privacy)
+    pool = open_pool(escalation, taxonomy, taxonomy_path, settings.log, settings.privacy)
     try:
         return pool, start_cascade(settings, escalation, pool, taxonomy, first_contexts, window)
     except BaseException:
@@ -94,12 +97,14 @@ def start_cascade(
     return Cascade(pool, escalate_below, window, prior_s, first_contexts, taxonomy.labels)
 
 
-def open_shadow_pool(shadow_settings: InferenceSettings, settings: Settings) -> ClassifierPool:
-    """The shadow's pool: its processes run at a lower CPU priority, so that on shared cores the primary's
-    contexts come first."""
+def open_shadow_pool(
+    shadow_settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path, settings: Settings
+) -> ClassifierPool:
+    """The shadow's pool, with the shadow model's `taxonomy` (from `taxonomy_path`, as resolved for it): its
+    processes run at a lower CPU priority, so that on shared cores the primary's contexts come first."""
     # (A partial of a builtin pickles by reference, so the spawned processes import nothing more.)
     lower_priority = cast("Callable[[], None]", functools.partial(os.nice, SHADOW_NICENESS))
-    return open_pool(shadow_settings, settings.log, settings.privacy, lower_priority)
+    return open_pool(shadow_settings, taxonomy, taxonomy_path, settings.log, settings.privacy, lower_priority)
 
 
 def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: ClassifierPool) -> Shadow:
@@ -107,14 +112,14 @@ def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: C
     primary's; at most its own dispatch window outstanding (the drop rule, see
     worker/pipeline/side_topics/shadow.py)."""
     window = dispatch_window(msgspec.structs.replace(settings, inference=shadow_settings))
-    producer = create_producer(settings, ClientErrorLog("shadow-producer"), librdkafka_logger())
+    producer = create_producer(settings.kafka, ClientErrorLog("shadow-producer"), librdkafka_logger())
     _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)
     return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
 
 
 def start_review(settings: Settings) -> Review:
     """Results to review go through a producer of their own, as the shadow's side records do."""
-    producer = create_producer(settings, ClientErrorLog("review-producer"), librdkafka_logger())
+    producer = create_producer(settings.kafka, ClientErrorLog("review-producer"), librdkafka_logger())
     review = settings.review
     _log.info(
         "review_started", topic=settings.topics.review, threshold=review.threshold, fallbacks=review.fallbacks

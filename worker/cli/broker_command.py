@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from worker.cache import cache_root
-from worker.config import add_config_argument, settings_from_args
 from worker.dev import local_broker
 from worker.kafka.admin import create_topics, worker_topics
+from worker.settings import add_config_argument, settings_from_args
 
 SASL_USER = "triage"
 SASL_CLIENT_FILE = "sasl-ssl-client.toml"
@@ -174,8 +174,9 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _create_topics(args: argparse.Namespace) -> int:
-    # Imported here: the inference room loads ONNX Runtime GenAI, which creating topics does not need.
-    from worker.inference.loading import with_zero_shot_review
+    # Imported here: the assembly point loads ONNX Runtime GenAI (the inference room), which creating topics
+    # does not need.
+    from worker.app.application import with_zero_shot_review
 
     settings = with_zero_shot_review(
         settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})

@@ -31,12 +31,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from worker.app.offline import classify_lines
 from worker.cli.arguments import checked_argument_text
-from worker.config import Settings, add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket, has_text
 from worker.errors import UserError
 from worker.logs import configure_logging
 from worker.messages import TicketEvent
 from worker.pipeline.sources.lines import Line, LineReader, stream_lines
+from worker.settings import Settings, add_config_argument, settings_from_args
 
 # `--input` lines that were not tickets were skipped (the rest were classified): a script must not take the
 # results for the whole file.

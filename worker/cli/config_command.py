@@ -15,7 +15,6 @@ from pathlib import Path
 
 import msgspec
 
-from worker.config import add_config_argument, settings_from_args, settings_to_toml
 from worker.contracts.avro_schema import avro_schema_text
 from worker.decoding import DecodeErrorType
 from worker.errors import UserError
@@ -27,6 +26,7 @@ from worker.kafka.dead_letters import (
 )
 from worker.learning.feedback import FEEDBACK_ERROR_DOCS
 from worker.messages import FeedbackEvent, ReviewRecord, ShadowResult, TicketEvent, TriageResult
+from worker.settings import add_config_argument, settings_from_args, settings_to_toml
 from worker.shipped import is_source_checkout, shipped_path
 
 SCHEMA_DIR = shipped_path("schemas")

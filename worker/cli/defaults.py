@@ -3,7 +3,7 @@ reference say, so neither can drift from the code."""
 
 from __future__ import annotations
 
-from worker.config import DEFAULT_MODEL_DIR, Settings, unset_hint
+from worker.settings import DEFAULT_MODEL_DIR, Settings, unset_hint
 
 _DEFAULTS = Settings()
 

@@ -33,11 +33,11 @@ import msgspec
 
 from worker.cli.launch import run_command
 from worker.cli.viewer import dead_letter_line, decode_result, open_viewer, result_line
-from worker.config import Settings, add_config_argument, settings_from_args
 from worker.dev import local_broker
 from worker.dev.samples import Sample, SampleFactory, produce_samples
 from worker.errors import UserError
 from worker.kafka.admin import create_topics, worker_topics
+from worker.settings import Settings, add_config_argument, settings_from_args
 
 _SUMMARY_EVERY_S = 5.0
 _WORKER_STOP_TIMEOUT_S = 60.0

@@ -1,5 +1,5 @@
 """`triage-worker run`'s setting flags: one per pipeline, topic, inference, log and metrics setting, each the
-text of one dotted settings key (worker/config.py). The generated reference (worker/dev/reference.py) lists
+text of one dotted settings key (worker/settings). The generated reference (worker/dev/reference.py) lists
 them; `run` adds them to its parser and hands what was given to the settings loader as overrides.
 """
 

@@ -21,11 +21,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import GroupLagReader
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.logs import configure_logging, librdkafka_logger
+from worker.settings import add_config_argument, settings_from_args
 from worker.telemetry.server import Probes, TelemetryServer
 
 DEFAULT_PORT = 9401
@@ -96,7 +96,9 @@ def serve(args: argparse.Namespace) -> int:
     group = args.group or settings.pipeline.group_id
     topic = args.topic or settings.topics.input
     # Its client's lines and errors in the configured format, one per cause and interval.
-    reader = GroupLagReader(producer_config(settings), librdkafka_logger(), ClientErrorLog("lag-exporter"))
+    reader = GroupLagReader(
+        producer_config(settings.kafka), librdkafka_logger(), ClientErrorLog("lag-exporter")
+    )
     registry = CollectorRegistry()
     registry.register(GroupLagCollector(lambda: reader.read(group, topic), group, topic))
     metrics = msgspec.structs.replace(

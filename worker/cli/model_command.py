@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from rich.console import Console
 
-from worker.config import (
+from worker.errors import UserError
+from worker.inference.escalation import choose_escalation
+from worker.inference.taxonomy import load_taxonomy
+from worker.learning.export import export_model
+from worker.learning.folders import refuse_shipped
+from worker.settings import (
     DEFAULT_ESCALATION_DIR,
     ESCALATION_AUTO,
     ESCALATION_OFF,
@@ -40,19 +45,14 @@ from worker.config import (
     escalation_dir,
     settings_from_args,
 )
-from worker.errors import UserError
-from worker.inference.escalation import choose_escalation
-from worker.inference.taxonomy import load_taxonomy
-from worker.learning.export import export_model
-from worker.learning.folders import refuse_shipped
 from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
     from worker.app.offline import Offline
-    from worker.config import InferenceSettings, Settings
     from worker.inference.taxonomy import Taxonomy
     from worker.learning import feedback
     from worker.learning.evaluation import Example, Figures, Prediction
+    from worker.settings import InferenceSettings, Settings
 
 BANKING77 = "data/banking77"
 
@@ -290,10 +290,17 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     if args.feedback is not None:
         corrections, rejections = feedback.read_feedback_file(
-            Path(args.feedback), taxonomy.labels, feedback.training_redactor(settings)
+            Path(args.feedback), taxonomy.labels, feedback.training_redactor(settings.privacy)
         )
     else:
-        corrections, rejections = feedback.read_feedback_topic(settings, taxonomy.labels)
+        corrections, rejections = feedback.read_feedback_topic(
+            settings.kafka,
+            settings.pipeline,
+            settings.topics,
+            settings.privacy,
+            settings.dead_letter,
+            taxonomy.labels,
+        )
     for rejection in rejections:
         console.print(f"skipped {rejection.where}: {rejection.error_type}: {rejection.message}", markup=False)
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
@@ -392,7 +399,8 @@ def _eval(args: argparse.Namespace) -> int:
     if unknown:
         raise UserError(f"--modes: unknown mode {unknown[0]!r} (score, generate)")
     console = Console(stderr=True, soft_wrap=True)
-    taxonomy = evaluation.resolve_taxonomy(settings.inference)[0]
+    resolved = evaluation.resolve_taxonomy(settings.inference)
+    taxonomy = resolved[0]
     test = evaluation.read_examples(data / "test.csv", taxonomy)
     train = evaluation.read_examples(data / "train.csv", taxonomy)
     if args.limit:
@@ -401,7 +409,7 @@ def _eval(args: argparse.Namespace) -> int:
     model_id = ""
     for mode in modes:
         mode_settings = settings_from_args(args, {**overrides, "inference.mode": mode})
-        row, model_id = _eval_model(mode_settings, test, taxonomy, console)
+        row, model_id = _eval_model(mode_settings, resolved, test, console)
         rows.append(row)
         console.print(f"{row.name}: accuracy {row.accuracy:.2%}, {row.tickets_per_s:.0f} tickets/s")
     cascade_context = None
@@ -487,24 +495,26 @@ def _eval_cascade(
     fetch_stage_files(escalation, console.print)
     thresholds = _thresholds(args.thresholds)
     _, validation = evaluation.stratified_split(train, lambda example: example.intent)
+    # Every pool here answers with the one taxonomy resolved above (the stage's is the first stage's).
+    resolved = (taxonomy, taxonomy_path)
     first_val, _, first_id = _classify(
-        settings, settings.inference, validation, "first stage, validation", console
+        settings, settings.inference, resolved, validation, "first stage, validation", console
     )
     second_val, _, second_id = _classify(
-        settings, escalation, validation, "escalation stage, validation", console
+        settings, escalation, resolved, validation, "escalation stage, validation", console
     )
     chosen, validation_accuracy = evaluation.choose_threshold(
         first_val, second_val, [e.intent for e in validation], thresholds
     )
     console.print(f"threshold chosen on the validation split: {chosen:.2f}")
-    alone, seconds, _ = _classify(settings, escalation, test, "escalation stage", console)
+    alone, seconds, _ = _classify(settings, escalation, resolved, test, "escalation stage", console)
     rows = [evaluation.figures(f"{second_id} (escalation stage alone)", test, alone, taxonomy, seconds)]
     console.print(f"{rows[0].name}: accuracy {rows[0].accuracy:.2%}, {rows[0].tickets_per_s:.0f} tickets/s")
     chosen_row = None
     # Both stages' pools open once, side by side (on CPU they share the cores, as in the worker); every answer
     # under the threshold goes to the escalation stage: offline the cascade never sheds, so this measures the
     # policy's accuracy and cost, not the worker's gate.
-    with offline_stages(settings, escalation=escalation, echo=console.print) as offline:
+    with offline_stages(settings, resolved=resolved, escalation=escalation, echo=console.print) as offline:
         assert offline.cascade is not None
         for threshold in thresholds:
             offline.cascade.escalate_below = threshold
@@ -529,27 +539,33 @@ def _eval_cascade(
 
 
 def _eval_model(
-    settings: Settings, examples: list[Example], taxonomy: Taxonomy, console: Console
+    settings: Settings, resolved: tuple[Taxonomy, Path], examples: list[Example], console: Console
 ) -> tuple[Figures, str]:
-    """The model alone (no cascade) on every example through the loop, and its figures; and its id."""
+    """The model alone (no cascade) with the `resolved` taxonomy on every example through the loop, and its
+    figures; and its id."""
     from worker.learning import evaluation
 
     predictions, seconds, model_id = _classify(
-        settings, settings.inference, examples, f"model ({settings.inference.mode})", console
+        settings, settings.inference, resolved, examples, f"model ({settings.inference.mode})", console
     )
     name = f"{model_id} ({settings.inference.mode})"
-    return evaluation.figures(name, examples, predictions, taxonomy, seconds), model_id
+    return evaluation.figures(name, examples, predictions, resolved[0], seconds), model_id
 
 
 def _classify(
-    settings: Settings, inference: InferenceSettings, examples: list[Example], label: str, console: Console
+    settings: Settings,
+    inference: InferenceSettings,
+    resolved: tuple[Taxonomy, Path],
+    examples: list[Example],
+    label: str,
+    console: Console,
 ) -> tuple[list[Prediction], float, str]:
-    """Every example through the loop with `inference` alone (no cascade): the predictions in order, the
-    seconds they took (its pool's start excluded), and the model's id."""
+    """Every example through the loop with `inference` alone (no cascade) and the `resolved` taxonomy: the
+    predictions in order, the seconds they took (its pool's start excluded), and the model's id."""
     from worker.app.offline import offline_stages
 
     console.print(f"starting the pool of {label} ...")
-    with offline_stages(settings, inference, cascade=False, echo=console.print) as offline:
+    with offline_stages(settings, inference, resolved=resolved, cascade=False, echo=console.print) as offline:
         return _predict(settings, offline, examples, label, console)
 
 

@@ -30,7 +30,6 @@ from rich.table import Table
 
 from worker.app.replay import INTERRUPT_DRAIN_S, Replay
 from worker.app.signals import StopOnSignals
-from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
@@ -44,6 +43,7 @@ from worker.replay.selection import (
     reset_group,
 )
 from worker.replay.transforms import DEFAULT_TRANSFORM_TIMEOUT_S, TransformProcess, TransformStopped
+from worker.settings import Settings, add_config_argument, settings_from_args
 from worker.telemetry.replay import replay_metrics
 
 EXAMPLES = """\
@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 options = dataclasses.replace(options, transform=transform)
                 # One clear line at start for a refused login or an untrusted certificate, which the
                 # replay's own clients would only report as metadata timeouts.
-                check_cluster(producer_config(settings))
+                check_cluster(producer_config(settings.kafka))
                 with (
                     _ProgressBar(err, options.dry_run) as bar,
                     replay_metrics(args.metrics_port, settings.metrics, bar) as observer,
@@ -431,8 +431,8 @@ def _transform(
 def _reset(args: argparse.Namespace, settings: Settings, dlq_topic: str) -> int:
     """`--reset-group`: the group's positions on the dead-letter topic back to its beginning."""
     group = args.group or default_group(dlq_topic)
-    check_cluster(producer_config(settings))
-    resets = reset_group(settings, dlq_topic, group, args.dry_run)
+    check_cluster(producer_config(settings.kafka))
+    resets = reset_group(settings.kafka, settings.pipeline, dlq_topic, group, args.dry_run)
     if args.json:
         data = {
             "dlq_topic": dlq_topic,

@@ -32,7 +32,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from worker.classification import ticket_text
-from worker.config import Settings, add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.admin import existing_topics
@@ -45,6 +44,7 @@ from worker.kafka.clients import (
     producer_config,
 )
 from worker.messages import FeedbackEvent, ReviewRecord, utc_timestamp
+from worker.settings import Settings, add_config_argument, settings_from_args
 
 _DECODER = msgspec.json.Decoder(ReviewRecord)
 _ENCODER = msgspec.json.Encoder()
@@ -141,9 +141,11 @@ class Reviewer:
         group = args.group or f"{settings.pipeline.group_id}.review"
         overrides = {"group.id": group, "enable.partition.eof": "true"}
         self._consumer = kafka_call(
-            "create a consumer", lambda: create_consumer(settings, overrides=overrides), settings.kafka
+            "create a consumer",
+            lambda: create_consumer(settings.kafka, settings.pipeline, overrides=overrides),
+            settings.kafka,
         )
-        self._producer = create_producer(settings, ClientErrorLog("review-feedback"))
+        self._producer = create_producer(settings.kafka, ClientErrorLog("review-feedback"))
         self._start(args.start)
 
     def close(self) -> None:
@@ -413,7 +415,7 @@ def _review(args: argparse.Namespace) -> int:
         _parse_time(args.start)
     if not sys.stdin.isatty():
         raise UserError("review needs a terminal to read keys from (over SSH: ssh -t)")
-    existing = existing_topics(producer_config(settings))
+    existing = existing_topics(producer_config(settings.kafka))
     missing = [t for t in (settings.topics.review, settings.topics.feedback) if t not in existing]
     if missing:
         raise UserError(

@@ -1,7 +1,7 @@
 """`triage-worker run`: the worker itself — consume tickets, classify them, produce one record each.
 
 Every pipeline, topic, inference and log setting has a flag here (worker/cli/flags.py); flags beat `--set`,
-which beats the environment and the `--config` file (see worker/config.py). The worker is assembled and run
+which beats the environment and the `--config` file (see worker/settings). The worker is assembled and run
 by `worker.app.application.WorkerApp`: the process runs until SIGTERM/SIGINT, then shuts down gracefully
 (exit 0); a second signal exits at once (exit 128+signal). SIGHUP (and `POST /reload` when metrics.port and
 metrics.reload_token_file are set) reloads the model without leaving the group (see worker/app/reload.py).
@@ -14,7 +14,7 @@ from typing import Any
 
 from worker.app.application import WorkerApp
 from worker.cli.flags import add_run_flags, overrides
-from worker.config import Settings, add_config_argument, settings_from_args
+from worker.settings import Settings, add_config_argument, settings_from_args
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:

@@ -8,11 +8,11 @@ import sys
 import threading
 from typing import Any
 
-from worker.config import add_config_argument, settings_from_args
 from worker.dev.samples import SampleFactory, produce_samples
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
+from worker.settings import add_config_argument, settings_from_args
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -54,7 +54,7 @@ def _produce(args: argparse.Namespace) -> int:
     topic = args.topic or settings.topics.input
     # Without it a refused login or an untrusted certificate would only show as every record failing after
     # the flush timeout (two minutes).
-    check_cluster(producer_config(settings))
+    check_cluster(producer_config(settings.kafka))
     factory = SampleFactory(seed=args.seed, malformed_ratio=args.malformed_ratio)
     stop = threading.Event()
     # Ctrl-C ends the stream cleanly: what was published is flushed and counted.

@@ -12,12 +12,12 @@ import confluent_kafka
 import msgspec
 
 from worker.cli.arguments import checked_argument_text
-from worker.config import add_config_argument, settings_from_args
 from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import create_producer, produce, producer_config
 from worker.messages import TicketEvent, utc_timestamp
+from worker.settings import add_config_argument, settings_from_args
 
 _DELIVERY_TIMEOUT_S = 30.0
 
@@ -60,8 +60,8 @@ def send(args: argparse.Namespace) -> int:
         value = msgspec.json.encode(event)
         _refuse_a_dead_letter(value, settings.pipeline.max_value_bytes)
         what = f"ticket {ticket_id}"
-    check_cluster(producer_config(settings))
-    producer = create_producer(settings)
+    check_cluster(producer_config(settings.kafka))
+    producer = create_producer(settings.kafka)
     outcome: list[Any] = []
     try:
         produce(producer, topic, value, None, None, lambda error, message: outcome.append((error, message)))

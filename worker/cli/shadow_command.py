@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from worker.config import add_config_argument, settings_from_args
 from worker.kafka.side_topics import read_side_topic
 from worker.messages import ShadowResult
+from worker.settings import add_config_argument, settings_from_args
 
 _DECODER = msgspec.json.Decoder(ShadowResult)
 
@@ -188,7 +188,9 @@ def _report(args: argparse.Namespace) -> int:
     def progress(read: int, total: int) -> None:
         print(f"read {read} of at most {total} records from {topic}", file=sys.stderr, flush=True)
 
-    read_side_topic(settings, topic, lambda message: tally.add(message.value()), progress)
+    read_side_topic(
+        settings.kafka, settings.pipeline, topic, lambda message: tally.add(message.value()), progress
+    )
     summary = summarize(tally, topic)
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -11,11 +11,11 @@ import uuid
 import confluent_kafka
 import msgspec
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import dead_letters
 from worker.kafka.clients import create_consumer
 from worker.messages import TriageResult
+from worker.settings import Settings
 
 _TOPIC_READY_TIMEOUT_S = 30.0
 # Errors of a topic created a moment ago, before its partitions have a leader.
@@ -32,7 +32,9 @@ def open_viewer(settings: Settings, from_beginning: bool) -> confluent_kafka.Con
     """A consumer of the output and dead-letter topics, by assignment (no group membership, no commits), from
     their beginning or from their current end (only what arrives from now on)."""
     # Through the worker's client options, so SASL/TLS settings apply here too.
-    consumer = create_consumer(settings, overrides={"group.id": f"triage-viewer-{uuid.uuid4().hex[:8]}"})
+    consumer = create_consumer(
+        settings.kafka, settings.pipeline, overrides={"group.id": f"triage-viewer-{uuid.uuid4().hex[:8]}"}
+    )
     partitions = []
     for topic in (settings.topics.output, settings.topics.dead_letter):
         metadata = consumer.list_topics(topic, timeout=15).topics[topic]

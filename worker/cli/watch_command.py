@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 from worker.cli.viewer import dead_letter_line, decode_result, open_viewer, result_line
-from worker.config import add_config_argument, settings_from_args
 from worker.errors import UserError
 from worker.kafka.admin import check_cluster
 from worker.kafka.clients import producer_config
+from worker.settings import add_config_argument, settings_from_args
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -47,7 +47,7 @@ def watch(args: argparse.Namespace) -> int:
     if args.count < 0 or args.idle < 0:
         raise UserError("--count and --idle must not be negative")
     settings = settings_from_args(args, {"kafka.bootstrap.servers": args.bootstrap_servers})
-    check_cluster(producer_config(settings))
+    check_cluster(producer_config(settings.kafka))
     viewer = open_viewer(settings, from_beginning=not args.new)
     shown = 0
     last_seen = time.monotonic()

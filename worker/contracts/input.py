@@ -33,10 +33,10 @@ from typing import Any
 
 import msgspec
 
-from worker.config import REGISTRY_FORMATS, InputFormat, Settings
 from worker.decoding import DecodeError, RegistryUnavailable, decode_ticket
 from worker.errors import UserError
 from worker.messages import TicketEvent
+from worker.settings import REGISTRY_FORMATS, InputFormat, InputSettings, SchemaRegistrySettings
 
 __all__ = [
     "REGISTRY_FORMATS",
@@ -400,26 +400,26 @@ def _json_map_key(key: object) -> str:
     return str(key)
 
 
-def decoder_for(settings: Settings) -> TicketDecoder | None:
-    """The decoder `settings.input` describes, with its registry client; None for plain JSON without a field
-    mapping, which the pipeline decodes as it always has (`decode_ticket`). Raises UserError (one line) when
-    the Protobuf message class cannot be imported."""
-    chosen = settings.input
+def decoder_for(
+    chosen: InputSettings, registry_settings: SchemaRegistrySettings, max_value_bytes: int
+) -> TicketDecoder | None:
+    """The decoder the input section `chosen` describes, with a client of the registry `registry_settings`
+    names, refusing values over `max_value_bytes`; None for plain JSON without a field mapping, which the
+    pipeline decodes as it always has (`decode_ticket`). Raises UserError (one line) when the Protobuf
+    message class cannot be imported."""
     if chosen.format == "json" and not chosen.fields:
         return None
     registry: Any = None
     message_type: type | None = None
-    secrets = settings.schema_registry.secrets()
+    secrets = registry_settings.secrets()
     if chosen.format in REGISTRY_FORMATS:
         from confluent_kafka.schema_registry import SchemaRegistryClient
 
-        registry = SchemaRegistryClient(settings.schema_registry.client_config())
+        registry = SchemaRegistryClient(registry_settings.client_config())
     if chosen.format == "protobuf":
         assert chosen.protobuf_message is not None  # the settings refuse protobuf without it
         message_type = protobuf_class(chosen.protobuf_message)
-    return TicketDecoder(
-        chosen.format, chosen.fields, settings.pipeline.max_value_bytes, registry, message_type, secrets
-    )
+    return TicketDecoder(chosen.format, chosen.fields, max_value_bytes, registry, message_type, secrets)
 
 
 def protobuf_class(name: str) -> type:

@@ -16,31 +16,34 @@ from typing import Any
 
 import msgspec
 
-from worker.config import Settings
 from worker.contracts.avro_schema import avro_schema
 from worker.errors import UserError
 from worker.messages import TriageResult
+from worker.settings import OutputSettings, SchemaRegistrySettings
 
 ResultEncoder = Callable[[TriageResult], bytes]
 
 
-def result_encoder_for(settings: Settings, registry: Any = None) -> ResultEncoder | None:
-    """The encoder `output.format` asks for, with its schema registered; None for JSON (the pipeline's own
-    encoder). `registry`: a `SchemaRegistryClient` (default: one from `schema_registry.*`). Raises UserError
-    (one line, credentials masked) when the schema cannot be registered."""
-    if settings.output.format == "json":
+def result_encoder_for(
+    output: OutputSettings, registry_settings: SchemaRegistrySettings, output_topic: str, registry: Any = None
+) -> ResultEncoder | None:
+    """The encoder `output.format` asks for, with its schema registered under `output_topic`'s value subject;
+    None for JSON (the pipeline's own encoder). `registry`: a `SchemaRegistryClient` (default: one from
+    `registry_settings`). Raises UserError (one line, credentials masked) when the schema cannot be
+    registered."""
+    if output.format == "json":
         return None
     import fastavro
     from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
 
     schema = avro_schema(TriageResult)
-    client = registry or SchemaRegistryClient(settings.schema_registry.client_config())
-    subject = f"{settings.topics.output}-value"
+    client = registry or SchemaRegistryClient(registry_settings.client_config())
+    subject = f"{output_topic}-value"
     try:
         schema_id = int(client.register_schema(subject, Schema(json.dumps(schema), "AVRO")))
     except Exception as error:  # refused, incompatible with the subject's schema, unreachable, ...
         reason = f"{type(error).__name__}: {error}"
-        for secret in settings.schema_registry.secrets():
+        for secret in registry_settings.secrets():
             reason = reason.replace(secret, "***")
         raise UserError(
             f"schema registry: cannot register the output schema under {subject}: {reason}"

@@ -26,7 +26,6 @@ from prometheus_client.core import Metric
 from worker.cli.defaults import default_of
 from worker.cli.flags import flag_settings
 from worker.cli.lag_command import GroupLagCollector
-from worker.config import Settings
 from worker.messages import ReviewReason
 from worker.pipeline.metrics import (
     EscalationMetrics,
@@ -37,6 +36,7 @@ from worker.pipeline.metrics import (
     ReviewMetrics,
     ShadowMetrics,
 )
+from worker.settings import Settings
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics

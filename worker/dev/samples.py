@@ -20,9 +20,9 @@ from pathlib import Path
 import confluent_kafka
 import msgspec
 
-from worker.config import Settings
 from worker.kafka.clients import DeliveryCallback, create_producer, produce
 from worker.messages import utc_timestamp
+from worker.settings import Settings
 
 SAMPLES_FILE = Path(__file__).with_name("sample_tickets.csv")
 KIND_HEADER = "sample.kind"
@@ -129,7 +129,7 @@ def produce_samples(
     Returns once every record is acknowledged or failed, or `flush_timeout_s` passed (records still
     unacknowledged then count as failed); `on_sent(sample, n)` is called after each record is queued.
     """
-    producer = create_producer(settings)
+    producer = create_producer(settings.kafka)
     stats = ProduceStats()
 
     def delivered(error: object, _message: object) -> None:

@@ -31,11 +31,11 @@ import structlog
 
 from worker.cache import cache_root
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings
 from worker.errors import UserError
-from worker.inference.loading import model_id, resolve_taxonomy
+from worker.inference.loading import model_id
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason
+from worker.settings import InferenceSettings
 
 log = structlog.get_logger(__name__)
 
@@ -183,14 +183,16 @@ class SentenceEmbedder:
 
 
 class EncoderEngine:
-    """A loaded encoder stage: embedder, head and taxonomy; `new_context` as the ORT GenAI `Engine` has."""
+    """A loaded encoder stage: embedder, head and taxonomy; `new_context` as the ORT GenAI `Engine` has.
+    `taxonomy` from `taxonomy_path` is the stage's, as resolved where it is assembled (for a cascade's stage,
+    the first stage's); a UserError when the head was not trained for all of its labels."""
 
-    def __init__(self, settings: InferenceSettings) -> None:
+    def __init__(self, settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> None:
         self.settings = settings
         folder = Path(settings.model).expanduser()
         manifest = read_manifest(folder)
-        self.taxonomy: Taxonomy
-        self.taxonomy, self.taxonomy_path = resolve_taxonomy(settings)
+        self.taxonomy = taxonomy
+        self.taxonomy_path = taxonomy_path
         unknown = sorted(set(self.taxonomy.labels) - set(manifest.labels))
         if unknown:
             raise UserError(

@@ -22,6 +22,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -30,14 +31,14 @@ import numpy.typing as npt
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.genai import og
-from worker.inference.loading import load_model, model_dir, model_id, resolve_taxonomy
+from worker.inference.loading import load_model, model_dir, model_id
 from worker.inference.pairing import taxonomy_mark
 from worker.inference.prompt import INTENT_OPENING, PRIORITY_OPENING, PromptBuilder, truncate_ticket
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason, Priority
+from worker.settings import InferenceSettings
 
 log = structlog.get_logger(__name__)
 
@@ -76,13 +77,16 @@ class Engine:
     Construction checks, once, what the per-request code relies on: that the prompt splits into prefix and
     suffix with identical tokens (so prefix reuse is exact) and that every label continuation tokenises the
     same on its own as inside the answer (so scoring reads the tokens the model would produce).
+
+    `taxonomy` from `taxonomy_path` is the model's, as `worker.inference.loading.resolve_taxonomy` found and
+    checked it where the model is assembled: the engine takes it as given.
     """
 
-    def __init__(self, settings: InferenceSettings) -> None:
+    def __init__(self, settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> None:
         self.settings = settings
         folder = model_dir(settings)
-        self.taxonomy: Taxonomy
-        self.taxonomy, self.taxonomy_path = resolve_taxonomy(settings)
+        self.taxonomy = taxonomy
+        self.taxonomy_path = taxonomy_path
         self.taxonomy_mark = taxonomy_mark(settings, self.taxonomy, self.taxonomy_path)
         self.model_id = model_id(folder)
         self.model = load_model(settings)

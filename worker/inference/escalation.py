@@ -20,10 +20,10 @@ from pathlib import Path
 
 import msgspec
 
-from worker.config import DEFAULT_ESCALATE_BELOW, DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
 from worker.inference.taxonomy import Taxonomy
+from worker.settings import DEFAULT_ESCALATE_BELOW, DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
 from worker.small_files import read_small_file
 
 # The folder, inside a model folder, of the encoder stage trained with it.

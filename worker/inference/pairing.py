@@ -21,9 +21,9 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.taxonomy import Taxonomy
+from worker.settings import InferenceSettings
 
 TRAINED_LABELS_FILE = "trained_labels.json"
 # Labels named in the refusal line; a whole foreign taxonomy may have dozens.

@@ -38,14 +38,14 @@ import msgspec
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
-from worker.config import InferenceSettings, LogSettings, PoolKind, PrivacySettings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderContext, EncoderEngine, is_encoder_folder
 from worker.inference.engine import Context, Engine
 from worker.inference.genai import require_runtime
-from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.prompt import max_ticket_chars
+from worker.inference.taxonomy import Taxonomy
+from worker.settings import InferenceSettings, LogSettings, PoolKind, PrivacySettings
 
 log = structlog.get_logger(__name__)
 
@@ -74,12 +74,14 @@ _REPLY_DECODER = msgspec.msgpack.Decoder(_Reply)
 _REQUEST_DECODER = msgspec.msgpack.Decoder(ClassifyRequest)
 
 
-def open_engine(settings: InferenceSettings) -> Engine | EncoderEngine:
+def open_engine(
+    settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path
+) -> Engine | EncoderEngine:
     """The engine for the folder in `settings.model`: an encoder stage (it has `encoder.json`, see
-    worker/inference/encoder.py) or an ORT GenAI model."""
+    worker/inference/encoder.py) or an ORT GenAI model, with the resolved `taxonomy` from `taxonomy_path`."""
     if is_encoder_folder(Path(settings.model).expanduser()):
-        return EncoderEngine(settings)
-    return Engine(settings)
+        return EncoderEngine(settings, taxonomy, taxonomy_path)
+    return Engine(settings, taxonomy, taxonomy_path)
 
 
 def default_pool_kind(settings: InferenceSettings) -> PoolKind:
@@ -132,6 +134,8 @@ class ClassifierPool(abc.ABC):
 
 def open_pool(
     settings: InferenceSettings,
+    taxonomy: Taxonomy,
+    taxonomy_path: Path,
     log_settings: LogSettings | None = None,
     privacy: PrivacySettings | None = None,
     initializer: Callable[[], None] | None = None,
@@ -141,21 +145,28 @@ def open_pool(
     unless `announce` is False: `classify` of one ticket prints its result alone). A process pool's
     processes log with `log_settings`, redacted as `privacy` says (the logs' phone region).
 
+    `taxonomy` from `taxonomy_path`: the model's, resolved once where the model is assembled
+    (`worker.inference.loading.resolve_taxonomy`); every context, and the fallbacks of a dead worker's
+    requests, use this one value. Checked against the model here (`taxonomy_mark`: a UserError in score mode
+    when the model was not trained for its labels, a warning once in generate mode).
+
     `initializer` (picklable) runs first in each worker process of a process or batch pool (see
     `ProcessPool`); a thread pool has none to run it in."""
     require_runtime()  # here, not in each of the pool's processes
     kind = default_pool_kind(settings)
     size = default_pool_size(settings, kind)
-    warn_once_if_unpaired(settings, *resolve_taxonomy(settings))
+    warn_once_if_unpaired(settings, taxonomy, taxonomy_path)
     if announce:
         log.info("starting classifier pool", pool=kind, size=size, model=settings.model, mode=settings.mode)
     started = time.monotonic()
     pool: ClassifierPool
     if kind == "thread":
-        pool = ThreadPool(settings, size)
+        pool = ThreadPool(settings, taxonomy, taxonomy_path, size)
     else:
         pool = ProcessPool(
             settings,
+            taxonomy,
+            taxonomy_path,
             size,
             batch=kind == "batch",
             log_settings=log_settings,
@@ -195,8 +206,10 @@ def _cut(request: ClassifyRequest, limit: int) -> ClassifyRequest:
 class ThreadPool(ClassifierPool):
     """Contexts in threads of this process, sharing one model (see the module docstring for the cost)."""
 
-    def __init__(self, settings: InferenceSettings, size: int) -> None:
-        self._engine = open_engine(settings)
+    def __init__(
+        self, settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path, size: int
+    ) -> None:
+        self._engine = open_engine(settings, taxonomy, taxonomy_path)
         self.model_id = self._engine.model_id
         self.size = size
         self._requests: queue.SimpleQueue[ClassifyRequest | None] = queue.SimpleQueue()
@@ -266,14 +279,19 @@ class ProcessPool(ClassifierPool):
     def __init__(
         self,
         settings: InferenceSettings,
+        taxonomy: Taxonomy,
+        taxonomy_path: Path,
         size: int,
         batch: bool,
         log_settings: LogSettings | None = None,
         privacy: PrivacySettings | None = None,
         initializer: Callable[[], None] | None = None,
     ) -> None:
-        """`initializer` (picklable) runs first in every worker process, e.g. to instrument the model."""
+        """`initializer` (picklable) runs first in every worker process, e.g. to instrument the model. Every
+        worker process gets `taxonomy` (from `taxonomy_path`) as this process resolved it."""
         self._settings = settings
+        self._taxonomy = taxonomy  # also for the fallbacks of a dead worker's requests
+        self._taxonomy_path = taxonomy_path
         self._initializer = initializer
         self.size = size
         self._batch = batch
@@ -281,7 +299,6 @@ class ProcessPool(ClassifierPool):
         self._privacy = privacy or PrivacySettings()
         self._mp = multiprocessing.get_context("spawn")
         self._limit = max_ticket_chars(settings.max_ticket_tokens)
-        self._taxonomy, _ = resolve_taxonomy(settings)  # for the fallbacks of a dead worker's requests
         self._lock = threading.Lock()
         self._closed = False
         self._pending: list[Result] = []
@@ -357,6 +374,8 @@ class ProcessPool(ClassifierPool):
             args=(
                 child,
                 msgspec.msgpack.encode(self._settings),
+                msgspec.msgpack.encode(self._taxonomy),
+                str(self._taxonomy_path),
                 msgspec.msgpack.encode(self._log_settings),
                 msgspec.msgpack.encode(self._privacy),
                 self._batch,
@@ -450,6 +469,8 @@ def _warm(context: Context | EncoderContext) -> None:
 def _worker_main(
     conn: multiprocessing.connection.Connection,
     settings: bytes,
+    taxonomy: bytes,
+    taxonomy_path: str,
     logs: bytes,
     privacy: bytes,
     batch: bool,
@@ -467,7 +488,11 @@ def _worker_main(
         msgspec.msgpack.decode(logs, type=LogSettings), msgspec.msgpack.decode(privacy, type=PrivacySettings)
     )
     try:
-        engine = open_engine(msgspec.msgpack.decode(settings, type=InferenceSettings))
+        engine = open_engine(
+            msgspec.msgpack.decode(settings, type=InferenceSettings),
+            msgspec.msgpack.decode(taxonomy, type=Taxonomy),
+            Path(taxonomy_path),
+        )
         serve: Callable[[list[ClassifyRequest]], list[Classification]]
         if batch and isinstance(engine, EncoderEngine):  # an encoder batches natively
             _warm(engine.new_context())

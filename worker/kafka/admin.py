@@ -30,8 +30,8 @@ from confluent_kafka.admin._listoffsets import OffsetSpec  # re-exported untyped
 from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
-from worker.config import TopicSettings, mask_secrets
 from worker.errors import UserError
+from worker.settings import TopicSettings, mask_secrets
 
 TopicOutcome = Literal["created", "exists"]
 # Told what the command waits for once the cluster has not answered for this long, so a wrong address is

@@ -1,6 +1,6 @@
 """Consumer and producer factories: the user's librdkafka options plus the few the pipeline relies on.
 
-`settings.kafka` passes through untouched (SASL, SSL, timeouts, ...). On top of it:
+The `[kafka]` options (`Settings.kafka`) pass through untouched (SASL, SSL, timeouts, ...). On top of it:
 
 - the consumer never commits by itself (`enable.auto.commit=false`, `enable.auto.offset.store=false`): only
   the pipeline knows which tickets are finished, and an automatic commit could pass an unfinished one;
@@ -30,13 +30,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import confluent_kafka
-import msgspec
 import structlog
 
-from worker.config import Settings, mask_secrets, masked_kafka_config
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.logs import REPEAT_INTERVAL_S, Throttle
+from worker.settings import PipelineSettings, mask_secrets, masked_kafka_config
 
 _log = structlog.get_logger("worker.kafka")
 # How long `kafka_call` retries passing errors.
@@ -141,8 +140,9 @@ def _check_managed(kafka: Mapping[str, str]) -> None:
             raise UserError(f"config error: kafka.{option} is not set directly; use {instead}")
 
 
-def exactly_once(settings: Settings) -> bool:
-    return settings.pipeline.guarantee == "exactly_once"
+def exactly_once(pipeline: PipelineSettings) -> bool:
+    """Whether `pipeline.guarantee` writes outputs and input offsets in Kafka transactions."""
+    return pipeline.guarantee == "exactly_once"
 
 
 def group_protocol(kafka: Mapping[str, str]) -> str:
@@ -169,21 +169,22 @@ def _check_group_protocol(kafka: Mapping[str, str]) -> None:
             )
 
 
-def consumer_config(settings: Settings) -> dict[str, str]:
-    """librdkafka options for the pipeline's consumer (strings only, as the user would write them)."""
-    _check_required(settings.kafka, _CONSUMER_REQUIRED)
-    _check_group_protocol(settings.kafka)
-    if exactly_once(settings):
+def consumer_config(kafka: Mapping[str, str], pipeline: PipelineSettings) -> dict[str, str]:
+    """librdkafka options for the pipeline's consumer (strings only, as the user would write them): the
+    `[kafka]` options, the ones the pipeline relies on, and `pipeline`'s group and guarantee."""
+    _check_required(kafka, _CONSUMER_REQUIRED)
+    _check_group_protocol(kafka)
+    if exactly_once(pipeline):
         # Input written in transactions that were later aborted is not input.
         _check_required(
-            settings.kafka, {"isolation.level": ("read_committed", "exactly_once reads committed input only")}
+            kafka, {"isolation.level": ("read_committed", "exactly_once reads committed input only")}
         )
-    protocol_defaults = _CLASSIC_DEFAULTS if group_protocol(settings.kafka) != CONSUMER_PROTOCOL else {}
-    config = {**_CONSUMER_DEFAULTS, **protocol_defaults, **_without(settings.kafka, _PRODUCER_ONLY_PREFIXES)}
+    protocol_defaults = _CLASSIC_DEFAULTS if group_protocol(kafka) != CONSUMER_PROTOCOL else {}
+    config = {**_CONSUMER_DEFAULTS, **protocol_defaults, **_without(kafka, _PRODUCER_ONLY_PREFIXES)}
     config.update({option: value for option, (value, _) in _CONSUMER_REQUIRED.items()})
-    if exactly_once(settings):
+    if exactly_once(pipeline):
         config["isolation.level"] = "read_committed"
-    config["group.id"] = settings.pipeline.group_id
+    config["group.id"] = pipeline.group_id
     return config
 
 
@@ -192,11 +193,12 @@ def consumer_options(kafka: Mapping[str, str]) -> dict[str, str]:
     return _without(kafka, _PRODUCER_ONLY_PREFIXES)
 
 
-def producer_config(settings: Settings) -> dict[str, str]:
-    """librdkafka options for the pipeline's producer (results and dead letters); never transactional."""
-    _check_required(settings.kafka, _PRODUCER_REQUIRED)
-    _check_managed(settings.kafka)
-    config = {**_PRODUCER_DEFAULTS, **_without(settings.kafka, _CONSUMER_ONLY_PREFIXES)}
+def producer_config(kafka: Mapping[str, str]) -> dict[str, str]:
+    """librdkafka options for the pipeline's producer (results and dead letters) from the `[kafka]` options;
+    never transactional."""
+    _check_required(kafka, _PRODUCER_REQUIRED)
+    _check_managed(kafka)
+    config = {**_PRODUCER_DEFAULTS, **_without(kafka, _CONSUMER_ONLY_PREFIXES)}
     config.update({option: value for option, (value, _) in _PRODUCER_REQUIRED.items()})
     return config
 
@@ -206,33 +208,33 @@ _LIBRDKAFKA_MESSAGE_MAX_BYTES = 1_000_000
 _LIBRDKAFKA_MESSAGE_MAX_BYTES_MIN = 1000
 
 
-def producer_record_limit(settings: Settings, topic_limits: Mapping[str, int]) -> Settings:
-    """`settings` with the producer's `message.max.bytes` lowered to the smallest `max.message.bytes` of the
-    topics it writes (`topic_limits`), when that is smaller. librdkafka caps each record and each batch at
-    it, so a record no topic would take is refused before it is queued (its ticket is dead-lettered, see
-    worker/pipeline/settlements/delivery.py), and a batch never exceeds a topic's limit: the broker refuses a
-    whole batch for one record over it, with the other tickets in that batch."""
-    configured = int(settings.kafka.get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
+def producer_record_limit(kafka: Mapping[str, str], topic_limits: Mapping[str, int]) -> dict[str, str]:
+    """The `[kafka]` options `kafka` with the producer's `message.max.bytes` lowered to the smallest
+    `max.message.bytes` of the topics it writes (`topic_limits`), when that is smaller. librdkafka caps each
+    record and each batch at it, so a record no topic would take is refused before it is queued (its ticket
+    is dead-lettered, see worker/pipeline/settlements/delivery.py), and a batch never exceeds a topic's
+    limit: the broker refuses a whole batch for one record over it, with the other tickets in that batch."""
+    configured = int(kafka.get("message.max.bytes", _LIBRDKAFKA_MESSAGE_MAX_BYTES))
     smallest = max(min(topic_limits.values(), default=configured), _LIBRDKAFKA_MESSAGE_MAX_BYTES_MIN)
     if smallest >= configured:
-        return settings
+        return dict(kafka)
     _log.info(
         "producer_record_limit",
         message_max_bytes=smallest,
         reason=f"the smallest max.message.bytes of {sorted(topic_limits)} is below {configured}",
     )
-    return msgspec.structs.replace(settings, kafka={**settings.kafka, "message.max.bytes": str(smallest)})
+    return {**kafka, "message.max.bytes": str(smallest)}
 
 
-def transactional_id(settings: Settings) -> str:
+def transactional_id(pipeline: PipelineSettings) -> str:
     """The worker's transactional id: `pipeline.transactional_id`, by default "<group>-<host name>" (a pod's
     name on Kubernetes)."""
-    return settings.pipeline.transactional_id_or_default(socket.gethostname())
+    return pipeline.transactional_id_or_default(socket.gethostname())
 
 
-def transactional_producer_config(settings: Settings, transactional: str) -> dict[str, str]:
+def transactional_producer_config(kafka: Mapping[str, str], transactional: str) -> dict[str, str]:
     """`producer_config` plus a `transactional.id`: every produce must then be inside a transaction."""
-    return {**_TRANSACTIONAL_DEFAULTS, **producer_config(settings), "transactional.id": transactional}
+    return {**_TRANSACTIONAL_DEFAULTS, **producer_config(kafka), "transactional.id": transactional}
 
 
 class ClientErrorLog:
@@ -261,12 +263,14 @@ class ClientErrorLog:
 
 
 def create_consumer(
-    settings: Settings,
+    kafka: Mapping[str, str],
+    pipeline: PipelineSettings,
     on_error: ErrorCallback | None = None,
     logger: logging.Logger | None = None,
     overrides: Mapping[str, str] | None = None,
 ) -> confluent_kafka.Consumer:
-    """A consumer in the pipeline's group; subscribe it with the rebalance callbacks of the caller.
+    """A consumer in `pipeline`'s group with the `[kafka]` options `kafka` (`consumer_config`); subscribe it
+    with the rebalance callbacks of the caller.
 
     `logger` receives librdkafka's own log lines (default: librdkafka prints them to stderr). `overrides`
     adapts it to another use (a replay's own group, a viewer) without touching the options every client
@@ -275,7 +279,7 @@ def create_consumer(
     forbidden = sorted(set(overrides or ()) & set(_CONSUMER_REQUIRED))
     if forbidden:
         raise ValueError(f"create_consumer cannot override {', '.join(forbidden)}")
-    config: dict[str, Any] = {**consumer_config(settings), **(overrides or {})}
+    config: dict[str, Any] = {**consumer_config(kafka, pipeline), **(overrides or {})}
     config["error_cb"] = on_error or ClientErrorLog("consumer")
     if logger is not None:
         config["logger"] = logger
@@ -283,17 +287,17 @@ def create_consumer(
 
 
 def create_producer(
-    settings: Settings,
+    kafka: Mapping[str, str],
     on_error: ErrorCallback | None = None,
     logger: logging.Logger | None = None,
     transactional: str | None = None,
 ) -> confluent_kafka.Producer:
-    """An idempotent, acks=all producer for results and dead letters; transactional under the id
-    `transactional` when given (the caller runs `init_transactions`)."""
+    """An idempotent, acks=all producer for results and dead letters with the `[kafka]` options `kafka`;
+    transactional under the id `transactional` when given (the caller runs `init_transactions`)."""
     config: dict[str, Any] = (
-        producer_config(settings)
+        producer_config(kafka)
         if transactional is None
-        else transactional_producer_config(settings, transactional)
+        else transactional_producer_config(kafka, transactional)
     )
     config["error_cb"] = on_error or ClientErrorLog("producer")
     if logger is not None:
@@ -377,17 +381,17 @@ class ClientFactory(ProducerFactory, Protocol):
 
 @dataclass(frozen=True)
 class KafkaClients:
-    """The pipeline's clients from settings (`create_consumer`, `create_producer`)."""
+    """The pipeline's clients from the `[kafka]` options and the pipeline's section (`create_consumer`,
+    `create_producer`)."""
 
-    settings: Settings
+    kafka: Mapping[str, str]
+    pipeline: PipelineSettings
     logger: logging.Logger | None = None
 
     def consumer(self, on_error: ErrorCallback) -> confluent_kafka.Consumer:
-        return create_consumer(self.settings, on_error=on_error, logger=self.logger)
+        return create_consumer(self.kafka, self.pipeline, on_error=on_error, logger=self.logger)
 
     def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer:
         """Transactional in exactly_once mode (see `transactional_id`)."""
-        transactional = transactional_id(self.settings) if exactly_once(self.settings) else None
-        return create_producer(
-            self.settings, on_error=on_error, logger=self.logger, transactional=transactional
-        )
+        transactional = transactional_id(self.pipeline) if exactly_once(self.pipeline) else None
+        return create_producer(self.kafka, on_error=on_error, logger=self.logger, transactional=transactional)

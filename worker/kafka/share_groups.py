@@ -14,18 +14,18 @@ per record. Measured with confluent-kafka 2.16.1 against Kafka 4.4.0 (docs/desig
   `prepare_share_group` sets the start to earliest unless someone set it (as group mode: tickets published
   before the first worker started are still tickets) and reads the other two (`ShareGroup`);
 - the producer's `delivery.timeout.ms` bounds how long a record's output may wait for the broker: in queue
-  mode it defaults to a third of the lock (`queue_settings`), so that a ticket's deadline plus its delivery
-  fit inside the lock (`worker/pipeline/sources/lock_budget.py` refuses settings where they do not).
+  mode it defaults to a third of the lock (`queue_kafka_options`), so that a ticket's deadline plus its
+  delivery fit inside the lock (`worker/pipeline/sources/lock_budget.py` refuses settings where they do not).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import confluent_kafka
-import msgspec
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import (  # re-exported untyped by confluent_kafka.admin
     AlterConfigOpType,
@@ -34,7 +34,6 @@ from confluent_kafka.admin._config import (  # re-exported untyped by confluent_
 )
 from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.clients import (
     ClientErrorLog,
@@ -45,6 +44,7 @@ from worker.kafka.clients import (
     kafka_call,
     producer_config,
 )
+from worker.settings import PipelineSettings
 
 # Kafka's defaults for the group configs (a broker may set others: `group.share.*`).
 DEFAULT_LOCK_MS = 30000
@@ -79,10 +79,13 @@ NO_SHARE_GROUPS = (
 )
 
 
-def share_consumer_config(settings: Settings, max_poll_records: int | None = None) -> dict[str, str]:
-    """librdkafka options for queue mode's share consumer; `max_poll_records`: what a poll asks for, unless
-    the user set `max.poll.records` (None: `max_in_flight`)."""
-    given = settings.kafka.get(_ACKNOWLEDGEMENT_MODE, "explicit").strip().lower()
+def share_consumer_config(
+    kafka: Mapping[str, str], pipeline: PipelineSettings, max_poll_records: int | None = None
+) -> dict[str, str]:
+    """librdkafka options for queue mode's share consumer in `pipeline`'s group, from the `[kafka]` options
+    `kafka`; `max_poll_records`: what a poll asks for, unless the user set `max.poll.records` (None:
+    `max_in_flight`)."""
+    given = kafka.get(_ACKNOWLEDGEMENT_MODE, "explicit").strip().lower()
     if given != "explicit":
         raise UserError(
             f"config error: kafka.{_ACKNOWLEDGEMENT_MODE} must be explicit in queue mode (a ticket is "
@@ -90,34 +93,35 @@ def share_consumer_config(settings: Settings, max_poll_records: int | None = Non
         )
     options = {
         key: value
-        for key, value in consumer_options(settings.kafka).items()
+        for key, value in consumer_options(kafka).items()
         if not key.startswith(_REFUSED_BY_SHARE_CONSUMER)
     }
-    options["group.id"] = settings.pipeline.group_id
+    options["group.id"] = pipeline.group_id
     options[_ACKNOWLEDGEMENT_MODE] = "explicit"
     # A batch larger than what the worker can do holds its rest locked and idle while other members could
     # take it (worker/pipeline/sources/share.py sizes it). Only a hint: the broker hands out whole producer
     # batches.
-    options.setdefault(_MAX_POLL_RECORDS, str(max_poll_records or settings.pipeline.max_in_flight))
+    options.setdefault(_MAX_POLL_RECORDS, str(max_poll_records or pipeline.max_in_flight))
     return options
 
 
 def create_share_consumer(
-    settings: Settings,
+    kafka: Mapping[str, str],
+    pipeline: PipelineSettings,
     on_error: ErrorCallback | None = None,
     logger: logging.Logger | None = None,
     max_poll_records: int | None = None,
 ) -> confluent_kafka.ShareConsumer:
-    config: dict[str, Any] = share_consumer_config(settings, max_poll_records)
+    config: dict[str, Any] = share_consumer_config(kafka, pipeline, max_poll_records)
     config["error_cb"] = on_error or ClientErrorLog("consumer")
     if logger is not None:
         config["logger"] = logger
     return confluent_kafka.ShareConsumer(config)
 
 
-def delivery_timeout_ms(settings: Settings) -> int:
-    """The producer's delivery.timeout.ms as configured (librdkafka's default when not)."""
-    kafka = settings.kafka
+def delivery_timeout_ms(kafka: Mapping[str, str]) -> int:
+    """The producer's delivery.timeout.ms as the `[kafka]` options `kafka` set it (librdkafka's default when
+    they do not)."""
     given = kafka.get(_DELIVERY_TIMEOUT, kafka.get(_DELIVERY_TIMEOUT_ALIAS))
     return int(given) if given is not None else _LIBRDKAFKA_DELIVERY_TIMEOUT_MS
 
@@ -131,30 +135,30 @@ class ShareGroup:
     delivery_count_limit: int = DEFAULT_DELIVERY_COUNT_LIMIT
 
 
-def queue_settings(settings: Settings, group: ShareGroup) -> Settings:
-    """`settings` with the producer's delivery.timeout.ms at a third of the lock, unless the user set it:
-    a record's output must be acknowledged (or given up) while the record is still locked."""
-    kafka = settings.kafka
+def queue_kafka_options(kafka: Mapping[str, str], group: ShareGroup) -> dict[str, str]:
+    """The `[kafka]` options `kafka` with the producer's delivery.timeout.ms at a third of the lock, unless
+    the user set it: a record's output must be acknowledged (or given up) while the record is still locked."""
     if _DELIVERY_TIMEOUT in kafka or _DELIVERY_TIMEOUT_ALIAS in kafka:
-        return settings
-    fitted = {**kafka, _DELIVERY_TIMEOUT: str(group.lock_ms // 3)}
-    return msgspec.structs.replace(settings, kafka=fitted)
+        return dict(kafka)
+    return {**kafka, _DELIVERY_TIMEOUT: str(group.lock_ms // 3)}
 
 
-def prepare_share_group(settings: Settings) -> ShareGroup:
-    """Read the group's lock and delivery limit, and start a group nobody configured at the earliest offset.
+def prepare_share_group(kafka: Mapping[str, str], pipeline: PipelineSettings) -> ShareGroup:
+    """Read the lock and delivery limit of `pipeline`'s share group (the limit capped by
+    `pipeline.delivery_count_limit`), and start a group nobody configured at the earliest offset; `kafka`:
+    the `[kafka]` options.
 
     Works before the group exists. A broker without group configs (before Kafka 4.0) is refused later, at
     the first poll: Kafka's defaults stand meanwhile.
     """
-    group_id = settings.pipeline.group_id
-    admin = AdminClient({**producer_config(settings)})
+    group_id = pipeline.group_id
+    admin = AdminClient({**producer_config(kafka)})
     resource = ConfigResource(ResourceType.GROUP, group_id)
     try:
         configs: dict[str, Any] = kafka_call(
             f"describe the configs of share group {group_id}",
             lambda: admin.describe_configs([resource])[resource].result(),
-            settings.kafka,
+            kafka,
         )
     except UserError:
         configs = {}
@@ -165,12 +169,12 @@ def prepare_share_group(settings: Settings) -> ShareGroup:
         kafka_call(
             f"set {AUTO_OFFSET_RESET}=earliest on share group {group_id}",
             lambda: admin.incremental_alter_configs([earliest])[earliest].result(),
-            settings.kafka,
+            kafka,
         )
     lock = configs.get(LOCK_DURATION)
     limit = configs.get(DELIVERY_COUNT_LIMIT)
     group_limit = int(limit.value) if limit is not None else DEFAULT_DELIVERY_COUNT_LIMIT
-    configured = settings.pipeline.delivery_count_limit
+    configured = pipeline.delivery_count_limit
     return ShareGroup(
         lock_ms=int(lock.value) if lock is not None else DEFAULT_LOCK_MS,
         delivery_count_limit=min(configured, group_limit) if configured is not None else group_limit,
@@ -187,13 +191,15 @@ class ShareClientFactory(ProducerFactory, Protocol):
 
 @dataclass(frozen=True)
 class ShareClients:
-    """Queue mode's clients from settings: the share consumer, and the producer (`queue_settings`)."""
+    """Queue mode's clients from the `[kafka]` options (as `queue_kafka_options` fitted them) and the
+    pipeline's section: the share consumer, and the producer."""
 
-    settings: Settings
+    kafka: Mapping[str, str]
+    pipeline: PipelineSettings
     logger: logging.Logger | None = None
 
     def share_consumer(self, on_error: ErrorCallback, max_poll_records: int) -> confluent_kafka.ShareConsumer:
-        return create_share_consumer(self.settings, on_error, self.logger, max_poll_records)
+        return create_share_consumer(self.kafka, self.pipeline, on_error, self.logger, max_poll_records)
 
     def producer(self, on_error: ErrorCallback) -> confluent_kafka.Producer:
-        return create_producer(self.settings, on_error=on_error, logger=self.logger)
+        return create_producer(self.kafka, on_error=on_error, logger=self.logger)

@@ -4,16 +4,16 @@ as of now, by assignment: no group is joined and nothing is committed, so a read
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaError, Message, TopicPartition
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import create_consumer, kafka_call, producer_config
+from worker.settings import PipelineSettings
 
 _METADATA_TIMEOUT_S = 10.0
 _PROGRESS_EVERY_S = 2.0
@@ -22,7 +22,8 @@ _STALL_S = 30.0
 
 
 def read_side_topic(
-    settings: Settings,
+    kafka: Mapping[str, str],
+    pipeline: PipelineSettings,
     topic: str,
     add: Callable[[Message], None],
     progress: Callable[[int, int], None],
@@ -30,21 +31,22 @@ def read_side_topic(
     hint: str = "set it with --topic or topics.shadow",
 ) -> None:
     """Feed every record of `topic`, from its beginning to its end offsets as of now, to `add`; `what` and
-    `hint` name the topic in the error when it does not exist."""
-    bootstrap = settings.kafka.get("bootstrap.servers", "?")
-    if topic not in existing_topics(producer_config(settings)):
+    `hint` name the topic in the error when it does not exist. `kafka`: the `[kafka]` options; the reader's
+    group id is made from `pipeline.group_id`."""
+    bootstrap = kafka.get("bootstrap.servers", "?")
+    if topic not in existing_topics(producer_config(kafka)):
         raise UserError(f"{what} {topic!r} does not exist on {bootstrap} ({hint})")
     # The user's connection options; a group id only because librdkafka wants one (assign joins no group).
     # End-of-partition events end a partition whose last offsets hold no record (compaction, markers).
-    overrides = {"group.id": f"{settings.pipeline.group_id}.side-reader", "enable.partition.eof": "true"}
+    overrides = {"group.id": f"{pipeline.group_id}.side-reader", "enable.partition.eof": "true"}
     consumer = kafka_call(
-        "create a consumer", lambda: create_consumer(settings, overrides=overrides), settings.kafka
+        "create a consumer", lambda: create_consumer(kafka, pipeline, overrides=overrides), kafka
     )
     try:
         metadata = kafka_call(
             "read topic metadata",
             lambda: consumer.list_topics(topic, timeout=_METADATA_TIMEOUT_S),
-            settings.kafka,
+            kafka,
         )
         ranges: dict[int, tuple[int, int]] = {}
         for partition in sorted(metadata.topics[topic].partitions):
@@ -55,7 +57,7 @@ def read_side_topic(
                     TopicPartition(topic, partition),
                     timeout=_METADATA_TIMEOUT_S,
                 ),
-                settings.kafka,
+                kafka,
             )
         ends = {p: high for p, (low, high) in ranges.items() if high > low}
         total = sum(high - low for low, high in ranges.values())

@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from worker.cache import cache_root
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.encoder import EncoderManifest, encoder_file, is_encoder_folder, read_manifest
+from worker.settings import InferenceSettings
 from worker.shipped import shipped_path
 
 

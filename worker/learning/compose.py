@@ -44,7 +44,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from worker.config import DEFAULT_ESCALATE_BELOW
 from worker.inference import escalation
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.loading import ZERO_SHOT_VERSION
@@ -52,6 +51,7 @@ from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import encoder_stage, folders
 from worker.learning.evaluation import CASCADE_THRESHOLDS, Prediction, choose_threshold, stratified_split
+from worker.settings import DEFAULT_ESCALATE_BELOW
 
 Kind = Literal["zero-shot", "few-shot", "full"]
 ENCODER_DIR = "encoder"

@@ -35,7 +35,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from worker.config import DEFAULT_ESCALATION_DIR
 from worker.errors import UserError
 from worker.inference.encoder import (
     MANIFEST,
@@ -48,6 +47,7 @@ from worker.inference.encoder import (
 from worker.inference.taxonomy import Taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import TEACHER_C, expected_calibration_error
+from worker.settings import DEFAULT_ESCALATION_DIR
 
 Progress = Callable[[int, int], None]
 # The shipped stage's manifest names where its encoder comes from; a trained stage records the same source.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime
 import sys
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,6 @@ import confluent_kafka
 import msgspec
 
 from worker.classification import ticket_text
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.admin import existing_topics
 from worker.kafka.clients import (
@@ -37,6 +36,7 @@ from worker.kafka.side_topics import read_side_topic
 from worker.messages import FeedbackEvent, ReviewRecord, SourcePosition
 from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.privacy.redaction import Redactor
+from worker.settings import DeadLetterSettings, PipelineSettings, PrivacySettings, TopicSettings
 
 # `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).
 FEEDBACK_ERROR_DOCS: tuple[tuple[str, str], ...] = (
@@ -72,10 +72,10 @@ class Rejection:
     message: str
 
 
-def training_redactor(settings: Settings) -> Redactor:
+def training_redactor(privacy: PrivacySettings) -> Redactor:
     """What masks the corrections' texts: every kind `privacy.detect` names, `privacy.keep` or not (that
     setting is for reviewers' eyes; a training file is a copy on disk)."""
-    return settings.privacy.copy_redactor()
+    return privacy.copy_redactor()
 
 
 @dataclass
@@ -197,11 +197,19 @@ def read_feedback_file(
 
 
 def read_feedback_topic(
-    settings: Settings, labels: Collection[str], progress: bool = True
+    kafka: Mapping[str, str],
+    pipeline: PipelineSettings,
+    topics: TopicSettings,
+    privacy: PrivacySettings,
+    dead_letter: DeadLetterSettings,
+    labels: Collection[str],
+    progress: bool = True,
 ) -> tuple[list[Correction], list[Rejection]]:
     """Every FeedbackEvent on `topics.feedback` up to its end as of now, the review topic read for tickets
-    without text; rejections past the checked mark are dead-lettered, then the mark moves to the end."""
-    topics = settings.topics
+    without text; rejections past the checked mark are dead-lettered to `topics.dead_letter`, then the mark
+    moves to the end. `kafka`: the `[kafka]` options; the readers' groups are named after
+    `pipeline.group_id`; texts are masked as `training_redactor(privacy)`, dead letters as `privacy` and
+    `dead_letter` say."""
 
     def report(read: int, total: int) -> None:
         if progress:
@@ -209,14 +217,22 @@ def read_feedback_topic(
 
     messages: list[confluent_kafka.Message] = []
     read_side_topic(
-        settings, topics.feedback, messages.append, report, "feedback topic", "set it with topics.feedback"
+        kafka,
+        pipeline,
+        topics.feedback,
+        messages.append,
+        report,
+        "feedback topic",
+        "set it with topics.feedback",
     )
     index = ReviewIndex()
     needs_review = any(_lacks_text(message.value()) for message in messages)
-    if needs_review and topics.review in existing_topics(producer_config(settings)):
-        read_side_topic(settings, topics.review, lambda m: index.add(m.value()), report, "review topic")
-    book = FeedbackBook(labels, index, training_redactor(settings))
-    checked = _CheckedMark(settings)
+    if needs_review and topics.review in existing_topics(producer_config(kafka)):
+        read_side_topic(
+            kafka, pipeline, topics.review, lambda m: index.add(m.value()), report, "review topic"
+        )
+    book = FeedbackBook(labels, index, training_redactor(privacy))
+    checked = _CheckedMark(kafka, pipeline, topics.feedback)
     rejections = []
     new_rejections: list[tuple[confluent_kafka.Message, Rejection]] = []
     for message in messages:
@@ -226,7 +242,7 @@ def read_feedback_topic(
             rejections.append(rejection)
             if offset >= checked.position(partition):
                 new_rejections.append((message, rejection))
-    _dead_letter(settings, new_rejections)
+    _dead_letter(kafka, topics, DeadLetterRedaction.configured(privacy, dead_letter), new_rejections)
     checked.advance(messages)
     return book.corrections(), rejections
 
@@ -238,23 +254,27 @@ def _lacks_text(value: bytes | None) -> bool:
         return False
 
 
-def _dead_letter(settings: Settings, rejected: Iterable[tuple[confluent_kafka.Message, Rejection]]) -> None:
-    """Write each rejected record to the dead-letter topic with its reason; waits for every acknowledgement
-    (the mark moves only after)."""
+def _dead_letter(
+    kafka: Mapping[str, str],
+    topics: TopicSettings,
+    redaction: DeadLetterRedaction,
+    rejected: Iterable[tuple[confluent_kafka.Message, Rejection]],
+) -> None:
+    """Write each rejected record to `topics.dead_letter` with its reason, redacted as `redaction` says; waits
+    for every acknowledgement (the mark moves only after)."""
     rejected = list(rejected)
     if not rejected:
         return
-    producer = create_producer(settings, ClientErrorLog("feedback-dead-letters"))
+    producer = create_producer(kafka, ClientErrorLog("feedback-dead-letters"))
     failures: list[str] = []
 
     def on_delivery(error: confluent_kafka.KafkaError | None, _message: confluent_kafka.Message) -> None:
         if error is not None:
             failures.append(error.str())
 
-    redaction = DeadLetterRedaction.configured(settings)
     for message, rejection in rejected:
         source = SourcePosition(
-            topic=message.topic() or settings.topics.feedback,
+            topic=message.topic() or topics.feedback,
             partition=message.partition() or 0,
             offset=message.offset() or 0,
         )
@@ -266,29 +286,28 @@ def _dead_letter(settings: Settings, rejected: Iterable[tuple[confluent_kafka.Me
             rejection.message,
             source,
         )
-        produce(producer, settings.topics.dead_letter, value, key, headers, on_delivery)
+        produce(producer, topics.dead_letter, value, key, headers, on_delivery)
     left: int = producer.flush(_FLUSH_S)
     if left or failures:
         reason = failures[0] if failures else f"{left} not acknowledged in {_FLUSH_S:.0f}s"
-        raise UserError(
-            f"Kafka: cannot dead-letter rejected feedback to {settings.topics.dead_letter}: {reason}"
-        )
+        raise UserError(f"Kafka: cannot dead-letter rejected feedback to {topics.dead_letter}: {reason}")
 
 
 class _CheckedMark:
-    """How far the feedback topic has been checked: the committed offsets of its own consumer group."""
+    """How far the feedback topic `topic` has been checked: the committed offsets of its own consumer group
+    (named after `pipeline.group_id`)."""
 
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._topic = settings.topics.feedback
-        overrides = {"group.id": f"{settings.pipeline.group_id}.feedback"}
+    def __init__(self, kafka: Mapping[str, str], pipeline: PipelineSettings, topic: str) -> None:
+        self._kafka = kafka
+        self._topic = topic
+        overrides = {"group.id": f"{pipeline.group_id}.feedback"}
         self._consumer = kafka_call(
-            "create a consumer", lambda: create_consumer(settings, overrides=overrides), settings.kafka
+            "create a consumer", lambda: create_consumer(kafka, pipeline, overrides=overrides), kafka
         )
         metadata = kafka_call(
             "read topic metadata",
             lambda: self._consumer.list_topics(self._topic, timeout=_METADATA_TIMEOUT_S),
-            settings.kafka,
+            kafka,
         )
         wanted = [
             confluent_kafka.TopicPartition(self._topic, p) for p in metadata.topics[self._topic].partitions
@@ -296,7 +315,7 @@ class _CheckedMark:
         committed = kafka_call(
             "read the feedback topic's checked offsets",
             lambda: self._consumer.committed(wanted, timeout=_METADATA_TIMEOUT_S),
-            settings.kafka,
+            kafka,
         )
         self._positions: dict[int, int] = {tp.partition: max(tp.offset, 0) for tp in committed}
 
@@ -315,7 +334,7 @@ class _CheckedMark:
                 kafka_call(
                     "mark the feedback topic checked",
                     lambda: self._consumer.commit(offsets=offsets, asynchronous=False),
-                    self._settings.kafka,
+                    self._kafka,
                 )
         finally:
             self._consumer.close()

@@ -38,11 +38,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from worker.config import InferenceSettings
 from worker.errors import UserError
 from worker.inference.engine import Engine
+from worker.inference.loading import resolve_taxonomy
 from worker.learning.feedback import Correction
 from worker.learning.folders import writing
+from worker.settings import InferenceSettings
 
 FloatArray = npt.NDArray[np.float64]
 Example = tuple[str, str]  # (text, intent)
@@ -257,7 +258,7 @@ class Featurizer:
 
     def __init__(self, folder: Path, threads: int = 1) -> None:
         settings = InferenceSettings(model=str(folder), mode="score", intra_op_num_threads=threads)
-        self.engine = Engine(settings)
+        self.engine = Engine(settings, *resolve_taxonomy(settings))
         if any(len(ids) != 1 for ids in self.engine.label_ids):
             raise UserError(f"{folder}: fine-tuning needs one token per intent, as the project's models have")
         self.label_ids = [ids[0] for ids in self.engine.label_ids]

@@ -484,13 +484,14 @@ def check_parity(model_dir: Path, builder: PromptBuilder, hf_tokenizer: Any, tex
 def served_answers(model_dir: Path, texts: Sequence[str]) -> list[tuple[str, float]]:
     """(intent, confidence) for each of `texts`, as the engine serves an exported folder in `score` mode
     (one thread): the chosen intent and its renormalised probability."""
-    from worker.config import InferenceSettings
     from worker.inference.engine import Engine
+    from worker.inference.loading import resolve_taxonomy
+    from worker.settings import InferenceSettings
 
     settings = InferenceSettings(
         model=str(model_dir), taxonomy=str(model_dir / "taxonomy.toml"), mode="score", escalation="off"
     )
-    context = Engine(settings).new_context("score")
+    context = Engine(settings, *resolve_taxonomy(settings)).new_context("score")
     answers = []
     for text in texts:
         distribution = context.label_distribution(text)

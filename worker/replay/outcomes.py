@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from worker.config import mask_secrets
+from worker.settings import mask_secrets
 
 
 class ReplayOutcome(StrEnum):

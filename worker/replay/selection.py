@@ -14,11 +14,11 @@ from typing import Any, Protocol
 
 from confluent_kafka import TopicPartition
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka.clients import create_consumer, kafka_call
 from worker.kafka.dead_letters import ERROR_TYPES, REDACTED_DROPPED, DeadLetterInfo
 from worker.replay.outcomes import PartitionPlan, ReplayOutcome
+from worker.settings import PipelineSettings
 
 DEFAULT_MAX_REPLAYS = 3
 METADATA_TIMEOUT_S = 10.0
@@ -70,7 +70,7 @@ def default_group(dlq_topic: str) -> str:
     return f"triage-replay.{dlq_topic}"
 
 
-def replay_transactional_id(settings: Settings, group: str) -> str:
+def replay_transactional_id(pipeline: PipelineSettings, group: str) -> str:
     """The exactly_once replay's ``transactional.id``: ``<pipeline.transactional_id>-replay-<group>``, or
     ``<pipeline.group_id>-replay-<group>`` when no id is set.
 
@@ -80,7 +80,7 @@ def replay_transactional_id(settings: Settings, group: str) -> str:
     readers back until ``transaction.timeout.ms``. Two replays of one group at a time are never right; with
     one id the second fences the first.
     """
-    prefix = settings.pipeline.transactional_id or settings.pipeline.group_id
+    prefix = pipeline.transactional_id or pipeline.group_id
     return f"{prefix}-replay-{group}"
 
 
@@ -236,18 +236,21 @@ class GroupReset:
         return self.committed is not None and self.committed > self.beginning
 
 
-def reset_group(settings: Settings, dlq_topic: str, group: str, dry_run: bool) -> list[GroupReset]:
+def reset_group(
+    kafka: Mapping[str, str], pipeline: PipelineSettings, dlq_topic: str, group: str, dry_run: bool
+) -> list[GroupReset]:
     """Put replay group `group` back to the beginning of `dlq_topic` (unless `dry_run`), so that a replay can
-    be redone: every dead letter still in the topic is then new to the group, those it replayed too.
+    be redone: every dead letter still in the topic is then new to the group, those it replayed too. `kafka`
+    and `pipeline`: the `[kafka]` options and the pipeline's section its consumer is made with.
 
     Only this topic's positions change (commits of the earliest offsets still there), whatever else the group
     holds. A replay of the group running meanwhile would commit its own progress over the reset."""
     consumer = kafka_call(
         "create a consumer",
         lambda: create_consumer(
-            settings, overrides={"group.id": group, "isolation.level": "read_uncommitted"}
+            kafka, pipeline, overrides={"group.id": group, "isolation.level": "read_uncommitted"}
         ),
-        settings.kafka,
+        kafka,
     )
     try:
         partitions = _dlq_partitions(consumer, dlq_topic)
@@ -268,7 +271,7 @@ def reset_group(settings: Settings, dlq_topic: str, group: str, dry_run: bool) -
             kafka_call(
                 f"commit group {group}'s new positions",
                 lambda: consumer.commit(offsets=moved, asynchronous=False),
-                settings.kafka,
+                kafka,
             )
         return resets
     finally:

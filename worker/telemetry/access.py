@@ -23,8 +23,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.config import MetricsSettings
 from worker.errors import UserError
+from worker.settings import MetricsSettings
 
 MIN_TOKEN_CHARS = 16
 # A token file is a line; anything larger is the wrong file (and /dev/zero must not be read without end).

@@ -4,14 +4,13 @@ answering, the consumer in its group), and the background broker check behind th
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import confluent_kafka
 import structlog
 from confluent_kafka.admin import AdminClient
 
-from worker.config import Settings
 from worker.kafka.admin import METADATA_ONLY
 from worker.kafka.clients import ClientErrorLog, producer_config
 from worker.pipeline.metrics import PartitionGauges, PipelineMetrics, RegistryState
@@ -26,15 +25,16 @@ _BROKER_CHECK_TIMEOUT_S = 3.0
 
 class BrokerProbe:
     """Asks the bootstrap brokers for metadata every few seconds from a daemon thread (own admin client, the
-    worker's connection settings and credentials); the last answer is what /readyz reports."""
+    worker's connection settings and credentials, the `[kafka]` options `kafka`) about `topic`; the last
+    answer is what /readyz reports."""
 
-    def __init__(self, settings: Settings, logger: Any = None) -> None:
-        config: dict[str, Any] = {**producer_config(settings), **METADATA_ONLY}
+    def __init__(self, kafka: Mapping[str, str], topic: str, logger: Any = None) -> None:
+        config: dict[str, Any] = {**producer_config(kafka), **METADATA_ONLY}
         config["error_cb"] = ClientErrorLog("readiness-probe")
         if logger is not None:
             config["logger"] = logger
         self._admin = AdminClient(config)
-        self._topic = settings.topics.input
+        self._topic = topic
         self.state = Check(False, "not checked yet")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="broker-probe", daemon=True)

@@ -13,8 +13,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from worker.config import MetricsSettings
 from worker.replay.outcomes import ReplayOutcome
+from worker.settings import MetricsSettings
 
 if TYPE_CHECKING:
     from worker.replay.outcomes import PartitionPlan, RecordReport, ReplayObserver

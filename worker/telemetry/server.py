@@ -29,9 +29,9 @@ import structlog
 from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from worker.config import MetricsSettings
 from worker.errors import UserError
 from worker.logs import Throttle
+from worker.settings import MetricsSettings
 from worker.telemetry.access import Refusal, ReloadAccess
 
 if TYPE_CHECKING:

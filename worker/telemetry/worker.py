@@ -4,16 +4,16 @@ joined), the collectors registered on one port, and the reload hook behind its t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from worker import __version__
-from worker.config import InferenceSettings, Settings
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.pipeline.metrics import PipelineMetrics
+from worker.settings import InferenceSettings, MetricsSettings
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import BrokerProbe, WorkerProbes
@@ -35,16 +35,23 @@ class WorkerTelemetry:
 
     @classmethod
     def start(
-        cls, settings: Settings, logger: Any = None, reload_access: ReloadAccess | None = None
+        cls,
+        metrics: MetricsSettings,
+        inference: InferenceSettings,
+        kafka: Mapping[str, str],
+        input_topic: str,
+        logger: Any = None,
+        reload_access: ReloadAccess | None = None,
     ) -> WorkerTelemetry:
-        """Serve from now on (before the model loads, so probes answer during start-up); `reload_access`
-        decides who may `POST /reload` once `serve_reload` wires it (default: nobody)."""
+        """Serve on `metrics`' port from now on (before the model loads, so probes answer during start-up);
+        the info metric and the contexts expected describe `inference`; readiness asks the brokers of the
+        `[kafka]` options `kafka` about `input_topic`. `reload_access` decides who may `POST /reload` once
+        `serve_reload` wires it (default: nobody)."""
         access = reload_access or ReloadAccess(None)
-        if settings.metrics.port is None:
+        if metrics.port is None:
             return cls()
-        broker = BrokerProbe(settings, logger)
-        probes = WorkerProbes(settings.metrics.stall_timeout_ms / 1000.0, broker, time.monotonic)
-        inference = settings.inference
+        broker = BrokerProbe(kafka, input_topic, logger)
+        probes = WorkerProbes(metrics.stall_timeout_ms / 1000.0, broker, time.monotonic)
         probes.pool_contexts = default_pool_size(inference, default_pool_kind(inference))
         info = {
             "version": __version__,
@@ -58,12 +65,12 @@ class WorkerTelemetry:
         model_processes = ModelProcessCollector()
         registry.register(model_processes)
         try:
-            server = TelemetryServer(settings.metrics, registry, probes)
+            server = TelemetryServer(metrics, registry, probes)
         except BaseException:
             broker.close()
             raise
         reload = "closed (SIGHUP reloads)" if access.closed else "token required"
-        _log.info("telemetry_listening", host=settings.metrics.host, port=server.port, reload=reload)
+        _log.info("telemetry_listening", host=metrics.host, port=server.port, reload=reload)
         return cls(probes, server, broker, info, model_processes, access)
 
     def attach(self, metrics: PipelineMetrics, model_id: str, pool_contexts: int) -> None:

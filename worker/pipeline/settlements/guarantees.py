@@ -45,7 +45,6 @@ from typing import Any, ClassVar, TypeVar
 import confluent_kafka
 import structlog
 
-from worker.config import Settings
 from worker.errors import UserError
 from worker.kafka import errors
 from worker.kafka.clients import ProducerFactory
@@ -62,8 +61,8 @@ from worker.pipeline.settlements.committer import Committer
 from worker.pipeline.settlements.deliveries import Deliveries
 from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send_tracked, smaller
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
-from worker.pipeline.triage.records import DeadLetterRedaction
 from worker.pipeline.work import Output, Work
+from worker.settings import PipelineSettings
 
 _log = structlog.get_logger("worker.pipeline")
 _T = TypeVar("_T")
@@ -108,12 +107,14 @@ class GuaranteeWiring:
     `consumer` is the caller's: a guarantee commits through it and seeks it back on a redo; `tracker` holds
     the taken offsets; `pause` stops a partition a guarantee cannot go on with; `give_up_at()` is the
     caller's instant (a `clock()` value, None: none) after which a produce stops waiting for room in the
-    client's queue: set while revoking or stopping. `dead_letters=False`: outputs have no dead-letter topic
-    (a replay's go back where they came from), so none is written smaller and one refused for its content
-    is left out (`DeliveryRules.left_out`).
+    client's queue: set while revoking or stopping. `pipeline`: the guarantee, the commit cadence and the
+    in-flight bound; `rules`: the delivery-error rules, with the dead-letter topic (None for a replay, whose
+    outputs go back where they came from: none is written smaller, and one refused for its content is left
+    out, `DeliveryRules.left_out`).
     """
 
-    settings: Settings
+    pipeline: PipelineSettings
+    rules: DeliveryRules
     clients: ProducerFactory
     consumer: confluent_kafka.Consumer
     tracker: OffsetTracker
@@ -123,12 +124,11 @@ class GuaranteeWiring:
     failure: Failure
     observer: Observer = field(default_factory=Observer)
     give_up_at: Callable[[], float | None] = lambda: None
-    dead_letters: bool = True
 
 
 def guarantee_for(wiring: GuaranteeWiring) -> AtLeastOnce | ExactlyOnce:
     """The guarantee `pipeline.guarantee` names."""
-    kind = ExactlyOnce if wiring.settings.pipeline.guarantee == "exactly_once" else AtLeastOnce
+    kind = ExactlyOnce if wiring.pipeline.guarantee == "exactly_once" else AtLeastOnce
     return kind(wiring)
 
 
@@ -138,12 +138,9 @@ class _Base:
     in_order: ClassVar[bool] = False
 
     def __init__(self, wiring: GuaranteeWiring) -> None:
-        settings = wiring.settings
-        self._pipeline = settings.pipeline
-        self._dead_letter_topic = settings.topics.dead_letter if wiring.dead_letters else None
-        self._rules = DeliveryRules(
-            self._dead_letter_topic, DeadLetterRedaction.configured(settings), wiring.metrics, wiring.clock
-        )
+        self._pipeline = wiring.pipeline
+        self._rules = wiring.rules
+        self._dead_letter_topic = wiring.rules.dead_letter_topic
         self._clients = wiring.clients
         self._consumer = wiring.consumer
         self._tracker = wiring.tracker

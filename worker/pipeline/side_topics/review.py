@@ -15,13 +15,13 @@ import msgspec
 import structlog
 
 from worker.classification import Classification
-from worker.config import ReviewSettings
 from worker.messages import ReviewReason, ReviewRecord, SourcePosition, TicketEvent
 from worker.pipeline.metrics import ReviewMetrics
 from worker.pipeline.side_topics.side_topic import SideTopic, WrittenResult
 from worker.pipeline.triage.records import encode_result, triage_result
 from worker.pipeline.work import Headers
 from worker.privacy.redaction import TicketScan
+from worker.settings import ReviewSettings
 
 _log = structlog.get_logger("worker.review")
 

@@ -15,9 +15,9 @@ import heapq
 import itertools
 from collections.abc import Collection
 
-from worker.config import Scheduling
 from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.work import Work
+from worker.settings import Scheduling
 
 # Heap entries of tickets no longer waiting are skipped when they surface; a heap is rebuilt without them
 # once they outnumber the waiting tickets (plus this slack), which keeps every operation amortised O(log n).

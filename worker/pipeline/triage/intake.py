@@ -20,12 +20,12 @@ from typing import Protocol
 import msgspec
 import structlog
 
-from worker.config import Settings
 from worker.decoding import DecodeError, decode_ticket
 from worker.messages import TicketEvent
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.triage.deadlines import ticket_deadline
 from worker.pipeline.work import Work
+from worker.settings import PipelineSettings, PrivacySettings
 
 _log = structlog.get_logger("worker.pipeline")
 
@@ -44,13 +44,21 @@ class TicketDecoding(Protocol):
 
 
 class Intake:
-    """Reads taken records into tickets; counts the personal data found in `metrics`."""
+    """Reads taken records into tickets (values up to `pipeline.max_value_bytes`, each with its deadline);
+    scans each for `privacy`'s kinds, counting those found in `metrics`, and gives the model the ticket
+    redacted when `redact_input` (`inference.redact_input`)."""
 
-    def __init__(self, settings: Settings, metrics: PipelineMetrics) -> None:
-        self._deadline_ms = settings.pipeline.deadline_ms
-        self._max_value_bytes = settings.pipeline.max_value_bytes
-        self._redactor = settings.privacy.redactor()
-        self._redact_input = settings.inference.redact_input
+    def __init__(
+        self,
+        pipeline: PipelineSettings,
+        privacy: PrivacySettings,
+        redact_input: bool,
+        metrics: PipelineMetrics,
+    ) -> None:
+        self._deadline_ms = pipeline.deadline_ms
+        self._max_value_bytes = pipeline.max_value_bytes
+        self._redactor = privacy.redactor()
+        self._redact_input = redact_input
         self._metrics = metrics
 
     def ticket(

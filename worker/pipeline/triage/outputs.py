@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from worker.classification import Classification
-from worker.config import Settings
 from worker.messages import TriageResult
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.side_topics.side_topic import ResultWatcher, WrittenResult
@@ -31,26 +30,32 @@ from worker.pipeline.triage.records import (
 )
 from worker.pipeline.work import Output, Work
 from worker.privacy.values import CarriedMetadata
+from worker.settings import DeadLetterSettings, PrivacySettings, TopicSettings
 
 _log = structlog.get_logger("worker.pipeline")
 
 
 class Outputs:
-    """Builds each record's output and hands it to `write` (the guarantee's)."""
+    """Builds each record's output and hands it to `write` (the guarantee's): results to `topics.output`
+    carrying the input headers `privacy` lets through, up to `max_header_bytes`; dead letters to
+    `topics.dead_letter`, redacted as `privacy` and `dead_letter` say."""
 
     def __init__(
         self,
-        settings: Settings,
+        topics: TopicSettings,
+        privacy: PrivacySettings,
+        dead_letter: DeadLetterSettings,
+        max_header_bytes: int,
         encode: Callable[[TriageResult], bytes],
         write: Callable[[Work, Output], None],
         side_topics: Sequence[ResultWatcher],
         metrics: PipelineMetrics,
     ) -> None:
-        self._output_topic = settings.topics.output
-        self._dead_letter_topic = settings.topics.dead_letter
-        self._max_header_bytes = settings.pipeline.max_header_bytes
-        self._carried = CarriedMetadata(settings.privacy.copy_redactor(), settings.privacy.carry_headers)
-        self._dead_letter_redaction = DeadLetterRedaction.configured(settings)
+        self._output_topic = topics.output
+        self._dead_letter_topic = topics.dead_letter
+        self._max_header_bytes = max_header_bytes
+        self._carried = CarriedMetadata(privacy.copy_redactor(), privacy.carry_headers)
+        self._dead_letter_redaction = DeadLetterRedaction.configured(privacy, dead_letter)
         self._encode, self._write = encode, write
         self._side_topics = side_topics
         self._metrics = metrics

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import msgspec
 
 from worker.classification import Classification
-from worker.config import Settings
 from worker.kafka.dead_letters import OMITTED_BYTES, REDACTED_DROPPED, dead_letter_headers
 from worker.messages import SCHEMA_VERSION, PiiKind, SourcePosition, TicketEvent, TriageResult, utc_timestamp
 from worker.pipeline.work import Headers, Output, Work
 from worker.privacy.redaction import Redactor
 from worker.privacy.values import CarriedMetadata, redact_bytes, redact_headers, redact_value
+from worker.settings import DeadLetterSettings, PrivacySettings
 
 _ENCODER = msgspec.json.Encoder()
 
@@ -98,9 +98,9 @@ class DeadLetterRedaction:
     record: Redactor | None
 
     @classmethod
-    def configured(cls, settings: Settings) -> DeadLetterRedaction:
-        privacy = settings.privacy
-        return cls(privacy.log_redactor(), privacy.copy_redactor() if settings.dead_letter.redact else None)
+    def configured(cls, privacy: PrivacySettings, dead_letter: DeadLetterSettings) -> DeadLetterRedaction:
+        """The redaction `privacy` and `dead_letter` ask for."""
+        return cls(privacy.log_redactor(), privacy.copy_redactor() if dead_letter.redact else None)
 
     def letter(
         self,

@@ -14,11 +14,10 @@ import pytest
 
 from tools import librdkafka_properties
 from tools.harness import TINY_MODEL, Worker, audit, make_topics, publish, wait_until_committed
-from worker import config
 from worker.cli.cli import main
-from worker.config import load_settings
 from worker.errors import UserError
 from worker.librdkafka import LIBRDKAFKA_VERSION, PROPERTIES
+from worker.settings import load_settings, loading
 
 
 def service_links(name: str, host: str, port: int, port_name: str = "tcp-client") -> dict[str, str]:
@@ -41,7 +40,7 @@ def service_links(name: str, host: str, port: int, port_name: str = "tcp-client"
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """The warning is printed once per process; each test here is a new start."""
-    monkeypatch.setattr(config, "_warned_service_links", set())
+    monkeypatch.setattr(loading, "_warned_service_links", set())
 
 
 def test_service_link_variables_are_ignored_with_one_warning(capsys: pytest.CaptureFixture[str]) -> None:
@@ -97,7 +96,7 @@ def test_an_option_missing_from_the_list_passes_when_the_installed_client_knows_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As with a newer confluent-kafka than the list was made from: the installed client is asked."""
-    monkeypatch.setattr(config, "LIBRDKAFKA_PROPERTIES", PROPERTIES - {"linger.ms"})
+    monkeypatch.setattr(loading, "LIBRDKAFKA_PROPERTIES", PROPERTIES - {"linger.ms"})
     assert load_settings(env={"KAFKA_LINGER_MS": "5"}).kafka["linger.ms"] == "5"
     with pytest.raises(UserError, match=r"no option lingr\.ms"):
         load_settings(env={"KAFKA_LINGR_MS": "5"})

@@ -13,7 +13,8 @@ import pytest
 
 from tools import REPO
 from worker.cli.cli import main
-from worker.config import (
+from worker.errors import UserError
+from worker.settings import (
     DEFAULT_MODEL_DIR,
     PipelineSettings,
     add_config_argument,
@@ -21,7 +22,6 @@ from worker.config import (
     masked_kafka_config,
     settings_from_args,
 )
-from worker.errors import UserError
 
 SECRET = "hunter2-very-secret"
 TINY = REPO / "tests" / "models" / "tiny"
