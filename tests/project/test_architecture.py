@@ -121,6 +121,35 @@ def test_no_command_module_imports_another() -> None:
     assert wrong == []
 
 
+# What runs a model or decides what becomes of its answer: the pool and its engines, the loop, the model stage
+# with its cascade. Only the assembly point (worker/app) puts them together for a door.
+MODEL_RUNNING_MODULES = {
+    "worker.inference.pool",
+    "worker.inference.engine",
+    "worker.inference.genai",
+    "worker.pipeline.engine",
+    "worker.pipeline.triage.cascade",
+    "worker.pipeline.triage.model_stage",
+    "worker.pipeline.triage.stage",
+}
+
+
+def test_no_command_opens_a_model_or_decides_an_escalation_itself() -> None:
+    """A command gets its door from `worker.app` (`classify_lines`, `classify_texts`, `offline_stages`, the
+    replay's and the worker's assembly), so it cannot grow a submit/poll loop or an escalation rule of its own
+    that the worker's promises do not reach."""
+    wrong = []
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            wrong += [f"{path.name} imports {name}" for name in names if name in MODEL_RUNNING_MODULES]
+    assert wrong == []
+
+
 # The assembly point and the rooms above it: where the whole `Settings` is split into what each part uses.
 TAKES_WHOLE_SETTINGS = {"app", "cli", "dev", "settings"}
 
