@@ -26,6 +26,12 @@ from typing import Any
 import confluent_kafka
 import msgspec
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin._config import (  # re-exported untyped by confluent_kafka.admin
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+)
+from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
 
 from tools import REPO
 from worker.cli.launch import run_command
@@ -412,6 +418,20 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     """High watermarks: everything written, visible or not (librdkafka's default isolation, read_committed,
     would answer last stable offsets)."""
     return _watermarks(bootstrap, topic, "read_uncommitted")
+
+
+def set_share_group_configs(bootstrap: str, group: str, configs: Mapping[str, object]) -> None:
+    """Share-group configs (e.g. `share.record.lock.duration.ms`) set before the group exists, as an operator
+    would with kafka-configs.sh; None values are left alone."""
+    entries = [
+        ConfigEntry(name, str(value), incremental_operation=AlterConfigOpType.SET)
+        for name, value in configs.items()
+        if value is not None
+    ]
+    if entries:
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
+        admin.incremental_alter_configs([resource])[resource].result()
 
 
 def wait_until_served(bootstrap: str, topic: str, partitions: int, timeout_s: float = 30.0) -> None:

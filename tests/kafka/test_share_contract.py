@@ -23,11 +23,9 @@ from typing import Any, Protocol
 
 import pytest
 from confluent_kafka import AcknowledgeType, IllegalStateException, KafkaError
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
-from confluent_kafka.admin._resource import ResourceType
 from memory_kafka import MemoryKafka, MemoryShareGroup
 
+from tools.harness import set_share_group_configs
 from worker.kafka.clients import produce
 from worker.kafka.share_groups import (
     DELIVERY_COUNT_LIMIT,
@@ -107,16 +105,9 @@ class KafkaBackend:
         self, lock_ms: int | None = None, delivery_count_limit: int | None = None
     ) -> ShareClientFactory:
         group = f"group-{uuid.uuid4().hex[:8]}"
-        configs = {LOCK_DURATION: lock_ms, DELIVERY_COUNT_LIMIT: delivery_count_limit}
-        entries = [
-            ConfigEntry(name, str(value), incremental_operation=AlterConfigOpType.SET)
-            for name, value in configs.items()
-            if value is not None
-        ]
-        if entries:  # as an operator sets them, before the group exists
-            resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
-            admin = AdminClient({"bootstrap.servers": self.bootstrap})
-            admin.incremental_alter_configs([resource])[resource].result()
+        set_share_group_configs(  # as an operator sets them, before the group exists
+            self.bootstrap, group, {LOCK_DURATION: lock_ms, DELIVERY_COUNT_LIMIT: delivery_count_limit}
+        )
         settings = load_settings(
             env={},
             overrides={

@@ -13,11 +13,18 @@ from pathlib import Path
 import confluent_kafka
 import kafka_source
 import pytest
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.admin._config import AlterConfigOpType, ConfigEntry, ConfigResource
-from confluent_kafka.admin._resource import ResourceType
 
-from tools.harness import Audit, Publisher, Topics, Worker, audit, publish, settings_for, wait_until_served
+from tools.harness import (
+    Audit,
+    Publisher,
+    Topics,
+    Worker,
+    audit,
+    publish,
+    set_share_group_configs,
+    settings_for,
+    wait_until_served,
+)
 from worker.dev.local_broker import LocalBroker, configured_kafka_version, free_port
 from worker.kafka.admin import TopicSpec, create_topics
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
@@ -236,7 +243,7 @@ def test_a_backlog_of_twenty_locks_is_triaged_once_without_spending_deliveries_o
     with the next, and was dead-lettered after five."""
     bootstrap, topics = share_group_bootstrap, _topics(share_topic)
     group = f"triage-queue-{uuid.uuid4().hex[:8]}"
-    _set_group_config(bootstrap, group, {LOCK_DURATION: "15000"})
+    set_share_group_configs(bootstrap, group, {LOCK_DURATION: 15000})
     # What one lock holds here: 2 model processes at 4 tickets/s each, for the 7 s of the lock in which a
     # ticket may still be taken (15 s - 2 s deadline - 5 s delivery timeout - 1 s margin) = 56 tickets.
     per_lock = 56
@@ -263,14 +270,3 @@ def test_a_backlog_of_twenty_locks_is_triaged_once_without_spending_deliveries_o
     # out whole producer batches, which librdkafka 2.16 cannot ask to split (no strict record limit,
     # KIP-1206), so a bulk-produced backlog's tail does circle; on its last delivery it is answered.
     assert queue["released_untried"] <= count * 4
-
-
-def _set_group_config(bootstrap: str, group: str, configs: dict[str, str]) -> None:
-    """Share-group configs set before the group exists, as an operator would (kafka-configs.sh)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    entries = [
-        ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
-        for name, value in configs.items()
-    ]
-    resource = ConfigResource(ResourceType.GROUP, group, incremental_configs=entries)
-    admin.incremental_alter_configs([resource])[resource].result()
