@@ -20,6 +20,12 @@ So the worker never lets librdkafka pick: every partition is assigned with an ex
 - `resolve()` (every turn of the loop): for held partitions, another short lookup now and then; once
   answered, the partition is sought to its committed offset and released (the caller resumes it).
 - `forget(keys)`: revoked or lost partitions are no longer held.
+
+A hold that outlasts every live transaction is a *hanging* one: the broker keeps offsets of a transaction
+its coordinator no longer knows (seen on Kafka 4.4.0 after a broker restart in exactly-once chaos, seed 53:
+three partitions held for 27 minutes, until `kafka-transactions.sh abort` ended it; they then went on at
+once, nothing lost or written twice). Only an operator can end it, so after `HANGING_AFTER_S` the worker
+says so, with how.
 """
 
 from __future__ import annotations
@@ -41,6 +47,17 @@ ASSIGN_LOOKUP_S = 1.0
 # A held partition's next lookups: short, and not on every turn of the loop.
 RETRY_LOOKUP_S = 0.2
 RETRY_EVERY_S = 0.5
+# A worker's transaction ends within its transaction.timeout.ms (10 s unless configured) after its producer
+# dies; held six times that long, the partitions wait for a transaction nobody will end. Said again every
+# `HANGING_REPEAT_S` while it lasts.
+HANGING_AFTER_S = 60.0
+HANGING_REPEAT_S = 600.0
+HANGING_REMEDY = (
+    "an open transaction holds the group's committed offsets of these partitions; if no producer of the "
+    "group is in a transaction this long, it is hanging: find it with `kafka-transactions.sh "
+    "--bootstrap-server <broker> find-hanging --broker-id <id>` and end it with its `abort` "
+    "(docs/operations.md#a-hanging-transaction)"
+)
 # librdkafka's names for auto.offset.reset, and where each starts a partition the group never committed.
 _NO_COMMIT_START = {
     "smallest": confluent_kafka.OFFSET_BEGINNING,
@@ -68,11 +85,14 @@ class StartPositions:
         self._clock = clock
         self.held: set[TopicPartitionKey] = set()
         self._next_try = 0.0
+        self._held_since = 0.0  # when `held` last stopped being empty
+        self._next_warning = 0.0
 
     def assignment(self, partitions: Sequence[Any]) -> list[confluent_kafka.TopicPartition]:
         """`partitions` with their start offsets, for `incremental_assign`/`assign`; those whose committed
         offset is not known yet are placed at their end and added to `held`."""
         keys = [(tp.topic, tp.partition) for tp in partitions]
+        none_held_before = not self.held
         found = self._lookup(keys, ASSIGN_LOOKUP_S)
         starts = []
         for key in keys:
@@ -82,6 +102,9 @@ class StartPositions:
                 self.held.add(key)
                 starts.append(confluent_kafka.TopicPartition(*key, confluent_kafka.OFFSET_END))
         if self.held:
+            if none_held_before:
+                self._held_since = self._clock()
+                self._next_warning = self._held_since + HANGING_AFTER_S
             self._next_try = self._clock() + RETRY_EVERY_S
             _log.info("partitions_held", partitions=_names(self.held), reason="committed offsets unknown yet")
         return starts
@@ -103,6 +126,14 @@ class StartPositions:
             released.append(key)
         if released:
             _log.info("partitions_released", partitions=_names(released))
+        elif self.held and self._clock() >= self._next_warning:
+            self._next_warning = self._clock() + HANGING_REPEAT_S
+            _log.warning(
+                "partitions_held_long",
+                partitions=_names(self.held),
+                held_s=round(self._clock() - self._held_since),
+                reason=HANGING_REMEDY,
+            )
         return released
 
     def forget(self, keys: Iterable[TopicPartitionKey]) -> None:
