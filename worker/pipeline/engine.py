@@ -43,6 +43,7 @@ from worker.pipeline.flow import Flow, InFlightGate
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.registry_wait import RegistryWait
 from worker.pipeline.seams import Loop, Record, Settlement, Source, Stage
+from worker.pipeline.tracing import NO_TRACING, Tracing
 from worker.pipeline.work import Work
 
 _log = structlog.get_logger("worker.pipeline")
@@ -89,7 +90,8 @@ class Limits:
 class Engine(Loop):
     """Runs the loop until `request_stop()`, a failure, or the end of a finite source; `run()` returns the
     exit code. `failure` is shared with the source and the settlement (why the run must end); `registry`
-    is the Schema Registry's wait (None: the input needs no registry)."""
+    is the Schema Registry's wait (None: the input needs no registry); `tracing` gives each taken record its
+    trace (`tracing.py`; off by default)."""
 
     def __init__(
         self,
@@ -105,6 +107,7 @@ class Engine(Loop):
         metrics_interval_s: float = 10.0,
         started_line: dict[str, object] | None = None,
         lifecycle_log: bool = True,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self._source, self._stage, self._settlement = source, stage, settlement
         self._limits = limits
@@ -117,6 +120,7 @@ class Engine(Loop):
         self._started_line = started_line or {}
         # The start, metrics and stop lines (offline doors report on the console instead).
         self._lifecycle_log = lifecycle_log
+        self._tracing = tracing
         self._gate = InFlightGate(limits.max_in_flight, limits.resume_below, _FULL_BEFORE_PAUSE_S)
         self._stopping = False
         self._stop_by: float | None = None
@@ -224,6 +228,7 @@ class Engine(Loop):
         work = self._source.work(record, now, now + self._limits.deadline_s)
         if work is None:
             return
+        work.trace = self._tracing.ticket(work)
         self.metrics.consumed += 1
         self._settlement.taken(work)
         if admission.unavailable is not None:
@@ -353,6 +358,7 @@ class Engine(Loop):
         not_flushed = self._settlement.stop(limit)
         self._source.stop(limit)
         self._stage.close(max(0.0, limit - self._clock()))  # after the last commit: side topics hold none
+        self._tracing.close(max(0.0, limit - self._clock()))
         if self._lifecycle_log:
             self._log_metrics("final")
         if self._failure.reason is not None:

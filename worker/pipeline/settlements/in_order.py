@@ -59,6 +59,7 @@ class InOrder(WithoutOffsets):
             del self._order[first]
             first.state.done(first.offset)
             self._deliver(first, ready)
+            first.trace.finish()
 
     def serve(self, wait_s: float) -> None:
         pass  # every write is delivered at once, or held for an earlier one: no report to wait for
