@@ -13,20 +13,30 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import msgspec
 import pytest
 from doubles import InstantClassifier, Running, instant_answer
-from memory_kafka import MemoryKafka, as_client_factory
+from memory_kafka import (
+    MemoryKafka,
+    Message,
+    Record,
+    ScriptedShareConsumer,
+    ShareMessage,
+    as_client_factory,
+    share_clients,
+)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from worker.app.doors import TriageParts, group_pipeline
+from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.app.offline import Offline, classify_texts
-from worker.classification import Classification, ClassifyRequest, FallbackLabel, fallback_answer
+from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel, fallback_answer
 from worker.errors import UserError
+from worker.kafka.share_groups import ShareGroup
 from worker.pipeline.tracing import NO_TRACING
 from worker.pipeline.triage.cascade import Cascade
 from worker.settings import Settings, TracingSettings, load_settings
@@ -80,20 +90,27 @@ class Traced:
     ) -> None:
         self.positions.append((partition, self.kafka.append(INPUT, partition, body, key, headers)))
 
-    def run(
-        self, classifier: object, *, cascade: Cascade | None = None, settings: Settings | None = None
-    ) -> None:
+    def start(
+        self,
+        classifier: Classifier,
+        *,
+        cascade: Cascade | None = None,
+        settings: Settings | None = None,
+        transactional_id: str | None = None,
+    ) -> Running:
+        parts = TriageParts(classifier, FALLBACK, 64, cascade=cascade, tracing=self.tracing)
+        clients = as_client_factory(self.kafka.clients(GROUP, transactional_id))
+        return Running(group_pipeline(settings or _settings(), parts, clients=clients))
+
+    def committed(self) -> bool:
+        """Every input committed past."""
+        positions = self.kafka.committed[GROUP]
+        return all(offset < positions.get((INPUT, part), 0) for part, offset in self.positions)
+
+    def run(self, classifier: Classifier, **options: Any) -> None:
         """Runs the door until every input is committed past, then stops it (which flushes the spans)."""
-        parts = TriageParts(classifier, FALLBACK, 64, cascade=cascade, tracing=self.tracing)  # type: ignore[arg-type]
-        clients = as_client_factory(self.kafka.clients(GROUP, None))
-        running = Running(group_pipeline(settings or _settings(), parts, clients=clients))
-        deadline = time.monotonic() + 15.0
-        while not all(
-            offset < self.kafka.committed[GROUP].get((INPUT, partition), 0)
-            for partition, offset in self.positions
-        ):
-            assert time.monotonic() < deadline, "inputs not committed in time"
-            time.sleep(0.005)
+        running = self.start(classifier, **options)
+        wait_until(self.committed, "inputs committed")
         assert running.stop() == 0
 
     def spans(self) -> list[ReadableSpan]:
@@ -113,6 +130,13 @@ class Traced:
 
     def output_headers(self, topic: str) -> list[dict[str, bytes | None]]:
         return [dict(record.headers or []) for _, record in self.kafka.read_committed(topic)]
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 15.0
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
 
 
 def ticket(ticket_id: str, body: str = "where is my card", subject: str = "") -> bytes:
@@ -256,6 +280,97 @@ def test_an_escalated_ticket_has_both_stages_in_its_trace() -> None:
     assert (escalation.attributes or {})["triage.stage"] == "escalation"
     assert (escalation.attributes or {})["gen_ai.request.model"] == "escalation@test"
     assert (escalation.attributes or {})["triage.confidence_bucket"] == "0.9-1.0"
+
+
+def test_exactly_once_a_ticket_is_settled_by_its_transaction() -> None:
+    traced = Traced()
+    traced.add(ticket("T-1"))
+    traced.run(
+        InstantClassifier(),
+        settings=_settings({"pipeline.guarantee": "exactly_once"}),
+        transactional_id="tracing-tid",
+    )
+
+    [process] = traced.processes()
+    children = traced.children(process)
+    assert [span.name for span in children] == STEPS
+    assert (children[-1].attributes or {})["triage.settled_by"] == "transaction"
+
+
+def test_a_revoked_partition_s_tickets_are_settled_by_the_revoke_s_commit() -> None:
+    """Acknowledged, not committed yet (a long commit interval), then revoked: the revoke commits them, and
+    their traces end settled by that commit, not given up."""
+    traced = Traced()
+    for index in range(3):
+        traced.add(ticket(f"T-{index}"))
+    running = traced.start(InstantClassifier(), settings=_settings({"pipeline.commit_interval_ms": 60000}))
+    wait_until(lambda: len(traced.kafka.read_committed(OUTPUT)) == 3, "three triage records")
+    consumer = traced.kafka.members[0]
+    traced.kafka.revoke(consumer, [(INPUT, 0)])
+    wait_until(traced.committed, "the revoke's commit")
+    assert running.stop() == 0
+
+    processes = traced.processes()
+    assert len(processes) == 3
+    for process in processes:
+        assert [event.name for event in process.events] == []
+        assert [span.name for span in traced.children(process)] == STEPS
+
+
+def test_a_lost_partition_s_tickets_end_given_up() -> None:
+    """Acknowledged, then the partition is lost before a commit passes them: each trace ends, saying so,
+    without an error (its next owner traces it anew)."""
+    traced = Traced()
+    traced.add(ticket("T-1"))
+    running = traced.start(InstantClassifier(), settings=_settings({"pipeline.commit_interval_ms": 60000}))
+    wait_until(lambda: len(traced.kafka.read_committed(OUTPUT)) == 1, "the triage record")
+    traced.kafka.lose(traced.kafka.members[0], [(INPUT, 0)])
+    wait_until(lambda: len(traced.processes()) == 1, "the ticket's trace to end")
+    assert running.stop() == 0
+
+    [process] = traced.processes()
+    assert process.status.status_code is StatusCode.UNSET
+    assert [(event.name, dict(event.attributes or {})) for event in process.events] == [
+        ("triage.given_up", {"triage.reason": "its partition was lost before a commit passed it"})
+    ]
+
+
+def test_queue_mode_settles_each_ticket_by_its_acknowledgement() -> None:
+    kafka = MemoryKafka()
+    for topic in (INPUT, OUTPUT, DEAD):
+        kafka.create_topic(topic, 1)
+    log = kafka.logs[INPUT][0]
+    batch: list[Message] = []
+    for value in [ticket("T-0"), b"{not json"]:
+        record = Record(len(log), None, value, [("traceparent", TRACEPARENT)])
+        log.append(record)
+        batch.append(ShareMessage(INPUT, 0, record, 1))
+    consumer = ScriptedShareConsumer([batch])
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    parts = TriageParts(InstantClassifier(), FALLBACK, 64, tracing=OtelTracing(provider, GROUP))
+    settings = _settings({"pipeline.consume": "queue", "kafka.delivery.timeout.ms": "5000"})
+    lock = ShareGroup(lock_ms=15000, delivery_count_limit=5)
+    running = Running(queue_pipeline(settings, parts, lock, clients=share_clients(kafka, consumer)))
+    wait_until(lambda: len(consumer.outcomes) == 2, "both acknowledged")
+    assert running.stop() == 0
+
+    spans = exporter.get_finished_spans()
+    processes = sorted(
+        (span for span in spans if span.kind is SpanKind.CONSUMER),
+        key=lambda span: (span.attributes or {})["messaging.kafka.offset"],  # type: ignore[arg-type,return-value]
+    )
+    settles = {
+        span.parent.span_id: (span.attributes or {})["triage.settled_by"]
+        for span in spans
+        if span.name == "settle" and span.parent is not None
+    }
+    assert [settles[process.context.span_id] for process in processes] == [
+        "acknowledgement ACCEPT",
+        "acknowledgement REJECT",
+    ]
+    assert all(f"{process.context.trace_id:032x}" == PRODUCER_TRACE for process in processes)
 
 
 class _Reversing(InstantClassifier):

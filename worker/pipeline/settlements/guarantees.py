@@ -217,7 +217,6 @@ class _Base:
 
     def give_up(self, keys: set[TopicPartitionKey]) -> None:
         self.deliveries.give_up(keys)
-        self._awaiting_commit.forget(keys, "its partition left this worker before a commit passed it")
 
     def abandon(self, works: Collection[Work]) -> None:
         keys = {work.partition_key for work in works}
@@ -237,6 +236,7 @@ class _Base:
     def commit_now(self, keys: set[TopicPartitionKey], limit: float) -> None:
         """Revoking: the progress of `keys` committed on this thread before they go (see each guarantee)."""
         self._commit_states([state for key in keys if (state := self._tracker.get(key)) is not None], limit)
+        self._awaiting_commit.forget(keys, "its partition left this worker before a commit passed it")
 
     def _commit_states(self, states: Sequence[PartitionOffsets], limit: float) -> None:
         raise NotImplementedError
