@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
+import confluent_kafka
 import msgspec
 import pytest
 from doubles import InstantClassifier, Running, instant_answer
@@ -22,6 +23,7 @@ from memory_kafka import (
     MemoryKafka,
     Message,
     Record,
+    ReplayConsumer,
     ScriptedShareConsumer,
     ShareMessage,
     as_client_factory,
@@ -32,13 +34,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from worker.app import replay as replay_door
 from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.app.offline import Offline, classify_texts
 from worker.classification import Classification, Classifier, ClassifyRequest, FallbackLabel, fallback_answer
 from worker.errors import UserError
+from worker.kafka import dead_letters
 from worker.kafka.share_groups import ShareGroup
+from worker.pipeline.failure import Failure
 from worker.pipeline.tracing import NO_TRACING
 from worker.pipeline.triage.cascade import Cascade
+from worker.replay.outcomes import ReplaySummary
+from worker.replay.selection import ReplayOptions
 from worker.settings import Settings, TracingSettings, load_settings
 from worker.telemetry.tracing import OtelTracing, tracing_for
 
@@ -480,6 +487,47 @@ def test_classify_traces_each_line_the_same_way(monkeypatch: pytest.MonkeyPatch)
     assert all("messaging.system" not in (span.attributes or {}) for span in processes)
     names = {span.name for span in spans if span.kind is not SpanKind.CONSUMER}
     assert {"decode", "dispatch queue", "classify instant@test"} <= names
+
+
+def test_a_replayed_dead_letter_s_span_is_linked_to_the_original_ticket_s_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dead letter carries the span that dead-lettered it; the replay's span is a trace of its own with
+    a link to it, settled by the replay's commit."""
+    kafka = MemoryKafka()
+    kafka.create_topic(INPUT, 1)
+    kafka.create_topic(DEAD, 1)
+    headers = dead_letters.dead_letter_headers(
+        [("traceparent", TRACEPARENT)], "missing_field", "m", INPUT, 0, 0
+    )
+    kafka.append(DEAD, 0, ticket("T-1"), None, headers)
+    exporter = InMemorySpanExporter()
+
+    def tracing_for_replay(settings: TracingSettings, group: str | None, *, replay: bool) -> OtelTracing:
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return OtelTracing(provider, group, replay=replay)
+
+    monkeypatch.setattr(replay_door, "tracing_for", tracing_for_replay)
+    monkeypatch.setattr(replay_door, "_ReplayClients", lambda settings, group: kafka.clients(group, None))
+    consumer = cast(confluent_kafka.Consumer, ReplayConsumer(kafka, "replay"))
+    options = ReplayOptions(dlq_topic=DEAD, group="replay")
+    engine = replay_door.replay_pipeline(
+        _settings(), options, consumer, ReplaySummary(DEAD, "replay", False), None, Failure()
+    )
+    assert engine.run() == 0
+
+    [process] = [span for span in exporter.get_finished_spans() if span.kind is SpanKind.CONSUMER]
+    assert process.name == f"process {DEAD}"
+    assert process.parent is None
+    assert f"{process.context.trace_id:032x}" != PRODUCER_TRACE
+    [link] = process.links
+    assert (f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}") == (
+        PRODUCER_TRACE,
+        PRODUCER_SPAN,
+    )
+    [settle] = [span for span in exporter.get_finished_spans() if span.name == "settle"]
+    assert (settle.attributes or {})["triage.settled_by"] == "commit"
 
 
 # -- on and off ---------------------------------------------------------------------------------------------

@@ -62,12 +62,17 @@ def enabled_by(settings: TracingSettings, environ: Mapping[str, str]) -> str | N
 
 
 def tracing_for(
-    settings: TracingSettings, consumer_group: str | None, environ: Mapping[str, str] = os.environ
+    settings: TracingSettings,
+    consumer_group: str | None,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    replay: bool = False,
 ) -> Tracing:
     """The door's tracer: `NO_TRACING` when tracing is off (nothing of OpenTelemetry imported), else spans
     exported over OTLP. `consumer_group`: the Kafka door's group (None: an offline door, which reads no
-    topic). Raises UserError (one line) when tracing is on and the `otel` extra is not installed, or the
-    protocol is one the worker does not send."""
+    topic); `replay`: the records are dead letters replayed, each span a trace of its own linked to the
+    original ticket's. Raises UserError (one line) when tracing is on and the `otel` extra is not
+    installed, or the protocol is one the worker does not send."""
     why = enabled_by(settings, environ)
     if why is None:
         return NO_TRACING
@@ -75,7 +80,7 @@ def tracing_for(
         from opentelemetry.sdk.trace import TracerProvider  # noqa: F401 (checks the extra is there)
     except ImportError as error:
         raise UserError(_MISSING_EXTRA.format(why=why, error=error)) from None
-    return OtelTracing(provider_for(settings, environ), consumer_group)
+    return OtelTracing(provider_for(settings, environ), consumer_group, replay=replay)
 
 
 def provider_for(settings: TracingSettings, environ: Mapping[str, str]) -> TracerProvider:
@@ -118,22 +123,31 @@ def _exporter(settings: TracingSettings, environ: Mapping[str, str]) -> SpanExpo
 
 
 class OtelTracing(Tracing):
-    """Spans of every taken record through `provider` (see the module docstring)."""
+    """Spans of every taken record through `provider` (see the module docstring). `replay`: a record's trace
+    context is the original ticket's (a dead letter carries the span that dead-lettered it), so the span
+    is linked to it, as the messaging conventions say of a message processed again, rather than its child."""
 
-    def __init__(self, provider: TracerProvider, consumer_group: str | None) -> None:
+    def __init__(self, provider: TracerProvider, consumer_group: str | None, *, replay: bool = False) -> None:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._provider = provider
         self._tracer = provider.get_tracer("worker.pipeline", __version__)
         self._propagator = TraceContextTextMapPropagator()
         self._group = consumer_group
+        self._replay = replay
 
     def ticket(self, work: Work) -> TicketTrace:
-        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.context import Context
+        from opentelemetry.trace import Link, SpanKind, get_current_span, set_span_in_context
 
         parent = self._propagator.extract(_trace_context(work.headers))
+        links: list[Link] = []
+        if self._replay:
+            original = get_current_span(parent).get_span_context()
+            links = [Link(original)] if original.is_valid else []
+            parent = Context()  # a trace of its own
         span = self._tracer.start_span(
-            f"process {work.topic}", parent, SpanKind.CONSUMER, self._process_attributes(work)
+            f"process {work.topic}", parent, SpanKind.CONSUMER, self._process_attributes(work), links
         )
         context = set_span_in_context(span)
         if not span.is_recording():  # sampled out: only its context goes on, to the outputs

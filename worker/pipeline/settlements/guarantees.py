@@ -173,6 +173,7 @@ class _Base:
         """A record that needs no output: its offset counts as done at once."""
         self.deliveries.without_output(work)
         work.state.done(work.offset)
+        self._awaiting_commit.acknowledged(work)
 
     @property
     def outstanding(self) -> int:

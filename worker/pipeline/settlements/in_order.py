@@ -48,6 +48,7 @@ class InOrder(WithoutOffsets):
         """A record that needs no output: the outputs held behind it are handed over."""
         del self._order[work]
         work.state.done(work.offset)
+        work.trace.finish()
         self._hand_over()
 
     def _hand_over(self) -> None:
