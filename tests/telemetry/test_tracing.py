@@ -18,7 +18,7 @@ from typing import Any, cast
 import confluent_kafka
 import msgspec
 import pytest
-from doubles import InstantClassifier, Running, instant_answer
+from doubles import HoldingClassifier, InstantClassifier, Running, instant_answer
 from memory_kafka import (
     MemoryKafka,
     Message,
@@ -340,6 +340,30 @@ def test_a_lost_partition_s_tickets_end_given_up() -> None:
     assert [(event.name, dict(event.attributes or {})) for event in process.events] == [
         ("triage.given_up", {"triage.reason": "its partition was lost before a commit passed it"})
     ]
+
+
+def test_exactly_once_tickets_of_a_lost_partition_end_given_up_at_the_model_and_held() -> None:
+    """In input order one ticket waits at the model while the next one's output is held behind it; the
+    partition is lost: both traces end `given_up` (the held one was never produced, the other's answer is
+    discarded)."""
+    traced = Traced()
+    traced.add(ticket("T-0", body="hold: card stolen"))
+    traced.add(ticket("T-1"))
+    classifier = HoldingClassifier()
+    running = traced.start(
+        classifier, settings=_settings({"pipeline.guarantee": "exactly_once"}), transactional_id="lost-tid"
+    )
+    wait_until(lambda: len(classifier.held) == 1, "the first ticket at the model")
+    answered = lambda: any(span.name == "classify instant@test" for span in traced.spans())  # noqa: E731
+    wait_until(answered, "the second ticket answered (its output held behind the first)")
+    traced.kafka.lose(traced.kafka.members[0], [(INPUT, 0)])
+    wait_until(lambda: len(traced.processes()) == 2, "both traces to end")
+    classifier.release()
+    assert running.stop() == 0
+
+    for process in traced.processes():
+        assert [event.name for event in process.events] == ["triage.given_up"]
+        assert process.status.status_code is StatusCode.UNSET
 
 
 def test_queue_mode_settles_each_ticket_by_its_acknowledgement() -> None:
