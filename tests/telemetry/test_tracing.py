@@ -47,7 +47,8 @@ from worker.pipeline.triage.cascade import Cascade
 from worker.replay.outcomes import ReplaySummary
 from worker.replay.selection import ReplayOptions
 from worker.settings import Settings, TracingSettings, load_settings
-from worker.telemetry.tracing import OtelTracing, tracing_for
+from worker.telemetry.spans import OtelTracing
+from worker.telemetry.tracing import tracing_for
 
 INPUT, OUTPUT, DEAD = "tickets.raw", "tickets.triaged", "tickets.dlq"
 GROUP = "tracing"
