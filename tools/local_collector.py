@@ -12,11 +12,9 @@ and `spans()` reads back what it exported (the file exporter's OTLP JSON lines),
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from worker.cache import cache_root
+from worker.dev.local_broker import free_port, port_open
 
 COLLECTOR_RELEASE = "v0.161.0"  # tools/otelcol/go.mod's; contrib's file exporter has no newer tried release
 SOURCE_DIR = Path(__file__).resolve().parent / "otelcol"
@@ -64,26 +63,13 @@ def collector_binary() -> Path:
     return target
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _listening(port: int) -> bool:
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-        return True
-    return False
-
-
 class LocalCollector:
     """The Collector at `binary` run with its state in `folder` (config, exported spans, log)."""
 
     def __init__(self, binary: Path, folder: Path) -> None:
         self._binary = binary
         self._folder = folder
-        self._grpc_port, self._http_port = _free_port(), _free_port()
+        self._grpc_port, self._http_port = free_port(), free_port()
         self._spans_file = folder / "spans.jsonl"
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -124,7 +110,7 @@ class LocalCollector:
             env=os.environ,
         )
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not (_listening(self._grpc_port) and _listening(self._http_port)):
+        while not (port_open(self._grpc_port) and port_open(self._http_port)):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.__exit__(None, None, None)
                 tail = (self._folder / "collector.log").read_text(errors="replace")[-2000:]

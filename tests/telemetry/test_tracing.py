@@ -50,6 +50,7 @@ from worker.settings import Settings, TracingSettings, load_settings
 from worker.telemetry.spans import OtelTracing
 from worker.telemetry.tracing import tracing_for
 
+# The default topics (`topics.*`).
 INPUT, OUTPUT, DEAD = "tickets.raw", "tickets.triaged", "tickets.dlq"
 GROUP = "tracing"
 FALLBACK = FallbackLabel("unclassified", "Medium")
@@ -65,9 +66,6 @@ def _settings(overrides: Mapping[str, object] | None = None) -> Settings:
         env={},
         overrides={
             "kafka.bootstrap.servers": "memory:9092",
-            "topics.input": INPUT,
-            "topics.output": OUTPUT,
-            "topics.dead_letter": DEAD,
             "pipeline.group_id": GROUP,
             "pipeline.commit_interval_ms": 20,
             **(overrides or {}),

@@ -26,6 +26,7 @@ from worker.telemetry.tracing import tracing_for
 
 pytestmark = pytest.mark.slow
 
+# The default topics (`topics.*`).
 INPUT, OUTPUT, DEAD = "tickets.raw", "tickets.triaged", "tickets.dlq"
 GROUP = "traced"
 PRODUCER_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -66,9 +67,6 @@ def _run_one_ticket(endpoint: str, protocol: str) -> dict[str, bytes | None]:
         env={},
         overrides={
             "kafka.bootstrap.servers": "memory:9092",
-            "topics.input": INPUT,
-            "topics.output": OUTPUT,
-            "topics.dead_letter": DEAD,
             "pipeline.group_id": GROUP,
             "pipeline.commit_interval_ms": 20,
             "tracing.exporter": "otlp",
