@@ -10,6 +10,7 @@ any order. A ticket the sampler leaves out (`_Unsampled`) records nothing and on
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,9 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 # How the model steps appear in the GenAI conventions (the worker classifies with a local ONNX Runtime model).
 GEN_AI_OPERATION = "classify"
 GEN_AI_PROVIDER = "onnxruntime"
+# How long the end of a run waits for its last spans at the least (a collector at hand answers in
+# milliseconds).
+_CLOSE_AT_LEAST_S = 1.0
 # The propagator's inject: the context's trace headers written into a carrier.
 _Inject = Callable[[dict[str, str], Context], None]
 
@@ -125,8 +129,13 @@ class OtelTracing(Tracing):
         return attributes
 
     def close(self, timeout_s: float) -> None:
-        self._provider.force_flush(max(1, int(timeout_s * 1000)))
-        self._provider.shutdown()
+        """The spans not exported yet are sent on a thread of their own, waited for up to `timeout_s` (at
+        least `_CLOSE_AT_LEAST_S`): the SDK's flush waits out the exporter's retries (measured: 6.7 s with
+        the collector away), which must not hold a worker's shutdown past its limit. What is not sent by
+        then is lost."""
+        closing = threading.Thread(target=self._provider.shutdown, name="tracing-close", daemon=True)
+        closing.start()
+        closing.join(max(_CLOSE_AT_LEAST_S, timeout_s))
 
 
 def _trace_context(headers: Headers | None) -> dict[str, str]:
