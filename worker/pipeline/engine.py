@@ -13,7 +13,8 @@ consume → decode → dispatch → classify → encode → produce → commit, 
    stops reading, and when the bound holds for longer (a slow model) it pauses the source, which keeps
    its member alive; it resumes below the low-water mark (`flow.py`);
 4. reads records up to the free room and takes each: the stage admits it (a registry-format record is
-   decoded here), the source starts carrying it, the settlement hears of it, the stage takes it on.
+   decoded here), the source starts carrying it, it gets its trace (`tracing.py`: a no-op unless the door
+   was given a tracer), the settlement hears of it, the stage takes it on.
 
 Partitions leaving in order (a consumer group's revoke) drain first: their records go before all others and
 get up to the source's drain time to finish, then their progress is settled, so the next owner starts where
