@@ -39,6 +39,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, cast
 
 import confluent_kafka
@@ -464,6 +465,34 @@ class MemoryConsumer:
             if self in self.kafka.members:
                 self.kafka.members.remove(self)
         self.closed = True
+
+
+class ReplayConsumer(MemoryConsumer):
+    """The calls a replay makes on its own consumer (assigned partitions, end-of-partition events, topic
+    metadata) over the in-memory Kafka."""
+
+    def __init__(self, kafka: MemoryKafka, group: str) -> None:
+        super().__init__(kafka, group, lambda _error: None)
+        self._at_end: set[tuple[str, int]] = set()
+
+    def list_topics(self, topic: str, timeout: float = -1) -> Any:
+        partitions = {p: None for p in range(len(self.kafka.logs[topic]))}
+        return SimpleNamespace(topics={topic: SimpleNamespace(partitions=partitions, error=None)})
+
+    def poll(self, timeout: float = -1) -> Message | None:
+        message = super().poll(0)
+        if message is not None:
+            return message
+        for key in sorted(self.assigned - self._at_end):
+            if self.app_at.get(key, 0) >= len(self.kafka.logs[key[0]][key[1]]):
+                self._at_end.add(key)
+                eof = confluent_kafka.KafkaError(confluent_kafka.KafkaError._PARTITION_EOF)
+                return Message(key[0], key[1], None, eof)
+        time.sleep(min(timeout, 0.002))
+        return None
+
+    def close(self) -> None:
+        self.closed = True  # assigned, never subscribed: nothing to revoke
 
 
 class MemoryProducer:

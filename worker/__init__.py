@@ -33,7 +33,9 @@ The code is in twelve rooms, one folder each, plus a few shared modules; each ro
   pipeline's delivery guarantees (`reports` is their observer). Imports the shared modules, `worker.kafka`
   and `worker.pipeline`.
 - ``worker/telemetry`` (telemetry): one HTTP port per process: the Prometheus collectors, liveness and
-  readiness probes, the reload hook, a replay's progress. Imports the shared modules and the rooms above.
+  readiness probes, the reload hook, a replay's progress; per-ticket OpenTelemetry traces (`tracing`, behind
+  the pipeline's `tracing` seam; off, and not even imported, unless configured). Imports the shared modules
+  and the rooms above.
 - ``worker/learning`` (learning): the trainers as a library: ticket exports in (`data`), the encoder stage
   from tickets or zero-shot (`encoder_stage`), the first stage (`first_stage`), both stages into one model
   folder (`compose`), where a model folder may be written and how it replaces the old one (`folders`), the

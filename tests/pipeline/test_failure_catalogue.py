@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, cast
 
 import confluent_kafka
@@ -41,10 +40,10 @@ import msgspec
 import pytest
 from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, Running
 from memory_kafka import (
-    MemoryConsumer,
     MemoryKafka,
     Message,
     Record,
+    ReplayConsumer,
     ScriptedShareConsumer,
     ShareMessage,
     as_client_factory,
@@ -430,34 +429,6 @@ class LinesDoor(Door):
         return found
 
 
-class _ReplayConsumer(MemoryConsumer):
-    """The calls a replay makes on its own consumer (assigned partitions, end-of-partition events, topic
-    metadata) over the in-memory Kafka."""
-
-    def __init__(self, kafka: MemoryKafka, group: str) -> None:
-        super().__init__(kafka, group, lambda _error: None)
-        self._at_end: set[tuple[str, int]] = set()
-
-    def list_topics(self, topic: str, timeout: float = -1) -> Any:
-        partitions = {p: None for p in range(len(self.kafka.logs[topic]))}
-        return SimpleNamespace(topics={topic: SimpleNamespace(partitions=partitions, error=None)})
-
-    def poll(self, timeout: float = -1) -> Message | None:
-        message = super().poll(0)
-        if message is not None:
-            return message
-        for key in sorted(self.assigned - self._at_end):
-            if self.app_at.get(key, 0) >= len(self.kafka.logs[key[0]][key[1]]):
-                self._at_end.add(key)
-                eof = confluent_kafka.KafkaError(confluent_kafka.KafkaError._PARTITION_EOF)
-                return Message(key[0], key[1], None, eof)
-        time.sleep(min(timeout, 0.002))
-        return None
-
-    def close(self) -> None:
-        self.closed = True  # assigned, never subscribed: nothing to revoke
-
-
 class _StoppableTransform:
     """`--transform` as the replay's transform process behaves: a value that says "hold" is repaired only
     when the replay is stopped meanwhile, which leaves it unsettled (`TransformStopped`); others as they
@@ -518,7 +489,7 @@ class ReplayDoor(Door):
             self.values.append(value)
         options = ReplayOptions(dlq_topic=DEAD, group="replay", transform=self.transform)
         summary = ReplaySummary(DEAD, "replay", False)
-        consumer = cast(confluent_kafka.Consumer, _ReplayConsumer(self.kafka, "replay"))
+        consumer = cast(confluent_kafka.Consumer, ReplayConsumer(self.kafka, "replay"))
         reports = self.reports
 
         class Observer:

@@ -56,6 +56,7 @@ from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
 from worker.settings import Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
+from worker.telemetry.tracing import tracing_for
 from worker.telemetry.worker import WorkerTelemetry
 
 _log = structlog.get_logger("worker.run")
@@ -106,6 +107,8 @@ class WorkerApp:
         StopOnSignals(self._held, self.request_stop, _log_stop)
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
+        # Tracing on without the `otel` extra stops the start here (a no-op unless tracing is configured).
+        tracing = tracing_for(settings.tracing, settings.pipeline.group_id)
         queue = settings.pipeline.consume == "queue"
         if queue:
             refuse_exactly_once(settings)
@@ -180,6 +183,7 @@ class WorkerApp:
             review=review,
             decoder=decoder,
             result_encoder=result_encoder,
+            tracing=tracing,
         )
         if share_group is not None:
             pipeline = queue_pipeline(

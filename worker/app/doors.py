@@ -34,6 +34,7 @@ from worker.pipeline.side_topics.side_topic import ResultWatcher
 from worker.pipeline.sources.group import GroupSource, PausedPartitions
 from worker.pipeline.sources.lock_budget import LockBudget
 from worker.pipeline.sources.share import FetchSize, ShareSource
+from worker.pipeline.tracing import NO_TRACING, Tracing
 from worker.pipeline.triage.cascade import Cascade
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.intake import Intake, TicketDecoding
@@ -50,7 +51,8 @@ ResultEncoder = Callable[[TriageResult], bytes]
 
 class TriageParts:
     """What every classifying door shares: the model and its cascade, the side topics, the input's decoder
-    (None: plain JSON tickets) and the output's encoder (None: JSON)."""
+    (None: plain JSON tickets), the output's encoder (None: JSON) and the tracer of each ticket (off unless
+    given: `worker.telemetry.tracing.tracing_for`)."""
 
     def __init__(
         self,
@@ -63,11 +65,13 @@ class TriageParts:
         review: Review | None = None,
         decoder: TicketDecoding | None = None,
         result_encoder: ResultEncoder | None = None,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.classifier, self.fallback, self.dispatch_window = classifier, fallback, dispatch_window
         self.cascade, self.shadow, self.review = cascade, shadow, review
         self.decoder = decoder
         self.encode = result_encoder or encode_result
+        self.tracing = tracing
 
     @property
     def side_topics(self) -> list[ResultWatcher]:
@@ -159,7 +163,7 @@ def _triage_loop(
     registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
     return Engine(
         source, stage, settlement, limits(settings), metrics, failure, give_up, registry, clock,
-        metrics_interval_s, _started_line(settings),
+        metrics_interval_s, _started_line(settings), tracing=parts.tracing,
     )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Output, Work
 from worker.settings import InferenceSettings, Settings
+from worker.telemetry.tracing import tracing_for
 
 # Lines read and not yet written (at the model, at the escalation stage, or waiting for an earlier line to be
 # written first): the memory bound of a stream, and the escalation stage's window, so that it never sheds.
@@ -154,7 +155,13 @@ def _offline_cascade(
 def lines_pipeline(settings: Settings, offline: Offline, reader: LineReader, deliver: Deliver) -> Engine:
     """The loop over `reader`'s lines, each line's outcome handed to `deliver` in input order."""
     pipeline = settings.pipeline
-    parts = TriageParts(offline.pool, offline.fallback, dispatch_window(settings), cascade=offline.cascade)
+    parts = TriageParts(
+        offline.pool,
+        offline.fallback,
+        dispatch_window(settings),
+        cascade=offline.cascade,
+        tracing=tracing_for(settings.tracing, None),
+    )
     metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
     failure, give_up = Failure(), GiveUpAt()
     settlement = InOrder(deliver)
@@ -172,7 +179,17 @@ def lines_pipeline(settings: Settings, offline: Offline, reader: LineReader, del
         shutdown_timeout_s=pipeline.shutdown_timeout_ms / 1000.0,
         paced_by_model=True,
     )
-    return Engine(source, stage, settlement, limits, metrics, failure, give_up, lifecycle_log=False)
+    return Engine(
+        source,
+        stage,
+        settlement,
+        limits,
+        metrics,
+        failure,
+        give_up,
+        lifecycle_log=False,
+        tracing=parts.tracing,
+    )
 
 
 def result_of(value: bytes | None) -> TriageResult:

@@ -47,6 +47,7 @@ from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_sou
 from worker.replay.source import ReplaySource
 from worker.replay.stage import ReplayStage
 from worker.settings import PipelineSettings, Settings
+from worker.telemetry.tracing import tracing_for
 
 # Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
 COMMIT_INTERVAL_MS = 200
@@ -158,7 +159,10 @@ def replay_pipeline(
         poll_timeout_s=_POLL_S,
         shutdown_timeout_s=INTERRUPT_DRAIN_S,
     )
-    return Engine(source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False)
+    tracing = tracing_for(settings.tracing, options.group, replay=True)
+    return Engine(
+        source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False, tracing=tracing
+    )
 
 
 def _consumer(settings: Settings, group: str) -> confluent_kafka.Consumer:

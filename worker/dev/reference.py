@@ -153,6 +153,14 @@ SETTING_DOCS: dict[str, str] = {
     "schema_registry.ssl_ca_location": "CA bundle for an `https` registry",
     "schema_registry.timeout_ms": "one registry request's limit (schemas are cached: only a new schema id "
     "asks); an unanswered record is retried with its partition paused, never dead-lettered",
+    "tracing.exporter": "`otlp`: per-ticket OpenTelemetry traces sent to a collector (needs the `otel` "
+    "extra); `none`: off, unless `OTEL_TRACES_EXPORTER=otlp` is in the environment "
+    "([tracing](operations.md#tracing))",
+    "tracing.endpoint": "the collector's OTLP endpoint, `http://host:4318` (http/protobuf; `/v1/traces` is "
+    "added) or `http://host:4317` (grpc)",
+    "tracing.protocol": "`http/protobuf` or `grpc`",
+    "tracing.sample_ratio": "the share of tickets traced whose producer sent no trace context (parent-based: "
+    "a producer's sampling decision is kept)",
 }
 
 

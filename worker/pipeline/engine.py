@@ -13,7 +13,8 @@ consume → decode → dispatch → classify → encode → produce → commit, 
    stops reading, and when the bound holds for longer (a slow model) it pauses the source, which keeps
    its member alive; it resumes below the low-water mark (`flow.py`);
 4. reads records up to the free room and takes each: the stage admits it (a registry-format record is
-   decoded here), the source starts carrying it, the settlement hears of it, the stage takes it on.
+   decoded here), the source starts carrying it, it gets its trace (`tracing.py`: a no-op unless the door
+   was given a tracer), the settlement hears of it, the stage takes it on.
 
 Partitions leaving in order (a consumer group's revoke) drain first: their records go before all others and
 get up to the source's drain time to finish, then their progress is settled, so the next owner starts where
@@ -43,6 +44,7 @@ from worker.pipeline.flow import Flow, InFlightGate
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.registry_wait import RegistryWait
 from worker.pipeline.seams import Loop, Record, Settlement, Source, Stage
+from worker.pipeline.tracing import NO_TRACING, Tracing
 from worker.pipeline.work import Work
 
 _log = structlog.get_logger("worker.pipeline")
@@ -89,7 +91,8 @@ class Limits:
 class Engine(Loop):
     """Runs the loop until `request_stop()`, a failure, or the end of a finite source; `run()` returns the
     exit code. `failure` is shared with the source and the settlement (why the run must end); `registry`
-    is the Schema Registry's wait (None: the input needs no registry)."""
+    is the Schema Registry's wait (None: the input needs no registry); `tracing` gives each taken record its
+    trace (`tracing.py`; off by default)."""
 
     def __init__(
         self,
@@ -105,6 +108,7 @@ class Engine(Loop):
         metrics_interval_s: float = 10.0,
         started_line: dict[str, object] | None = None,
         lifecycle_log: bool = True,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self._source, self._stage, self._settlement = source, stage, settlement
         self._limits = limits
@@ -117,6 +121,7 @@ class Engine(Loop):
         self._started_line = started_line or {}
         # The start, metrics and stop lines (offline doors report on the console instead).
         self._lifecycle_log = lifecycle_log
+        self._tracing = tracing
         self._gate = InFlightGate(limits.max_in_flight, limits.resume_below, _FULL_BEFORE_PAUSE_S)
         self._stopping = False
         self._stop_by: float | None = None
@@ -224,6 +229,7 @@ class Engine(Loop):
         work = self._source.work(record, now, now + self._limits.deadline_s)
         if work is None:
             return
+        work.trace = self._tracing.ticket(work)
         self.metrics.consumed += 1
         self._settlement.taken(work)
         if admission.unavailable is not None:
@@ -353,6 +359,7 @@ class Engine(Loop):
         not_flushed = self._settlement.stop(limit)
         self._source.stop(limit)
         self._stage.close(max(0.0, limit - self._clock()))  # after the last commit: side topics hold none
+        self._tracing.close(max(0.0, limit - self._clock()))
         if self._lifecycle_log:
             self._log_metrics("final")
         if self._failure.reason is not None:

@@ -13,6 +13,7 @@ from worker.classification import Classification
 from worker.kafka.commits import TopicPartitionKey
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.settlements.offsets import PartitionOffsets
+from worker.pipeline.tracing import NO_TRACE, TicketTrace
 from worker.privacy.redaction import TicketScan
 
 Headers = list[tuple[str, bytes | None]]
@@ -55,6 +56,8 @@ class Work:
     output: Output | None = None
     # Escalated: the first stage's answer, which stands if the escalation stage gives none.
     first: Classification | None = None
+    # Its trace (`tracing.py`): set when it is taken, ended when it is settled.
+    trace: TicketTrace = NO_TRACE
 
     @property
     def partition_key(self) -> TopicPartitionKey:

@@ -40,6 +40,7 @@ from worker.settings.sections import (
     SchemaRegistrySettings,
     Settings,
     TopicSettings,
+    TracingSettings,
     escalation_dir,
 )
 from worker.settings.writing import settings_to_toml, unset_hint
@@ -67,6 +68,7 @@ __all__ = [
     "SchemaRegistrySettings",
     "Settings",
     "TopicSettings",
+    "TracingSettings",
     "add_config_argument",
     "escalation_dir",
     "load_settings",

@@ -45,6 +45,9 @@ Consume = Literal["group", "queue"]
 InputFormat = Literal["json", "avro", "json_schema", "protobuf"]
 REGISTRY_FORMATS = frozenset({"avro", "json_schema", "protobuf"})
 OutputFormat = Literal["json", "avro"]
+# Where per-ticket traces go: nowhere, or an OpenTelemetry collector over OTLP (docs/operations.md#tracing).
+TracesExporter = Literal["none", "otlp"]
+OtlpProtocol = Literal["http/protobuf", "grpc"]
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveMs = Annotated[int, msgspec.Meta(gt=0)]
@@ -356,6 +359,24 @@ class MetricsSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     reload_token_file: Annotated[str, msgspec.Meta(min_length=1)] | None = None
 
 
+class TracingSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Per-ticket OpenTelemetry traces (docs/operations.md#tracing), sent over OTLP; needs the `otel` extra.
+    Off unless `exporter = "otlp"` here or, as with any OpenTelemetry SDK, `OTEL_TRACES_EXPORTER=otlp` in
+    the environment; what is not set here comes from the standard `OTEL_*` variables."""
+
+    # "none": off, unless OTEL_TRACES_EXPORTER=otlp is in the environment.
+    exporter: TracesExporter = "none"
+    # The collector's OTLP endpoint, e.g. http://collector:4318 (http/protobuf; /v1/traces is added) or
+    # http://collector:4317 (grpc). None: OTEL_EXPORTER_OTLP_ENDPOINT, else the SDK's default (localhost).
+    endpoint: Annotated[str, msgspec.Meta(pattern=r"^https?://\S+$")] | None = None
+    # None: OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf.
+    protocol: OtlpProtocol | None = None
+    # The share of tickets traced whose producer sent no sampled trace context (parent-based: a ticket
+    # whose producer's span was sampled is traced, one whose was not is not). None: OTEL_TRACES_SAMPLER and
+    # OTEL_TRACES_SAMPLER_ARG, else every ticket.
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+
+
 def default_kafka() -> dict[str, str]:
     """The `[kafka]` table where nothing sets it: a broker on this host's default port."""
     return {"bootstrap.servers": "127.0.0.1:9092"}
@@ -376,6 +397,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     input: InputSettings = msgspec.field(default_factory=InputSettings)
     output: OutputSettings = msgspec.field(default_factory=OutputSettings)
     schema_registry: SchemaRegistrySettings = msgspec.field(default_factory=SchemaRegistrySettings)
+    tracing: TracingSettings = msgspec.field(default_factory=TracingSettings)
 
 
 # The sections by their TOML table name, in the order `config show` writes them.
@@ -391,5 +413,6 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "input": InputSettings,
     "output": OutputSettings,
     "schema_registry": SchemaRegistrySettings,
+    "tracing": TracingSettings,
 }
 # Fields that are string→string tables: set one entry at a time, like the kafka section.

@@ -36,6 +36,9 @@ _UNSET_HINTS = {
     "schema_registry.url": "no registry (needed by the avro, json_schema and protobuf input formats)",
     "schema_registry.basic_auth_user_info": "no authentication",
     "schema_registry.ssl_ca_location": "the system's CA roots",
+    "tracing.endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT, else the SDK's default",
+    "tracing.protocol": "OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf",
+    "tracing.sample_ratio": "OTEL_TRACES_SAMPLER(_ARG), else every ticket",
 }
 
 

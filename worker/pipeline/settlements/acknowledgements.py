@@ -121,7 +121,10 @@ class Acknowledging(WithoutOffsets):
         if error is None:
             self._rules.delivered(work)
             dead = output.topic == self._rules.dead_letter_topic
-            self._acknowledge(work, Acknowledgement.REJECT if dead else Acknowledgement.ACCEPT)
+            acknowledgement = Acknowledgement.REJECT if dead else Acknowledgement.ACCEPT
+            self._acknowledge(work, acknowledgement)
+            work.trace.end("settle", settled_by=f"acknowledgement {acknowledgement.name}")
+            work.trace.finish()
             return
         instead = self._rules.instead(work, output, error)
         if instead is not None:

@@ -99,7 +99,11 @@ class Deliveries:
         the produced ones; returns how many held outputs were dropped."""
         before = self._held
         for state in [state for state in self._partition_order if state.key in keys]:
-            self._held -= sum(1 for work in self._partition_order.pop(state) if work.output is not None)
+            held = [work for work in self._partition_order.pop(state) if work.output is not None]
+            self._held -= len(held)
+            for work in held:  # its next owner (or the redo) traces it anew
+                work.trace.outcome("given_up", "its partition left this worker while its output was held")
+                work.trace.finish()
         self._orphans.adopt(self._produced.values(), keys)
         return before - self._held
 

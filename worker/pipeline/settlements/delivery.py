@@ -21,6 +21,7 @@ before, issue #44):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -125,6 +126,8 @@ class DeliveryRules:
         """An output was acknowledged: counted, with the record's time from poll to acknowledgement."""
         self._metrics.produced += 1
         self._metrics.end_to_end.observe(self._clock() - work.polled_at)
+        work.trace.end("produce")
+        work.trace.begin("settle")
 
     def instead(self, work: Work, output: Output, error: confluent_kafka.KafkaError) -> Output | None:
         """The output to write instead of one the broker refused, or None: it failed for good. An orphan's
@@ -177,11 +180,15 @@ class DeliveryRules:
             effect="the ticket is dead-lettered",
         )
         reason = f"the triage record was refused: {error.name()}: {error.str()}"
-        return dead_letter(work, self.dead_letter_topic, RESULT_REFUSED, reason, self._redaction)
+        work.trace.outcome("dead_letter", RESULT_REFUSED)
+        letter = dead_letter(work, self.dead_letter_topic, RESULT_REFUSED, reason, self._redaction)
+        return dataclasses.replace(letter, headers=work.trace.headers(letter.headers))
 
     def failed(self, work: Work, error: confluent_kafka.KafkaError, effect: str, severe: bool = True) -> None:
         """A delivery failed for good: counted and logged with what the settlement does about it."""
         self._metrics.delivery_failed += 1
+        work.trace.outcome("delivery_failed", error.name())
+        work.trace.finish()
         log = _log.error if severe else _log.warning
         log(
             "delivery_failed",

@@ -61,6 +61,7 @@ from worker.pipeline.settlements.committer import Committer
 from worker.pipeline.settlements.deliveries import Deliveries
 from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send_tracked, smaller
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
+from worker.pipeline.settlements.settling import AwaitingCommit
 from worker.pipeline.work import Output, Work
 from worker.settings import PipelineSettings
 
@@ -145,6 +146,7 @@ class _Base:
         self._consumer = wiring.consumer
         self._tracker = wiring.tracker
         self.deliveries = Deliveries(in_order=self.in_order)
+        self._awaiting_commit = AwaitingCommit("transaction" if self.in_order else "commit")
         self._metrics = wiring.metrics
         self._clock = clock = wiring.clock
         self._pause = wiring.pause
@@ -171,6 +173,7 @@ class _Base:
         """A record that needs no output: its offset counts as done at once."""
         self.deliveries.without_output(work)
         work.state.done(work.offset)
+        self._awaiting_commit.acknowledged(work)
 
     @property
     def outstanding(self) -> int:
@@ -211,13 +214,15 @@ class _Base:
         pass
 
     def lost(self, keys: set[TopicPartitionKey]) -> None:
-        pass
+        self._awaiting_commit.forget(keys, "its partition was lost before a commit passed it")
 
     def give_up(self, keys: set[TopicPartitionKey]) -> None:
         self.deliveries.give_up(keys)
 
     def abandon(self, works: Collection[Work]) -> None:
-        self.deliveries.give_up({work.partition_key for work in works})
+        keys = {work.partition_key for work in works}
+        self.deliveries.give_up(keys)
+        self._awaiting_commit.forget(keys, "released before a commit passed it")
 
     @property
     def orphans(self) -> int:
@@ -232,6 +237,7 @@ class _Base:
     def commit_now(self, keys: set[TopicPartitionKey], limit: float) -> None:
         """Revoking: the progress of `keys` committed on this thread before they go (see each guarantee)."""
         self._commit_states([state for key in keys if (state := self._tracker.get(key)) is not None], limit)
+        self._awaiting_commit.forget(keys, "its partition left this worker before a commit passed it")
 
     def _commit_states(self, states: Sequence[PartitionOffsets], limit: float) -> None:
         raise NotImplementedError
@@ -259,6 +265,7 @@ class _Base:
         if error is None:
             self._rules.delivered(work)
             work.state.done(work.offset)
+            self._awaiting_commit.acknowledged(work)
             return
         self._delivery_error(work, output, error, queued)
 
@@ -339,6 +346,7 @@ class _Base:
                 self._metrics.committed += state.committed(position)
         if outcome.confirmed:
             self._observer.committed(outcome.confirmed)
+            self._awaiting_commit.committed(outcome.confirmed)
             _log.debug("commit_confirmed", positions=positions_by_name(outcome.confirmed))
         for key, position in outcome.failed.items():
             if (state := self._tracker.get(key)) is not None:
@@ -379,6 +387,7 @@ class AtLeastOnce(_Base):
         for key, position in outcome.confirmed.items():
             self._metrics.committed += by_key[key].committed(position)
         self._observer.committed(outcome.confirmed)
+        self._awaiting_commit.committed(outcome.confirmed)
         if outcome.confirmed:
             _log.info("committed", positions=positions_by_name(outcome.confirmed))
         if outcome.failed:
@@ -697,6 +706,7 @@ class ExactlyOnce(_Base):
         keys = {state.key for state in states}
         self._observer.redone(keys)
         self.deliveries.give_up(keys)
+        self._awaiting_commit.forget(keys, f"its transaction was aborted ({reason}): it is redone")
         redo_from: dict[str, int] = {}
         for state in states:
             start = state.first_uncommitted

@@ -48,6 +48,7 @@ class InOrder(WithoutOffsets):
         """A record that needs no output: the outputs held behind it are handed over."""
         del self._order[work]
         work.state.done(work.offset)
+        work.trace.finish()
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -59,6 +60,7 @@ class InOrder(WithoutOffsets):
             del self._order[first]
             first.state.done(first.offset)
             self._deliver(first, ready)
+            first.trace.finish()
 
     def serve(self, wait_s: float) -> None:
         pass  # every write is delivered at once, or held for an earlier one: no report to wait for

@@ -26,6 +26,8 @@ class Orphans:
             if not work.orphan and work.partition_key in keys:
                 work.orphan = True
                 self.count += 1
+                work.trace.outcome("given_up", "its partition left this worker")
+                work.trace.finish()
 
     def back(self, work: Work | None) -> Work | None:
         """A record came back (an answer or a report): an orphan leaves the count here."""

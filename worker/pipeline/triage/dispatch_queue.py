@@ -42,6 +42,7 @@ class DispatchQueue:
     def wait(self, work: Work) -> None:
         arrival = next(self._arrivals)
         self._waiting[arrival] = work
+        work.trace.begin("queue")
         heapq.heappush(self._order, (1, work.deadline if self._edf else 0.0, arrival))
         heapq.heappush(self._deadlines, (work.deadline, arrival))
 
@@ -51,6 +52,7 @@ class DispatchQueue:
             work = self._waiting.pop(heapq.heappop(self._order)[2], None)
             if work is not None:
                 self._drop_stale()
+                work.trace.end("queue")
                 return work
         return None
 
@@ -60,6 +62,7 @@ class DispatchQueue:
         while self._deadlines and self._deadlines[0][0] <= now:
             work = self._waiting.pop(heapq.heappop(self._deadlines)[1], None)
             if work is not None:
+                work.trace.end("queue")
                 late.append(work)
         if late:
             self._drop_stale()
@@ -87,6 +90,10 @@ class DispatchQueue:
         """This worker no longer owns `keys`: drop their tickets (the next owner reads them again); returns
         how many were dropped."""
         before = len(self._waiting)
+        for work in self._waiting.values():
+            if work.partition_key in keys:  # its next owner traces it anew
+                work.trace.outcome("given_up", "its partition left this worker while it waited")
+                work.trace.finish()
         self._waiting = {n: work for n, work in self._waiting.items() if work.partition_key not in keys}
         self._drop_stale()
         return before - len(self._waiting)

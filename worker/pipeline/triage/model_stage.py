@@ -34,6 +34,7 @@ from worker.kafka.commits import TopicPartitionKey
 from worker.messages import FallbackReason, utc_timestamp
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.settlements.guarantees import Observer
+from worker.pipeline.tracing import Attribute
 from worker.pipeline.triage.cascade import Cascade
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.latency import LatencyEstimate
@@ -107,6 +108,7 @@ class ModelStage:
                 continue
             self._metrics.queue_wait.observe(self._clock() - work.polled_at)
             request_id = self._requests.to_model(work)
+            work.trace.begin("model", model=self._classifier.model_id)
             self._classifier.submit(
                 ClassifyRequest(request_id, ticket_text(event.subject, event.body), work.deadline)
             )
@@ -144,6 +146,7 @@ class ModelStage:
             written = (
                 answer if self._cascade is None else self._escalate_or_stand(self._cascade, work, answer)
             )
+            work.trace.end("model", **_answered(answer), escalated=written is None)
             if written is not None:  # None: at the escalation stage, its record waits for that answer
                 self._write(work, written, made_at)
 
@@ -162,6 +165,7 @@ class ModelStage:
         if (skipped := cascade.gate(work.deadline - now, now, pressed)) is not None:
             return cascade.first_stands(first, skipped)
         request_id = self._requests.to_escalation(work, first)
+        work.trace.begin("escalation", model=cascade.model_id)
         cascade.submit(
             ClassifyRequest(request_id, ticket_text(work.event.subject, work.event.body), work.deadline), now
         )
@@ -177,7 +181,16 @@ class ModelStage:
                 self._metrics.discarded_after_revoke += 1
                 continue
             assert work.first is not None
+            work.trace.end("escalation", **_answered(answer))
             self._write(work, cascade.escalated(work.first, answer), made_at)
+
+
+def _answered(answer: Classification) -> dict[str, Attribute]:
+    """What a model step's trace says of its answer: its confidence (bucketed by the tracer) and, for a
+    fallback, why; never the ticket's text."""
+    if answer.fallback:
+        return {"fallback": answer.fallback_reason or "unknown"}
+    return {"confidence": answer.confidence}
 
 
 class Redone(Observer):

@@ -13,6 +13,7 @@ How and when each output reaches Kafka is the guarantee's (`guarantees.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -33,6 +34,9 @@ from worker.privacy.values import CarriedMetadata
 from worker.settings import DeadLetterSettings, PrivacySettings, TopicSettings
 
 _log = structlog.get_logger("worker.pipeline")
+
+# Fallback reasons that mean the ticket's deadline passed (its trace says `deadline_expired`).
+_PAST_DEADLINE = frozenset({"overloaded", "expired_on_arrival", "deadline_exceeded"})
 
 
 class Outputs:
@@ -69,7 +73,11 @@ class Outputs:
         if left_off:
             self._metrics.headers_left_off += left_off
             _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
-        self._write(work, Output(self._output_topic, key, value, headers))
+        if answer.fallback:
+            reason = answer.fallback_reason or "unknown"
+            work.trace.outcome("deadline_expired" if reason in _PAST_DEADLINE else "fallback", reason)
+        work.trace.begin("produce", topic=self._output_topic)
+        self._write(work, Output(self._output_topic, key, value, work.trace.headers(headers)))
         if self._side_topics:
             written = WrittenResult(event, scan, answer, work.source, key, headers, made_at or None)
             for side in self._side_topics:
@@ -85,4 +93,6 @@ class Outputs:
             error_type=error_type,
         )
         letter = dead_letter(work, self._dead_letter_topic, error_type, message, self._dead_letter_redaction)
-        self._write(work, letter)
+        work.trace.outcome("dead_letter", error_type)  # its type only: the message may quote the value
+        work.trace.begin("produce", topic=self._dead_letter_topic)
+        self._write(work, dataclasses.replace(letter, headers=work.trace.headers(letter.headers)))

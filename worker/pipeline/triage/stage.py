@@ -96,7 +96,9 @@ class TriageStage:
 
     def take(self, work: Work, record: Record, admission: TicketAdmission) -> None:
         now = work.polled_at
+        work.trace.begin("decode")
         rejected = record.rejected or self._intake.ticket(work, admission.decoded, now, time.time())
+        work.trace.end("decode")
         if rejected is not None:
             self._outputs.dead_letter(work, *rejected)
             return
@@ -164,6 +166,8 @@ class TriageStage:
         if answer.fallback and answer.fallback_reason == "model_error":
             outcome = self._hand_back(work)
             if outcome is HandBack.RELEASED:
+                work.trace.outcome("given_up", "the model process died under it: released for another try")
+                work.trace.finish()
                 return
             if outcome is HandBack.DEAD_LETTER:
                 self._last_delivery_dead_letter(work, "the model process died under it")

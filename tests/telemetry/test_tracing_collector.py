@@ -1,0 +1,176 @@
+"""Per-ticket traces received by a real OpenTelemetry Collector (issue #47): the worker's own tracer, as
+`[tracing]` configures it, exports over OTLP (HTTP and gRPC) to a Collector built from its Go modules
+(`tools/local_collector.py`), and the test reads back what the Collector wrote: one trace from the producer's
+span through the worker's process span and its steps to the triage record's `traceparent`.
+
+The last test is the acceptance of the issue end to end: a `triage-worker run` process against the real
+broker, turned on by the standard `OTEL_*` variables alone, a ticket produced with the producer's
+`traceparent`, and a reader of its triage record continuing the trace.
+
+Skipped, with the reason, where the Collector cannot be built (no Go toolchain, no module proxy).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import msgspec
+import pytest
+from doubles import InstantClassifier, Running
+from memory_kafka import MemoryKafka, as_client_factory
+
+from tools.harness import Worker, headers_of, make_topics, read_topic, wait_until_committed
+from tools.local_collector import CollectorUnavailable, LocalCollector, attributes, collector_binary
+from worker.app.doors import TriageParts, group_pipeline
+from worker.classification import FallbackLabel
+from worker.settings import load_settings
+from worker.telemetry.tracing import tracing_for
+
+pytestmark = pytest.mark.slow
+
+# The default topics (`topics.*`).
+INPUT, OUTPUT, DEAD = "tickets.raw", "tickets.triaged", "tickets.dlq"
+GROUP = "traced"
+PRODUCER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+PRODUCER_SPAN = "b7ad6b7169203331"
+SECRET = "jane.doe@example.com"
+STEPS = ["decode", "dispatch queue", "classify instant@test", f"send {OUTPUT}", "settle"]
+
+
+@pytest.fixture(scope="module")
+def collector_built() -> Path:
+    try:
+        return collector_binary()
+    except CollectorUnavailable as why:
+        pytest.skip(str(why))
+
+
+@pytest.fixture
+def collector(collector_built: Path, tmp_path: Path) -> Iterator[LocalCollector]:
+    with LocalCollector(collector_built, tmp_path) as running:
+        yield running
+
+
+def _run_one_ticket(endpoint: str, protocol: str) -> dict[str, bytes | None]:
+    """One ticket with a producer's traceparent through group mode, traced to `endpoint`; the triage
+    record's headers."""
+    kafka = MemoryKafka()
+    for topic in (INPUT, OUTPUT, DEAD):
+        kafka.create_topic(topic, 1)
+    value = msgspec.json.encode({"ticket_id": "T-1", "body": f"my card never came, write to {SECRET}"})
+    kafka.append(
+        INPUT,
+        0,
+        value,
+        SECRET.encode(),
+        [("traceparent", f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-01".encode())],
+    )
+    settings = load_settings(
+        env={},
+        overrides={
+            "kafka.bootstrap.servers": "memory:9092",
+            "pipeline.group_id": GROUP,
+            "pipeline.commit_interval_ms": 20,
+            "tracing.exporter": "otlp",
+            "tracing.endpoint": endpoint,
+            "tracing.protocol": protocol,
+        },
+    )
+    tracing = tracing_for(settings.tracing, GROUP, {})
+    parts = TriageParts(InstantClassifier(), FallbackLabel("unclassified", "Medium"), 8, tracing=tracing)
+    running = Running(group_pipeline(settings, parts, clients=as_client_factory(kafka.clients(GROUP, None))))
+    deadline = time.monotonic() + 15.0
+    while kafka.committed[GROUP].get((INPUT, 0), 0) < 1:
+        assert time.monotonic() < deadline, "the ticket was not committed"
+        time.sleep(0.01)
+    assert running.stop() == 0  # the run's end sends what is left
+    [(_, record)] = kafka.read_committed(OUTPUT)
+    return dict(record.headers or [])
+
+
+def _received(collector: LocalCollector, count: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 15.0
+    while len(spans := collector.spans()) < count:
+        assert time.monotonic() < deadline, f"the Collector wrote {len(spans)} spans, expected {count}"
+        time.sleep(0.05)
+    return spans
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_the_collector_receives_one_trace_from_the_producer_to_the_triage_record(
+    collector: LocalCollector, protocol: str
+) -> None:
+    endpoint = collector.grpc_endpoint if protocol == "grpc" else collector.http_endpoint
+    headers = _run_one_ticket(endpoint, protocol)
+
+    spans = _received(collector, 1 + len(STEPS))
+    assert {span["traceId"] for span in spans} == {PRODUCER_TRACE}
+    [process] = [span for span in spans if span["name"] == f"process {INPUT}"]
+    assert process["parentSpanId"] == PRODUCER_SPAN
+    assert process["kind"] == 5  # SPAN_KIND_CONSUMER
+    assert attributes(process) == {
+        "messaging.system": "kafka",
+        "messaging.operation.type": "process",
+        "messaging.operation.name": "process",
+        "messaging.destination.name": INPUT,
+        "messaging.destination.partition.id": "0",
+        "messaging.kafka.offset": "0",  # OTLP JSON writes 64-bit integers as strings
+        "messaging.consumer.group.name": GROUP,
+    }
+    children = sorted(
+        (span for span in spans if span.get("parentSpanId") == process["spanId"]),
+        key=lambda span: int(span["startTimeUnixNano"]),
+    )
+    assert [span["name"] for span in children] == STEPS
+    assert attributes(children[2])["gen_ai.request.model"] == "instant@test"
+    assert {"key": "service.name", "value": {"stringValue": "triage-worker"}} in process["resource"]
+    # A consumer of the triage record continues the same trace from the worker's span.
+    assert headers["traceparent"] is not None
+    assert headers["traceparent"].decode().split("-")[1:3] == [PRODUCER_TRACE, process["spanId"]]
+    assert SECRET not in collector.exported()
+
+
+@pytest.mark.kafka
+def test_a_running_worker_turned_on_by_the_otel_variables_sends_the_ticket_s_trace(
+    collector: LocalCollector, kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    topics = make_topics(unique_topic, partitions=1)
+    group = f"traced-{uuid.uuid4().hex[:8]}"
+    environment = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.http_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_SERVICE_NAME": "triage-e2e",
+    }
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, env=environment)
+    producer = confluent_kafka.Producer({"bootstrap.servers": kafka_bootstrap})
+    value = msgspec.json.encode({"ticket_id": "T-1", "body": f"where is my card? {SECRET}"})
+    traceparent = f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-01".encode()
+    producer.produce(topics.input, value, SECRET.encode(), headers=[("traceparent", traceparent)])
+    assert producer.flush(30) == 0
+    wait_until_committed(kafka_bootstrap, group, topics.input, timeout=120, worker=worker)
+    assert worker.stop() == 0  # the run's end sends what is left
+
+    [record] = list(read_topic(kafka_bootstrap, topics.output))
+    spans = _received(collector, 1 + len(STEPS))
+    assert {span["traceId"] for span in spans} == {PRODUCER_TRACE}
+    [process] = [span for span in spans if span["name"] == f"process {topics.input}"]
+    assert process["parentSpanId"] == PRODUCER_SPAN
+    assert attributes(process)["messaging.consumer.group.name"] == group
+    assert {"key": "service.name", "value": {"stringValue": "triage-e2e"}} in process["resource"]
+    children = sorted(
+        (span for span in spans if span.get("parentSpanId") == process["spanId"]),
+        key=lambda span: int(span["startTimeUnixNano"]),
+    )
+    names = [span["name"] for span in children]
+    assert names[:2] == ["decode", "dispatch queue"] and names[2].startswith("classify ")
+    assert names[-2:] == [f"send {topics.output}", "settle"]
+    # The router's side: the triage record's traceparent continues the trace from the worker's span.
+    carried = headers_of(record)["traceparent"].split("-")
+    assert carried[1:3] == [PRODUCER_TRACE, process["spanId"]]
+    assert SECRET not in collector.exported()
