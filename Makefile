@@ -90,7 +90,7 @@ test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
 	@$(call pytest_tier,'(kafka or slow) and not release')
 
-# What a release ships, not part of `make test` (about 6 minutes, most of it pip): the wheel built and installed
+# What a release ships, not part of `make test` (4-5 minutes, most of it pip): the wheel built and installed
 # into fresh venvs and used from another folder, each ONNX Runtime GenAI extra resolved against PyPI, the
 # Dockerfile's build steps replayed in a venv, the oldest supported broker release started, and a classifying
 # worker under strace connecting to nothing but its broker (what its libraries do changes with their pins).
