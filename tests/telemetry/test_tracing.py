@@ -11,13 +11,14 @@ import itertools
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import confluent_kafka
 import msgspec
 import pytest
-from doubles import HoldingClassifier, InstantClassifier, Running, instant_answer
+from doubles import HealthyBroker, HoldingClassifier, InstantClassifier, Running, instant_answer
 from memory_kafka import (
     MemoryKafka,
     Message,
@@ -32,6 +33,10 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+from prometheus_client.parser import text_string_to_metric_families as text_families
+from prometheus_client.samples import Exemplar
 
 from worker.app import replay as replay_door
 from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
@@ -41,11 +46,15 @@ from worker.errors import UserError
 from worker.kafka import dead_letters
 from worker.kafka.share_groups import ShareGroup
 from worker.pipeline.failure import Failure
-from worker.pipeline.tracing import NO_TRACING
+from worker.pipeline.metrics import PipelineMetrics
+from worker.pipeline.tracing import NO_TRACING, Tracing
 from worker.pipeline.triage.cascade import Cascade
 from worker.replay.outcomes import ReplaySummary
 from worker.replay.selection import ReplayOptions
-from worker.settings import Settings, TracingSettings, load_settings
+from worker.settings import MetricsSettings, Settings, TracingSettings, load_settings
+from worker.telemetry.collectors import PipelineCollector
+from worker.telemetry.probes import WorkerProbes
+from worker.telemetry.server import TelemetryServer, new_registry
 from worker.telemetry.spans import OtelTracing
 from worker.telemetry.tracing import tracing_for
 
@@ -83,7 +92,7 @@ class Traced:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.tracing = OtelTracing(provider, GROUP)
+        self.tracing: Tracing = OtelTracing(provider, GROUP)
         self.positions: list[tuple[int, int]] = []
 
     def add(
@@ -550,6 +559,114 @@ def test_a_replayed_dead_letter_s_span_is_linked_to_the_original_ticket_s_trace(
     )
     [settle] = [span for span in exporter.get_finished_spans() if span.name == "settle"]
     assert (settle.attributes or {})["triage.settled_by"] == "commit"
+
+
+# -- exemplars ----------------------------------------------------------------------------------------------
+
+# The latency histograms whose observations of a sampled ticket carry its trace (with a cascade configured).
+LATENCIES = (
+    "triage_end_to_end_latency_seconds",
+    "triage_queue_wait_seconds",
+    "triage_model_latency_seconds",
+    "triage_escalation_latency_seconds",
+    "triage_escalation_model_latency_seconds",
+)
+# What Prometheus 3 asks a target for (its default scrape protocols, less the protobuf one).
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.3,"
+    "text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
+)
+
+
+def _run_escalated(traced: Traced, headers: list[tuple[str, bytes | None]]) -> PipelineMetrics:
+    """One ticket through the first stage and the escalation stage; the run's metrics once it is stopped."""
+    traced.add(ticket("T-1", body="card stolen, jane.doe@example.com"), b"jane.doe@example.com", headers)
+    cascade = Cascade(_Escalation(), 0.8, window=8, prior_latency_s=0.0, first_contexts=1)
+    running = traced.start(_Unsure(), cascade=cascade)
+    wait_until(traced.committed, "inputs committed")
+    assert running.stop() == 0
+    return running.pipeline.metrics
+
+
+def _scrape(metrics: PipelineMetrics, accept: str | None) -> tuple[str, str]:
+    """The worker's /metrics over HTTP, asked with `accept` (None: no Accept header, as curl): its content
+    type and page."""
+    probes = WorkerProbes(60.0, HealthyBroker(), time.monotonic)  # type: ignore[arg-type]
+    probes.metrics = metrics
+    registry = new_registry()
+    registry.register(PipelineCollector(probes, {"version": "0", "model": "instant@test"}))
+    with TelemetryServer(MetricsSettings(port=0, host="127.0.0.1"), registry, probes) as server:
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics")
+        if accept is not None:
+            request.add_header("Accept", accept)
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return str(response.headers["Content-Type"]), response.read().decode()
+
+
+def _openmetrics(page: str) -> list[Metric]:
+    """An OpenMetrics page parsed by the client library's strict parser (an invalid page raises; the
+    library leaves this parser without type hints)."""
+    return list(openmetrics_families(page))  # type: ignore[no-untyped-call]
+
+
+def _exemplars(page: str) -> dict[str, list[tuple[float, Exemplar]]]:
+    """Each latency histogram's exemplars in an OpenMetrics page, with the bound of the bucket each is on."""
+    families = {family.name: family for family in _openmetrics(page)}
+    return {
+        name: [
+            (float(sample.labels["le"]), sample.exemplar)
+            for sample in families[name].samples
+            if sample.exemplar is not None
+        ]
+        for name in LATENCIES
+    }
+
+
+def _observed(families: Iterable[Metric]) -> dict[str, float]:
+    """How many observations each latency histogram holds, on a parsed page."""
+    counts = {sample.name: sample.value for family in families for sample in family.samples}
+    return {name: counts[f"{name}_count"] for name in LATENCIES}
+
+
+def test_a_sampled_ticket_s_latencies_carry_its_trace_as_exemplars() -> None:
+    """Scraped as Prometheus scrapes (OpenMetrics), the bucket each latency of the sampled ticket fell in
+    carries its trace id and its process span's id, and nothing else: the way from a latency spike on the
+    dashboard to the ticket's trace. The plain text format, for every other scraper, stays as it was."""
+    traced = Traced()
+    metrics = _run_escalated(traced, [("traceparent", TRACEPARENT)])
+
+    [process] = traced.processes()
+    ids = {"trace_id": f"{process.context.trace_id:032x}", "span_id": f"{process.context.span_id:016x}"}
+    assert ids["trace_id"] == PRODUCER_TRACE
+    content_type, page = _scrape(metrics, PROMETHEUS_ACCEPT)
+    assert content_type.startswith("application/openmetrics-text; version=1.0.0")
+    for name, exemplars in _exemplars(page).items():
+        [(bound, exemplar)] = exemplars  # one ticket: one bucket
+        assert exemplar.labels == ids, name
+        assert 0.0 <= exemplar.value <= bound, name
+        assert exemplar.timestamp is not None, name  # stored once by Prometheus, not again at each scrape
+    assert "jane.doe" not in page
+
+    content_type, text = _scrape(metrics, None)
+    assert content_type == "text/plain; version=0.0.4; charset=utf-8"
+    assert _observed(text_families(text)) == dict.fromkeys(LATENCIES, 1)
+    assert "trace_id" not in text
+
+
+@pytest.mark.parametrize("tracing", ["on, the ticket not sampled", "off"])
+def test_no_exemplar_without_a_sampled_ticket(tracing: str) -> None:
+    traced = Traced()
+    if tracing == "off":
+        traced.tracing = NO_TRACING
+    unsampled = f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-00".encode()  # the producer's span was not sampled
+    metrics = _run_escalated(traced, [("traceparent", unsampled)])
+
+    assert traced.spans() == []
+    _, page = _scrape(metrics, PROMETHEUS_ACCEPT)
+    assert _observed(_openmetrics(page)) == dict.fromkeys(LATENCIES, 1)
+    assert _exemplars(page) == {name: [] for name in LATENCIES}
+    assert "# {" not in page
 
 
 # -- on and off ---------------------------------------------------------------------------------------------

@@ -14,15 +14,17 @@ from __future__ import annotations
 import bisect
 import collections
 import os
+import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import confluent_kafka
 
 from worker.decoding import REGISTRY_CAUSES, RegistryCause
 from worker.kafka.commits import TopicPartitionKey
 from worker.pipeline.settlements.offsets import PartitionOffsets
+from worker.pipeline.tracing import TraceIds
 
 # Seconds: from a 1 ms model step to a deadline overrun. 2.0 is the default deadline: an alert on "p99 above
 # the deadline" must sit on a bucket bound, or histogram_quantile interpolates across the deadline and the
@@ -51,25 +53,45 @@ def current_rss_bytes() -> int | None:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
-class LatencyHistogram:
-    """Fixed-bucket histogram written by one thread and read by another (a scrape copies the counts)."""
+class TracedObservation(NamedTuple):
+    """A sampled ticket's latency observation, exported with its bucket as an OpenMetrics exemplar: its
+    trace's ids, the seconds observed and when (Unix time: Prometheus then keeps it once, not per scrape)."""
 
-    __slots__ = ("_counts", "_sum", "bounds")
+    trace_ids: TraceIds
+    seconds: float
+    at: float
+
+
+class LatencyHistogram:
+    """Fixed-bucket histogram written by one thread and read by another (a scrape copies the counts). Each
+    bucket also keeps the latest observation of a sampled ticket that fell in it (its exemplar)."""
+
+    __slots__ = ("_counts", "_sum", "_traced", "bounds")
 
     def __init__(self, bounds: Sequence[float] = LATENCY_BUCKETS_S) -> None:
         self.bounds = tuple(bounds)
         # One count per bucket (not cumulative); the last one holds observations above every bound.
         self._counts = [0] * (len(self.bounds) + 1)
         self._sum = 0.0
+        self._traced: list[TracedObservation | None] = [None] * (len(self.bounds) + 1)
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, trace_ids: TraceIds | None = None) -> None:
+        """Count `seconds`; `trace_ids` (a sampled ticket's, see `TicketTrace.trace_ids`) become its bucket's
+        exemplar. Without them (tracing off, a ticket not sampled) nothing else is done."""
         # bisect_left puts a value equal to a bound into that bound's bucket, as Prometheus' `le` says.
-        self._counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        bucket = bisect.bisect_left(self.bounds, seconds)
+        self._counts[bucket] += 1
         self._sum += seconds
+        if trace_ids is not None:
+            self._traced[bucket] = TracedObservation(trace_ids, seconds, time.time())
 
     def snapshot(self) -> tuple[list[int], float]:
         """Per-bucket counts (the last is +Inf only) and the sum of observations."""
         return list(self._counts), self._sum
+
+    def exemplars(self) -> list[TracedObservation | None]:
+        """Per bucket, as `snapshot`'s counts: the latest sampled ticket's observation in it, if any."""
+        return list(self._traced)
 
 
 @dataclass(frozen=True)

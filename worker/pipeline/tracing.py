@@ -16,10 +16,14 @@ each where the step happens:
 
 Nothing of the ticket's text or key is ever handed to a trace: only positions, step names, model ids, reasons
 and buckets. With tracing off every call is a no-op on the shared `NO_TRACE` (no OpenTelemetry import).
+
+A sampled ticket's `trace_ids` go with its latency observations (`metrics.LatencyHistogram.observe`), which
+export them as OpenMetrics exemplars: the way from a latency spike on the dashboard to the ticket's trace.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -28,6 +32,9 @@ if TYPE_CHECKING:
 Step = Literal["decode", "queue", "model", "escalation", "produce", "settle"]
 # What an attribute may hold: never the ticket's text, key or personal data.
 Attribute = str | int | float | bool
+# A sampled ticket's ids as an exemplar's labels: `trace_id` and `span_id` (its process span's), in hex. Only
+# ids: an exemplar is served to whoever scrapes the port.
+TraceIds = Mapping[str, str]
 
 
 class TicketTrace:
@@ -35,6 +42,8 @@ class TicketTrace:
     thread; ending a step that is not open, or anything after `finish`, does nothing."""
 
     recording = False
+    # The ids its latency observations carry as exemplars; None: not sampled (always, with tracing off).
+    trace_ids: TraceIds | None = None
 
     def begin(self, step: Step, **attributes: Attribute) -> None:
         """The ticket starts `step` now."""

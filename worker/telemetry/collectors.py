@@ -17,6 +17,7 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
 
 from worker.kafka.dead_letters import ERROR_TYPES
 from worker.messages import FallbackReason
@@ -317,12 +318,19 @@ def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
 
 
 def histogram(name: str, doc: str, histogram: LatencyHistogram) -> HistogramMetricFamily:
+    """A histogram family; a bucket that a sampled ticket's observation fell in carries the latest such as
+    its exemplar (its `trace_id` and `span_id`), which only the OpenMetrics format shows."""
     counts, total = histogram.snapshot()
-    buckets: list[tuple[str, float]] = []
+    buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
     cumulative = 0
-    for bound, count in zip([*histogram.bounds, float("inf")], counts, strict=True):
+    bounds = [*histogram.bounds, float("inf")]
+    for bound, count, traced in zip(bounds, counts, histogram.exemplars(), strict=True):
         cumulative += count
-        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        le = "+Inf" if bound == float("inf") else repr(bound)
+        if traced is None:
+            buckets.append((le, cumulative))
+        else:
+            buckets.append((le, cumulative, Exemplar(dict(traced.trace_ids), traced.seconds, traced.at)))
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=total)
 
 

@@ -172,12 +172,15 @@ class _Unsampled(TicketTrace):
 
 
 class _Ticket(TicketTrace):
-    """One sampled ticket: its process span and the spans of its open steps."""
+    """One sampled ticket: its process span and the spans of its open steps; the process span's ids are its
+    `trace_ids`, the exemplar its latency observations carry."""
 
     recording = True
 
     def __init__(self, tracer: Tracer, span: Span, context: Context, inject: _Inject) -> None:
         self._tracer, self._span, self._context = tracer, span, context
+        ids = span.get_span_context()
+        self.trace_ids = {"trace_id": format(ids.trace_id, "032x"), "span_id": format(ids.span_id, "016x")}
         self._injects = _Injects(inject, context)
         self._steps: dict[Step, Span] = {}
         self._finished = False

@@ -125,7 +125,7 @@ class DeliveryRules:
     def delivered(self, work: Work) -> None:
         """An output was acknowledged: counted, with the record's time from poll to acknowledgement."""
         self._metrics.produced += 1
-        self._metrics.end_to_end.observe(self._clock() - work.polled_at)
+        self._metrics.end_to_end.observe(self._clock() - work.polled_at, work.trace.trace_ids)
         work.trace.end("produce")
         work.trace.begin("settle")
 

@@ -25,17 +25,26 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import msgspec
 
 from worker.classification import Classification, Classifier, ClassifyRequest
 from worker.messages import EscalationSkip
 from worker.pipeline.metrics import EscalationMetrics
+from worker.pipeline.tracing import TraceIds
 
 Result = tuple[int, Classification]
 
 # After the first stage shed a ticket (`overloaded`), escalations stay shed this long.
 SHED_MEMORY_S = 1.0
+
+
+class _Submitted(NamedTuple):
+    """A request at the stage: when it was submitted, and its ticket's trace ids (None: not sampled)."""
+
+    at: float
+    trace_ids: TraceIds | None
 
 
 def is_unsure(answer: Classification, escalate_below: float) -> bool:
@@ -104,7 +113,7 @@ class Cascade:
         self._first_contexts = max(1, first_contexts)
         self._first_shed_at = float("-inf")
         self.latency = StageLatency(prior_latency_s)
-        self._submitted: dict[int, float] = {}  # request id -> when it was submitted
+        self._submitted: dict[int, _Submitted] = {}  # request id -> when, and its ticket's trace ids
         self.metrics = EscalationMetrics.starting(labels)
         # False while a hot reload runs a first stage whose labels the stage was not started for (the
         # reloader sets it, see worker/app/reload.py): every first answer stands meanwhile.
@@ -150,8 +159,9 @@ class Cascade:
         drain_s = waiting * first_expected_s / self._first_contexts
         return now + drain_s + self.latency.p95(now) >= earliest_deadline
 
-    def submit(self, request: ClassifyRequest, now: float) -> None:
-        self._submitted[request.request_id] = now
+    def submit(self, request: ClassifyRequest, now: float, trace_ids: TraceIds | None = None) -> None:
+        """Send `request` to the stage at `now`; `trace_ids` (a sampled ticket's) go with its latencies."""
+        self._submitted[request.request_id] = _Submitted(now, trace_ids)
         self.metrics.outstanding = len(self._submitted)
         self._classifier.submit(request)
 
@@ -163,11 +173,12 @@ class Cascade:
             at = now()
             for request_id, answer in answers:
                 submitted = self._submitted.pop(request_id, None)
+                trace_ids = None if submitted is None else submitted.trace_ids
                 if submitted is not None:
-                    self.latency.observe(at, at - submitted)
-                    self.metrics.latency.observe(at - submitted)
+                    self.latency.observe(at, at - submitted.at)
+                    self.metrics.latency.observe(at - submitted.at, trace_ids)
                 if answer.fallback_reason != "overloaded":  # queued past its deadline: no model time
-                    self.metrics.model_latency.observe(answer.latency_ms / 1000.0)
+                    self.metrics.model_latency.observe(answer.latency_ms / 1000.0, trace_ids)
             self.metrics.outstanding = len(self._submitted)
         return answers
 

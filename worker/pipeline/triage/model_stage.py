@@ -106,7 +106,7 @@ class ModelStage:
             if self._clock() + expected_s >= work.deadline:
                 self._write(work, self.fallback_for(work, "overloaded"), "")
                 continue
-            self._metrics.queue_wait.observe(self._clock() - work.polled_at)
+            self._metrics.queue_wait.observe(self._clock() - work.polled_at, work.trace.trace_ids)
             request_id = self._requests.to_model(work)
             work.trace.begin("model", model=self._classifier.model_id)
             self._classifier.submit(
@@ -134,7 +134,7 @@ class ModelStage:
             work = self._requests.answered(request_id)
             if work is None:
                 continue
-            self._metrics.model_latency.observe(answer.latency_ms / 1000.0)
+            self._metrics.model_latency.observe(answer.latency_ms / 1000.0, work.trace.trace_ids)
             self._latency.observe(answer)
             if work.orphan:
                 self._metrics.discarded_after_revoke += 1
@@ -167,7 +167,9 @@ class ModelStage:
         request_id = self._requests.to_escalation(work, first)
         work.trace.begin("escalation", model=cascade.model_id)
         cascade.submit(
-            ClassifyRequest(request_id, ticket_text(work.event.subject, work.event.body), work.deadline), now
+            ClassifyRequest(request_id, ticket_text(work.event.subject, work.event.body), work.deadline),
+            now,
+            work.trace.trace_ids,
         )
         return None
 
