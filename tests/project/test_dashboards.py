@@ -145,6 +145,35 @@ def test_grafana_provisioning_and_compose_mounts_point_at_the_dashboard() -> Non
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
 
 
+def test_latency_panels_show_exemplars_that_open_the_ticket_s_trace() -> None:
+    """The latency panels ask for the exemplars the worker's histograms carry (a sampled ticket's
+    `trace_id`), Grafana's Prometheus data source links that label to the provisioned trace data source, and
+    Compose's Prometheus keeps exemplars (it drops them without the feature flag)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    latency_panels = [
+        panel
+        for panel in dashboard["panels"]
+        if panel["type"] == "timeseries"
+        and any("_seconds_bucket" in target["expr"] for target in panel["targets"])
+    ]
+    with_exemplars = {
+        panel["title"]: [target["legendFormat"] for target in panel["targets"] if target.get("exemplar")]
+        for panel in latency_panels
+    }
+    assert with_exemplars == {
+        "End to end (poll → acknowledged)": ["p99"],
+        "Model": ["p99"],
+        "Queue wait (poll → model)": ["p99"],
+    }
+    provisioned = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    sources = {source["uid"]: source for source in provisioned["datasources"]}
+    [link] = sources["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert link["name"] == "trace_id"
+    assert sources[link["datasourceUid"]]["type"] in {"jaeger", "tempo"}
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    assert "--enable-feature=exemplar-storage" in compose["services"]["prometheus"]["command"]
+
+
 @pytest.fixture(scope="module")
 def promcheck(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("go") is None:
