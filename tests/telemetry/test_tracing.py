@@ -311,6 +311,41 @@ def test_exactly_once_a_ticket_is_settled_by_its_transaction() -> None:
     assert (children[-1].attributes or {})["triage.settled_by"] == "transaction"
 
 
+def test_exactly_once_an_aborted_transaction_ends_its_tries_given_up_and_the_redo_is_traced_anew() -> None:
+    """The first delivery of T-1's record fails: its transaction is aborted and redone. The aborted try's
+    span ends given up, saying why, with no error (the ticket is not failed: it is redone); the redo is a
+    second process span of the same offset, in the same trace, settled by its transaction."""
+    traced = Traced()
+    traced.add(ticket("T-1"), headers=[("traceparent", TRACEPARENT)])
+    failed: list[str] = []
+
+    def fail_first(topic: str, value: bytes | None) -> confluent_kafka.KafkaError | None:
+        if topic != OUTPUT or failed:
+            return None
+        failed.append(topic)
+        return confluent_kafka.KafkaError(confluent_kafka.KafkaError.REQUEST_TIMED_OUT, "request timed out")
+
+    traced.kafka.hooks.delivery = fail_first
+    traced.run(
+        InstantClassifier(),
+        settings=_settings({"pipeline.guarantee": "exactly_once"}),
+        transactional_id="aborted-tid",
+    )
+
+    aborted, redone = traced.processes()
+    assert {f"{span.context.trace_id:032x}" for span in (aborted, redone)} == {PRODUCER_TRACE}
+    [(name, said)] = [(event.name, dict(event.attributes or {})) for event in aborted.events]
+    assert name == "triage.given_up"
+    assert (
+        said["triage.reason"]
+        == "its delivery failed (REQUEST_TIMED_OUT): its transaction is aborted, it is redone"
+    )
+    assert aborted.status.status_code is StatusCode.UNSET
+    assert [span.name for span in traced.children(redone)] == STEPS
+    assert (traced.children(redone)[-1].attributes or {})["triage.settled_by"] == "transaction"
+    assert len(traced.kafka.read_committed(OUTPUT)) == 1
+
+
 def test_a_revoked_partition_s_tickets_are_settled_by_the_revoke_s_commit() -> None:
     """Acknowledged, not committed yet (a long commit interval), then revoked: the revoke commits them, and
     their traces end settled by that commit, not given up."""

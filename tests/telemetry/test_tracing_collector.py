@@ -21,6 +21,8 @@ from typing import Any
 import confluent_kafka
 import msgspec
 import pytest
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 from doubles import InstantClassifier, Running
 from memory_kafka import MemoryKafka, as_client_factory
 
@@ -28,6 +30,7 @@ from tools.harness import Worker, headers_of, make_topics, read_topic, wait_unti
 from tools.local_collector import CollectorUnavailable, LocalCollector, attributes, collector_binary
 from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import FallbackLabel
+from worker.cli.cli import main
 from worker.settings import load_settings
 from worker.telemetry.tracing import tracing_for
 
@@ -173,4 +176,95 @@ def test_a_running_worker_turned_on_by_the_otel_variables_sends_the_ticket_s_tra
     # The router's side: the triage record's traceparent continues the trace from the worker's span.
     carried = headers_of(record)["traceparent"].split("-")
     assert carried[1:3] == [PRODUCER_TRACE, process["spanId"]]
+    assert SECRET not in collector.exported()
+
+
+def _traceparent(trace: str) -> bytes:
+    return f"00-{trace}-{PRODUCER_SPAN}-01".encode()
+
+
+def _events(span: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(event["name"], attributes(event)) for event in span.get("events", [])]
+
+
+@pytest.mark.kafka
+def test_exactly_once_dead_letters_and_their_replay_each_tell_their_story(
+    collector: LocalCollector,
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A real exactly-once worker and a real replay, both traced to the Collector by the `OTEL_*` variables.
+    A ticket whose triage record its topic refuses (over the topic's 64 KB, with 100 KB of headers a team
+    allowed) and an undecodable record are dead-lettered: each process span is an error with the dead
+    letter's type; a plain ticket's is not. Replaying the dead letters starts a trace of its own per record,
+    linked to the span that dead-lettered it, even where the dead letter was shrunk to fit its topic. (An
+    aborted transaction's spans: tests/telemetry/test_tracing.py, where a delivery can be failed at will.)"""
+    topics = make_topics(unique_topic, partitions=1)
+    topics.output = f"triaged-64k-{uuid.uuid4().hex[:8]}"
+    limited = NewTopic(
+        topics.output, num_partitions=1, replication_factor=1, config={"max.message.bytes": "65536"}
+    )
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([limited])[topics.output].result(30)
+    refused_trace, poison_trace, plain_trace = (uuid.uuid4().hex for _ in range(3))
+    producer = confluent_kafka.Producer(
+        {"bootstrap.servers": kafka_bootstrap, "message.max.bytes": 4_000_000}
+    )
+    ticket = msgspec.json.encode({"ticket_id": "T-bomb", "body": f"my card was stolen, {SECRET}"})
+    bomb = [(f"x-bomb-{index}", b"h" * 1000) for index in range(100)]
+    producer.produce(topics.input, ticket, headers=[("traceparent", _traceparent(refused_trace)), *bomb])
+    poison = b"{not json " + SECRET.encode()
+    producer.produce(topics.input, poison, headers=[("traceparent", _traceparent(poison_trace))])
+    plain = msgspec.json.encode({"ticket_id": "T-1", "body": "where is my card?"})
+    producer.produce(topics.input, plain, headers=[("traceparent", _traceparent(plain_trace))])
+    assert producer.flush(30) == 0
+    environment = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": collector.http_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+    }
+    group = f"traced-{uuid.uuid4().hex[:8]}"
+    settings = {
+        "pipeline.guarantee": "exactly_once",
+        "pipeline.transactional_id": f"{group}-worker",
+        "pipeline.max_header_bytes": "1048576",
+    }
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, settings=settings, env=environment)
+    worker.run_to_completion(timeout=120)
+
+    def process(trace: str) -> list[dict[str, Any]]:
+        return [
+            s for s in collector.spans() if s["traceId"] == trace and s["name"] == f"process {topics.input}"
+        ]
+
+    deadline = time.monotonic() + 15.0
+    while not all(process(trace) for trace in (refused_trace, poison_trace, plain_trace)):
+        assert time.monotonic() < deadline, "the worker's spans did not arrive"
+        time.sleep(0.05)
+    [refused], [poisoned], [classified] = (process(t) for t in (refused_trace, poison_trace, plain_trace))
+    assert _events(refused) == [("triage.dead_letter", {"triage.reason": "result_refused"})]
+    assert _events(poisoned) == [("triage.dead_letter", {"triage.reason": "invalid_json"})]
+    assert refused["status"]["code"] == poisoned["status"]["code"] == 2  # STATUS_CODE_ERROR
+    assert _events(classified) == [] and classified["status"].get("code", 0) == 0
+    dead_lettering = {(refused_trace, refused["spanId"]), (poison_trace, poisoned["spanId"])}
+
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    replay = ["replay", "--dlq", topics.dead_letter, "--set", f"kafka.bootstrap.servers={kafka_bootstrap}"]
+    assert main([*replay, "--from-beginning", "--guarantee", "exactly_once", "--json"]) == 0
+    capsys.readouterr()
+
+    def replayed() -> list[dict[str, Any]]:
+        return [s for s in collector.spans() if s["name"] == f"process {topics.dead_letter}"]
+
+    deadline = time.monotonic() + 15.0
+    while len(replayed()) < 2:
+        assert time.monotonic() < deadline, "the replay's spans did not arrive"
+        time.sleep(0.05)
+    links = {(link["traceId"], link["spanId"]) for span in replayed() for link in span.get("links", [])}
+    assert links == dead_lettering
+    assert not {span["traceId"] for span in replayed()} & {refused_trace, poison_trace}  # traces of their own
     assert SECRET not in collector.exported()

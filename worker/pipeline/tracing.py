@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from worker.pipeline.work import Headers, Work
 
 Step = Literal["decode", "queue", "model", "escalation", "produce", "settle"]
+# The W3C trace-context headers: the only input headers a trace reads, those an output gets anew, and those a
+# dead letter shrunk to fit its topic keeps (its link to the ticket's trace, for replay).
+TRACE_HEADERS = ("traceparent", "tracestate")
 # What an attribute may hold: never the ticket's text, key or personal data.
 Attribute = str | int | float | bool
 # A sampled ticket's ids as an exemplar's labels: `trace_id` and `span_id` (its process span's), in hex. Only

@@ -32,15 +32,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from worker import __version__
 from worker.errors import UserError
-from worker.pipeline.tracing import Attribute, Step, TicketTrace, Tracing
+from worker.pipeline.tracing import TRACE_HEADERS, Attribute, Step, TicketTrace, Tracing
 from worker.settings import TracingSettings
 from worker.telemetry.tracing import MISSING_EXTRA
 
 if TYPE_CHECKING:
     from worker.pipeline.work import Headers, Work
 
-# The W3C trace-context headers: the only input headers a trace reads, and those an output gets anew.
-TRACE_HEADERS = ("traceparent", "tracestate")
 # How the model steps appear in the GenAI conventions (the worker classifies with a local ONNX Runtime model).
 GEN_AI_OPERATION = "classify"
 GEN_AI_PROVIDER = "onnxruntime"

@@ -34,6 +34,7 @@ from worker.kafka.clients import produce
 from worker.kafka.dead_letters import OMITTED_BYTES, RESULT_REFUSED
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.settlements.deliveries import Deliveries
+from worker.pipeline.tracing import TRACE_HEADERS
 from worker.pipeline.triage.records import DeadLetterRedaction, dead_letter
 from worker.pipeline.work import Output, Work
 
@@ -92,17 +93,22 @@ def send_tracked(
 
 def smaller(work: Work, output: Output, shrunk: int) -> Output:
     """A dead letter too large for its topic (it carries the original value, key and headers) with its
-    `triage.*` headers only, which point at the original in the source topic, and the size left out."""
+    `triage.*` headers only, which point at the original in the source topic, and the size left out; and its
+    trace context, a few dozen bytes that link a replay of it to the ticket's trace."""
     headers = output.headers or []
-    kept = [(n, v) for n, v in headers if n.startswith("triage.") and n != OMITTED_BYTES]
+    kept = [(n, v) for n, v in headers if _kept_when_shrunk(n) and n != OMITTED_BYTES]
     omitted = output.omitted or (
         len(output.value or b"")
         + len(output.key or b"")
-        + sum(len(n) + len(v or b"") for n, v in headers if not n.startswith("triage."))
+        + sum(len(n) + len(v or b"") for n, v in headers if not _kept_when_shrunk(n))
     )
     kept.append((OMITTED_BYTES, str(omitted).encode("ascii")))
     _log.warning("dead_letter_shrunk", partition=work.partition, offset=work.offset, omitted_bytes=omitted)
     return Output(output.topic, None, None, kept, omitted, shrunk)
+
+
+def _kept_when_shrunk(header: str) -> bool:
+    return header.startswith("triage.") or header in TRACE_HEADERS
 
 
 class DeliveryRules:

@@ -629,6 +629,12 @@ class ExactlyOnce(_Base):
         if self._abort_reason is None and not work.orphan:
             self._abort_reason = f"delivery of offset {work.offset} failed: {error.name()}"
             self._abort_by = self._clock() + _REPORTS_BEFORE_ABORT_S
+        # This try is over (the redo traces the ticket anew); a record that stopped its partition has already
+        # ended its trace, failed.
+        work.trace.outcome(
+            "given_up", f"its delivery failed ({error.name()}): its transaction is aborted, it is redone"
+        )
+        work.trace.finish()
 
     def _producer_failed(self, reason: str, fenced: bool) -> None:
         """The producer is unusable. Fenced (another live worker has our transactional id) or not authorized:
