@@ -44,9 +44,11 @@ from worker.inference.encoder import (
     ordered_labels_sha256,
     read_manifest,
 )
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, write_detector
 from worker.inference.taxonomy import Taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import TEACHER_C, expected_calibration_error
+from worker.learning.out_of_scope import DEFAULT_IN_SCOPE_LOSS, OutOfScopeReport, fit_out_of_scope
 from worker.settings import DEFAULT_ESCALATION_DIR
 
 Progress = Callable[[int, int], None]
@@ -100,6 +102,8 @@ class EncoderStageReport:
     unmeasured: tuple[str, ...] = ()
     # Every intent weighed the same in the fit (some intent had fewer than `BALANCE_BELOW` tickets).
     balanced: bool = False
+    # The out-of-scope detector's operating point and figures (None: not fitted, e.g. zero-shot).
+    out_of_scope: OutOfScopeReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,11 +186,13 @@ def measure(probabilities: FloatArray, truth: Sequence[int]) -> tuple[float, flo
 
 @dataclasses.dataclass(frozen=True)
 class LinearHead:
-    """weight (L x D) and bias (L), rows in the taxonomy's label order, and the temperature."""
+    """weight (L x D) and bias (L), rows in the taxonomy's label order, the temperature, and the
+    out-of-scope detector fitted with it (if any)."""
 
     weight: FloatArray
     bias: FloatArray
     temperature: float
+    out_of_scope: OutOfScopeDetector | None = None
 
     def logits(self, embeddings: FloatArray) -> FloatArray:
         result: FloatArray = embeddings @ self.weight.T + self.bias
@@ -227,11 +233,13 @@ def fit_encoder_stage(
     max_seconds: float,
     seed: int = 77,
     progress: Progress | None = None,
+    in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
 ) -> tuple[LinearHead, EncoderStageReport]:
     """Fit the head on `labelled` (text, intent) rows and calibrate it on `validation`, or, when that is
-    empty, by k-fold cross-validation of `labelled`. Embedding stops at `max_seconds` (the rows are
-    shuffled, so the first ones are a fair sample; the report says so). Every intent must be one of the
-    taxonomy's."""
+    empty, by k-fold cross-validation of `labelled`; and the out-of-scope detector over the same rows, its
+    threshold flagging `in_scope_loss` of held-out in-scope tickets (worker/learning/out_of_scope.py).
+    Embedding stops at `max_seconds` (the rows are shuffled, so the first ones are a fair sample; the report
+    says so). Every intent must be one of the taxonomy's."""
     started = time.monotonic()
     labels = list(taxonomy.labels)
     index = {label: i for i, label in enumerate(labels)}
@@ -287,7 +295,16 @@ def fit_encoder_stage(
         # wins: every answer, wrong ones included, would say 1.0. The fit's own probabilities instead.
         temperature, calibration = 1.0, "not calibrated: the held-out tickets are of one intent"
     accuracy, ece = measure(softmax(held_logits, temperature), held_truth)
-    head = dataclasses.replace(head, temperature=temperature)
+    detector, scope = fit_out_of_scope(
+        all_x,
+        all_y,
+        [True] * len(train_y) + [False] * len(prior_y),
+        val_x,
+        val_y,
+        in_scope_loss=in_scope_loss,
+        seed=seed,
+    )
+    head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector)
     seen = set(train_y)
     report = EncoderStageReport(
         method="logistic regression",
@@ -302,6 +319,7 @@ def fit_encoder_stage(
         stopped_at_time_bound=stopped,
         unmeasured=_unmeasured(labels, held_truth),
         balanced=balanced,
+        out_of_scope=scope,
     )
     return head, report
 
@@ -429,6 +447,8 @@ def write_encoder_stage(
     shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
     np.savez(out_dir / "head.npz", weight=head.weight.astype(np.float32), bias=head.bias.astype(np.float32))
+    if head.out_of_scope is not None:
+        write_detector(out_dir / OUT_OF_SCOPE_FILE, head.out_of_scope)
     if copy_encoder:
         partial = out_dir / "model.onnx.partial"
         shutil.copyfile(onnx_file, partial)
@@ -445,6 +465,7 @@ def write_encoder_stage(
         labels=tuple(labels),
         labels_sha256=ordered_labels_sha256(labels),
         temperature=head.temperature,
+        out_of_scope=None if head.out_of_scope is None else OUT_OF_SCOPE_FILE,
         source={"encoder": ENCODER_SOURCE, "pooling": POOLING, "head": head_source},
     )
     (out_dir / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
