@@ -525,8 +525,9 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
     """The model card's words on the out-of-scope detector, from its `OutOfScopeReport` as recorded."""
     if scope is None:
         return (
-            "**Out of scope:** no detector (zero-shot: no ticket to measure distances with); every ticket "
-            "gets one of the intents."
+            f"**Out of scope:** no detector: it needs {encoder_stage.BALANCE_BELOW} labelled tickets of "
+            "every intent (an intent known by its taxonomy texts alone would be out of scope to it); every "
+            "ticket gets one of the intents."
         )
     stand_in = (
         f" With {scope['stand_in_intents']} of the intents held out as stand-ins for the unknown, fitted the "

@@ -133,3 +133,34 @@ def fit_out_of_scope(
         stand_in_in_scope_flagged=flagged,
     )
     return detector, report
+
+
+def auroc(in_scope_scores: FloatArray, out_of_scope_scores: FloatArray) -> float:
+    """The area under the ROC curve of the score as a detector of out-of-scope tickets (threshold-free):
+    the probability that an out-of-scope ticket scores higher than an in-scope one."""
+    from sklearn.metrics import roc_auc_score
+
+    truth = np.r_[np.zeros(len(in_scope_scores)), np.ones(len(out_of_scope_scores))]
+    return float(roc_auc_score(truth, np.r_[in_scope_scores, out_of_scope_scores]))
+
+
+def open_set_figures(
+    in_scope_right: Sequence[bool],
+    in_scope_scores: FloatArray,
+    out_of_scope_scores: FloatArray,
+    threshold: float,
+) -> dict[str, float]:
+    """The literature's figures for a score flagging tickets over `threshold` as out of scope, on in-scope
+    tickets (`in_scope_right`: whether the head's intent was right) and out-of-scope ones: out-of-scope
+    recall and precision, in-scope accuracy (right and not flagged), the in-scope tickets flagged (the loss),
+    and AUROC."""
+    flagged_in = in_scope_scores > threshold
+    flagged_out = out_of_scope_scores > threshold
+    flagged = int(flagged_in.sum() + flagged_out.sum())
+    return {
+        "out_of_scope_recall": float(flagged_out.mean()),
+        "out_of_scope_precision": float(flagged_out.sum() / flagged) if flagged else 0.0,
+        "in_scope_accuracy": float(np.mean(np.asarray(in_scope_right) & ~flagged_in)),
+        "in_scope_flagged": float(flagged_in.mean()),
+        "auroc": auroc(in_scope_scores, out_of_scope_scores),
+    }
