@@ -5,10 +5,10 @@
 `model train` fits the detector with every folder it writes (worker/learning/out_of_scope.py); this gives one
 to a folder written before, without touching its head: the statistics are the embeddings of the tickets the
 head learnt from (train.csv minus the usual validation split, `stratified_split` with `--seed`, as the
-shipped head was fitted) and the taxonomy's texts, the threshold is chosen on the validation split for
-`--in-scope-loss`. Writes `out_of_scope.npz`, names it in `encoder.json`, records the report in
-`training.json` under `out_of_scope`, and prints the model card's paragraph (README.md is the folder's own
-prose: paste it there).
+shipped head was fitted) and the taxonomy's texts; the weight of the head's doubt is chosen on stand-in
+intents, the threshold on the validation split for `--in-scope-loss`. Writes `out_of_scope.npz`, names it
+in `encoder.json`, records the report in `training.json` under `out_of_scope`, and prints the model card's
+paragraph (README.md is the folder's own prose: paste it there).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from tools import REPO
 from worker.inference.encoder import MANIFEST, read_manifest
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     train, validation = stratified_split(rows, lambda row: row[1], seed=args.seed)
     texts = [(text, i) for i, own in enumerate(encoder_stage.intent_texts(taxonomy)) for text in own]
     embedder = encoder_stage.open_embedder()
+    stored = np.load(folder / manifest.head, allow_pickle=False)
+    head = encoder_stage.LinearHead(stored["weight"], stored["bias"], manifest.temperature)
     index = {label: i for i, label in enumerate(taxonomy.labels)}
     reference = encoder_stage.embed(embedder, [text for text, _ in train] + [text for text, _ in texts])
     held = encoder_stage.embed(embedder, [text for text, _ in validation])
@@ -61,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         [index[intent] for _, intent in validation],
         in_scope_loss=args.in_scope_loss,
         seed=args.seed,
+        doubt=head.doubt,
+        fit_doubt=encoder_stage.doubt_fitter(manifest.temperature, args.seed, balanced=False),
     )
     write_detector(folder / OUT_OF_SCOPE_FILE, detector)
     updated = msgspec.structs.replace(manifest, out_of_scope=OUT_OF_SCOPE_FILE)

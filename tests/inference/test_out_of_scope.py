@@ -77,7 +77,8 @@ def test_tickets_of_intents_it_was_not_fitted_on_are_flagged_far_more_than_by_th
     def recalls(texts: list[str]) -> tuple[float, float]:
         x = encoder_stage.embed(_embedder(), texts)
         by_confidence = (1.0 - head.probabilities(x).max(axis=1) > doubt_threshold).mean()
-        return float(detector.flags(detector.scores(x)).mean()), float(by_confidence)
+        scores = detector.scores(x, head.probabilities(x).max(axis=1))
+        return float(detector.flags(scores).mean()), float(by_confidence)
 
     unknown_intents = recalls([text for text, intent in _rows("test") if intent not in known][::16])
     other_domains = recalls([line for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines() if line])
@@ -93,13 +94,13 @@ def test_the_shipped_stage_keeps_to_its_in_scope_loss_on_held_out_tickets_and_sa
     in_scope = [text for text, _ in _rows("test")][::16]
     answers = _serve(DEFAULT_ESCALATION_DIR, in_scope)
     flagged = sum(answer.out_of_scope for answer in answers) / len(answers)
-    assert flagged <= 0.05, flagged  # target 2 % on validation; measured 2.3 % of all 3,080
+    assert flagged <= 0.05, flagged  # target 2 % on validation; measured 2.0 % of all 3,080
     assert all(answer.out_of_scope_score is not None for answer in answers)
 
     other_domains = [line.strip() for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines()]
     answers = _serve(DEFAULT_ESCALATION_DIR, [text for text in other_domains if text])
     out = [answer for answer in answers if answer.out_of_scope]
-    assert len(out) >= 0.85 * len(answers), len(out)  # measured 76 of 80 (confidence: 29)
+    assert len(out) >= 0.85 * len(answers), len(out)  # measured 73 of 80 (confidence: 29)
     taxonomy = load_taxonomy(BANKING77)
     for answer in out:
         assert (answer.intent, answer.priority) == (taxonomy.fallback_intent, taxonomy.fallback_priority)

@@ -243,7 +243,11 @@ class EncoderEngine:
             try:
                 embeddings, truncated = self.embedder.embed_batch([r.text for r in live])
                 probabilities = self._probabilities(embeddings)
-                distances = None if self.out_of_scope is None else self.out_of_scope.scores(embeddings)
+                scope_scores = (
+                    None
+                    if self.out_of_scope is None
+                    else self.out_of_scope.scores(embeddings, probabilities.max(axis=1))
+                )
             except Exception:
                 log.exception("encoder error", requests=len(live))
                 answers = {r.request_id: self.fallback("model_error", started) for r in live}
@@ -251,8 +255,8 @@ class EncoderEngine:
                 latency_ms = (time.monotonic() - started) * 1000.0
                 for row, (request, probs, cut) in enumerate(zip(live, probabilities, truncated, strict=True)):
                     answer = self._answer(probs, cut, latency_ms)
-                    if distances is not None:
-                        answer = self._scoped(answer, float(distances[row]))
+                    if scope_scores is not None:
+                        answer = self._scoped(answer, float(scope_scores[row]))
                     answers[request.request_id] = answer
         return [answers.get(r.request_id) or self.fallback("overloaded", started) for r in requests]
 
@@ -278,12 +282,12 @@ class EncoderEngine:
             truncated=truncated,
         )
 
-    def _scoped(self, answer: Classification, distance: float) -> Classification:
+    def _scoped(self, answer: Classification, score: float) -> Classification:
         """`answer` with its out-of-scope score; past the threshold, the taxonomy's out-of-scope intent
         instead, the head's answer kept as the nearest intent."""
         assert self.out_of_scope is not None
-        if distance <= self.out_of_scope.threshold:
-            return msgspec.structs.replace(answer, out_of_scope_score=distance)
+        if score <= self.out_of_scope.threshold:
+            return msgspec.structs.replace(answer, out_of_scope_score=score)
         intent = self.taxonomy.out_of_scope_label
         return msgspec.structs.replace(
             answer,
@@ -291,7 +295,7 @@ class EncoderEngine:
             priority=self.taxonomy.policy_priority(intent),
             confidence=0.0,
             out_of_scope=True,
-            out_of_scope_score=distance,
+            out_of_scope_score=score,
             nearest_intent=answer.intent,
             nearest_confidence=answer.confidence,
         )

@@ -531,13 +531,19 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
         )
     stand_in = (
         f" With {scope['stand_in_intents']} of the intents held out as stand-ins for the unknown, fitted the "
-        f"same way without them, it flagged {scope['stand_in_recall']:.1%} of their tickets and "
-        f"{scope['stand_in_in_scope_flagged']:.1%} of the others' held-out tickets."
+        f"same way without them, it flagged {scope['stand_in_recall']:.1%} of their tickets (the distance "
+        f"alone: {scope['stand_in_recall_distance_alone']:.1%}) and {scope['stand_in_in_scope_flagged']:.1%} "
+        "of the others' held-out tickets; the doubt's weight was chosen on them."
         if scope["stand_in_recall"] is not None
         else ""
     )
+    score = "cosine distance to the nearest training ticket" + (
+        f" plus {scope['doubt_weight']:g} x the head's doubt (1 - its winning probability)"
+        if scope["doubt_weight"]
+        else ""
+    )
     return (
-        f"**Out of scope:** a ticket whose {scope['method']} exceeds {scope['threshold']:.4f} is answered "
+        f"**Out of scope:** a ticket whose {score} exceeds {scope['threshold']:.4f} is answered "
         "with the taxonomy's out-of-scope intent (`out_of_scope_intent`, default its `fallback_intent`), the "
         "nearest intent kept for reviewers (`out_of_scope.npz`). That threshold is the operating point for "
         f"an in-scope loss of {scope['in_scope_loss_target']:.0%}: it flagged "

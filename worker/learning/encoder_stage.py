@@ -48,7 +48,13 @@ from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector,
 from worker.inference.taxonomy import Taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import TEACHER_C, expected_calibration_error
-from worker.learning.out_of_scope import DEFAULT_IN_SCOPE_LOSS, OutOfScopeReport, fit_out_of_scope
+from worker.learning.out_of_scope import (
+    DEFAULT_IN_SCOPE_LOSS,
+    Doubt,
+    DoubtFitter,
+    OutOfScopeReport,
+    fit_out_of_scope,
+)
 from worker.settings import DEFAULT_ESCALATION_DIR
 
 Progress = Callable[[int, int], None]
@@ -202,6 +208,11 @@ class LinearHead:
     def probabilities(self, embeddings: FloatArray) -> FloatArray:
         return softmax(self.logits(embeddings), self.temperature)
 
+    def doubt(self, embeddings: FloatArray) -> FloatArray:
+        """1 - the winning probability of each row: what the out-of-scope score weighs."""
+        doubt: FloatArray = 1.0 - self.probabilities(embeddings).max(axis=1)
+        return doubt
+
 
 def _logistic_regression(
     x: FloatArray, y: Sequence[int], labels_count: int, seed: int, balanced: bool = False
@@ -223,6 +234,18 @@ def _logistic_regression(
         weight = np.concatenate([np.zeros_like(weight), weight])
         bias = np.concatenate([np.zeros_like(bias), bias])
     return LinearHead(weight, bias, 1.0)
+
+
+def doubt_fitter(temperature: float, seed: int, balanced: bool) -> DoubtFitter:
+    """Fits a head as `fit_encoder_stage` does on the rows given (any subset of the intents), with
+    `temperature`, and returns its doubt: the out-of-scope detector's stand-in measurement."""
+
+    def fit(x: FloatArray, intents: Sequence[int]) -> Doubt:
+        order = {intent: i for i, intent in enumerate(sorted(set(intents)))}
+        head = _logistic_regression(x, [order[i] for i in intents], len(order), seed, balanced)
+        return dataclasses.replace(head, temperature=temperature).doubt
+
+    return fit
 
 
 def fit_encoder_stage(
@@ -311,6 +334,8 @@ def fit_encoder_stage(
             val_y,
             in_scope_loss=in_scope_loss,
             seed=seed,
+            doubt=dataclasses.replace(head, temperature=temperature).doubt,
+            fit_doubt=doubt_fitter(temperature, seed, balanced),
         )
     head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector)
     seen = set(train_y)
