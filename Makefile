@@ -143,7 +143,8 @@ bench: $(VENV)/.extra-bench kafka-jars
 # zero-shot to every ticket: the encoder stage beside TF-IDF on the same rows, ECE, fit time, out-of-domain
 # tickets under the review threshold; then three folders with both stages as `model train` writes them (the
 # ORT GenAI first stage, the encoder stage, the served cascade), 10 minutes each
-# (BENCH_ARGS=--first-stage-minutes 0 leaves them out); results/bench-train.md and .json (tools/bench_train.py).
+# (BENCH_ARGS=--first-stage-minutes 0 leaves them out); results/bench-train.md and .json (tools/bench_train.py);
+# then the open-intent protocol below (results/open-intent.*).
 ## How `model train` learns a new taxonomy, both stages included, into results/bench-train.* (~45 minutes)
 bench-train: $(VENV)/.extra-train
 	$(BIN)/python -m tools.bench_train --out results $(BENCH_ARGS)
