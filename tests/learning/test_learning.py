@@ -304,6 +304,25 @@ def test_model_train_fits_the_out_of_scope_detector_at_the_loss_asked_and_the_fo
     assert result["intent"] == load_taxonomy(BANK_DESK_PATH).fallback_intent and not result["fallback"]
 
 
+def test_the_encoder_stage_alone_chooses_its_operating_point_on_the_split_its_head_never_saw(
+    tmp_path: Path,
+) -> None:
+    """`model train --encoder` calibrates its head out of fold and keeps the validation split for `model
+    eval`: the detector's threshold and doubt weight come from that split, as the shipped stage's did."""
+    export = tmp_path / "export.jsonl"
+    export.write_text(
+        "".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in _per_intent(_shuffled_train(), 25))
+    )
+    out = tmp_path / "stage"
+    argv = ["model", "train", "--encoder", "--data", str(export), "--taxonomy", str(BANK_DESK_PATH)]
+    assert main([*argv, "--out", str(out)]) == 0
+    training = json.loads((out / "training.json").read_text())
+    scope = training["fit"]["out_of_scope"]
+    assert scope["held_out_from"] == "validation" and scope["held_out"] == training["validation_tickets"]
+    assert scope["stand_in_intents"] == 3 and scope["in_scope_flagged"] <= 0.02
+    assert training["fit"]["calibration"].startswith("cross-validation")
+
+
 def test_a_label_outside_the_taxonomy_stops_training_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

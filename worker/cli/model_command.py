@@ -249,10 +249,11 @@ def _train_encoder(args: argparse.Namespace) -> int:
     max_seconds = 60.0 * (args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES)
     embedder = encoder_stage.open_embedder(echo=console.print)
     # Calibrated out of fold on the training part: the validation split stays untouched for `model eval`
-    # to choose the cascade's threshold on.
+    # to choose the cascade's threshold on; it chooses the out-of-scope detector's operating point only.
     head, report = encoder_stage.fit_encoder_stage(
-        train, [], taxonomy, embedder, max_seconds=max_seconds, seed=seed, in_scope_loss=_in_scope_loss(args)
-    )
+        train, [], taxonomy, embedder, max_seconds=max_seconds, seed=seed, in_scope_loss=_in_scope_loss(args),
+        held_for_detector=validation,
+    )  # fmt: skip
     accuracy, ece = encoder_stage.evaluate(head, embedder, validation, taxonomy)
     source = f"logistic regression C={encoder_stage.HEAD_C}, {read.source} minus the validation split"
     training = {

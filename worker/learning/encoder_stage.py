@@ -258,17 +258,19 @@ def fit_encoder_stage(
     seed: int = 77,
     progress: Progress | None = None,
     in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
+    held_for_detector: Sequence[tuple[str, str]] = (),
 ) -> tuple[LinearHead, EncoderStageReport]:
     """Fit the head on `labelled` (text, intent) rows and calibrate it on `validation`, or, when that is
     empty, by k-fold cross-validation of `labelled`; and, when every intent has `BALANCE_BELOW` tickets, the
     out-of-scope detector over the same rows, its threshold flagging `in_scope_loss` of held-out in-scope
-    tickets (worker/learning/out_of_scope.py).
+    tickets (worker/learning/out_of_scope.py): the validation part's, else `held_for_detector` (rows the
+    head never sees, kept out of its calibration too), else each training ticket against the others.
     Embedding stops at `max_seconds` (the rows are shuffled, so the first ones are a fair sample; the report
     says so). Every intent must be one of the taxonomy's."""
     started = time.monotonic()
     labels = list(taxonomy.labels)
     index = {label: i for i, label in enumerate(labels)}
-    unknown = sorted({intent for _, intent in [*labelled, *validation]} - set(index))
+    unknown = sorted({intent for _, intent in [*labelled, *validation, *held_for_detector]} - set(index))
     if unknown:
         raise UserError(f"labels not in the taxonomy {taxonomy.name!r}: {', '.join(unknown[:5])}")
     if not labelled:
@@ -326,12 +328,18 @@ def fit_encoder_stage(
     # one intent of three: 12 % of the other two's test tickets answered right with it, 78 % without). No
     # detector then.
     if not balanced:
+        # Tickets held out from the head but not from its measurement (`held_for_detector`) choose the
+        # detector's operating point when the head has no validation part.
+        scope_x, scope_y = val_x, val_y
+        if not validation and held_for_detector:
+            scope_x = embed(embedder, [text for text, _ in held_for_detector])
+            scope_y = [index[intent] for _, intent in held_for_detector]
         detector, scope = fit_out_of_scope(
             all_x,
             all_y,
             [True] * len(train_y) + [False] * len(prior_y),
-            val_x,
-            val_y,
+            scope_x,
+            scope_y,
             in_scope_loss=in_scope_loss,
             seed=seed,
             doubt=dataclasses.replace(head, temperature=temperature).doubt,
