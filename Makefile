@@ -20,7 +20,8 @@ PYTEST_ARGS ?=
 RUN_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-inference eval model \
+.PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-open-intent \
+	bench-inference eval model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
 .PHONY: help format test-fast test-slow test-release test-brokers
@@ -146,10 +147,18 @@ bench: $(VENV)/.extra-bench kafka-jars
 # zero-shot to every ticket: the encoder stage beside TF-IDF on the same rows, ECE, fit time, out-of-domain
 # tickets under the review threshold; then three folders with both stages as `model train` writes them (the
 # ORT GenAI first stage, the encoder stage, the served cascade), 10 minutes each
-# (BENCH_ARGS=--first-stage-minutes 0 leaves them out); results/bench-train.md and .json (tools/bench_train.py).
+# (BENCH_ARGS=--first-stage-minutes 0 leaves them out); results/bench-train.md and .json (tools/bench_train.py);
+# then the open-intent protocol below (results/open-intent.*).
 ## How `model train` learns a new taxonomy, both stages included, into results/bench-train.* (~45 minutes)
 bench-train: $(VENV)/.extra-train
 	$(BIN)/python -m tools.bench_train --out results $(BENCH_ARGS)
+
+# BANKING77's open-intent protocol (25/50/75 % of the intents known, 5 seeds, the rest arrive out of scope): the
+# encoder stage's out-of-scope detector against the confidence threshold at the same in-scope loss; embeddings
+# cached under ~/.cache/triage-worker/open-intent; results/open-intent.md and .json (tools/bench_open_intent.py).
+## Out-of-scope detection on BANKING77's open-intent splits into results/open-intent.* (~5 minutes)
+bench-open-intent: $(VENV)/.extra-train
+	$(BIN)/python -m tools.bench_open_intent --out results $(BENCH_ARGS)
 
 # Inference design figures (ratios against a baseline of the same run), written to results/.
 ## Inference design figures into results/

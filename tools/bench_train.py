@@ -22,6 +22,9 @@ for three of the rows (`FOLDER_ROWS`, minutes each rather than seconds): each st
 on the same test split (the first stage as the engine serves it in score mode, one thread; the encoder stage
 as its engine does, batches of 64), and the cascade at the threshold the folder chose, its training minutes
 per stage and each stage's tickets/s. `--first-stage-minutes 0` leaves them out.
+
+Then BANKING77's open-intent protocol (tools/bench_open_intent.py: the out-of-scope detector against the
+confidence threshold, results/open-intent.md and .json).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any, cast
 import numpy as np
 from rich.console import Console
 
+from tools import bench_open_intent
 from worker.classification import ClassifyRequest
 from worker.inference.encoder import EncoderEngine, SentenceEmbedder
 from worker.inference.loading import resolve_taxonomy
@@ -393,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "bench-train.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     (args.out / "bench-train.md").write_text(_markdown(record), encoding="utf-8")
     print(f"wrote {args.out / 'bench-train.md'} and bench-train.json")
-    return 0
+    # BANKING77's open-intent protocol, the out-of-scope detector against the confidence (its own cache).
+    return bench_open_intent.main(["--out", str(args.out)])
 
 
 if __name__ == "__main__":

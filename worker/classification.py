@@ -52,6 +52,15 @@ class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     # Set only when the model runs a taxonomy it was not trained for (generate mode; see
     # worker/inference/pairing.py): that taxonomy's version, carried into the record.
     taxonomy: str | None = None
+    # Set by an encoder stage whose folder has out-of-scope statistics (worker/inference/out_of_scope.py):
+    # the ticket's out-of-scope score (its distance to the nearest training ticket, plus the head's weighted
+    # doubt), and whether it fits none of the intents. When it does, `intent` is the taxonomy's out-of-scope
+    # intent and `confidence` 0.0 (no intent is claimed), and the head's answer is kept for reviewers in
+    # `nearest_intent` / `nearest_confidence`.
+    out_of_scope: bool = False
+    out_of_scope_score: float | None = None
+    nearest_intent: str | None = None
+    nearest_confidence: float | None = None
 
 
 @dataclass(frozen=True)

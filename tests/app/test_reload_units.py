@@ -3,6 +3,7 @@ coalescing, and `POST /reload` with the reload counter (the routing is in tests/
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -24,10 +25,17 @@ from worker.app.reload import Reloader
 from worker.classification import Classification, ClassifyRequest
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, read_detector, write_detector
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.triage.cascade import Cascade
-from worker.settings import DEFAULT_MODEL_DIR, MetricsSettings, Settings, load_settings
+from worker.settings import (
+    DEFAULT_ESCALATION_DIR,
+    DEFAULT_MODEL_DIR,
+    MetricsSettings,
+    Settings,
+    load_settings,
+)
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
@@ -78,6 +86,22 @@ def test_a_reload_switches_to_the_configured_model(tiny_switch: SwitchingClassif
     assert tiny_switch.model_id == "triage-mini"
     answer = _classify(tiny_switch)
     assert answer.model == "triage-mini" and not answer.fallback
+
+
+def test_a_reload_to_an_encoder_stage_that_finds_the_canary_out_of_scope_switches(
+    tiny_switch: SwitchingClassifier, tmp_path: Path
+) -> None:
+    """A team's encoder stage says "none of these" to the canary (a banking ticket): a model that answers."""
+    folder = tmp_path / "stage"
+    shutil.copytree(DEFAULT_ESCALATION_DIR, folder, symlinks=True)
+    stored = read_detector(folder / OUT_OF_SCOPE_FILE, 384)
+    write_detector(
+        folder / OUT_OF_SCOPE_FILE, dataclasses.replace(stored, threshold=-1.0)
+    )  # all out of scope
+    configured = _settings(folder)
+    assert _reloader(_settings(TINY_MODEL), configured).reload(tiny_switch)
+    answer = _classify(tiny_switch)
+    assert answer.model == "stage" and answer.out_of_scope and answer.intent == "unclassified"
 
 
 def _cascade_over(switch: SwitchingClassifier) -> Cascade:

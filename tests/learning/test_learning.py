@@ -277,6 +277,50 @@ def test_a_csv_export_with_a_handful_per_intent_trains_a_few_shot_folder(
     assert record["data"]["rows_per_intent"] == {"min": 5, "median": 5, "max": 5, "without_rows": 0}
     assert not (out / "VERSION").exists()
     assert "cross-validation" in (out / "README.md").read_text()
+    # Its detector's threshold: each training ticket against the others, the distance alone.
+    scope = record["encoder_stage"]["out_of_scope"]
+    assert scope["held_out_from"] == "leave-one-out" and scope["doubt_weight"] == 0.0
+
+
+def test_model_train_fits_the_out_of_scope_detector_at_the_loss_asked_and_the_folder_serves_it(
+    tmp_path: Path, encoder_stage_only: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #46: the operating point is `--in-scope-loss`, recorded with its figures in training.json and
+    the card; the folder answers a ticket of another domain with the fallback intent, out of scope."""
+    export = tmp_path / "export.jsonl"
+    export.write_text(
+        "".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in _per_intent(_shuffled_train(), 25))
+    )
+    out = tmp_path / "desk"
+    argv = ["model", "train", "--data", str(export), "--taxonomy", str(BANK_DESK_PATH), "--out", str(out)]
+    assert main([*argv, "--in-scope-loss", "0.05"]) == 0
+    scope = json.loads((out / "training.json").read_text())["encoder_stage"]["out_of_scope"]
+    assert scope["in_scope_loss_target"] == 0.05 and scope["held_out_from"] == "validation"
+    assert scope["in_scope_flagged"] <= 0.05 and scope["held_out"] == 24 and scope["stand_in_intents"] == 3
+    assert read_manifest(out / "encoder").out_of_scope == "out_of_scope.npz"
+    assert "an in-scope loss of 5%" in (out / "README.md").read_text()
+    stranger = ["the printer on the third floor keeps jamming", "--model", str(out / "encoder")]
+    result = _classify([*stranger, "--deadline-ms", "60000"], capsys)
+    assert result["intent"] == load_taxonomy(BANK_DESK_PATH).fallback_intent and not result["fallback"]
+
+
+def test_the_encoder_stage_alone_chooses_its_operating_point_on_the_split_its_head_never_saw(
+    tmp_path: Path,
+) -> None:
+    """`model train --encoder` calibrates its head out of fold and keeps the validation split for `model
+    eval`: the detector's threshold and doubt weight come from that split, as the shipped stage's did."""
+    export = tmp_path / "export.jsonl"
+    export.write_text(
+        "".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in _per_intent(_shuffled_train(), 25))
+    )
+    out = tmp_path / "stage"
+    argv = ["model", "train", "--encoder", "--data", str(export), "--taxonomy", str(BANK_DESK_PATH)]
+    assert main([*argv, "--out", str(out)]) == 0
+    training = json.loads((out / "training.json").read_text())
+    scope = training["fit"]["out_of_scope"]
+    assert scope["held_out_from"] == "validation" and scope["held_out"] == training["validation_tickets"]
+    assert scope["stand_in_intents"] == 3 and scope["in_scope_flagged"] <= 0.02
+    assert training["fit"]["calibration"].startswith("cross-validation")
 
 
 def test_a_label_outside_the_taxonomy_stops_training_with_one_line(

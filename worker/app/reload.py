@@ -144,7 +144,9 @@ class Reloader:
                 )
             pool = open_pool(settings.inference, taxonomy, taxonomy_path, settings.log, settings.privacy)
             answer = _canary(pool)
-            if answer.fallback or answer.intent not in taxonomy.labels:
+            # "None of these" is an answer too (an encoder stage's out-of-scope detector): the canary, a
+            # banking ticket, fits none of a team's intents.
+            if answer.fallback or (answer.intent not in taxonomy.labels and not answer.out_of_scope):
                 raise ReloadError(
                     f"canary ticket answered {answer.intent!r} "
                     f"(fallback: {answer.fallback_reason or 'no'}), not an intent of {taxonomy_path}"

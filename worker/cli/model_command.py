@@ -138,7 +138,9 @@ def _train_first_stage(args: argparse.Namespace) -> int:
     than this time-bounded one (docs/model.md), so no default overwrites it."""
     from worker.learning import evaluation, first_stage, folders, teachers
 
-    _refuse_options(args, "model train without --data", ("unlabelled", "text_column", "label_column"))
+    _refuse_options(
+        args, "model train without --data", ("unlabelled", "text_column", "label_column", "in_scope_loss")
+    )
     if args.out is None:
         raise UserError(
             "model train without --data trains BANKING77's first stage alone and needs --out DIR; "
@@ -163,6 +165,12 @@ def _train_first_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _in_scope_loss(args: argparse.Namespace) -> float:
+    from worker.learning.out_of_scope import DEFAULT_IN_SCOPE_LOSS, check_in_scope_loss
+
+    return check_in_scope_loss(DEFAULT_IN_SCOPE_LOSS if args.in_scope_loss is None else args.in_scope_loss)
+
+
 def _refuse_options(args: argparse.Namespace, command: str, names: tuple[str, ...]) -> None:
     given = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) not in (None, False)]
     if given:
@@ -176,7 +184,7 @@ def _train_folder(args: argparse.Namespace) -> int:
 
     command = "model train --zero-shot" if args.zero_shot else "model train --data"
     if args.zero_shot:
-        _refuse_options(args, command, ("data", "unlabelled", "text_column", "label_column"))
+        _refuse_options(args, command, ("data", "unlabelled", "text_column", "label_column", "in_scope_loss"))
     if args.taxonomy is None or args.out is None:
         raise UserError(
             f"{command} needs --taxonomy FILE (the intents) and --out DIR (the model folder to write)"
@@ -206,7 +214,7 @@ def _train_folder(args: argparse.Namespace) -> int:
         data = {"file": str(read.source), "rows_read": read.counts.read, "skipped": read.counts.skipped}
         outcome = compose.train_model_folder(
             rows, taxonomy, taxonomy_path, Path(args.out), data=data, max_seconds=max_seconds,
-            unlabelled=unlabelled, seed=seed, console=console,
+            unlabelled=unlabelled, seed=seed, console=console, in_scope_loss=_in_scope_loss(args),
         )  # fmt: skip
     print(f"wrote {outcome.out_dir} ({outcome.kind}, {outcome.seconds:.0f} s; model card: "
           f"{outcome.out_dir / 'README.md'})")  # fmt: skip
@@ -241,10 +249,11 @@ def _train_encoder(args: argparse.Namespace) -> int:
     max_seconds = 60.0 * (args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES)
     embedder = encoder_stage.open_embedder(echo=console.print)
     # Calibrated out of fold on the training part: the validation split stays untouched for `model eval`
-    # to choose the cascade's threshold on.
+    # to choose the cascade's threshold on; it chooses the out-of-scope detector's operating point only.
     head, report = encoder_stage.fit_encoder_stage(
-        train, [], taxonomy, embedder, max_seconds=max_seconds, seed=seed
-    )
+        train, [], taxonomy, embedder, max_seconds=max_seconds, seed=seed, in_scope_loss=_in_scope_loss(args),
+        held_for_detector=validation,
+    )  # fmt: skip
     accuracy, ece = encoder_stage.evaluate(head, embedder, validation, taxonomy)
     source = f"logistic regression C={encoder_stage.HEAD_C}, {read.source} minus the validation split"
     training = {
@@ -673,6 +682,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     train.add_argument("--max-minutes", type=float, help="training time bound, both stages (default 20)")
     train.add_argument("--seed", type=int, help="random seed")
+    train.add_argument(
+        "--in-scope-loss",
+        type=float,
+        metavar="SHARE",
+        help="the out-of-scope detector's operating point: the share of held-out in-scope tickets it may "
+        "flag as fitting no intent (default 0.02)",
+    )
     train.add_argument(
         "--encoder",
         action="store_true",

@@ -33,6 +33,7 @@ from worker.cache import cache_root
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.errors import UserError
 from worker.inference.loading import model_id
+from worker.inference.out_of_scope import OutOfScopeDetector, read_detector
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason
 from worker.settings import InferenceSettings
@@ -69,6 +70,8 @@ class EncoderManifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Head rows, in order, and `ordered_labels_sha256` of them.
     labels: tuple[str, ...]
     labels_sha256: str
+    # The out-of-scope statistics beside the head (worker/inference/out_of_scope.py), if training fitted them.
+    out_of_scope: str | None = None
     # Divides the head's logits before the softmax (fitted out of fold at training: calibrated confidence).
     temperature: float = 1.0
     # Where the encoder came from and how it was reduced (for the model card; not read at run time).
@@ -218,6 +221,9 @@ class EncoderEngine:
             settings.provider,
             manifest.max_tokens,
         )
+        self.out_of_scope: OutOfScopeDetector | None = None
+        if manifest.out_of_scope is not None:
+            self.out_of_scope = read_detector(folder / manifest.out_of_scope, self.embedder.dimensions)
 
     def new_context(self, mode: object = None) -> EncoderContext:
         """A context: stateless here (the session is shared), kept for the pools' one interface."""
@@ -237,13 +243,21 @@ class EncoderEngine:
             try:
                 embeddings, truncated = self.embedder.embed_batch([r.text for r in live])
                 probabilities = self._probabilities(embeddings)
+                scope_scores = (
+                    None
+                    if self.out_of_scope is None
+                    else self.out_of_scope.scores(embeddings, probabilities.max(axis=1))
+                )
             except Exception:
                 log.exception("encoder error", requests=len(live))
                 answers = {r.request_id: self.fallback("model_error", started) for r in live}
             else:
                 latency_ms = (time.monotonic() - started) * 1000.0
-                for request, probs, cut in zip(live, probabilities, truncated, strict=True):
-                    answers[request.request_id] = self._answer(probs, cut, latency_ms)
+                for row, (request, probs, cut) in enumerate(zip(live, probabilities, truncated, strict=True)):
+                    answer = self._answer(probs, cut, latency_ms)
+                    if scope_scores is not None:
+                        answer = self._scoped(answer, float(scope_scores[row]))
+                    answers[request.request_id] = answer
         return [answers.get(r.request_id) or self.fallback("overloaded", started) for r in requests]
 
     def _probabilities(self, embeddings: FloatArray) -> FloatArray:
@@ -266,6 +280,24 @@ class EncoderEngine:
             model=self.model_id,
             latency_ms=latency_ms,
             truncated=truncated,
+        )
+
+    def _scoped(self, answer: Classification, score: float) -> Classification:
+        """`answer` with its out-of-scope score; past the threshold, the taxonomy's out-of-scope intent
+        instead, the head's answer kept as the nearest intent."""
+        assert self.out_of_scope is not None
+        if score <= self.out_of_scope.threshold:
+            return msgspec.structs.replace(answer, out_of_scope_score=score)
+        intent = self.taxonomy.out_of_scope_label
+        return msgspec.structs.replace(
+            answer,
+            intent=intent,
+            priority=self.taxonomy.policy_priority(intent),
+            confidence=0.0,
+            out_of_scope=True,
+            out_of_scope_score=score,
+            nearest_intent=answer.intent,
+            nearest_confidence=answer.confidence,
         )
 
 

@@ -56,6 +56,9 @@ class Taxonomy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     intents: tuple[Intent, ...]
     fallback_intent: str = "unclassified"
     fallback_priority: Priority = "Medium"
+    # What "none of these" is called: the answer for a ticket the encoder stage finds out of scope
+    # (worker/inference/out_of_scope.py), at the fallback priority. Default: `fallback_intent`.
+    out_of_scope_intent: str | None = None
     priorities: tuple[Priority, ...] = PRIORITIES
     prompt: PromptOptions = PromptOptions()
 
@@ -67,6 +70,10 @@ class Taxonomy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def fallback_label(self) -> FallbackLabel:
         return FallbackLabel(self.fallback_intent, self.fallback_priority)
+
+    @property
+    def out_of_scope_label(self) -> str:
+        return self.out_of_scope_intent or self.fallback_intent
 
     def policy_priority(self, intent: str) -> Priority:
         """The priority the taxonomy assigns to an intent (fallback priority for unknown names)."""
@@ -149,6 +156,14 @@ def _check(taxonomy: Taxonomy, source: str) -> None:
         raise UserError(
             f"{source}: `fallback_intent` {taxonomy.fallback_intent!r} is one of the intents; it must be a "
             'name of its own (e.g. "unclassified") so that a fallback is never taken for an answer'
+        )
+    if taxonomy.out_of_scope_intent is not None and (
+        not taxonomy.out_of_scope_intent.strip() or taxonomy.out_of_scope_intent in taxonomy.labels
+    ):
+        # An intent's name would make "none of these" read as that intent in every record and figure.
+        raise UserError(
+            f"{source}: `out_of_scope_intent` {taxonomy.out_of_scope_intent!r} must be a non-empty name "
+            "that is not one of the intents"
         )
     if taxonomy.prompt.max_ticket_tokens is not None and taxonomy.prompt.max_ticket_tokens < 1:
         raise UserError(f"{source}: `prompt.max_ticket_tokens` must be at least 1")

@@ -51,6 +51,7 @@ from worker.inference.pairing import write_trained_labels
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import encoder_stage, folders
 from worker.learning.evaluation import CASCADE_THRESHOLDS, Prediction, choose_threshold, stratified_split
+from worker.learning.out_of_scope import DEFAULT_IN_SCOPE_LOSS
 from worker.settings import DEFAULT_ESCALATE_BELOW
 
 Kind = Literal["zero-shot", "few-shot", "full"]
@@ -195,9 +196,11 @@ def train_model_folder(
     seed: int = 77,
     console: Console | None = None,
     embedder: SentenceEmbedder | None = None,
+    in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
 ) -> TrainingOutcome:
     """Train both stages on labelled (text, intent) rows and write `out_dir` (see the module). `data`
-    describes the rows for the model card (file, counts)."""
+    describes the rows for the model card (file, counts); `in_scope_loss` is the out-of-scope detector's
+    operating point (worker/learning/out_of_scope.py)."""
     folders.check_target(out_dir)  # before minutes of work, not after them
     console = console or Console(stderr=True)
     started = time.monotonic()
@@ -220,6 +223,7 @@ def train_model_folder(
             max_seconds=encoder_budget,
             seed=seed,
             progress=_reporter(progress, "encoder stage: embedding tickets"),
+            in_scope_loss=in_scope_loss,
         )
     source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
     return _finish(
@@ -517,6 +521,37 @@ def _figure(value: Any, percent: bool = False) -> str:
     return f"{value:.1%}" if percent else f"{value:.3f}"
 
 
+def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
+    """The model card's words on the out-of-scope detector, from its `OutOfScopeReport` as recorded."""
+    if scope is None:
+        return (
+            f"**Out of scope:** no detector: it needs {encoder_stage.BALANCE_BELOW} labelled tickets of "
+            "every intent (an intent known by its taxonomy texts alone would be out of scope to it); every "
+            "ticket gets one of the intents."
+        )
+    stand_in = (
+        f" With {scope['stand_in_intents']} of the intents held out as stand-ins for the unknown, fitted the "
+        f"same way without them, it flagged {scope['stand_in_recall']:.1%} of their tickets (the distance "
+        f"alone: {scope['stand_in_recall_distance_alone']:.1%}) and {scope['stand_in_in_scope_flagged']:.1%} "
+        "of the others' held-out tickets; the doubt's weight was chosen on them."
+        if scope["stand_in_recall"] is not None
+        else ""
+    )
+    score = "cosine distance to the nearest training ticket" + (
+        f" plus {scope['doubt_weight']:g} x the head's doubt (1 - its winning probability)"
+        if scope["doubt_weight"]
+        else ""
+    )
+    return (
+        f"**Out of scope:** a ticket whose {score} exceeds {scope['threshold']:.4f} is answered "
+        "with the taxonomy's out-of-scope intent (`out_of_scope_intent`, default its `fallback_intent`), the "
+        "nearest intent kept for reviewers (`out_of_scope.npz`). That threshold is the operating point for "
+        f"an in-scope loss of {scope['in_scope_loss_target']:.0%}: it flagged "
+        f"{scope['in_scope_flagged']:.1%} of {scope['held_out']} held-out in-scope tickets "
+        f"({scope['held_out_from']}).{stand_in} `model train --in-scope-loss` moves it."
+    )
+
+
 def model_card(record: dict[str, Any]) -> str:
     """The folder's README.md from its training record: what it learnt from, its figures, how it adapts."""
     kind = record["kind"]
@@ -611,6 +646,8 @@ def model_card(record: dict[str, Any]) -> str:
         ),
         "",
         f"**How validation and calibration adapt:** {adapts}",
+        "",
+        out_of_scope_paragraph(encoder.get("out_of_scope")),
         "",
         f"**Cascade:** tickets the first stage answers under {cascade['escalate_below']} go to the "
         f"encoder stage ({cascade['why']}); `inference.escalate_below` overrides it.",

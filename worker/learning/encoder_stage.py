@@ -44,9 +44,17 @@ from worker.inference.encoder import (
     ordered_labels_sha256,
     read_manifest,
 )
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, write_detector
 from worker.inference.taxonomy import Taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import TEACHER_C, expected_calibration_error
+from worker.learning.out_of_scope import (
+    DEFAULT_IN_SCOPE_LOSS,
+    Doubt,
+    DoubtFitter,
+    OutOfScopeReport,
+    fit_out_of_scope,
+)
 from worker.settings import DEFAULT_ESCALATION_DIR
 
 Progress = Callable[[int, int], None]
@@ -100,6 +108,9 @@ class EncoderStageReport:
     unmeasured: tuple[str, ...] = ()
     # Every intent weighed the same in the fit (some intent had fewer than `BALANCE_BELOW` tickets).
     balanced: bool = False
+    # The out-of-scope detector's operating point and figures (None: not fitted: zero-shot, or some intent
+    # had fewer than `BALANCE_BELOW` tickets).
+    out_of_scope: OutOfScopeReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -182,11 +193,13 @@ def measure(probabilities: FloatArray, truth: Sequence[int]) -> tuple[float, flo
 
 @dataclasses.dataclass(frozen=True)
 class LinearHead:
-    """weight (L x D) and bias (L), rows in the taxonomy's label order, and the temperature."""
+    """weight (L x D) and bias (L), rows in the taxonomy's label order, the temperature, and the
+    out-of-scope detector fitted with it (if any)."""
 
     weight: FloatArray
     bias: FloatArray
     temperature: float
+    out_of_scope: OutOfScopeDetector | None = None
 
     def logits(self, embeddings: FloatArray) -> FloatArray:
         result: FloatArray = embeddings @ self.weight.T + self.bias
@@ -194,6 +207,11 @@ class LinearHead:
 
     def probabilities(self, embeddings: FloatArray) -> FloatArray:
         return softmax(self.logits(embeddings), self.temperature)
+
+    def doubt(self, embeddings: FloatArray) -> FloatArray:
+        """1 - the winning probability of each row: what the out-of-scope score weighs."""
+        doubt: FloatArray = 1.0 - self.probabilities(embeddings).max(axis=1)
+        return doubt
 
 
 def _logistic_regression(
@@ -218,6 +236,18 @@ def _logistic_regression(
     return LinearHead(weight, bias, 1.0)
 
 
+def doubt_fitter(temperature: float, seed: int, balanced: bool) -> DoubtFitter:
+    """Fits a head as `fit_encoder_stage` does on the rows given (any subset of the intents), with
+    `temperature`, and returns its doubt: the out-of-scope detector's stand-in measurement."""
+
+    def fit(x: FloatArray, intents: Sequence[int]) -> Doubt:
+        order = {intent: i for i, intent in enumerate(sorted(set(intents)))}
+        head = _logistic_regression(x, [order[i] for i in intents], len(order), seed, balanced)
+        return dataclasses.replace(head, temperature=temperature).doubt
+
+    return fit
+
+
 def fit_encoder_stage(
     labelled: Sequence[tuple[str, str]],
     validation: Sequence[tuple[str, str]],
@@ -227,15 +257,20 @@ def fit_encoder_stage(
     max_seconds: float,
     seed: int = 77,
     progress: Progress | None = None,
+    in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
+    held_for_detector: Sequence[tuple[str, str]] = (),
 ) -> tuple[LinearHead, EncoderStageReport]:
     """Fit the head on `labelled` (text, intent) rows and calibrate it on `validation`, or, when that is
-    empty, by k-fold cross-validation of `labelled`. Embedding stops at `max_seconds` (the rows are
-    shuffled, so the first ones are a fair sample; the report says so). Every intent must be one of the
-    taxonomy's."""
+    empty, by k-fold cross-validation of `labelled`; and, when every intent has `BALANCE_BELOW` tickets, the
+    out-of-scope detector over the same rows, its threshold flagging `in_scope_loss` of held-out in-scope
+    tickets (worker/learning/out_of_scope.py): the validation part's, else `held_for_detector` (rows the
+    head never sees, kept out of its calibration too), else each training ticket against the others.
+    Embedding stops at `max_seconds` (the rows are shuffled, so the first ones are a fair sample; the report
+    says so). Every intent must be one of the taxonomy's."""
     started = time.monotonic()
     labels = list(taxonomy.labels)
     index = {label: i for i, label in enumerate(labels)}
-    unknown = sorted({intent for _, intent in [*labelled, *validation]} - set(index))
+    unknown = sorted({intent for _, intent in [*labelled, *validation, *held_for_detector]} - set(index))
     if unknown:
         raise UserError(f"labels not in the taxonomy {taxonomy.name!r}: {', '.join(unknown[:5])}")
     if not labelled:
@@ -287,7 +322,30 @@ def fit_encoder_stage(
         # wins: every answer, wrong ones included, would say 1.0. The fit's own probabilities instead.
         temperature, calibration = 1.0, "not calibrated: the held-out tickets are of one intent"
     accuracy, ece = measure(softmax(held_logits, temperature), held_truth)
-    head = dataclasses.replace(head, temperature=temperature)
+    detector, scope = None, None
+    # An intent with fewer tickets than that is known by its taxonomy texts: its tickets would lie far from
+    # every training ticket, out of scope to a detector calibrated on the others (bank-desk, 30 tickets of
+    # one intent of three: 12 % of the other two's test tickets answered right with it, 78 % without). No
+    # detector then.
+    if not balanced:
+        # Tickets held out from the head but not from its measurement (`held_for_detector`) choose the
+        # detector's operating point when the head has no validation part.
+        scope_x, scope_y = val_x, val_y
+        if not validation and held_for_detector:
+            scope_x = embed(embedder, [text for text, _ in held_for_detector])
+            scope_y = [index[intent] for _, intent in held_for_detector]
+        detector, scope = fit_out_of_scope(
+            all_x,
+            all_y,
+            [True] * len(train_y) + [False] * len(prior_y),
+            scope_x,
+            scope_y,
+            in_scope_loss=in_scope_loss,
+            seed=seed,
+            doubt=dataclasses.replace(head, temperature=temperature).doubt,
+            fit_doubt=doubt_fitter(temperature, seed, balanced),
+        )
+    head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector)
     seen = set(train_y)
     report = EncoderStageReport(
         method="logistic regression",
@@ -302,6 +360,7 @@ def fit_encoder_stage(
         stopped_at_time_bound=stopped,
         unmeasured=_unmeasured(labels, held_truth),
         balanced=balanced,
+        out_of_scope=scope,
     )
     return head, report
 
@@ -429,6 +488,8 @@ def write_encoder_stage(
     shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
     np.savez(out_dir / "head.npz", weight=head.weight.astype(np.float32), bias=head.bias.astype(np.float32))
+    if head.out_of_scope is not None:
+        write_detector(out_dir / OUT_OF_SCOPE_FILE, head.out_of_scope)
     if copy_encoder:
         partial = out_dir / "model.onnx.partial"
         shutil.copyfile(onnx_file, partial)
@@ -445,6 +506,7 @@ def write_encoder_stage(
         labels=tuple(labels),
         labels_sha256=ordered_labels_sha256(labels),
         temperature=head.temperature,
+        out_of_scope=None if head.out_of_scope is None else OUT_OF_SCOPE_FILE,
         source={"encoder": ENCODER_SOURCE, "pooling": POOLING, "head": head_source},
     )
     (out_dir / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")

@@ -1,0 +1,157 @@
+"""Out of scope ("none of these", issue #46): the encoder stage's detector, fitted and served for real (the
+shipped encoder, onnxruntime + tokenizers, BANKING77 tickets; no fakes)."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import random
+import shutil
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from tools import REPO
+from worker.classification import Classification, ClassifyRequest
+from worker.errors import UserError
+from worker.inference.encoder import MANIFEST, EncoderEngine, SentenceEmbedder, read_manifest
+from worker.inference.loading import resolve_taxonomy
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE
+from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
+from worker.learning import compose, encoder_stage
+from worker.learning.evaluation import canonical_label
+from worker.learning.out_of_scope import threshold_for
+from worker.settings import DEFAULT_ESCALATION_DIR, InferenceSettings
+
+BANKING77 = REPO / "taxonomies" / "banking77.toml"
+OUT_OF_DOMAIN = REPO / "data" / "out-of-domain" / "tickets.txt"
+Row = tuple[str, str]
+
+
+def _rows(split: str) -> list[Row]:
+    with (REPO / "data" / "banking77" / f"{split}.csv").open(encoding="utf-8", newline="") as handle:
+        return [(row["text"], canonical_label(row["category"])) for row in csv.DictReader(handle)]
+
+
+@functools.cache
+def _embedder() -> SentenceEmbedder:
+    return encoder_stage.open_embedder(threads=2)
+
+
+def _serve(folder: Path, texts: list[str]) -> list[Classification]:
+    settings = InferenceSettings(model=str(folder), taxonomy=str(folder / "taxonomy.toml"))
+    engine = EncoderEngine(settings, *resolve_taxonomy(settings))
+    deadline = time.monotonic() + 120
+    answers: list[Classification] = []
+    for start in range(0, len(texts), 64):
+        batch = texts[start : start + 64]
+        answers += engine.classify_batch([ClassifyRequest(i, text, deadline) for i, text in enumerate(batch)])
+    return answers
+
+
+def test_tickets_of_intents_it_was_not_fitted_on_are_flagged_far_more_than_by_the_confidence() -> None:
+    """12 intents known (a seeded draw; 25 train.csv tickets each, fitted as `model train` fits them), then
+    test.csv tickets of the 65 others and tickets of other domains arrive. Each detector's threshold is
+    chosen on the same validation part for a 2 % in-scope loss: the detector flags several times as many."""
+    taxonomy = load_taxonomy(BANKING77)
+    drawn = sorted(random.Random(1).sample(range(len(taxonomy.intents)), 12))
+    known_taxonomy = msgspec.structs.replace(taxonomy, intents=tuple(taxonomy.intents[i] for i in drawn))
+    known = set(known_taxonomy.labels)
+    by_intent: dict[str, list[Row]] = {intent: [] for intent in known}
+    for row in _rows("train"):
+        if row[1] in known and len(by_intent[row[1]]) < 25:
+            by_intent[row[1]].append(row)
+    train, validation, kind = compose.split_rows([row for rows in by_intent.values() for row in rows], 77)
+    assert kind == "full"
+    head, report = encoder_stage.fit_encoder_stage(
+        train, validation, known_taxonomy, _embedder(), max_seconds=600, in_scope_loss=0.02
+    )
+    detector = head.out_of_scope
+    assert detector is not None and report.out_of_scope is not None
+    validation_x = encoder_stage.embed(_embedder(), [text for text, _ in validation])
+    doubt_threshold = threshold_for(1.0 - head.probabilities(validation_x).max(axis=1), 0.02)
+
+    def recalls(texts: list[str]) -> tuple[float, float]:
+        x = encoder_stage.embed(_embedder(), texts)
+        by_confidence = (1.0 - head.probabilities(x).max(axis=1) > doubt_threshold).mean()
+        scores = detector.scores(x, head.probabilities(x).max(axis=1))
+        return float(detector.flags(scores).mean()), float(by_confidence)
+
+    unknown_intents = recalls([text for text, intent in _rows("test") if intent not in known][::16])
+    other_domains = recalls([line for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines() if line])
+    # Measured: 25.8 % against 4.3 % of the unknown intents' 163 test tickets, 90.0 % against 6.2 % of the 80
+    # tickets of other domains.
+    assert unknown_intents[0] >= 2 * unknown_intents[1], unknown_intents
+    assert other_domains[0] >= 0.8 and other_domains[0] >= 3 * other_domains[1], other_domains
+
+
+def test_the_shipped_stage_keeps_to_its_in_scope_loss_on_held_out_tickets_and_says_none_of_these() -> None:
+    """test.csv tickets (never fitted on, nor used to choose the threshold): about 2 % flagged; tickets of
+    other domains: answered with the fallback intent, out of scope, the head's answer kept as the nearest."""
+    in_scope = [text for text, _ in _rows("test")][::16]
+    answers = _serve(DEFAULT_ESCALATION_DIR, in_scope)
+    flagged = sum(answer.out_of_scope for answer in answers) / len(answers)
+    assert flagged <= 0.05, flagged  # target 2 % on validation; measured 2.0 % of all 3,080
+    assert all(answer.out_of_scope_score is not None for answer in answers)
+
+    other_domains = [line.strip() for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines()]
+    answers = _serve(DEFAULT_ESCALATION_DIR, [text for text in other_domains if text])
+    out = [answer for answer in answers if answer.out_of_scope]
+    assert len(out) >= 0.85 * len(answers), len(out)  # measured 73 of 80 (confidence: 29)
+    taxonomy = load_taxonomy(BANKING77)
+    for answer in out:
+        assert (answer.intent, answer.priority) == (taxonomy.fallback_intent, taxonomy.fallback_priority)
+        assert answer.confidence == 0.0 and not answer.fallback
+        assert answer.nearest_intent in taxonomy.labels and answer.nearest_confidence is not None
+        assert answer.out_of_scope_score is not None and answer.out_of_scope_score > 0.0
+
+
+def _folder_copy(tmp_path: Path, with_detector: bool) -> Path:
+    folder = tmp_path / "stage"
+    shutil.copytree(DEFAULT_ESCALATION_DIR, folder, symlinks=True)
+    manifest = read_manifest(folder)
+    if not with_detector:
+        (folder / OUT_OF_SCOPE_FILE).unlink()
+        manifest = msgspec.structs.replace(manifest, out_of_scope=None)
+    (folder / MANIFEST).write_bytes(msgspec.json.encode(manifest))
+    return folder
+
+
+def test_a_folder_without_out_of_scope_statistics_answers_every_ticket_with_an_intent(tmp_path: Path) -> None:
+    folder = _folder_copy(tmp_path, with_detector=False)
+    answers = _serve(folder, ["the printer on the third floor keeps jamming", "my card was stolen"])
+    labels = load_taxonomy(BANKING77).labels
+    for answer in answers:
+        assert answer.intent in labels and answer.confidence > 0.0
+        assert not answer.out_of_scope and answer.out_of_scope_score is None and answer.nearest_intent is None
+    assert answers[1].intent == "lost_or_stolen_card"
+
+
+def test_the_taxonomy_names_what_none_of_these_is_called(tmp_path: Path) -> None:
+    folder = _folder_copy(tmp_path, with_detector=True)
+    text = (folder / "taxonomy.toml").read_text(encoding="utf-8")
+    (folder / "taxonomy.toml").write_text('out_of_scope_intent = "not_banking"\n' + text, encoding="utf-8")
+    answer = _serve(folder, ["the printer on the third floor keeps jamming"])[0]
+    assert answer.out_of_scope and answer.intent == "not_banking"
+    assert answer.priority == load_taxonomy(BANKING77).fallback_priority
+
+
+def test_an_out_of_scope_intent_that_is_one_of_the_intents_is_refused() -> None:
+    data = {
+        "name": "t",
+        "out_of_scope_intent": "billing",
+        "intents": [{"name": "billing", "description": "d", "priority": "Low"}],
+    }
+    with pytest.raises(UserError, match=r"out_of_scope_intent.*not one of the intents"):
+        parse_taxonomy(data, "t.toml")
+
+
+def test_the_operating_point_flags_at_most_the_in_scope_loss_of_the_held_out_scores() -> None:
+    scores = np.linspace(0.0, 1.0, 1000, dtype=np.float32)
+    for loss in (0.01, 0.02, 0.1):
+        threshold = threshold_for(scores, loss)
+        assert (scores > threshold).mean() <= loss
+        assert (scores >= threshold).mean() > loss - 0.002  # the smallest such threshold
