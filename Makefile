@@ -76,8 +76,8 @@ test: setup
 	@began=$$SECONDS; rc=0; $(MAKE) --no-print-directory test-slow || rc=$$?; \
 		echo "=== test-slow: $$((SECONDS - began)) s$$([ $$rc -eq 0 ] || echo ", failed")"; exit $$rc
 
-# pytest with a marker expression, exit status 5 (no test selected) taken as a pass.
-pytest_tier = rc=0; $(BIN)/pytest -m $(1) $(PYTEST_ARGS) || rc=$$?; \
+# pytest with a marker expression (and more arguments), exit status 5 (no test selected) taken as a pass.
+pytest_tier = rc=0; $(BIN)/pytest -m $(1) $(2) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "(no test of this tier among those selected)"; else exit $$rc; fi
 
 ## The tests that need no broker and take seconds (-m "not kafka and not slow"): no Java, no Kafka jars
@@ -86,10 +86,14 @@ test-fast: setup
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one or a Docker API
 # answers (testcontainers then starts one; tests/kafka_source.py decides): Java and Maven only for the former.
+# The tier runs in SLOW_WORKERS pytest processes (pytest-xdist; each starts its own broker), because most of its
+# tests wait: on session timeouts, broker restarts, worker processes. Work-stealing keeps the long ones from
+# queueing behind each other. SLOW_WORKERS=0 runs it in one process.
+SLOW_WORKERS ?= 3
 ## The rest (-m "kafka or slow"): the real broker, real models, the demo
 test-slow: setup
 	@if [ "$$($(BIN)/python tests/kafka_source.py)" = local ]; then $(MAKE) --no-print-directory kafka-jars; fi
-	@$(call pytest_tier,'(kafka or slow) and not release')
+	@$(call pytest_tier,'(kafka or slow) and not release',-n $(SLOW_WORKERS) --dist worksteal)
 
 # What a release ships, not part of `make test` (4-5 minutes, most of it pip): the wheel built and installed
 # into fresh venvs and used from another folder, each ONNX Runtime GenAI extra resolved against PyPI, the

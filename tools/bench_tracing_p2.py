@@ -1,0 +1,106 @@
+"""What tracing costs the worker end to end (issue #47): P2's worker measurement (`make bench`,
+tools/bench/p2_inference_overhead.py) on one local broker, same code, with tracing off (the default), on with
+parent-based 1 % sampling, and on with every ticket sampled, each exporting over OTLP/HTTP to a real
+OpenTelemetry Collector (tools/local_collector.py; built with Go once). The modes alternate each round, the
+order reversed every other round (tools/bench/worker_modes.py).
+
+`python -m tools.bench_tracing_p2 [--tickets 2000] [--rounds 4]` writes results/tracing-p2.json and .md:
+each run's tickets/s and the worker tree's CPU ms per ticket, each mode's totals, their ratios to off, and
+how many tickets' process spans the Collector received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from tools.bench.measure import progress
+from tools.bench.worker_modes import compare
+from tools.load import Tickets, kafka
+from tools.local_collector import LocalCollector, collector_binary
+from worker.logs import configure_logging
+from worker.settings import LogSettings, PrivacySettings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _modes(endpoint: str) -> dict[str, list[str]]:
+    def sampled(ratio: str) -> list[str]:
+        return [
+            *("--set", "tracing.exporter=otlp", "--set", f"tracing.endpoint={endpoint}"),
+            *("--set", "tracing.protocol=http/protobuf", "--set", f"tracing.sample_ratio={ratio}"),
+        ]
+
+    return {"off": [], "sampled_1pct": sampled("0.01"), "sampled_100pct": sampled("1.0")}
+
+
+def _markdown(result: dict[str, object]) -> str:
+    totals = result["totals"]
+    assert isinstance(totals, dict)
+    lines = [
+        "# Tracing's cost end to end (P2's worker measurement)",
+        "",
+        f"`{result['command']}` ({result['rounds']} rounds of {result['tickets']} tickets per mode, the "
+        "modes alternating; spans exported over OTLP/HTTP to a local OpenTelemetry Collector).",
+        "",
+        "| mode | tickets/s (all rounds) | ratio to off | worker CPU ms per ticket | process spans received "
+        "|",
+        "|---|---|---|---|---|",
+    ]
+    off = totals["off"]["rate"]
+    spans = result["spans_received"]
+    assert isinstance(spans, dict)
+    for mode, total in totals.items():
+        lines.append(
+            f"| {mode} | {total['rate']} | {total['rate'] / off:.3f} | {total['cpu_ms_per_ticket']} | "
+            f"{spans.get(mode, 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench_tracing_p2", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--tickets", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=REPO / "results", help="folder for tracing-p2.*")
+    args = parser.parse_args(argv)
+    configure_logging(LogSettings(level="warning"), PrivacySettings())
+    tickets = Tickets()
+    binary = collector_binary()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalCollector(binary, Path(tmp)) as collector,
+        kafka(progress) as bootstrap,
+    ):
+        modes = _modes(collector.http_endpoint)
+        measured = compare(bootstrap, tickets, args.tickets, args.rounds, modes, Path(tmp), "tracing")
+        # One `process <input topic>` span per sampled ticket; each run has its own input topic, named
+        # after its mode (tools.load.new_topics: bench.tracing-<mode>-<round>.<tag>.raw).
+        received: dict[str, int] = {}
+        for span in collector.spans():
+            if span["name"].startswith("process "):
+                mode = next((m for m in modes if f"-{m}-" in span["name"]), "unknown")
+                received[mode] = received.get(mode, 0) + 1
+    totals = measured["totals"]
+    result: dict[str, object] = {
+        "command": "python -m tools.bench_tracing_p2 " + " ".join(sys.argv[1:] if argv is None else argv),
+        "tickets": args.tickets,
+        "rounds": args.rounds,
+        **measured,
+        "ratio_to_off": {mode: round(t["rate"] / totals["off"]["rate"], 3) for mode, t in totals.items()},
+        "spans_received": received,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tracing-p2.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (args.out / "tracing-p2.md").write_text(_markdown(result), encoding="utf-8")
+    print(_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
