@@ -30,6 +30,9 @@ FallbackReason = Literal[
 # stage was unsure of kept its first answer.
 Stage = Literal["first", "escalation"]
 EscalationSkip = Literal["deadline", "overloaded", "error"]
+# Why a ticket was answered "none of these" (worker/inference/out_of_scope.py): no training ticket of any
+# intent is near it in the encoder stage's feature space.
+OutOfScopeReason = Literal["no_similar_training_ticket"]
 
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
 Probability = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -157,6 +160,37 @@ class TriageResult(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True
         | None
     ) = None
 
+    # Written only for a ticket the encoder stage found out of scope ("none of these"): its `intent` is then
+    # the taxonomy's out-of-scope intent with confidence 0, and the head's own answer is kept for reviewers.
+    out_of_scope: (
+        Annotated[
+            bool,
+            msgspec.Meta(
+                description="Only when the ticket fits none of the taxonomy's intents (always true then): "
+                "`intent` is the taxonomy's out-of-scope intent and no intent is claimed (confidence 0). "
+                "Not a fallback: the model answered."
+            ),
+        ]
+        | None
+    ) = None
+    out_of_scope_reason: (
+        Annotated[OutOfScopeReason, msgspec.Meta(description="Out of scope only: why.")] | None
+    ) = None
+    nearest_intent: (
+        Annotated[
+            str,
+            msgspec.Meta(min_length=1, description="Out of scope only: the intent the ticket came nearest."),
+        ]
+        | None
+    ) = None
+    nearest_confidence: (
+        Annotated[
+            float,
+            msgspec.Meta(ge=0.0, le=1.0, description="Out of scope only: that intent's probability."),
+        ]
+        | None
+    ) = None
+
 
 class ShadowResult(TriageResult, kw_only=True, frozen=True):
     """On the shadow side topic: the shadow model's TriageResult for a ticket the primary classified, with the
@@ -169,7 +203,7 @@ class ShadowResult(TriageResult, kw_only=True, frozen=True):
     primary_model: Annotated[str, msgspec.Meta(description="Id of the primary model.")]
 
 
-ReviewReason = Literal["low_confidence", "fallback"]
+ReviewReason = Literal["low_confidence", "fallback", "out_of_scope"]
 
 
 class ReviewRecord(TriageResult, kw_only=True, frozen=True):

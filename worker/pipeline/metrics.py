@@ -281,6 +281,8 @@ class PipelineMetrics:
     # Records re-delivered for an offset already being processed (after a seek back); skipped.
     redelivered: int = 0
     classified: int = 0
+    # Results answered "none of these" (the encoder stage's out-of-scope intent; among `classified`).
+    out_of_scope: int = 0
     fallback: collections.Counter[str] = field(default_factory=collections.Counter)
     dead_lettered: int = 0
     dead_lettered_by_type: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -379,6 +381,7 @@ class PipelineMetrics:
             "consumed": self.consumed,
             "redelivered": self.redelivered,
             "classified": self.classified,
+            "out_of_scope": self.out_of_scope,
             "fallback": dict(self.fallback),
             "dead_lettered": self.dead_lettered,
             "pii_tickets": self.pii_tickets,

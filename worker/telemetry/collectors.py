@@ -45,6 +45,11 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Records delivered again for an offset already in flight (skipped).",
     ),
     ("triage_classified", "classified", "Tickets the model classified (not fallbacks)."),
+    (
+        "triage_out_of_scope",
+        "out_of_scope",
+        "Results answered 'none of these': the ticket fits none of the taxonomy's intents.",
+    ),
     ("triage_produced", "produced", "Results and dead letters the broker acknowledged."),
     ("triage_delivery_failed", "delivery_failed", "Results or dead letters whose delivery failed for good."),
     ("triage_committed", "committed", "Input offsets released by a confirmed commit."),

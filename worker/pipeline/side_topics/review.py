@@ -1,8 +1,9 @@
 """The review topic: results a person should check are also written, with the ticket's text, to a side
 topic (`topics.review`), where `triage-worker review` shows them to a reviewer.
 
-A classified result goes there when its confidence is under `review.threshold`; a fallback (no model answer)
-when `review.fallbacks` is on. The primary output is untouched: the record on the review topic is the same
+A classified result goes there when its confidence is under `review.threshold` (or, with a threshold set,
+when it was answered "none of these": `out_of_scope`); a fallback (no model answer) when `review.fallbacks`
+is on. The primary output is untouched: the record on the review topic is the same
 TriageResult plus the ticket's subject and body (`ReviewRecord`), with personal data redacted (the ticket's
 `TicketScan`, docs/privacy.md), written at least once through its own
 producer, off the critical path, exactly as the shadow's side records are (see `side_topic.py`).
@@ -30,6 +31,8 @@ def review_reason(settings: ReviewSettings, answer: Classification) -> ReviewRea
     """Why `answer` goes to review, or None when it does not."""
     if answer.fallback:
         return "fallback" if settings.fallbacks else None
+    if settings.threshold is not None and answer.out_of_scope:
+        return "out_of_scope"  # a kind of ticket the taxonomy lacks: what reviewers most need to see
     if settings.threshold is not None and answer.confidence < settings.threshold:
         return "low_confidence"
     return None

@@ -192,6 +192,8 @@ def _answered(answer: Classification) -> dict[str, Attribute]:
     fallback, why; never the ticket's text."""
     if answer.fallback:
         return {"fallback": answer.fallback_reason or "unknown"}
+    if answer.out_of_scope:
+        return {"confidence": answer.confidence, "out_of_scope": True}
     return {"confidence": answer.confidence}
 
 

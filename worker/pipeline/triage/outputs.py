@@ -73,6 +73,8 @@ class Outputs:
         if left_off:
             self._metrics.headers_left_off += left_off
             _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
+        if answer.out_of_scope:
+            self._metrics.out_of_scope += 1
         if answer.fallback:
             reason = answer.fallback_reason or "unknown"
             work.trace.outcome("deadline_expired" if reason in _PAST_DEADLINE else "fallback", reason)

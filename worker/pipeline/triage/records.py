@@ -34,6 +34,7 @@ def triage_result(
 ) -> TriageResult:
     """The output record for one answered ticket (the answer may itself be a fallback); `classified_at`
     defaults to now; `pii` the kinds of personal data found in the ticket (its `TicketScan.kinds`)."""
+    scoped = answer.out_of_scope
     return TriageResult(
         schema_version=SCHEMA_VERSION,
         ticket_id=event.ticket_id,
@@ -54,6 +55,11 @@ def triage_result(
         first_confidence=answer.first_confidence,
         escalation_skipped=answer.escalation_skipped,
         taxonomy=answer.taxonomy,
+        # "None of these" only: every other record stays byte for byte what it was (omit_defaults).
+        out_of_scope=True if scoped else None,
+        out_of_scope_reason="no_similar_training_ticket" if scoped else None,
+        nearest_intent=answer.nearest_intent if scoped else None,
+        nearest_confidence=answer.nearest_confidence if scoped else None,
     )
 
 
