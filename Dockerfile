@@ -24,12 +24,13 @@ WORKDIR /src
 # The whole build context: .dockerignore keeps it to what the wheel is built from.
 COPY . .
 # `pip install` builds the wheel and installs it: whatever the wheel carries (package data) is in the venv.
-# [cpu]: the CPU build of ONNX Runtime GenAI, where that is an extra. Bytecode is compiled here (pip's default):
+# [cpu]: the CPU build of ONNX Runtime GenAI, where that is an extra; [otel]: per-ticket traces, off unless the
+# OTEL_* variables or a [tracing] section turn them on (docs/operations.md#tracing). Bytecode is compiled here (pip's default):
 # the root filesystem is read-only at run time on Kubernetes. The CA bundle is a build secret: it trusts the
 # index for this step only and never lands in a layer.
 RUN --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
-    && python -m venv "$VIRTUAL_ENV" && "$VIRTUAL_ENV/bin/pip" install ".[cpu]"
+    && python -m venv "$VIRTUAL_ENV" && "$VIRTUAL_ENV/bin/pip" install ".[cpu,otel]"
 
 # -- runtime: the venv, the model, an unprivileged user ------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime
