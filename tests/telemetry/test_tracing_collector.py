@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +23,15 @@ import msgspec
 import pytest
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
-from doubles import InstantClassifier, Running
+from doubles import InstantClassifier, Running, instant_answer
 from memory_kafka import MemoryKafka, as_client_factory
 
 from tools.harness import Worker, headers_of, make_topics, read_topic, wait_until_committed
 from tools.local_collector import CollectorUnavailable, LocalCollector, attributes, collector_binary
 from worker.app.doors import TriageParts, group_pipeline
-from worker.classification import FallbackLabel
+from worker.classification import Classification, FallbackLabel
 from worker.cli.cli import main
+from worker.pipeline.triage.cascade import Cascade
 from worker.settings import load_settings
 from worker.telemetry.tracing import tracing_for
 
@@ -136,6 +137,117 @@ def test_the_collector_receives_one_trace_from_the_producer_to_the_triage_record
     assert headers["traceparent"] is not None
     assert headers["traceparent"].decode().split("-")[1:3] == [PRODUCER_TRACE, process["spanId"]]
     assert SECRET not in collector.exported()
+
+
+class _UnsureOfEscalations(InstantClassifier):
+    """The first stage: unsure (0.5) of the tickets that ask for it, so a cascade escalates them."""
+
+    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
+        with self._lock:
+            asked, self._asked = self._asked, []
+        if not asked:
+            time.sleep(min(timeout, 0.005))
+        answer = instant_answer(self.model_id)
+        unsure = msgspec.structs.replace(answer, confidence=0.5)
+        return [(r.request_id, unsure if "unsure" in r.text else answer) for r in asked]
+
+
+class _Escalation(InstantClassifier):
+    model_id = "escalation@test"
+
+
+def test_exactly_once_escalated_late_and_aborted_tickets_each_reach_the_collector_as_their_own_story(
+    collector: LocalCollector,
+) -> None:
+    """Exactly-once group mode with a cascade, traced over OTLP/HTTP to the Collector: an escalated ticket's
+    trace has both model stages; a ticket whose deadline had passed on arrival is an error saying so, with no
+    model step; the first delivery of a third ticket's record fails, so its transaction is aborted: that
+    try's span ends given up, saying why, and the redo is a second process span of the same trace, settled
+    by its transaction (as is every ticket of that transaction: a try given up, then the redo). The in-memory
+    Kafka fails the delivery at will (the real broker refuses a record
+    for its content before the transaction sees it)."""
+    kafka = MemoryKafka()
+    for topic in (INPUT, OUTPUT, DEAD):
+        kafka.create_topic(topic, 1)
+    escalated, late, aborted = (uuid.uuid4().hex for _ in range(3))
+    tickets = [
+        (escalated, {"ticket_id": "T-unsure", "body": "unsure: my card never came"}),
+        (late, {"ticket_id": "T-late", "body": "hi", "metadata": {"deadline_at": "2020-01-01T00:00:00Z"}}),
+        (aborted, {"ticket_id": "T-abort", "body": "where is my card"}),
+    ]
+    for trace, ticket in tickets:
+        kafka.append(INPUT, 0, msgspec.json.encode(ticket), None, [("traceparent", _traceparent(trace))])
+    failed: list[bytes] = []
+
+    def fail_once(topic: str, value: bytes | None) -> confluent_kafka.KafkaError | None:
+        if topic != OUTPUT or failed or b"T-abort" not in (value or b""):
+            return None
+        failed.append(value or b"")
+        return confluent_kafka.KafkaError(confluent_kafka.KafkaError.REQUEST_TIMED_OUT, "request timed out")
+
+    kafka.hooks.delivery = fail_once
+    settings = load_settings(
+        env={},
+        overrides={
+            "kafka.bootstrap.servers": "memory:9092",
+            "pipeline.group_id": GROUP,
+            "pipeline.guarantee": "exactly_once",
+            "pipeline.commit_interval_ms": 20,
+            "tracing.exporter": "otlp",
+            "tracing.endpoint": collector.http_endpoint,
+        },
+    )
+    tracing = tracing_for(settings.tracing, GROUP, {})
+    cascade = Cascade(_Escalation(), 0.8, window=8, prior_latency_s=0.0, first_contexts=1)
+    parts = TriageParts(
+        _UnsureOfEscalations(), FallbackLabel("unclassified", "Medium"), 8, cascade=cascade, tracing=tracing
+    )
+    clients = as_client_factory(kafka.clients(GROUP, "collector-tid"))
+    running = Running(group_pipeline(settings, parts, clients=clients))
+    deadline = time.monotonic() + 15.0
+    while kafka.committed[GROUP].get((INPUT, 0), 0) < len(tickets):
+        assert time.monotonic() < deadline, "the tickets were not committed"
+        time.sleep(0.01)
+    assert running.stop() == 0  # the run's end sends what is left
+    assert failed, "no delivery was failed"
+
+    def process(trace: str) -> list[dict[str, Any]]:
+        found = [s for s in collector.spans() if s["traceId"] == trace and s["name"] == f"process {INPUT}"]
+        return sorted(found, key=lambda span: int(span["startTimeUnixNano"]))
+
+    def children(parent: dict[str, Any]) -> list[dict[str, Any]]:
+        found = [s for s in collector.spans() if s.get("parentSpanId") == parent["spanId"]]
+        return sorted(found, key=lambda span: int(span["startTimeUnixNano"]))
+
+    deadline = time.monotonic() + 15.0
+    while not (process(escalated) and process(late) and len(process(aborted)) == 2):
+        assert time.monotonic() < deadline, "the spans did not arrive"
+        time.sleep(0.05)
+    # The abort redoes every ticket of its transaction: each try but the last ends given up (after what
+    # it did: the late ticket's wrote its fallback, in the aborted transaction).
+    for trace in (escalated, late, aborted):
+        for earlier in process(trace)[:-1]:
+            assert _events(earlier)[-1][0] == "triage.given_up"
+    both_stages = process(escalated)[-1]
+    names = [span["name"] for span in children(both_stages)]
+    assert names == [
+        "decode",
+        "dispatch queue",
+        "classify instant@test",
+        "classify escalation@test",
+        f"send {OUTPUT}",
+        "settle",
+    ]
+    expired = process(late)[-1]
+    assert _events(expired) == [("triage.deadline_expired", {"triage.reason": "expired_on_arrival"})]
+    assert expired["status"]["code"] == 2  # STATUS_CODE_ERROR
+    assert [span["name"] for span in children(expired)] == ["decode", f"send {OUTPUT}", "settle"]
+    given_up, redone = process(aborted)[-2:]
+    assert given_up["status"].get("code", 0) == 0  # not the ticket's failure: it is redone
+    why = "its delivery failed (REQUEST_TIMED_OUT): its transaction is aborted, it is redone"
+    assert _events(given_up) == [("triage.given_up", {"triage.reason": why})]
+    assert attributes(children(redone)[-1])["triage.settled_by"] == "transaction"
+    assert len(kafka.read_committed(OUTPUT)) == len(tickets)
 
 
 @pytest.mark.kafka
