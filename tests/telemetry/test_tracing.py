@@ -49,9 +49,10 @@ from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.tracing import NO_TRACING, Tracing
 from worker.pipeline.triage.cascade import Cascade
+from worker.privacy.values import key_detector
 from worker.replay.outcomes import ReplaySummary
 from worker.replay.selection import ReplayOptions
-from worker.settings import MetricsSettings, Settings, TracingSettings, load_settings
+from worker.settings import MetricsSettings, PrivacySettings, Settings, TracingSettings, load_settings
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import TelemetryServer, new_registry
@@ -92,7 +93,10 @@ class Traced:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        self.tracing: Tracing = OtelTracing(provider, GROUP)
+        # As the worker assembles it: a key the privacy detector passes is shown on sampled tickets' spans.
+        self.tracing: Tracing = OtelTracing(
+            provider, GROUP, key_is_personal=key_detector(PrivacySettings().copy_redactor())
+        )
         self.positions: list[tuple[int, int]] = []
 
     def add(
@@ -180,6 +184,7 @@ def test_a_classified_ticket_is_one_trace_from_the_producer_s_span_to_the_triage
         "messaging.destination.partition.id": "0",
         "messaging.kafka.offset": 0,
         "messaging.consumer.group.name": GROUP,
+        "messaging.kafka.message.key": "customer-1",  # no personal data in it
     }
     assert process.status.status_code is StatusCode.UNSET
     children = traced.children(process)
@@ -528,6 +533,18 @@ def test_no_ticket_text_and_no_personal_data_in_any_span() -> None:
         assert value not in seen
 
 
+def test_a_key_is_shown_only_where_the_detector_finds_no_personal_data_in_it() -> None:
+    """The conventions' `messaging.kafka.message.key`: a customer number as the key is shown; an e-mail
+    address, a phone number or bytes that are not text never are."""
+    traced = Traced()
+    for index, key in enumerate([b"C-1001", PERSONAL[0].encode(), b"call +44 20 7946 0958", b"\xff\xfe"]):
+        traced.add(ticket(f"T-{index}"), key)
+    traced.run(InstantClassifier())
+
+    shown = [(p.attributes or {}).get("messaging.kafka.message.key") for p in traced.processes()]
+    assert shown == ["C-1001", None, None, None]
+
+
 class _Lines(Offline):
     def __init__(self) -> None:
         self.pool = InstantClassifier()  # type: ignore[assignment]
@@ -569,10 +586,16 @@ def test_a_replayed_dead_letter_s_span_is_linked_to_the_original_ticket_s_trace(
     kafka.append(DEAD, 0, ticket("T-1"), None, headers)
     exporter = InMemorySpanExporter()
 
-    def tracing_for_replay(settings: TracingSettings, group: str | None, *, replay: bool) -> OtelTracing:
+    def tracing_for_replay(
+        settings: TracingSettings,
+        group: str | None,
+        *,
+        replay: bool,
+        key_is_personal: Callable[[bytes], bool] | None = None,
+    ) -> OtelTracing:
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-        return OtelTracing(provider, group, replay=replay)
+        return OtelTracing(provider, group, replay=replay, key_is_personal=key_is_personal)
 
     monkeypatch.setattr(replay_door, "tracing_for", tracing_for_replay)
     monkeypatch.setattr(replay_door, "_ReplayClients", lambda settings, group: kafka.clients(group, None))

@@ -267,14 +267,19 @@ def test_a_running_worker_turned_on_by_the_otel_variables_sends_the_ticket_s_tra
     value = msgspec.json.encode({"ticket_id": "T-1", "body": f"where is my card? {SECRET}"})
     traceparent = f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-01".encode()
     producer.produce(topics.input, value, SECRET.encode(), headers=[("traceparent", traceparent)])
+    # A ticket of its own trace, keyed by a customer number: a key without personal data is shown.
+    producer.produce(topics.input, msgspec.json.encode({"ticket_id": "T-2", "body": "hi"}), b"C-1001")
     assert producer.flush(30) == 0
     wait_until_committed(kafka_bootstrap, group, topics.input, timeout=120, worker=worker)
     assert worker.stop() == 0  # the run's end sends what is left
 
-    [record] = list(read_topic(kafka_bootstrap, topics.output))
-    spans = _received(collector, 1 + len(STEPS))
-    assert {span["traceId"] for span in spans} == {PRODUCER_TRACE}
+    [record] = [r for r in read_topic(kafka_bootstrap, topics.output) if b'"T-1"' in (r.value() or b"")]
+    everything = _received(collector, 2 * (1 + len(STEPS)))
+    [keyed] = [s for s in everything if s["traceId"] != PRODUCER_TRACE and s["name"].startswith("process ")]
+    assert attributes(keyed)["messaging.kafka.message.key"] == "C-1001"
+    spans = [span for span in everything if span["traceId"] == PRODUCER_TRACE]
     [process] = [span for span in spans if span["name"] == f"process {topics.input}"]
+    assert "messaging.kafka.message.key" not in attributes(process)  # an e-mail address as the key
     assert process["parentSpanId"] == PRODUCER_SPAN
     assert attributes(process)["messaging.consumer.group.name"] == group
     assert {"key": "service.name", "value": {"stringValue": "triage-e2e"}} in process["resource"]

@@ -41,6 +41,7 @@ from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_fo
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import OffsetTracker
 from worker.pipeline.triage.records import DeadLetterRedaction
+from worker.privacy.values import key_detector
 from worker.replay.outcomes import PartitionPlan, ReplayObserver, ReplaySummary, fatal_reason
 from worker.replay.reports import Reports
 from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
@@ -159,7 +160,12 @@ def replay_pipeline(
         poll_timeout_s=_POLL_S,
         shutdown_timeout_s=INTERRUPT_DRAIN_S,
     )
-    tracing = tracing_for(settings.tracing, options.group, replay=True)
+    tracing = tracing_for(
+        settings.tracing,
+        options.group,
+        replay=True,
+        key_is_personal=key_detector(settings.privacy.copy_redactor()),
+    )
     return Engine(
         source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False, tracing=tracing
     )

@@ -89,12 +89,20 @@ class OtelTracing(Tracing):
     context is the original ticket's (a dead letter carries the span that dead-lettered it), so the span
     is linked to it, as the messaging conventions say of a message processed again, rather than its child."""
 
-    def __init__(self, provider: TracerProvider, consumer_group: str | None, *, replay: bool = False) -> None:
+    def __init__(
+        self,
+        provider: TracerProvider,
+        consumer_group: str | None,
+        *,
+        replay: bool = False,
+        key_is_personal: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self._provider = provider
         self._tracer = provider.get_tracer("worker.pipeline", __version__)
         self._propagator = TraceContextTextMapPropagator()
         self._group = consumer_group
         self._replay = replay
+        self._key_is_personal = key_is_personal
 
     def ticket(self, work: Work) -> TicketTrace:
         parent = self._propagator.extract(_trace_context(work.headers))
@@ -109,11 +117,23 @@ class OtelTracing(Tracing):
         context = set_span_in_context(span)
         if not span.is_recording():  # sampled out: only its context goes on, to the outputs
             return _Unsampled(self._propagator.inject, context)
+        if (key := self._shown_key(work.key)) is not None:  # sampled tickets only: the detector costs
+            span.set_attribute("messaging.kafka.message.key", key)
         return _Ticket(self._tracer, span, context, self._propagator.inject)
 
+    def _shown_key(self, key: bytes | None) -> str | None:
+        """The record's key as the conventions' attribute: only a UTF-8 key in which the privacy detector
+        finds no personal data (none given: never). A customer's e-mail address as the key stays out."""
+        if key is None or self._key_is_personal is None or self._key_is_personal(key):
+            return None
+        try:
+            return key.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
     def _process_attributes(self, work: Work) -> dict[str, Attribute]:
-        """The messaging conventions' attributes of a record's process span. Never its key: a key may be
-        personal data (an e-mail address as the customer's key)."""
+        """The messaging conventions' attributes of a record's process span (the key is set apart, see
+        `_shown_key`)."""
         attributes: dict[str, Attribute] = {
             "messaging.operation.type": "process",
             "messaging.operation.name": "process",
