@@ -80,9 +80,12 @@ test: setup
 pytest_tier = rc=0; $(BIN)/pytest -m $(1) $(2) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "(no test of this tier among those selected)"; else exit $$rc; fi
 
+# In FAST_WORKERS pytest processes (pytest-xdist): its tests are short and mostly compute, so two processes on two
+# cores halve what the tests take; each process pays the imports again. FAST_WORKERS=0: one process.
+FAST_WORKERS ?= 2
 ## The tests that need no broker and take seconds (-m "not kafka and not slow"): no Java, no Kafka jars
 test-fast: setup
-	@$(call pytest_tier,'not kafka and not slow and not release')
+	@$(call pytest_tier,'not kafka and not slow and not release',-n $(FAST_WORKERS))
 
 # The session fixture starts (and stops) its own broker unless KAFKA_BOOTSTRAP_SERVERS names one or a Docker API
 # answers (testcontainers then starts one; tests/kafka_source.py decides): Java and Maven only for the former.

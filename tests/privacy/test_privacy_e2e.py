@@ -169,7 +169,9 @@ def test_no_identifier_leaves_the_input_topic_in_clear(
         text = f"{ticket.subject or ''}\n{ticket.body}" if with_text else None
         event = FeedbackEvent(
             ticket_id=record.ticket_id,
-            intent=record.intent,
+            # They confirm the model's answer; for a ticket it found out of scope, the intent it came nearest
+            # (a verdict of "none of these" is no training example).
+            intent=record.nearest_intent or record.intent,
             source=None if with_text else record.source,
             text=text,
             model_intent=record.intent,
