@@ -13,6 +13,8 @@ What it models, because the pipeline's correctness depends on it:
   `poll()` returns one record, dequeued (and version-checked) after any callback served before it.
 - **Rebalance callbacks** run inside `consume`/`poll`/`close`, on the caller's thread; the test decides when
   partitions are assigned, revoked or lost (`MemoryKafka.revoke`, `.lose`, `.assign`), each a new generation.
+  A consumer's member id is the test's to clear (librdkafka clears it when the session times out), and
+  `MemoryKafka.answering` says whether metadata requests (`list_topics`) are answered.
 - **Transactions**: records written in a transaction are visible to read_committed readers only once it
   commits; `send_offsets_to_transaction` checks the consumer's generation (a zombie cannot commit offsets);
   `init_transactions` under the same id fences the older producer and aborts its open transaction. A failed
@@ -141,6 +143,8 @@ class MemoryKafka:
         self.committed: dict[str, dict[Key, int]] = collections.defaultdict(dict)
         self.generation = 0
         self.members: list[MemoryConsumer] = []
+        # False: the broker is away, metadata requests time out.
+        self.answering = True
         self.hooks = Hooks()
         self._epochs: dict[str, MemoryProducer] = {}
         self._open: dict[str, Transaction] = {}
@@ -297,6 +301,13 @@ class MemoryConsumer:
 
     def memberid(self) -> str:
         return self.member
+
+    def list_topics(self, topic: str, timeout: float = -1) -> Any:
+        if not self.kafka.answering:
+            away = confluent_kafka.KafkaError(confluent_kafka.KafkaError._TRANSPORT)
+            raise confluent_kafka.KafkaException(away)
+        partitions = {p: None for p in range(len(self.kafka.logs[topic]))}
+        return SimpleNamespace(topics={topic: SimpleNamespace(partitions=partitions, error=None)})
 
     def consumer_group_metadata(self) -> GroupMetadata:
         return GroupMetadata(self.group, self.kafka.generation, self.member)
@@ -474,10 +485,6 @@ class ReplayConsumer(MemoryConsumer):
     def __init__(self, kafka: MemoryKafka, group: str) -> None:
         super().__init__(kafka, group, lambda _error: None)
         self._at_end: set[tuple[str, int]] = set()
-
-    def list_topics(self, topic: str, timeout: float = -1) -> Any:
-        partitions = {p: None for p in range(len(self.kafka.logs[topic]))}
-        return SimpleNamespace(topics={topic: SimpleNamespace(partitions=partitions, error=None)})
 
     def poll(self, timeout: float = -1) -> Message | None:
         message = super().poll(0)

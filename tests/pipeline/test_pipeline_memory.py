@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from doubles import HoldingClassifier, InstantClassifier, RecordingClassifier, Running
 from memory_kafka import GroupMetadata, MemoryConsumer, MemoryKafka, as_client_factory
+from structlog.testing import capture_logs
 
 from worker.app.doors import TriageParts, group_pipeline
 from worker.classification import Classifier, FallbackLabel
@@ -233,6 +234,34 @@ def test_a_lost_partition_is_never_committed_and_exactly_once_never_shows_its_ou
         assert sorted(outputs) == [(0, offset) for offset in range(8)]
     else:  # at-least-once: written before the loss; the new owner writes them again (the duplicate bound)
         assert sorted(outputs) == sorted([(p, o) for p in (0, 1) for o in range(8)])
+
+
+@BOTH_GUARANTEES
+def test_a_worker_left_out_of_its_group_while_the_broker_answers_ends_its_run_to_be_restarted(
+    kafka: MemoryKafka, guarantee: str
+) -> None:
+    """After a broker outage longer than the session timeout, librdkafka 2.16 may never rejoin the group (its
+    coordinator lookup waits for an answer that never comes): no member id, no JoinGroup, the loop turning
+    and liveness holding. Nothing is counted while the broker is away; once it answers, the worker stays out
+    of the group for at most four session timeouts, then logs group_rejoin_forced and exits 1 for its
+    supervisor to restart it. Nothing is assigned then, so nothing is lost: the tickets read are committed."""
+    fill_texts(kafka, 0, ["where is my card"] * 8)
+    worker = pipeline(kafka, guarantee, clock=fast_clock(), settings={"pipeline.commit_interval_ms": 1000})
+    running = Running(worker)
+    consumer = kafka.members[0]
+    wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 8, "every ticket committed")
+    kafka.answering = False
+    consumer.member = ""  # the session timed out (librdkafka clears the member id), and no rejoin follows
+    kafka.lose(consumer, sorted(consumer.assigned))
+    time.sleep(3.0)  # 300 s on the pipeline's clock: over four session timeouts (45 s) with the broker away
+    assert running.code is None, "the run ended while the broker was away"
+    with capture_logs() as logged:
+        kafka.answering = True
+        running.join(timeout=10.0)
+    assert running.code == 1
+    forced = [event for event in logged if event["event"] == "group_rejoin_forced"]
+    assert len(forced) == 1 and forced[0]["out_of_group_s"] >= 4 * 45, forced
+    assert kafka.committed["memory-group"][(INPUT, 0)] == 8
 
 
 def test_a_worker_fenced_by_another_with_its_transactional_id_stops_and_its_open_transaction_is_aborted(

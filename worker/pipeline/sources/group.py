@@ -20,6 +20,9 @@
   `revoke_timeout_ms`, and half of `max.poll.interval.ms`) before the callback returns; a loss gives them up.
 - **Pausing** for the in-flight bound and at shutdown, and keeping a partition whose delivery failed for good
   paused until a restart or rebalance (`blocked`).
+- **Staying out of the group** although the broker answers ends the run (`RejoinWatch`): librdkafka can stop
+  looking for its group coordinator after an outage longer than the session timeout, and nothing the
+  consumer's API offers starts it again.
 """
 
 from __future__ import annotations
@@ -43,8 +46,15 @@ from worker.pipeline.work import Work
 
 _log = structlog.get_logger("worker.pipeline")
 
-# librdkafka's default max.poll.interval.ms.
+# librdkafka's default max.poll.interval.ms and session.timeout.ms.
 _LIBRDKAFKA_MAX_POLL_MS = 300000
+_LIBRDKAFKA_SESSION_MS = 45000
+# How many session timeouts a consumer may stay out of its group while the broker answers it: after an
+# outage longer than the session timeout it rejoins within seconds (6.3-8.6 s after the local broker was
+# ready again, in 28 tries with a 6 s session timeout).
+_REJOIN_SESSIONS = 4
+# The longest a check that the broker answers holds the loop; made only while out of the group.
+_ANSWER_TIMEOUT_S = 1.0
 
 
 class PausedPartitions:
@@ -70,6 +80,60 @@ class PausedPartitions:
     def forget(self, keys: Iterable[TopicPartitionKey]) -> None:
         """No longer owned (revoked, lost) or assigned afresh (resumed explicitly by the caller)."""
         self.keys.difference_update(keys)
+
+
+class RejoinWatch:
+    """Ends the run (`Failure`, exit 1) when the consumer has had no member id for `_REJOIN_SESSIONS` session
+    timeouts during which the broker answered its metadata requests, so that the worker's supervisor restarts
+    it and a fresh consumer joins the group.
+
+    Why not a rejoin in process: after a broker outage longer than the session timeout, librdkafka 2.16 was
+    seen (once, under load) never to send a JoinGroup again while the loop turned and liveness held. Its group
+    state machine has a state that only a FindCoordinator answer leaves (wait-coord), and an answer can be
+    dropped when the broker it was sent to is decommissioned at that moment, which librdkafka does to its
+    bootstrap broker when the broker comes back (see also librdkafka #5456, #5511). Re-subscribing,
+    committing or fetching committed offsets do not leave that state; only a new consumer does. Out of the
+    group nothing is assigned, so nothing is lost: the next member starts from the committed offsets. While
+    the broker is away it does not answer and nothing is counted."""
+
+    def __init__(
+        self, consumer: confluent_kafka.Consumer, topic: str, session_timeout_s: float, failure: Failure
+    ) -> None:
+        self._consumer, self._topic, self._failure = consumer, topic, failure
+        self._session_timeout_s = session_timeout_s
+        self._bound_s = _REJOIN_SESSIONS * session_timeout_s
+        # While out of the group: when the broker was last asked, and since when it has answered every time.
+        self._asked_at: float | None = None
+        self._answering_since: float | None = None
+
+    def check(self, now: float) -> None:
+        """At most one metadata request per session timeout, and only while the consumer has no member id."""
+        if self._consumer.memberid():
+            self._asked_at = self._answering_since = None
+            return
+        if self._asked_at is not None and now - self._asked_at < self._session_timeout_s:
+            return
+        self._asked_at = now
+        if not self._broker_answers():
+            self._answering_since = None
+        elif self._answering_since is None:
+            self._answering_since = now
+        elif (waited := now - self._answering_since) >= self._bound_s:
+            self._answering_since = None
+            _log.error(
+                "group_rejoin_forced",
+                out_of_group_s=round(waited),
+                reason="no member id although the broker answers: librdkafka stopped rejoining the group",
+                effect="the run ends (exit 1); a restart joins the group afresh, nothing was assigned",
+            )
+            self._failure.set(f"out of the consumer group for {waited:.0f}s while the broker answered")
+
+    def _broker_answers(self) -> bool:
+        try:
+            self._consumer.list_topics(self._topic, timeout=_ANSWER_TIMEOUT_S)
+        except confluent_kafka.KafkaException:
+            return False
+        return True
 
 
 class GroupSource:
@@ -101,6 +165,8 @@ class GroupSource:
         self._failure = failure
         self._clock = clock
         self._starts = StartPositions(consumer, consumer_options["auto.offset.reset"], clock)
+        session_ms = int(consumer_options.get("session.timeout.ms", _LIBRDKAFKA_SESSION_MS))
+        self._rejoin_watch = RejoinWatch(consumer, topic, session_ms / 1000.0, failure)
         # Partitions held back at a record the Schema Registry could not answer for.
         self._held: set[TopicPartitionKey] = set()
         self._loop: Loop | None = None
@@ -167,6 +233,7 @@ class GroupSource:
 
     def maintain(self, now: float) -> None:
         self._starts.resolve()
+        self._rejoin_watch.check(now)
         if self._pausing_all:
             self._paused.pause(state.key for state in self._tracker)
         else:
