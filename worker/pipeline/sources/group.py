@@ -49,10 +49,12 @@ _log = structlog.get_logger("worker.pipeline")
 # librdkafka's default max.poll.interval.ms and session.timeout.ms.
 _LIBRDKAFKA_MAX_POLL_MS = 300000
 _LIBRDKAFKA_SESSION_MS = 45000
-# How many session timeouts a consumer may stay out of its group while the broker answers it: after an
-# outage longer than the session timeout it rejoins within seconds (6.3-8.6 s after the local broker was
-# ready again, in 28 tries with a 6 s session timeout).
+# How long a consumer may stay out of its group while the broker answers it: four session timeouts, and at
+# least two minutes. After an outage longer than the session timeout it rejoins within seconds (6.3-8.6 s
+# after the local broker was ready again, in 28 tries with a 6 s session timeout); the floor leaves room for
+# a group coordinator still loading its partitions on a loaded broker (seen for a minute in chaos runs).
 _REJOIN_SESSIONS = 4
+_REJOIN_AT_LEAST_S = 120.0
 # The longest a check that the broker answers holds the loop; made only while out of the group.
 _ANSWER_TIMEOUT_S = 1.0
 
@@ -84,8 +86,8 @@ class PausedPartitions:
 
 class RejoinWatch:
     """Ends the run (`Failure`, exit 1) when the consumer has had no member id for `_REJOIN_SESSIONS` session
-    timeouts during which the broker answered its metadata requests, so that the worker's supervisor restarts
-    it and a fresh consumer joins the group.
+    timeouts (at least `_REJOIN_AT_LEAST_S`) during which the broker answered its metadata requests, so that
+    the worker's supervisor restarts it and a fresh consumer joins the group.
 
     Why not a rejoin in process: after a broker outage longer than the session timeout, librdkafka 2.16 was
     seen (once, under load) never to send a JoinGroup again while the loop turned and liveness held. Its group
@@ -101,7 +103,7 @@ class RejoinWatch:
     ) -> None:
         self._consumer, self._topic, self._failure = consumer, topic, failure
         self._session_timeout_s = session_timeout_s
-        self._bound_s = _REJOIN_SESSIONS * session_timeout_s
+        self._bound_s = max(_REJOIN_AT_LEAST_S, _REJOIN_SESSIONS * session_timeout_s)
         # While out of the group: when the broker was last asked, and since when it has answered every time.
         self._asked_at: float | None = None
         self._answering_since: float | None = None
