@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,13 @@ import msgspec
 import pytest
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
-from doubles import InstantClassifier, Running, instant_answer
+from doubles import InstantClassifier, Running
 from memory_kafka import MemoryKafka, as_client_factory
 
 from tools.harness import Worker, headers_of, make_topics, read_topic, wait_until_committed
 from tools.local_collector import CollectorUnavailable, LocalCollector, attributes, collector_binary
 from worker.app.doors import TriageParts, group_pipeline
-from worker.classification import Classification, FallbackLabel
+from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.cli.cli import main
 from worker.pipeline.triage.cascade import Cascade
 from worker.settings import load_settings
@@ -142,14 +142,9 @@ def test_the_collector_receives_one_trace_from_the_producer_to_the_triage_record
 class _UnsureOfEscalations(InstantClassifier):
     """The first stage: unsure (0.5) of the tickets that ask for it, so a cascade escalates them."""
 
-    def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
-        with self._lock:
-            asked, self._asked = self._asked, []
-        if not asked:
-            time.sleep(min(timeout, 0.005))
-        answer = instant_answer(self.model_id)
-        unsure = msgspec.structs.replace(answer, confidence=0.5)
-        return [(r.request_id, unsure if "unsure" in r.text else answer) for r in asked]
+    def answer(self, request: ClassifyRequest) -> Classification:
+        answer = super().answer(request)
+        return msgspec.structs.replace(answer, confidence=0.5) if "unsure" in request.text else answer
 
 
 class _Escalation(InstantClassifier):
