@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,29 @@ def test_without_a_checkout_model_eval_says_to_pass_data(
         "(data/banking77 is not part of the installed package); instead, give --data DIR, a folder with "
         "BANKING77's train.csv and test.csv\n"
     )
+
+
+@pytest.mark.slow  # a minute: both stages on 160 test tickets and 80 strangers
+def test_model_eval_reports_the_escalation_stages_out_of_scope_figures(tmp_path: Path) -> None:
+    """Issue #46: beside accuracy, `model eval` says how the served detector does on tickets that fit no
+    intent (the checkout's 80 out-of-domain tickets by default): recall, precision, the in-scope share it
+    flags, in-scope accuracy at that operating point, and AUROC."""
+    out = tmp_path / "results"
+    argv = ["model", "eval", "--modes", "score", "--limit", "160", "--thresholds", "0.8", "--no-baselines"]
+    assert main([*argv, "--no-teacher", "--out", str(out)]) == 0
+    scope = json.loads((out / "eval.json").read_text())["cascade"]["out_of_scope"]
+    assert scope["tickets"] == 80 and scope["source"].endswith("data/out-of-domain/tickets.txt")
+    # The shipped stage flags most tickets of other domains and few banking ones (docs/your-taxonomy.md).
+    assert scope["out_of_scope_recall"] > 0.7 and scope["in_scope_flagged"] < 0.1
+    assert 0.9 < scope["auroc"] <= 1.0 and scope["in_scope_accuracy"] > 0.8
+    assert "out-of-scope recall **" in (out / "eval.md").read_text()
+
+
+def test_an_out_of_scope_file_without_tickets_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "strangers.txt"
+    empty.write_text("\n\n")
+    argv = ["model", "eval", "--modes", "score", "--limit", "5", "--thresholds", "0.8", "--no-baselines"]
+    assert main([*argv, "--no-teacher", "--out", "", "--out-of-scope", str(empty)]) == 2
+    assert capsys.readouterr().err.endswith(f"--out-of-scope: {empty} has no ticket (one per line)\n")

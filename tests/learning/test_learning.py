@@ -30,7 +30,7 @@ from worker.errors import UserError
 from worker.inference.encoder import SentenceEmbedder, read_manifest
 from worker.inference.escalation import choose_escalation
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
-from worker.learning import compose, encoder_stage, folders
+from worker.learning import compose, encoder_stage, encoder_tuning, folders
 from worker.learning.artifacts import fetch_jar_members
 from worker.learning.evaluation import canonical_label
 from worker.learning.first_stage import Teacher
@@ -216,8 +216,10 @@ def test_an_intent_without_tickets_is_learnt_from_its_taxonomy_texts_and_the_rep
 
 @pytest.fixture
 def encoder_stage_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first stage's trainer stood aside (its own tests train it): the encoder stage composes alone."""
+    """The first stage's trainer and the encoder's fine-tune stood aside (their own tests run them): the
+    encoder stage composes alone, on the shipped encoder."""
     monkeypatch.setattr(compose, "_first_stage_trainer", lambda: (None, "stood aside in this test"))
+    monkeypatch.setattr(encoder_tuning, "missing_modules", lambda: ["torch (stood aside in this test)"])
 
 
 def _classify(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, object]:

@@ -49,12 +49,15 @@ from worker.shipped import checkout_file, shipped_path
 
 if TYPE_CHECKING:
     from worker.app.offline import Offline
+    from worker.classification import Classification
     from worker.inference.taxonomy import Taxonomy
     from worker.learning import feedback
     from worker.learning.evaluation import Example, Figures, Prediction
     from worker.settings import InferenceSettings, Settings
 
 BANKING77 = "data/banking77"
+# Tickets from other domains that fit no intent (a checkout's; `model eval --out-of-scope` gives others).
+OUT_OF_DOMAIN = "data/out-of-domain/tickets.txt"
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -139,7 +142,9 @@ def _train_first_stage(args: argparse.Namespace) -> int:
     from worker.learning import evaluation, first_stage, folders, teachers
 
     _refuse_options(
-        args, "model train without --data", ("unlabelled", "text_column", "label_column", "in_scope_loss")
+        args,
+        "model train without --data",
+        ("unlabelled", "text_column", "label_column", "in_scope_loss", "no_encoder_tuning"),
     )
     if args.out is None:
         raise UserError(
@@ -184,7 +189,11 @@ def _train_folder(args: argparse.Namespace) -> int:
 
     command = "model train --zero-shot" if args.zero_shot else "model train --data"
     if args.zero_shot:
-        _refuse_options(args, command, ("data", "unlabelled", "text_column", "label_column", "in_scope_loss"))
+        _refuse_options(
+            args,
+            command,
+            ("data", "unlabelled", "text_column", "label_column", "in_scope_loss", "no_encoder_tuning"),
+        )
     if args.taxonomy is None or args.out is None:
         raise UserError(
             f"{command} needs --taxonomy FILE (the intents) and --out DIR (the model folder to write)"
@@ -215,6 +224,7 @@ def _train_folder(args: argparse.Namespace) -> int:
         outcome = compose.train_model_folder(
             rows, taxonomy, taxonomy_path, Path(args.out), data=data, max_seconds=max_seconds,
             unlabelled=unlabelled, seed=seed, console=console, in_scope_loss=_in_scope_loss(args),
+            tune_encoder=not args.no_encoder_tuning,
         )  # fmt: skip
     print(f"wrote {outcome.out_dir} ({outcome.kind}, {outcome.seconds:.0f} s; model card: "
           f"{outcome.out_dir / 'README.md'})")  # fmt: skip
@@ -229,7 +239,7 @@ def _train_encoder(args: argparse.Namespace) -> int:
     from worker.learning import encoder_stage, folders
     from worker.learning.evaluation import stratified_split
 
-    _refuse_options(args, "model train --encoder", ("unlabelled", "zero_shot"))
+    _refuse_options(args, "model train --encoder", ("unlabelled", "zero_shot", "no_encoder_tuning"))
     _require(ENCODER_STAGE_MODULES)
     if args.out is None:
         raise UserError(
@@ -519,6 +529,7 @@ def _eval_cascade(
     alone, seconds, _ = _classify(settings, escalation, resolved, test, "escalation stage", console)
     rows = [evaluation.figures(f"{second_id} (escalation stage alone)", test, alone, taxonomy, seconds)]
     console.print(f"{rows[0].name}: accuracy {rows[0].accuracy:.2%}, {rows[0].tickets_per_s:.0f} tickets/s")
+    scope = _eval_out_of_scope(escalation, resolved, test, _strangers(args), console)
     chosen_row = None
     # Both stages' pools open once, side by side (on CPU they share the cores, as in the worker); every answer
     # under the threshold goes to the escalation stage: offline the cascade never sheds, so this measures the
@@ -543,8 +554,81 @@ def _eval_cascade(
         "validation_accuracy": {f"{t:.2f}": a for t, a in validation_accuracy.items()},
         "chosen": chosen,
         "chosen_row": chosen_row,
+        "out_of_scope": scope,
     }
     return rows, context
+
+
+def _strangers(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(where from, tickets that fit no intent): `--out-of-scope FILE`, else the checkout's
+    data/out-of-domain/tickets.txt; none in an installed package without the option."""
+    if args.out_of_scope is not None:
+        path = Path(args.out_of_scope)
+    else:
+        from worker import shipped
+
+        path = shipped.SOURCE_ROOT / OUT_OF_DOMAIN
+        if not path.is_file():
+            return "", []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--out-of-scope: cannot read {path}: {error}") from None
+    tickets = [line.strip() for line in lines if line.strip()]
+    if not tickets:
+        raise UserError(f"--out-of-scope: {path} has no ticket (one per line)")
+    return str(path), tickets
+
+
+def _eval_out_of_scope(
+    stage: InferenceSettings,
+    resolved: tuple[Taxonomy, Path],
+    test: list[Example],
+    strangers: tuple[str, list[str]],
+    console: Console,
+) -> dict[str, Any] | None:
+    """The escalation stage's out-of-scope detector as it serves (worker/inference/out_of_scope.py), on the
+    in-scope test tickets and on `strangers`: recall, precision, in-scope accuracy (right and not flagged),
+    the in-scope share flagged and AUROC. None when the stage has no detector or there are no strangers."""
+    import time
+
+    import numpy as np
+
+    from worker.classification import ClassifyRequest
+    from worker.inference.encoder import MANIFEST, EncoderEngine
+    from worker.learning.out_of_scope import open_set_figures
+
+    source, texts = strangers
+    if not texts or not (Path(stage.model).expanduser() / MANIFEST).is_file():
+        return None
+    engine = EncoderEngine(stage, *resolved)
+    if engine.out_of_scope is None:
+        return None
+    console.print(f"out of scope: the escalation stage's detector on {len(texts)} tickets of {source}")
+
+    def answers(batch: list[str]) -> list[Classification]:
+        far = time.monotonic() + 3600.0
+        done: list[Classification] = []
+        for start in range(0, len(batch), 64):
+            chunk = batch[start : start + 64]
+            done += engine.classify_batch([ClassifyRequest(start + i, t, far) for i, t in enumerate(chunk)])
+        return done
+
+    inside, outside = answers([e.text for e in test]), answers(texts)
+    right = [(a.nearest_intent or a.intent) == e.intent for a, e in zip(inside, test, strict=True)]
+    figures = open_set_figures(
+        right,
+        np.array([a.out_of_scope_score for a in inside], dtype=np.float32),
+        np.array([a.out_of_scope_score for a in outside], dtype=np.float32),
+        engine.out_of_scope.threshold,
+    )
+    return {
+        "source": source,
+        "tickets": len(texts),
+        "threshold": engine.out_of_scope.threshold,
+        "in_scope_loss_target": engine.out_of_scope.in_scope_loss,
+        **figures,
+    }
 
 
 def _eval_model(
@@ -690,6 +774,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "flag as fitting no intent (default 0.02)",
     )
     train.add_argument(
+        "--no-encoder-tuning",
+        action="store_true",
+        help="fit the encoder stage's head on the shipped encoder as it is, without fine-tuning the encoder "
+        "on the tickets first (a full folder fine-tunes it when the `train` extra is installed)",
+    )
+    train.add_argument(
         "--encoder",
         action="store_true",
         help="build the encoder stage alone (default: the shipped models/triage-encoder from BANKING77; "
@@ -748,6 +838,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     evaluate.add_argument(
         "--no-cascade", action="store_true", help="skip the escalation stage and cascade rows"
+    )
+    evaluate.add_argument(
+        "--out-of-scope",
+        metavar="FILE",
+        help="tickets that fit no intent, one per line: the escalation stage's out-of-scope figures "
+        "(default: data/out-of-domain/tickets.txt of a checkout)",
     )
     evaluate.add_argument("--out", default="results", help="folder for eval.md and eval.json ('' = none)")
     add_config_argument(evaluate)

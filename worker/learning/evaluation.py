@@ -449,8 +449,23 @@ def render_markdown(rows: Sequence[Figures], context: dict[str, Any]) -> str:
         ]
         if cascade.get("plot"):
             lines.append(f"- Accuracy against throughput: `{cascade['plot']}`.")
+        if cascade.get("out_of_scope"):
+            lines.append(out_of_scope_line(cascade["out_of_scope"]))
     lines.append("")
     return "\n".join(lines)
+
+
+def out_of_scope_line(scope: dict[str, Any]) -> str:
+    """eval.md's line on the escalation stage's out-of-scope figures (`model eval`'s `out_of_scope`)."""
+    return (
+        "- Out of scope: the escalation stage's detector as it serves (threshold "
+        f"{scope['threshold']:.4f}, chosen at training for an in-scope loss of "
+        f"{scope['in_scope_loss_target']:.0%}), on the test tickets and {scope['tickets']} tickets that "
+        f"fit no intent (`{scope['source']}`): out-of-scope recall **{scope['out_of_scope_recall']:.1%}**, "
+        f"precision {scope['out_of_scope_precision']:.1%}; in-scope tickets flagged "
+        f"{scope['in_scope_flagged']:.1%}, in-scope accuracy at that operating point (right and not "
+        f"flagged) {scope['in_scope_accuracy']:.2%}; AUROC {scope['auroc']:.3f}."
+    )
 
 
 def write_results(out_dir: Path, rows: Sequence[Figures], context: dict[str, Any]) -> tuple[Path, Path]:
