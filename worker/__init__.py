@@ -37,10 +37,11 @@ The code is in twelve rooms, one folder each, plus a few shared modules; each ro
   the pipeline's `tracing` seam; off, and not even imported, unless configured). Imports the shared modules
   and the rooms above.
 - ``worker/learning`` (learning): the trainers as a library: ticket exports in (`data`), the encoder stage
-  from tickets or zero-shot (`encoder_stage`), the first stage (`first_stage`), both stages into one model
-  folder (`compose`), where a model folder may be written and how it replaces the old one (`folders`), the
-  ORT GenAI export (`export`), evaluation on BANKING77 (`evaluation`), reviewers' feedback (`feedback`) and
-  the fine-tune on it (`fine_tune`), model files fetched with Maven (`artifacts`).
+  from tickets or zero-shot (`encoder_stage`), its encoder fine-tuned on a full folder's tickets
+  (`encoder_tuning`), its out-of-scope detector (`out_of_scope`), the first stage (`first_stage`), both
+  stages into one model folder (`compose`), where a model folder may be written and how it replaces the old
+  one (`folders`), the ORT GenAI export (`export`), evaluation on BANKING77 (`evaluation`), reviewers'
+  feedback (`feedback`) and the fine-tune on it (`fine_tune`), model files fetched with Maven (`artifacts`).
   Imports the shared modules, `worker.inference`, `worker.kafka` and `worker.pipeline` (the feedback topic
   read, its rejects dead-lettered with the pipeline's redaction); never `worker.cli` or `worker.dev`.
 - ``worker/contracts`` (data contracts): tickets in the Schema Registry formats (Avro, JSON Schema,
