@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from xml.etree import ElementTree
 
 import kafka_source
 import pytest
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, Message, Producer
 
 from tools import REPO
 from worker.cli.cli import main
@@ -146,6 +147,13 @@ def test_the_release_comes_from_the_environment_else_the_default() -> None:
         local_broker.configured_kafka_version({"TRIAGE_KAFKA_VERSION": "x"})
 
 
+def test_the_transaction_version_comes_from_the_environment_else_the_release_default() -> None:
+    assert local_broker.configured_transaction_version({}) is None
+    assert local_broker.configured_transaction_version({"TRIAGE_KAFKA_TRANSACTION_VERSION": " 1 "}) == 1
+    with pytest.raises(UserError, match=r"^TRIAGE_KAFKA_TRANSACTION_VERSION 'v2': expected a feature level"):
+        local_broker.configured_transaction_version({"TRIAGE_KAFKA_TRANSACTION_VERSION": "v2"})
+
+
 def test_each_release_has_a_jar_cache_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("TRIAGE_KAFKA_HOME", raising=False)
@@ -254,6 +262,19 @@ def test_broker_commands_refuse_a_version_they_cannot_run(capsys: pytest.Capture
     ]
 
 
+def _first_record(config: dict[str, str], topic: str) -> Message | None:
+    """The first record a new group reads from `topic` within 30 s (None if none came)."""
+    consumer = Consumer({**config, "group.id": f"test-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic])
+    try:
+        deadline, message = time.monotonic() + 30, None
+        while message is None and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+    finally:
+        consumer.close()
+    return message
+
+
 @pytest.mark.kafka
 @pytest.mark.release
 def test_broker_start_runs_the_release_it_is_given(
@@ -276,16 +297,34 @@ def test_broker_start_runs_the_release_it_is_given(
         producer = Producer(config)
         producer.produce(topic, value=b"through 3.9.2")
         assert producer.flush(15) == 0
-        consumer = Consumer(
-            {**config, "group.id": f"test-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"}
-        )
-        consumer.subscribe([topic])
-        try:
-            deadline, message = time.monotonic() + 30, None
-            while message is None and time.monotonic() < deadline:
-                message = consumer.poll(0.5)
-        finally:
-            consumer.close()
+        message = _first_record(config, topic)
         assert message is not None and message.error() is None and message.value() == b"through 3.9.2"
     finally:
         main(["broker", "stop", "--state-dir", str(state)])
+
+
+@pytest.mark.kafka
+def test_a_fresh_log_dir_runs_the_transaction_version_asked_for(tmp_path: Path) -> None:
+    """transaction.version=1 (before KIP-890 part 2) on the default release, beside the session's broker: the
+    broker's log shows the level finalized, and a transaction commits through it."""
+    if kafka_source.choose() != "local":  # like the SASL/TLS tests: such sessions may have no Java or Maven
+        pytest.skip("starts a second local broker; this session uses another broker")
+    broker = local_broker.LocalBroker(tmp_path / "broker", local_broker.free_port(), transaction_version=1)
+    broker.start(fresh=True, echo=lambda _line: None)
+    try:
+        log = broker.log_file.read_text().splitlines()
+        finalized = [line for line in log if "finalizedFeatures=" in line]
+        assert finalized and all(re.search(r"transaction\.version=1\b", line) for line in finalized)
+        config = {"bootstrap.servers": broker.bootstrap}
+        topic = f"test.tv1.{uuid.uuid4().hex[:8]}"
+        create_topics(config, [TopicSpec(topic, 1, 1)])
+        producer = Producer({**config, "transactional.id": f"test-tv1-{uuid.uuid4().hex[:8]}"})
+        producer.init_transactions(30)
+        producer.begin_transaction()
+        producer.produce(topic, value=b"through transaction.version=1")
+        producer.commit_transaction(30)
+        message = _first_record({**config, "isolation.level": "read_committed"}, topic)
+        assert message is not None and message.error() is None
+        assert message.value() == b"through transaction.version=1"
+    finally:
+        broker.stop()

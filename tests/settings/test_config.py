@@ -123,6 +123,7 @@ def test_optional_values_and_tables_from_env() -> None:
         # The local broker's, not settings: a worker started beside `broker start` reads the same environment.
         "TRIAGE_KAFKA_HOME": "/opt/kafka-jars",
         "TRIAGE_KAFKA_VERSION": "4.4.0",
+        "TRIAGE_KAFKA_TRANSACTION_VERSION": "1",
     }
     settings = load_settings(env=env, overrides={"inference.pool_size": ""})
     assert settings.inference.pool == "thread"

@@ -48,6 +48,9 @@ from worker.shipped import SOURCE_ROOT, checkout_file
 # The default release: deploy/kafka/pom.xml's kafka.version and the apache/kafka image tag in deploy/.
 KAFKA_VERSION = "4.4.0"
 KAFKA_VERSION_ENV = "TRIAGE_KAFKA_VERSION"
+# The transaction protocol a fresh log dir is formatted with (`--feature transaction.version=N`); unset, the
+# release's default (2, KIP-890 part 2, from 4.0 on). 1 is the protocol before KIP-890 part 2.
+TRANSACTION_VERSION_ENV = "TRIAGE_KAFKA_TRANSACTION_VERSION"
 OLDEST_KAFKA_VERSION = (3, 9, 0)
 _RELEASE = re.compile(r"(\d+)\.(\d+)\.(\d+)")
 DEFAULT_PORT = 9092
@@ -91,6 +94,18 @@ def configured_kafka_version(environ: Mapping[str, str] = os.environ) -> str:
     """`$TRIAGE_KAFKA_VERSION` when set (tests and tools run another release with it), else the default."""
     given = environ.get(KAFKA_VERSION_ENV, "").strip()
     return parse_kafka_version(given, KAFKA_VERSION_ENV) if given else KAFKA_VERSION
+
+
+def configured_transaction_version(environ: Mapping[str, str] = os.environ) -> int | None:
+    """`$TRIAGE_KAFKA_TRANSACTION_VERSION` (a level such as 1) when set, else None: the release's default.
+
+    Whether the release knows the level is for its storage tool to say when it formats the log dir."""
+    given = environ.get(TRANSACTION_VERSION_ENV, "").strip()
+    if not given:
+        return None
+    if not given.isdigit():
+        raise UserError(f"{TRANSACTION_VERSION_ENV} {given!r}: expected a feature level such as 1 or 2")
+    return int(given)
 
 
 def kafka_home(version: str | None = None) -> Path:
@@ -370,7 +385,8 @@ class BrokerStatus:
 
 class LocalBroker:
     """One single-node KRaft broker of release `kafka_version` (default `configured_kafka_version()`) whose
-    whole state lives in `state_dir`."""
+    whole state lives in `state_dir`. `transaction_version` (default `configured_transaction_version()`)
+    is the transaction.version a fresh log dir is formatted with; None keeps the release's default."""
 
     def __init__(
         self,
@@ -379,6 +395,7 @@ class LocalBroker:
         home: Path | None = None,
         sasl_ssl: SaslSsl | None = None,
         kafka_version: str | None = None,
+        transaction_version: int | None = None,
     ):
         self.state_dir = state_dir or default_state_dir()
         self.port = port
@@ -387,6 +404,9 @@ class LocalBroker:
         )
         self.home = home or kafka_home(self.kafka_version)
         self.sasl_ssl = sasl_ssl
+        self.transaction_version = (
+            transaction_version if transaction_version is not None else configured_transaction_version()
+        )
 
     @property
     def bootstrap(self) -> str:
@@ -556,6 +576,11 @@ class LocalBroker:
                 arg
                 for name, password in (self.sasl_ssl.users.items() if self.sasl_ssl else ())
                 for arg in ("--add-scram", _scram_credential(name, password))
+            ),
+            *(
+                ("--feature", f"transaction.version={self.transaction_version}")
+                if self.transaction_version is not None
+                else ()
             ),
         )
         result = subprocess.run(command, capture_output=True, text=True, check=False)

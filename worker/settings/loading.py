@@ -64,7 +64,13 @@ _warned_service_links: set[str] = set()
 # TRIAGE_* variables that are not settings: read by the local broker (`worker/dev/local_broker.py`) and by
 # the test session's broker choice (`tests/kafka_source.py`). Any other TRIAGE_* must name a setting.
 _TOOL_VARIABLES = frozenset(
-    {"TRIAGE_KAFKA_HOME", "TRIAGE_KAFKA_VERSION", "TRIAGE_TEST_BROKER", "TRIAGE_KAFKA_IMAGE"}
+    {
+        "TRIAGE_KAFKA_HOME",
+        "TRIAGE_KAFKA_VERSION",
+        "TRIAGE_KAFKA_TRANSACTION_VERSION",
+        "TRIAGE_TEST_BROKER",
+        "TRIAGE_KAFKA_IMAGE",
+    }
 )
 
 
