@@ -230,7 +230,13 @@ def train_model_folder(
         if tuning_missing is None:
             tuned_file = Path(scratch) / "model.onnx"
             tuning = _tune(train, taxonomy, tuned_file, tuning_seconds, seed, console)
-            embedder = encoder_stage.open_embedder(echo=console.print, encoder=tuned_file)
+            if tuning.steps:
+                embedder = encoder_stage.open_embedder(echo=console.print, encoder=tuned_file)
+            else:
+                tuned_file, tuning = None, None
+                tuning_missing = (
+                    f"the {tuning_seconds:.0f} s it had ran out before the first step (a busy machine?)"
+                )
         embedder = embedder or encoder_stage.open_embedder(echo=console.print)
         with _progress(console) as progress:
             head, report = encoder_stage.fit_encoder_stage(

@@ -108,7 +108,8 @@ def tune_encoder(
 ) -> TuningReport:
     """Fine-tune the encoder `onnx_file` on (text, intent index) `tickets` for at most one pass or
     `max_seconds`, the classifier's rows starting at each intent's `prototype_texts` (its taxonomy texts),
-    and write the tuned encoder to `out_file` as int8 ONNX. Reports (steps done, steps planned)."""
+    and write the tuned encoder to `out_file` as int8 ONNX. Reports (steps done, steps planned); with no
+    step done (loading took the whole bound) nothing is written."""
     import torch
     import torch.nn.functional as functional
 
@@ -163,7 +164,8 @@ def tune_encoder(
         if progress is not None:
             progress(steps, planned)
     model.eval()
-    export_int8(model, out_file)
+    if steps:  # nothing learnt, nothing written: the caller keeps the shipped encoder
+        export_int8(model, out_file)
     return TuningReport(
         steps=steps,
         planned_steps=planned,
