@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import msgspec
+from rich.console import Console
 
 from tools import REPO, bench_open_intent
 from tools.bench_train import OUT_OF_DOMAIN, TAXONOMIES, CachedEmbedder, _regrouped
@@ -51,21 +52,9 @@ def _embedded(embedder: SentenceEmbedder, texts: Sequence[str]) -> bench_open_in
 def _tuned(
     taxonomy: Taxonomy, train: Sequence[Row], minutes: float, seed: int, folder: Path
 ) -> tuple[SentenceEmbedder, encoder_tuning.TuningReport]:
-    onnx_file, tokenizer = encoder_stage.shipped_encoder_files(lambda line: print(line, file=sys.stderr))
-    index = {label: i for i, label in enumerate(taxonomy.labels)}
+    """The encoder fine-tuned as `model train` tunes it (`compose.fine_tune_encoder`), as an embedder."""
     out = folder / f"{taxonomy.name}-{len(taxonomy.labels)}.onnx"
-    report = encoder_tuning.tune_encoder(
-        onnx_file,
-        tokenizer,
-        [(text, index[intent]) for text, intent in train],
-        encoder_stage.intent_texts(taxonomy),
-        out,
-        max_seconds=minutes * 60,
-        seed=seed,
-        progress=lambda done, total: (
-            print(f"tuning {done}/{total}", file=sys.stderr, flush=True) if done % 25 == 0 else None
-        ),
-    )
+    report = compose.fine_tune_encoder(train, taxonomy, out, minutes * 60, seed, Console(stderr=True))
     return encoder_stage.open_embedder(encoder=out), report
 
 

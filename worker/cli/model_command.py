@@ -595,11 +595,11 @@ def _eval_out_of_scope(
     import numpy as np
 
     from worker.classification import ClassifyRequest
-    from worker.inference.encoder import MANIFEST, EncoderEngine
+    from worker.inference.encoder import EncoderEngine, is_encoder_folder
     from worker.learning.out_of_scope import open_set_figures
 
     source, texts = strangers
-    if not texts or not (Path(stage.model).expanduser() / MANIFEST).is_file():
+    if not texts or not is_encoder_folder(Path(stage.model).expanduser()):
         return None
     engine = EncoderEngine(stage, *resolved)
     if engine.out_of_scope is None:

@@ -225,15 +225,15 @@ def train_model_folder(
     encoder_budget = max_seconds * (ENCODER_SHARE if trainer is not None else 1.0)
     with tempfile.TemporaryDirectory(prefix="triage-encoder-tuning-") as scratch:
         tuning_seconds = max_seconds * TUNING_SHARE
-        tuned_file, tuning = None, None
+        tuned: tuple[Path, encoder_tuning.TuningReport] | None = None
         tuning_missing = _why_not_tuned(kind, tune_encoder, tuning_seconds)
         if tuning_missing is None:
             tuned_file = Path(scratch) / "model.onnx"
-            tuning = _tune(train, taxonomy, tuned_file, tuning_seconds, seed, console)
+            tuning = fine_tune_encoder(train, taxonomy, tuned_file, tuning_seconds, seed, console)
             if tuning.steps:
+                tuned = (tuned_file, tuning)
                 embedder = encoder_stage.open_embedder(echo=console.print, encoder=tuned_file)
             else:
-                tuned_file, tuning = None, None
                 tuning_missing = (
                     f"the {tuning_seconds:.0f} s it had ran out before the first step (a busy machine?)"
                 )
@@ -250,7 +250,6 @@ def train_model_folder(
                 in_scope_loss=in_scope_loss,
             )
         source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
-        tuned = None if tuned_file is None or tuning is None else (tuned_file, tuning)
         return _finish(
             out_dir, kind, head, report, source, train, validation, taxonomy, taxonomy_path, embedder,
             trainer, missing, data, max_seconds, unlabelled, seed, started, console, tuned, tuning_missing,
@@ -271,7 +270,7 @@ def _why_not_tuned(kind: Kind, wanted: bool, seconds: float) -> str | None:
     return None
 
 
-def _tune(
+def fine_tune_encoder(
     train: Sequence[tuple[str, str]],
     taxonomy: Taxonomy,
     out_file: Path,
@@ -279,7 +278,8 @@ def _tune(
     seed: int,
     console: Console,
 ) -> encoder_tuning.TuningReport:
-    """The shipped encoder fine-tuned on the training part into `out_file` (learning/encoder_tuning.py)."""
+    """The shipped encoder fine-tuned on (text, intent) `train` rows of `taxonomy` into `out_file` within
+    `max_seconds` (learning/encoder_tuning.py), progress on `console`; `make bench-encoder-tuning` too."""
     onnx_file, tokenizer = encoder_stage.shipped_encoder_files(console.print)
     index = {label: i for i, label in enumerate(taxonomy.labels)}
     tickets = [(text, index[intent]) for text, intent in train]
