@@ -6,7 +6,7 @@
    in score and generate mode;
 2. pools: 1 context in this process (baseline) vs the thread pool vs the process pool, N = cores; plus the
    largest gap a 1 ms ticker thread of this process sees meanwhile (what a Kafka poll loop would suffer);
-3. static batches of 1 / 8 / 32 guided generations (generate mode; batch 1 = baseline).
+3. static batches of 1 / 8 / 32 in generate mode (batch 1 = baseline).
 Absolute req/s depend on the machine and its load; the ratios are what docs/design.md quotes.
 """
 
@@ -63,15 +63,14 @@ def prefix_reuse(settings: InferenceSettings, requests: int) -> dict[str, float]
         started = time.perf_counter()
         for index in range(requests):
             # What a context-less engine does: a new Generator and the whole prompt for every ticket.
-            score_ids, generate_ids, _ = engine.prepare(_ticket(index))
-            generator = og.Generator(engine.model, engine.params(guided=mode == "generate"))
-            generator.append_tokens(engine.prefix_ids + (score_ids if mode == "score" else generate_ids))
+            ids, _ = engine.prepare(_ticket(index))
+            generator = og.Generator(engine.model, engine.params())
+            generator.append_tokens(engine.prefix_ids)
+            context._generator = generator
             if mode == "score":
-                context._generator = generator
-                context._continuations(engine.label_ids, time.monotonic() + 60)
+                context._label_probs(ids, time.monotonic() + 60)
             else:
-                while not generator.is_done():
-                    generator.generate_next_token()
+                context._walk(ids, time.monotonic() + 60)
         scratch = _rate(requests, time.perf_counter() - started)
         figures[f"{mode}_reuse_req_s"] = reused
         figures[f"{mode}_scratch_req_s"] = scratch

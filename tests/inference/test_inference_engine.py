@@ -15,6 +15,7 @@ import pytest
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.errors import UserError
+from worker.inference.answer_trie import weigh
 from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
@@ -107,12 +108,12 @@ def test_score_probabilities_sum_to_one_and_match_brute_force(
     for text in ["Where is my card?", "I want a refund for this purchase", "日本語 🙂 pin"]:
         distribution = contexts["score"].label_distribution(text)
         assert math.isclose(sum(distribution.values()), 1.0, abs_tol=1e-9)
-        score_ids, _, _ = engine.prepare(text)
-        prompt = engine.prefix_ids + score_ids
+        ids, _ = engine.prepare(text)
+        prompt = engine.prefix_ids + ids
         brute = []
         for label_ids in engine.label_ids:
             # From scratch, the whole sequence in one append: no prefix reuse, no rewinds.
-            generator = og.Generator(engine.model, engine.params(guided=False))
+            generator = og.Generator(engine.model, engine.params())
             generator.append_tokens(prompt + label_ids)
             steps = log_softmax(generator.get_output("logits")[0])
             positions = np.arange(len(prompt) - 1, len(prompt) - 1 + len(label_ids))
@@ -124,24 +125,58 @@ def test_score_probabilities_sum_to_one_and_match_brute_force(
         assert int(np.argmax(ours)) == int(np.argmax(brute_log))
 
 
-def test_prefix_reuse_generates_the_same_tokens_as_a_fresh_generator(
+def test_prefix_reuse_reads_the_same_logits_and_answers_as_a_fresh_generator(
     engines: dict[str, Engine], contexts: dict[str, Context]
 ) -> None:
     engine, context = engines["generate"], contexts["generate"]
     for text in ["Where is my card?", "refund please", "x" * 5000, ""]:
-        _, generate_ids, _ = engine.prepare(text)
+        ids, _ = engine.prepare(text)
         reused = context._require()
-        reused.append_tokens(generate_ids)
-        fresh = og.Generator(engine.model, engine.params(guided=True))
-        fresh.append_tokens(engine.prefix_ids + generate_ids)
+        reused.append_tokens(ids)
+        fresh = og.Generator(engine.model, engine.params())
+        fresh.append_tokens(engine.prefix_ids + ids)
         np.testing.assert_allclose(reused.get_logits(), fresh.get_logits(), atol=1e-4)
-        for generator in (reused, fresh):
-            while not generator.is_done():
-                generator.generate_next_token()
-        start = len(engine.prefix_ids) + len(generate_ids)
-        assert list(reused.get_sequence(0)[start:]) == list(fresh.get_sequence(0)[start:])
         context._reset()
         assert reused.token_count() == len(engine.prefix_ids)
+        again, first_time = context.classify(_request(text)), engine.new_context().classify(_request(text))
+        assert (again.intent, again.scores) == (first_time.intent, first_time.scores)
+
+
+def test_generate_mode_confidence_is_the_labels_probability_among_the_labels(
+    engines: dict[str, Engine], contexts: dict[str, Context]
+) -> None:
+    """Each label's probability along its own path down the trie: together they are a distribution over
+    the taxonomy's labels (the test taxonomy mixes one-token and several-token labels), and the answer's
+    confidence is its label's share, as in score mode; the labels `scores` settles are exact too."""
+    engine, context = engines["generate"], contexts["generate"]
+    assert any(len(ids) > 1 for ids in engine.label_ids)
+    for text in ["Where is my card?", "I want a refund for this purchase", "日本語 🙂 pin"]:
+        answer = context.classify(_request(text))
+        shares = {
+            label: weigh(context.walk(text, math.inf, follow=index)[1])[0]
+            for index, label in enumerate(engine.labels)
+        }
+        assert math.isclose(sum(shares.values()), 1.0, abs_tol=1e-9)
+        assert 0.0 < answer.confidence <= 1.0
+        assert math.isclose(answer.confidence, shares[answer.intent], rel_tol=1e-6)
+        for label, probability in answer.scores.items():
+            assert math.isclose(probability, shares[label], rel_tol=1e-6)
+
+
+def test_generate_mode_writes_each_label_as_the_tokenizer_spells_it(engines: dict[str, Engine]) -> None:
+    """Following a label's path appends exactly the tokens the tokenizer gives the label after the answer's
+    opening (what forced, unnatural splits got wrong under the runtime's JSON guidance)."""
+    engine = engines["generate"]
+    context = engine.new_context()
+    ids, _ = engine.prepare("Where is my card?")
+    for index in range(len(engine.labels)):
+        leaf, _ = context._walk(ids, math.inf, follow=index)
+        written = [int(t) for t in context._require().get_sequence(0)[len(engine.prefix_ids) + len(ids) :]]
+        context._reset()
+        assert leaf == index
+        # The label's own tokens, up to its last choice (the tokens after it are no choice and are not
+        # appended: nothing reads the logits there).
+        assert written == engine.label_ids[index][: len(written)]
 
 
 @pytest.mark.parametrize("mode", ["score", "generate"])
@@ -205,13 +240,13 @@ def test_truncation_keeps_the_ticket_within_budget_at_a_whitespace_boundary(
 ) -> None:
     engine = engines["score"]
     text = "héllo wörld 日本語 🙂 " * 400
-    score_ids, generate_ids, truncated = engine.prepare(text)
-    overhead = len(engine.prepare("")[1])
+    ids, truncated = engine.prepare(text)
+    overhead = len(engine.prepare("")[0])
     assert truncated
-    assert len(generate_ids) - overhead <= engine.max_ticket_tokens + 2
-    assert score_ids[: len(generate_ids)] == generate_ids
-    assert engine.decode(score_ids).endswith(INTENT_OPENING)
-    assert "\ufffd" not in engine.decode(generate_ids)
+    assert len(ids) - overhead <= engine.max_ticket_tokens + 2
+    decoded = engine.tokenizer.decode(ids)
+    assert decoded.endswith(INTENT_OPENING)
+    assert "\ufffd" not in decoded
 
 
 def test_cuda_without_the_cuda_package_names_the_package() -> None:

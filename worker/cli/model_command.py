@@ -381,6 +381,45 @@ def _learn_from_corrections(
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    """Fit the temperature of each mode for the taxonomy on labelled tickets, into calibration.json."""
+    from worker.inference.calibration import write_calibration
+    from worker.inference.loading import resolve_taxonomy
+    from worker.learning.calibration import calibrate_folder
+    from worker.learning.compose import _progress, _reporter
+    from worker.learning.data import read_labelled
+
+    modes = args.modes.split(",")
+    unknown = [mode for mode in modes if mode not in ("score", "generate")]
+    if unknown:
+        raise UserError(f"--modes: unknown mode {unknown[0]!r} (score, generate)")
+    if args.limit < 1:
+        raise UserError(f"--limit must be at least 1, not {args.limit}")
+    overrides = {"inference.model": args.model, "inference.taxonomy": args.taxonomy}
+    settings = settings_from_args(args, {**overrides, "inference.mode": modes[0]})
+    folder = Path(settings.inference.model).expanduser()
+    refuse_shipped(folder)
+    for mode in modes:  # score mode refuses labels the model was not trained for, in one line
+        resolve_taxonomy(settings_from_args(args, {**overrides, "inference.mode": mode}).inference)
+    taxonomy, _ = resolve_taxonomy(settings.inference)
+    examples, _ = read_labelled(Path(args.data), taxonomy)
+    if not examples:
+        raise UserError(f"--data {args.data}: no labelled tickets")
+    examples = examples[:: max(1, len(examples) // args.limit)][: args.limit]
+    console = Console(stderr=True, soft_wrap=True)
+    with _progress(console) as progress:
+        fitted = calibrate_folder(
+            settings.inference, modes, examples, lambda mode: _reporter(progress, f"{mode}: reading")
+        )
+    for mode, result in fitted.items():
+        print(
+            f"{mode}: temperature {result.temperature:g} on {result.tickets} tickets "
+            f"(accuracy {result.accuracy:.1%}; ECE {result.ece_before:.3f} -> {result.ece_after:.3f})"
+        )
+    print(f"wrote {write_calibration(folder, taxonomy, fitted)}")
+    return 0
+
+
 def _default_data(needed_for: str) -> Path:
     """The checkout's BANKING77 (an installed package has none: the line says to pass --data)."""
     instead = "give --data DIR, a folder with BANKING77's train.csv and test.csv"
@@ -809,6 +848,32 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_config_argument(train)
     # `_train` stops on SIGINT and SIGTERM with the folder --out as it was.
     train.set_defaults(handler=_train, takes_stop_signals=True)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit a model folder's confidence for a taxonomy on labelled tickets (e.g. an imported model)",
+        description="Reads each ticket at temperature 1, fits one temperature per mode (the negative "
+        "log-likelihood of the true labels) and writes DIR/calibration.json, used whenever the folder "
+        "serves that taxonomy's labels (docs/model.md).",
+    )
+    calibrate.add_argument("--model", required=True, metavar="DIR", help="ORT GenAI model folder")
+    calibrate.add_argument("--taxonomy", metavar="FILE", help="taxonomy TOML (inference.taxonomy)")
+    calibrate.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="labelled tickets: a CSV or JSON-lines file, text and label",
+    )
+    calibrate.add_argument("--modes", default="generate", help="comma-separated: score, generate")
+    calibrate.add_argument(
+        "--limit",
+        type=int,
+        default=200,
+        metavar="N",
+        help="an evenly spaced sample of N tickets (default 200)",
+    )
+    add_config_argument(calibrate)
+    calibrate.set_defaults(handler=_calibrate)
 
     evaluate = commands.add_parser(
         "eval",

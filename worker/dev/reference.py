@@ -92,7 +92,7 @@ SETTING_DOCS: dict[str, str] = {
     "inference.provider_options": "options of the execution provider, one `--set "
     "inference.provider_options.NAME=VALUE` each",
     "inference.intra_op_num_threads": "ONNX Runtime threads per context",
-    "inference.mode": "`score` (label scoring) or `generate` (schema-guided JSON)",
+    "inference.mode": "`score` (every label scored) or `generate` (the label written token by token)",
     "inference.pool": "`process` (CPU default), `thread`, or `batch` (GPU default)",
     "inference.pool_size": "contexts (model processes) answering in parallel",
     "inference.batch_size": "static batch size of the `batch` pool",

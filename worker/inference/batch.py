@@ -1,4 +1,4 @@
-"""Static batches for the `batch` pool: guided generation of up to `batch_size` tickets in one Generator.
+"""Static batches for the `batch` pool: `generate` mode for up to `batch_size` tickets in one Generator.
 
 On a GPU a batch-1 step is launch-bound, so B rows cost little more than one (measured on an H200: batch 32
 generate 9.5x the requests/s of batch 1). Rows are the full prompt (prefix + ticket), right-padded with the
@@ -10,16 +10,15 @@ A batch has no prefix reuse: ORT GenAI only rewinds a batch to length 0.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 import structlog
 
 from worker.classification import Classification, ClassifyRequest
-from worker.inference.engine import Engine, InvalidOutput, log_softmax
+from worker.inference.answer_trie import Decision, TrieNode, weigh
+from worker.inference.engine import TOP_K_SCORES, Engine
 from worker.inference.genai import og
-from worker.messages import FallbackReason
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +35,9 @@ class BatchRunner:
 
     def classify_batch(self, requests: list[ClassifyRequest]) -> list[Classification]:
         """One result per request, in order; never raises."""
-        if self.engine.settings.mode == "score" or len(requests) == 1:
+        # A taxonomy whose priority the model decides needs a second walk per row: one by one, as in score.
+        one_by_one = self.engine.settings.mode == "score" or self.engine.priority_ids
+        if one_by_one or len(requests) == 1:
             return [self.context.classify(request) for request in requests]
         started = time.monotonic()
         results: list[Classification | None] = [None] * len(requests)
@@ -59,59 +60,64 @@ class BatchRunner:
         return [r if r is not None else self.engine.fallback("model_error", started) for r in results]
 
     def _generate(self, requests: list[ClassifyRequest], started: float) -> list[Classification]:
+        """The rows walk the label trie together (`generate` mode of engine.py, one row each): every step
+        the allowed tokens of each row's node are kept from its logits and renormalised, the most likely is
+        chosen by us and written into the logits so the runtime's greedy step takes it, and a row that has
+        its label (or ran out of time) is steered to EOS."""
         engine = self.engine
         prepared = [engine.prepare(request.text) for request in requests]
-        rows = [engine.prefix_ids + generate_ids for _, generate_ids, _ in prepared]
+        rows = [engine.prefix_ids + ids for ids, _ in prepared]
         width = max(len(row) for row in rows)
         pad = int(engine.tokenizer.pad_token_id)
         batch = np.full((len(rows), width), pad, dtype=np.int32)
         for index, row in enumerate(rows):
             batch[index, : len(row)] = row
-        generator = og.Generator(engine.model, engine.params(guided=True, batch_size=len(rows)))
+        generator = og.Generator(engine.model, engine.params(batch_size=len(rows)))
         generator.append_tokens(batch)
-        count = len(rows)
-        finished_at: list[float | None] = [None] * count
-        expired = [False] * count
-        probs: list[list[float]] = [[] for _ in range(count)]
-        steps = 0
-        while steps <= engine.max_answer_tokens and not generator.is_done():
+        eos = min(engine.eos_ids)
+        nodes: list[TrieNode] = [engine.label_trie] * len(rows)
+        decisions: list[list[Decision]] = [[] for _ in rows]
+        finished_at: list[float | None] = [None] * len(rows)
+        expired = [False] * len(rows)
+        while not all(at is not None or out for at, out in zip(finished_at, expired, strict=True)):
             now = time.monotonic()
+            logits = np.asarray(generator.get_logits()[:, -1], dtype=np.float32)
+            chosen = np.full(len(rows), eos, dtype=np.int64)
             for index, request in enumerate(requests):
-                if finished_at[index] is None and now >= request.deadline:
+                if finished_at[index] is not None or expired[index]:
+                    continue
+                if now >= request.deadline:
                     expired[index] = True
-            if all(finished_at[i] is not None or expired[i] for i in range(count)):
-                break
-            logits = log_softmax(generator.get_logits()[:, -1])
+                    continue
+                node = nodes[index]
+                if len(node.children) == 1:  # no choice: one token a step, as every row steps together
+                    chosen[index], nodes[index] = next(iter(node.children.items()))
+                else:
+                    decision = Decision.greedy(nodes[index], logits[index])
+                    decisions[index].append(decision)
+                    chosen[index], nodes[index] = decision.token, decision.child
+                if nodes[index].label is not None:
+                    finished_at[index] = time.monotonic()
+            steered = np.full_like(logits, -np.inf)
+            steered[np.arange(len(rows)), chosen] = 0.0
+            generator.set_logits(steered)
             generator.generate_next_token()
-            chosen = generator.get_next_tokens()
-            steps += 1
-            for index in range(count):
-                if finished_at[index] is None and not expired[index]:
-                    probs[index].append(math.exp(float(logits[index, int(chosen[index])])))
-                    if self._answer_text(generator, index, width).endswith("}"):
-                        finished_at[index] = time.monotonic()
         results = []
-        for index in range(len(requests)):
-            _, _, truncated = prepared[index]
-            text = self._answer_text(generator, index, width)
-            reason: FallbackReason | None = "deadline_exceeded" if expired[index] else None
-            if reason is None:
-                try:
-                    intent, priority = engine.parse_answer(text)
-                except InvalidOutput:
-                    reason = "invalid_output"
-            if reason is not None:
-                results.append(engine.fallback(reason, started, truncated))
+        for index, (_, truncated) in enumerate(prepared):
+            end, leaf = finished_at[index], nodes[index].label
+            if expired[index] or end is None or leaf is None:
+                results.append(engine.fallback("deadline_exceeded", started, truncated))
                 continue
-            tokens = self._answer_tokens(generator, index, width)
-            confidence = engine.label_confidence(tokens, probs[index], intent)
-            end = finished_at[index] or time.monotonic()
+            confidence, settled = weigh(decisions[index], self.context.temperature)
+            settled[leaf] = confidence
+            top = sorted(settled.items(), key=lambda item: -item[1])[:TOP_K_SCORES]
+            intent = engine.labels[leaf]
             results.append(
                 Classification(
                     intent=intent,
-                    priority=priority,
+                    priority=engine.taxonomy.policy_priority(intent),
                     confidence=confidence,
-                    scores={intent: confidence},
+                    scores={engine.labels[i]: p for i, p in top},
                     model=engine.model_id,
                     latency_ms=(end - started) * 1000.0,
                     truncated=truncated,
@@ -119,15 +125,3 @@ class BatchRunner:
                 )
             )
         return results
-
-    def _answer_tokens(self, generator: og.Generator, index: int, width: int) -> list[int]:
-        stop = self.engine.eos_ids | {int(self.engine.tokenizer.pad_token_id)}
-        tokens = []
-        for token in generator.get_sequence(index)[width:]:
-            if int(token) in stop:
-                break
-            tokens.append(int(token))
-        return tokens
-
-    def _answer_text(self, generator: og.Generator, index: int, width: int) -> str:
-        return self.engine.decode(self._answer_tokens(generator, index, width))

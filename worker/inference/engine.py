@@ -9,8 +9,11 @@ Two modes fill the same `Classification`:
 - `score` (default): one prefill of the ticket + `{"intent": "`, then each label's continuation is scored
   from the logits; the log-probabilities are renormalised over the closed label set, so `confidence` is the
   model's real probability of the chosen label and `scores` its distribution.
-- `generate`: greedy decoding constrained by the taxonomy's JSON schema (llguidance, strict whitespace),
-  stopping on EOS; confidence is the product of the chosen label tokens' probabilities.
+- `generate`: the same prefill, then the intent is written greedily one token at a time, each step allowed
+  only the tokens that continue a label as the tokenizer spells it (worker/inference/answer_trie.py) and its
+  probability renormalised over them: `confidence` is the chosen label's probability among the labels,
+  `scores` the labels whose probability the path settles (the chosen one and single-label branches not
+  taken). A few model steps instead of one continuation per label.
 
 Whatever happens, `Context.classify` returns a Classification (a fallback tagged with its reason when the
 model cannot answer in time or fails) and leaves the context rewound and usable for the next request.
@@ -25,17 +28,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.errors import UserError
+from worker.inference.answer_trie import Decision, build_trie, weigh
+from worker.inference.calibration import temperatures
 from worker.inference.genai import og
 from worker.inference.loading import load_model, model_dir, model_id
 from worker.inference.pairing import taxonomy_mark
-from worker.inference.prompt import INTENT_OPENING, PRIORITY_OPENING, PromptBuilder, truncate_ticket
+from worker.inference.prompt import (
+    INTENT_OPENING,
+    PRIORITY_OPENING,
+    SPLIT_PROBES,
+    PromptBuilder,
+    truncate_ticket,
+)
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason, Priority
 from worker.settings import InferenceSettings
@@ -51,17 +61,8 @@ Mode = Literal["score", "generate"]
 FloatArray = npt.NDArray[np.float64]
 
 
-class _Answer(msgspec.Struct, forbid_unknown_fields=True):
-    intent: str
-    priority: str
-
-
 class DeadlineExceeded(Exception):
     """Raised between model steps when the request's deadline has passed."""
-
-
-class InvalidOutput(Exception):
-    """Generated text that does not decode to an answer of the taxonomy."""
 
 
 def log_softmax(logits: npt.NDArray[Any]) -> FloatArray:
@@ -90,11 +91,12 @@ class Engine:
         self.taxonomy_mark = taxonomy_mark(settings, self.taxonomy, self.taxonomy_path)
         self.model_id = model_id(folder)
         self.model = load_model(settings)
+        self.temperatures = temperatures(folder, taxonomy)
         try:
             self.tokenizer = og.Tokenizer(self.model)
         except RuntimeError as error:  # e.g. a tokenizer class this ORT GenAI build does not support
             raise UserError(f"cannot load the tokenizer of {folder}: {str(error).splitlines()[0]}") from None
-        self.builder = PromptBuilder(self.taxonomy, self._render)
+        self.builder = PromptBuilder(self.taxonomy, self._render, self._splits_cleanly)
         budgets = [settings.max_ticket_tokens, self.taxonomy.prompt.max_ticket_tokens]
         self.max_ticket_tokens = min(b for b in budgets if b is not None)
         self.eos_ids = frozenset(int(t) for t in self.tokenizer.eos_token_ids)
@@ -109,80 +111,45 @@ class Engine:
             self.priority_opening_ids = self._continuation(with_label, PRIORITY_OPENING[1:])
             opened = with_label + PRIORITY_OPENING[1:]
             self.priority_ids = self._label_continuations(opened, self.taxonomy.priorities)
-        self.schema = json.dumps(self.taxonomy.json_schema())
-        longest = max(len(label) for label in self.labels) + max(len(p) for p in self.taxonomy.priorities)
-        # Every token is at least one byte and the answer is ASCII-only JSON of known length: a bound on
-        # the steps of any tokenisation the grammar can force.
-        self.max_answer_tokens = len('{"intent": "", "priority": ""}') + longest + 2
+        try:
+            self.label_trie = build_trie(self.label_ids)
+        except ValueError:
+            raise UserError(
+                f"{self.taxonomy_path}: with this model's tokenizer one label's tokens start another's, so "
+                "generate mode could not tell them apart; rename the shorter one"
+            ) from None
         overhead = len(self.encode(self.builder.suffix("") + INTENT_OPENING)) + 16
-        longest_labels = max(len(ids) for ids in self.label_ids) + max(
-            (len(ids) for ids in self.priority_ids), default=0
+        longest_labels = (
+            max(len(ids) for ids in self.label_ids)
+            + len(self.priority_opening_ids)
+            + max((len(ids) for ids in self.priority_ids), default=0)
         )
-        context_length = self._context_length(folder)
-        self.max_length = min(
-            context_length,
-            len(self.prefix_ids)
-            + overhead
-            + self.max_ticket_tokens
-            + self.max_answer_tokens
-            + longest_labels,
-        )
+        needed = len(self.prefix_ids) + overhead + self.max_ticket_tokens + longest_labels
+        self.max_length = _cache_length(folder, needed)
         self._check_split()
+        self._check_serves()
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
 
-    def prepare(self, text: str) -> tuple[list[int], list[int], bool]:
-        """Ticket text → (score-mode ids, generate-mode ids, truncated): normalised, cut to the token
-        budget, wrapped in the user turn; score mode also opens the answer up to the intent's value."""
+    def prepare(self, text: str) -> tuple[list[int], bool]:
+        """Ticket text → (ids appended after the prefix, truncated): normalised, cut to the token budget,
+        wrapped in the user turn and followed by the answer's opening up to the intent's value."""
         ticket = self.builder.prepare(text)
         ticket, truncated = truncate_ticket(ticket, self.tokenizer, self.max_ticket_tokens)
-        suffix = self.builder.suffix(ticket)
-        return self.encode(suffix + INTENT_OPENING), self.encode(suffix), truncated
+        return self.encode(self.builder.suffix(ticket) + INTENT_OPENING), truncated
 
     def new_context(self, mode: Mode | None = None) -> Context:
         return Context(self, mode or self.settings.mode)
 
-    def params(self, guided: bool, batch_size: int = 1) -> og.GeneratorParams:
+    def params(self, batch_size: int = 1) -> og.GeneratorParams:
         params = og.GeneratorParams(self.model)
         params.set_search_options(max_length=self.max_length, random_seed=RANDOM_SEED, batch_size=batch_size)
-        if guided:
-            params.set_guidance("json_schema", self.schema, enable_ff_tokens=False)
         return params
 
     def fallback(self, reason: FallbackReason, started: float, truncated: bool = False) -> Classification:
         latency_ms = (time.monotonic() - started) * 1000.0
         return fallback_answer(reason, self.taxonomy.fallback_label, self.model_id, latency_ms, truncated)
-
-    def decode(self, tokens: list[int]) -> str:
-        text: str = self.tokenizer.decode(tokens)
-        return text
-
-    def parse_answer(self, text: str) -> tuple[str, Priority]:
-        """Validate generated text as an answer of this taxonomy (the grammar should guarantee it; a model
-        or runtime bug must still not reach the output topic). Unless the taxonomy lets the model decide
-        the priority (`score_priority`), it is the intent's policy priority, as in `score` mode: words in a
-        ticket then raise its priority only by changing its intent."""
-        try:
-            answer = msgspec.json.decode(text, type=_Answer)
-        except msgspec.DecodeError as error:
-            raise InvalidOutput(f"{text!r}: {error}") from None
-        if answer.intent not in self.labels or answer.priority not in self.taxonomy.priorities:
-            raise InvalidOutput(f"{text!r}: not in the taxonomy")
-        if not self.taxonomy.prompt.score_priority:
-            return answer.intent, self.taxonomy.policy_priority(answer.intent)
-        return answer.intent, next(p for p in self.taxonomy.priorities if p == answer.priority)
-
-    def label_confidence(self, tokens: list[int], token_probs: list[float], intent: str) -> float:
-        """Product of the probabilities of the generated tokens that spell the intent's value."""
-        begin = len(INTENT_OPENING)
-        end = begin + len(intent)
-        spans = [len(self.decode(tokens[:k])) for k in range(len(tokens) + 1)]
-        confidence = 1.0
-        for k, probability in enumerate(token_probs[: len(tokens)]):
-            if spans[k] < end and spans[k + 1] > begin:
-                confidence *= probability
-        return min(1.0, max(0.0, confidence))
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         rendered: str = self.tokenizer.apply_chat_template(
@@ -215,21 +182,40 @@ class Engine:
         )
         return bare if clean_cut and prefix_free else quoted
 
-    def _check_split(self) -> None:
-        for ticket in ("Where is my card?", "x", " leading space", "ünïcödé 日本 🙂"):
-            if self.prefix_ids + self.encode(self.builder.suffix(ticket)) != self.encode(
-                self.builder.full(ticket)
-            ):
-                raise UserError(
-                    f"{self.model_id}: the chat template cannot be split before the user turn with identical "
-                    "tokens, so the shared prefix cannot be reused"
-                )
+    def _splits_cleanly(self, prefix: str, full: str) -> bool:
+        """Whether `prefix` and the rest of `full` tokenise exactly like `full` (so prefix reuse is exact)."""
+        return full.startswith(prefix) and self.encode(prefix) + self.encode(
+            full[len(prefix) :]
+        ) == self.encode(full)
 
-    @staticmethod
-    def _context_length(folder: Any) -> int:
-        config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
-        model = config.get("model", {})
-        return int(model.get("context_length") or config.get("search", {}).get("max_length") or 4096)
+    def _check_split(self) -> None:
+        if not all(self._splits_cleanly(self.builder.prefix, self.builder.full(t)) for t in SPLIT_PROBES):
+            raise UserError(
+                f"{self.model_id}: the chat template cannot be split before the ticket with identical "
+                "tokens, so the shared prefix cannot be reused"
+            )
+
+    def _check_serves(self) -> None:
+        """Create one Generator and prefill the prefix, so that a model this runtime cannot serve with these
+        settings (e.g. a cache sized under what its attention needs) is refused at start in one line rather
+        than failing every request."""
+        try:
+            og.Generator(self.model, self.params()).append_tokens(self.prefix_ids)
+        except Exception as error:  # ORT GenAI raises plain RuntimeError
+            raise UserError(f"{self.model_id} cannot be served: {str(error).splitlines()[0]}") from None
+
+
+def _cache_length(folder: Path, needed: int) -> int:
+    """The Generator's `max_length` (its KV cache): what a request can reach (`needed`), at least the
+    model's sliding attention window — ORT GenAI refuses a sliding-window cache smaller than the window —
+    plus room to rewind into it, and never more than the model's context."""
+    config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+    model = config.get("model", {})
+    context = int(model.get("context_length") or config.get("search", {}).get("max_length") or 4096)
+    window = model.get("decoder", {}).get("sliding_window", {}).get("window_size")
+    if isinstance(window, int) and window > 0:
+        needed = max(needed, window + needed)
+    return min(context, needed)
 
 
 class Context:
@@ -238,6 +224,7 @@ class Context:
     def __init__(self, engine: Engine, mode: Mode) -> None:
         self.engine = engine
         self.mode: Mode = mode
+        self.temperature = engine.temperatures[mode]
         self._generator: og.Generator | None = None
         self._build()
 
@@ -250,18 +237,15 @@ class Context:
             return self.engine.fallback("overloaded", started)
         truncated = False
         try:
-            score_ids, generate_ids, truncated = self.engine.prepare(request.text)
+            ids, truncated = self.engine.prepare(request.text)
             if self._generator is None:
                 self._build()
             if self.mode == "score":
-                intent, priority, confidence, scores = self._score(score_ids, request.deadline)
+                intent, priority, confidence, scores = self._score(ids, request.deadline)
             else:
-                intent, priority, confidence, scores = self._generate(generate_ids, request.deadline)
+                intent, priority, confidence, scores = self._generate(ids, request.deadline)
         except DeadlineExceeded:
             result = self.engine.fallback("deadline_exceeded", started, truncated)
-        except InvalidOutput as error:
-            log.warning("invalid model output", request_id=request.request_id, output=str(error)[:200])
-            result = self.engine.fallback("invalid_output", started, truncated)
         except Exception:
             log.exception("model error", request_id=request.request_id)
             result = self.engine.fallback("model_error", started, truncated)
@@ -282,9 +266,18 @@ class Context:
 
     def label_distribution(self, text: str, deadline: float = math.inf) -> dict[str, float]:
         """The full renormalised distribution over the label set (what `score` mode decides from)."""
-        score_ids, _, _ = self.engine.prepare(text)
+        ids, _ = self.engine.prepare(text)
         try:
-            return dict(zip(self.engine.labels, self._label_probs(score_ids, deadline), strict=True))
+            return dict(zip(self.engine.labels, self._label_probs(ids, deadline), strict=True))
+        finally:
+            self._reset()
+
+    def walk(self, text: str, deadline: float, follow: int | None = None) -> tuple[int, list[Decision]]:
+        """`generate` mode's walk down the label trie for `text` (or along label `follow`'s path): the label
+        reached and the decisions, raw, for calibration (worker/learning/calibration.py)."""
+        ids, _ = self.engine.prepare(text)
+        try:
+            return self._walk(ids, deadline, follow)
         finally:
             self._reset()
 
@@ -292,10 +285,10 @@ class Context:
         """The logits over the whole vocabulary where `score` mode reads the intent (right after
         `{"intent": "`): what fine-tuning the output layer's intent rows starts from
         (worker/learning/fine_tune.py)."""
-        score_ids, _, _ = self.engine.prepare(text)
+        ids, _ = self.engine.prepare(text)
         try:
             generator = self._require()
-            generator.append_tokens(score_ids)
+            generator.append_tokens(ids)
             logits: FloatArray = np.asarray(generator.get_logits()[0, -1], dtype=np.float64)
             return logits
         finally:
@@ -319,7 +312,7 @@ class Context:
         if time.monotonic() >= deadline:
             raise DeadlineExceeded
         generator.append_tokens(ids)
-        logprobs = self._continuations(self.engine.label_ids, deadline)
+        logprobs = self._continuations(self.engine.label_ids, deadline) / self.temperature
         probs: FloatArray = np.exp(logprobs - np.logaddexp.reduce(logprobs))
         return probs
 
@@ -352,37 +345,47 @@ class Context:
     # -- generate mode ------------------------------------------------------------------------------------
 
     def _generate(self, ids: list[int], deadline: float) -> tuple[str, Priority, float, dict[str, float]]:
+        leaf, decisions = self._walk(ids, deadline)
+        intent = self.engine.labels[leaf]
+        confidence, settled = weigh(decisions, self.temperature)
+        settled[leaf] = confidence
+        priority = self.engine.taxonomy.policy_priority(intent)
+        if self.engine.priority_ids:
+            self._require().rewind_to(len(self.engine.prefix_ids) + len(ids))
+            priority = self._score_priority(self.engine.label_ids[leaf], deadline)
+        top = sorted(settled.items(), key=lambda item: -item[1])[:TOP_K_SCORES]
+        return intent, priority, confidence, {self.engine.labels[i]: p for i, p in top}
+
+    def _walk(self, ids: list[int], deadline: float, follow: int | None = None) -> tuple[int, list[Decision]]:
+        """Append `ids`, then write the intent token by token down the label trie: each step reads the
+        model's next-token logits and takes the most likely allowed token (or, with `follow`, that label's
+        token: what calibration reads). A run of tokens with no choice is appended in one call and is no
+        decision. Returns the label reached and the decisions on the way."""
         generator = self._require()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded
         generator.append_tokens(ids)
-        start = generator.token_count()
-        token_probs: list[float] = []
-        for _ in range(self.engine.max_answer_tokens + 1):
-            if generator.is_done() or generator.token_count() >= self.engine.max_length:
-                break
+        node, decisions, depth = self.engine.label_trie, list[Decision](), 0
+        while True:
+            run, node = node.forced()
+            depth += len(run)
+            if node.label is not None:
+                return node.label, decisions
+            if run:
+                generator.append_tokens(run)
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded
             logits = generator.get_logits()[0, -1]
-            generator.generate_next_token()
-            token = int(generator.get_next_tokens()[0])
-            token_probs.append(math.exp(float(log_softmax(logits)[token])))
-        tokens = [int(t) for t in generator.get_sequence(0)[start:]]
-        # Done means EOS or a completed grammar (llguidance ends the sequence itself); anything else
-        # is the step bound or max_length cutting an unfinished answer.
-        if not generator.is_done():
-            raise InvalidOutput(f"unfinished after {len(tokens)} tokens: {self._decode(tokens)!r}")
-        if tokens and tokens[-1] in self.engine.eos_ids:
-            tokens.pop()
-        text = self._decode(tokens)
-        intent, priority = self.engine.parse_answer(text)
-        confidence = self.engine.label_confidence(tokens, token_probs, intent)
-        return intent, priority, confidence, {intent: confidence}
+            if follow is None:
+                decision = Decision.greedy(node, logits)
+            else:
+                decision = Decision.of(node, logits, self.engine.label_ids[follow][depth])
+            decisions.append(decision)
+            node, depth = decision.child, depth + 1
+            if node.label is None:
+                generator.append_tokens([decision.token])
 
     # -- lifecycle ----------------------------------------------------------------------------------------
-
-    def _decode(self, tokens: list[int]) -> str:
-        return self.engine.decode(tokens)
 
     def _require(self) -> og.Generator:
         if self._generator is None:
@@ -390,10 +393,9 @@ class Context:
         return self._generator
 
     def _build(self) -> None:
-        """(Re)create the Generator and prefill the shared prefix; in generate mode it is a guided one,
-        whose first creation per model also warms the grammar compiler."""
+        """(Re)create the Generator and prefill the shared prefix."""
         self._generator = None
-        generator = og.Generator(self.engine.model, self.engine.params(guided=self.mode == "generate"))
+        generator = og.Generator(self.engine.model, self.engine.params())
         generator.append_tokens(self.engine.prefix_ids)
         self._generator = generator
 

@@ -4,10 +4,10 @@ The trainer must build its training text with these functions, so that the model
 the text it was trained on. Nothing here imports onnxruntime-genai: the chat template and the tokenizer are
 passed in (`ChatRenderer`, `TextTokenizer`), either ORT GenAI's or the pure-Python `chatml` renderer.
 
-The rendered prompt is split into a *prefix* (everything before the user turn: identical for every ticket,
-prefilled once per context and reused with `rewind_to`) and a *suffix* (the user turn with the ticket and
-the assistant header). The split sits at a special token, so encode(prefix) + encode(suffix) ==
-encode(full) — the engine checks that at load time.
+The rendered prompt is split into a *prefix* (everything before the ticket that is identical for every
+ticket: prefilled once per context and reused with `rewind_to`) and a *suffix* (the rest of the user turn
+with the ticket, and the assistant header). The split must keep encode(prefix) + encode(suffix) ==
+encode(full): the engine passes the test (`accepts`) and the builder takes the longest split that passes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ ChatRenderer = Callable[[list[dict[str, str]], bool], str]
 # The answer opens with this; in score mode the prompt ends with it and each label continues it.
 INTENT_OPENING = '{"intent": "'
 PRIORITY_OPENING = '", "priority": "'
+
+# Tickets of every kind the prefix split is tested with: plain, one letter, a leading space, non-Latin.
+SPLIT_PROBES = ("Where is my card?", "x", " leading space", "ünïcödé 日本 🙂")
+# (prefix, whole prompt) -> whether the prefix and the rest tokenise exactly as the whole (the engine's test).
+SplitTest = Callable[[str, str], bool]
 
 # Tokens are at most this many characters in any vocabulary we meet (byte-level BPE merges are short);
 # cutting the text to budget * this before encoding bounds the cost of a 100 KB ticket.
@@ -90,11 +95,13 @@ def truncate_ticket(text: str, tokenizer: TextTokenizer, max_tokens: int) -> tup
 class PromptBuilder:
     """Renders the prompt of one taxonomy with one model's chat template."""
 
-    def __init__(self, taxonomy: Taxonomy, render: ChatRenderer = chatml) -> None:
+    def __init__(
+        self, taxonomy: Taxonomy, render: ChatRenderer = chatml, accepts: SplitTest | None = None
+    ) -> None:
         self.taxonomy = taxonomy
         self._render = render
         self.system_text = taxonomy.system_text()
-        self.prefix = self._split_prefix()
+        self.prefix = self._split_prefix(accepts or (lambda prefix, full: True))
 
     def messages(self, ticket: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": self.system_text}, {"role": "user", "content": ticket}]
@@ -116,12 +123,23 @@ class PromptBuilder:
         """Prompt + answer + EOS: one training example, exactly what the model must continue."""
         return self.full(ticket) + answer_json(intent, priority) + eos
 
-    def _split_prefix(self) -> str:
-        """The text before the user turn, found by rendering twice with different tickets.
+    def _split_prefix(self, accepts: SplitTest) -> str:
+        """The longest of `prefix_choices` that `accepts` takes with every probe ticket (else the shortest:
+        the engine's check then says why the prefix cannot be reused)."""
+        choices = self.prefix_choices()
+        fulls = [self.full(ticket) for ticket in SPLIT_PROBES]
+        return next(
+            (prefix for prefix in choices if all(accepts(prefix, full) for full in fulls)), choices[-1]
+        )
 
-        Rendering only the system message (no generation prompt) gives the prefix for ChatML- and Phi-style
-        templates; the common prefix of two renders guards against templates that do not end the system
-        turn cleanly there. The tests and the engine check token parity of the split.
+    def prefix_choices(self) -> list[str]:
+        """Where the shared prefix may end, in order of preference, found by rendering with different tickets.
+
+        - The system turn alone (no generation prompt), for ChatML- and Phi-style templates that close it.
+        - Everything the renders share up to the last line break before the ticket, for templates that fold
+          the system prompt into the user turn (Gemma's): without it the prefix is `<bos>` alone and every
+          ticket re-reads the taxonomy (~10 s a ticket with Gemma 3 270M on 2 cores).
+        - The last special-token start before the ticket, which never merges with its neighbours.
         """
         first, second = self.full("a"), self.full("b")
         common = 0
@@ -129,10 +147,13 @@ class PromptBuilder:
             if x != y:
                 break
             common += 1
+        choices = []
         system_only = self._render(self.messages("")[:1], False)
         if first.startswith(system_only) and len(system_only) <= common:
-            return system_only
-        # The template does not close the system turn on its own: split at the last special-token start
-        # before the ticket, which keeps the boundary on a token that never merges with its neighbours.
+            choices.append(system_only)
+        line = first.rfind("\n", 0, common)
+        if line > 0:
+            choices.append(first[: line + 1])
         start = first.rfind("<", 0, common)
-        return first[: start if start > 0 else common]
+        choices.append(first[: start if start > 0 else common])
+        return list(dict.fromkeys(choices))

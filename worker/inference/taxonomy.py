@@ -92,7 +92,9 @@ class Taxonomy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return "\n\n".join(parts)
 
     def json_schema(self) -> dict[str, Any]:
-        """JSON schema for guided decoding: exactly the two enum fields, no other keys, fixed whitespace.
+        """JSON schema for the runtime's guided decoding, as the seed design generated answers (the baseline
+        of `make bench`'s P3; the engine writes labels down its own token trie): the two enum fields, no
+        other keys, fixed whitespace.
 
         Free whitespace is switched off (`x-guidance`) because, measured, a model may otherwise pad with
         whitespace until max_length and never close the object; the separators match `answer_json`.
