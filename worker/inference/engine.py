@@ -125,7 +125,10 @@ class Engine:
             + max((len(ids) for ids in self.priority_ids), default=0)
         )
         needed = len(self.prefix_ids) + overhead + self.max_ticket_tokens + longest_labels
-        self.max_length = _cache_length(folder, needed)
+        self.max_length, slack = _cache_length(folder, needed)
+        if slack:  # reopened so that its sliding layers keep a whole request and a context can rewind
+            self.model = load_model(settings, sliding_window_slack=slack)
+            self.tokenizer = og.Tokenizer(self.model)
         self._check_split()
         self._check_serves()
 
@@ -205,17 +208,22 @@ class Engine:
             raise UserError(f"{self.model_id} cannot be served: {str(error).splitlines()[0]}") from None
 
 
-def _cache_length(folder: Path, needed: int) -> int:
-    """The Generator's `max_length` (its KV cache): what a request can reach (`needed`), at least the
-    model's sliding attention window — ORT GenAI refuses a sliding-window cache smaller than the window —
-    plus room to rewind into it, and never more than the model's context."""
+def _cache_length(folder: Path, needed: int) -> tuple[int, int]:
+    """(the Generator's `max_length`, the sliding-window cache's slack) for requests of up to `needed` tokens.
+
+    `max_length` is at least the model's sliding attention window (ORT GenAI refuses a smaller cache) and at
+    most its context. A sliding-window cache holds the window plus its slack (0 as the builder writes it):
+    a request that runs past the window evicts the prefix, and rewinding to it then fails (measured with
+    Gemma 3 270M and a 900-token ticket: "Cannot rewind to 349"), so the slack covers the whole request.
+    """
     config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
     model = config.get("model", {})
     context = int(model.get("context_length") or config.get("search", {}).get("max_length") or 4096)
     window = model.get("decoder", {}).get("sliding_window", {}).get("window_size")
-    if isinstance(window, int) and window > 0:
-        needed = max(needed, window + needed)
-    return min(context, needed)
+    if not isinstance(window, int) or window <= 0:
+        return min(context, needed), 0
+    length = min(context, max(needed, window))
+    return length, length - window
 
 
 class Context:

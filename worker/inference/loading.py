@@ -73,8 +73,9 @@ def _find_taxonomy(settings: InferenceSettings) -> tuple[Taxonomy, Path]:
     return load_taxonomy(path), path
 
 
-def load_model(settings: InferenceSettings) -> og.Model:
-    """Create the og.Model on the configured provider with its options and intra-op thread count.
+def load_model(settings: InferenceSettings, sliding_window_slack: int = 0) -> og.Model:
+    """Create the og.Model on the configured provider with its options and intra-op thread count (and, for a
+    model with sliding-window attention, the cache slack the engine needs: see engine.py `_cache_length`).
 
     Thread count is set explicitly because ORT's default was measured to be effectively single-threaded
     here; with several worker processes, 1 thread each (the default) avoids oversubscribing the cores.
@@ -88,9 +89,12 @@ def load_model(settings: InferenceSettings) -> og.Model:
         config.append_provider(provider)
         for key, value in settings.provider_options.items():
             config.set_provider_option(provider, key, value)
-    overlay: dict[str, Any] = {
-        "model": {"decoder": {"session_options": {"intra_op_num_threads": settings.intra_op_num_threads}}}
-    }
+    decoder: dict[str, Any] = {"session_options": {"intra_op_num_threads": settings.intra_op_num_threads}}
+    if sliding_window_slack:  # the whole object: an overlay replaces it rather than merging into it
+        written = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+        window = written["model"]["decoder"]["sliding_window"]
+        decoder["sliding_window"] = {**window, "cache_slack": sliding_window_slack}
+    overlay = {"model": {"decoder": decoder}}
     config.overlay(json.dumps(overlay))
     try:
         return og.Model(config)

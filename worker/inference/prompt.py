@@ -133,7 +133,8 @@ class PromptBuilder:
         )
 
     def prefix_choices(self) -> list[str]:
-        """Where the shared prefix may end, in order of preference, found by rendering with different tickets.
+        """Where the shared prefix may end, in order of preference (those holding the instructions first),
+        found by rendering with different tickets.
 
         - The system turn alone (no generation prompt), for ChatML- and Phi-style templates that close it.
         - Everything the renders share up to the last line break before the ticket, for templates that fold
@@ -156,4 +157,5 @@ class PromptBuilder:
             choices.append(first[: line + 1])
         start = first.rfind("<", 0, common)
         choices.append(first[: start if start > 0 else common])
-        return list(dict.fromkeys(choices))
+        # A prefix without the instructions saves nothing (Gemma's system-only render is `<bos>`).
+        return sorted(dict.fromkeys(choices), key=lambda prefix: self.system_text not in prefix)
