@@ -322,23 +322,22 @@ def _gguf_to_hf(gguf_file: Path, hf_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
-    try:
-        # Its de-quantisation progress bar (tqdm, on stderr) would bury the command's own lines.
-        with contextlib.redirect_stderr(io.StringIO()):
+    # Its progress bars (tqdm, on stderr: de-quantising, writing shards) would bury the command's own lines.
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
             model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-    except (ValueError, KeyError) as error:
-        # transformers' message for an architecture its GGUF loader does not take, e.g. "GGUF model with
-        # architecture X is not supported yet."
-        raise UserError(
-            f"{gguf_file.name}: transformers cannot read it: {str(error).splitlines()[0]}"
-        ) from None
-    # Saved as plain floats: transformers refuses to serialise a model that still says it is GGUF-quantised.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(hf_dir)
-    tokenizer.save_pretrained(hf_dir)
+        except (ValueError, KeyError) as error:
+            # transformers' message for an architecture its GGUF loader does not take, e.g. "GGUF model with
+            # architecture X is not supported yet."
+            line = str(error).splitlines()[0]
+            raise UserError(f"{gguf_file.name}: transformers cannot read it: {line}") from None
+        # Saved as plain floats: transformers refuses to serialise a model still marked GGUF-quantised.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(hf_dir)
+        tokenizer.save_pretrained(hf_dir)
 
 
 def _copy_hf_folder(source: Path, hf_dir: Path) -> None:
