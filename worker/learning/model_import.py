@@ -163,7 +163,7 @@ def _inspect_hf_folder(path: Path) -> Source:
     if not any(path.glob(_WEIGHTS)):
         missing.append("weights (*.safetensors)")
     if not any((path / name).is_file() for name in _TOKENIZERS):
-        missing.append("a tokenizer (tokenizer.json or tokenizer.model)")
+        missing.append("tokenizer (tokenizer.json or tokenizer.model)")
     if missing:
         raise UserError(f"{path} is not a complete Hugging Face model folder: no {' and no '.join(missing)}")
     source = Source(path, "hf")
@@ -351,20 +351,23 @@ def _copy_hf_folder(source: Path, hf_dir: Path) -> None:
 
 
 def _prepare_config(path: Path) -> dict[str, Any]:
-    """config.json as the builder reads it: per-layer-type rope settings (Gemma 3 under transformers 5:
-    `rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}`) flattened to the full-attention
-    layers' settings plus `rope_local_base_freq`, the sliding layers' theta, which the builder's Gemma 3
-    reads; without it the builder stops at `KeyError: 'rope_type'`."""
+    """config.json as the builder reads it. Gemma 3 under transformers 5 keeps its rope settings per layer
+    type (`rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}`), where the builder reads
+    one flat `rope_type` (else `KeyError: 'rope_type'`) and the sliding layers' theta as
+    `rope_local_base_freq`, which transformers 5 consumes when it reads the config: both are written into a
+    flat `rope_parameters` (the full-attention layers' settings), whose keys the builder copies onto the
+    config. transformers still rebuilds its per-layer-type settings from them."""
     try:
         config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise UserError(f"config.json cannot be read: {error}") from None
     rope = config.get("rope_parameters")
     if isinstance(rope, dict) and "rope_type" not in rope and isinstance(rope.get("full_attention"), dict):
+        flat = dict(rope["full_attention"])
         sliding = rope.get("sliding_attention")
         if isinstance(sliding, dict) and "rope_theta" in sliding:
-            config.setdefault("rope_local_base_freq", sliding["rope_theta"])
-        config["rope_parameters"] = dict(rope["full_attention"])
+            flat["rope_local_base_freq"] = sliding["rope_theta"]
+        config["rope_parameters"] = flat
         path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return config
 
