@@ -314,3 +314,72 @@ def test_the_imported_model_classifies_banking77_tickets_in_generate_mode(
         assert result.model == PUBLISHED.name
         assert result.intent in taxonomy.labels and result.priority in taxonomy.priorities
         assert 0.0 < result.confidence <= 1.0
+
+
+def test_gemma_3s_per_layer_type_rope_settings_are_flattened_for_the_builder(tmp_path: Path) -> None:
+    """transformers 5 saves Gemma 3's rope settings per layer type; the builder reads a flat `rope_type`
+    and the sliding layers' theta as `rope_local_base_freq` (issue #45: `KeyError: 'rope_type'`)."""
+    config = tmp_path / "config.json"
+    nested = {
+        "full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+    config.write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": nested}))
+    model_import.prepare_config(config)
+    assert json.loads(config.read_text())["rope_parameters"] == {
+        "rope_theta": 1000000.0,
+        "rope_type": "default",
+        "rope_local_base_freq": 10000.0,
+    }
+    flat = {"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "default"}}
+    config.write_text(json.dumps(flat))
+    model_import.prepare_config(config)
+    assert json.loads(config.read_text()) == flat
+
+
+def _tiny_llama(folder: Path) -> Path:
+    """A one-layer Llama with random weights and a word-level tokenizer, and no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    vocabulary = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 64)}}
+    tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return folder
+
+
+@pytest.mark.slow
+@needs_import_extra
+def test_a_hugging_face_folder_without_a_template_gets_the_plain_one_and_a_reimport_replaces_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _tiny_llama(tmp_path / "llama")
+    out = tmp_path / "out"
+    assert main(["model", "import", str(source), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert (
+        "the model has no chat template (a base model?): it gets the plain one of docs/model.md"
+        in captured.err
+    )
+    assert f"wrote {out} (LlamaForCausalLM, " in captured.out
+    assert (out / "chat_template.jinja").read_text() == model_import.PLAIN_TEMPLATE
+    record = json.loads((out / model_import.RECORD).read_text())
+    assert record["source"]["kind"] == "hf" and record["licence"]["statements"] == []
+    assert "| licence | **none found** in the source" in (out / "README.md").read_text()
+    assert {"model.onnx", "genai_config.json", "tokenizer.json", "chat_template.jinja"} <= set(
+        record["files"]
+    )
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for message in messages %}{{ message['content'] }}\n{% endfor %}")
+    assert main(["model", "import", str(source), "--out", str(out), "--chat-template", str(template)]) == 0
+    assert (out / "chat_template.jinja").read_text() == template.read_text()
+    assert json.loads((out / model_import.RECORD).read_text())["chat_template"] == f"from {template}"

@@ -249,7 +249,7 @@ def import_model(
             echo(f"  saved as a Hugging Face folder ({time.monotonic() - started:.0f} s)")
         else:
             _copy_hf_folder(source.path, hf_dir)
-        config = _prepare_config(hf_dir / "config.json")
+        config = prepare_config(hf_dir / "config.json")
         architecture = _architecture(config, source)
         parameters = _parameters(hf_dir)
         if gguf_metadata.get("general.license"):
@@ -350,7 +350,7 @@ def _copy_hf_folder(source: Path, hf_dir: Path) -> None:
             shutil.copyfile(entry, hf_dir / entry.name)
 
 
-def _prepare_config(path: Path) -> dict[str, Any]:
+def prepare_config(path: Path) -> dict[str, Any]:
     """config.json as the builder reads it. Gemma 3 under transformers 5 keeps its rope settings per layer
     type (`rope_parameters: {"full_attention": {...}, "sliding_attention": {...}}`), where the builder reads
     one flat `rope_type` (else `KeyError: 'rope_type'`) and the sliding layers' theta as
