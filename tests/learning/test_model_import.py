@@ -206,6 +206,17 @@ def test_a_wheels_licence_is_read_from_its_metadata_and_licence_file(tmp_path: P
     assert source.licence_text == ("pkg-1.0.dist-info/LICENSE", b"MIT text")
 
 
+def test_an_unpacked_package_folder_is_read_like_its_wheel(tmp_path: Path) -> None:
+    folder = tmp_path / "site"
+    (folder / "pkg").mkdir(parents=True)
+    (folder / "pkg" / "m.gguf").write_bytes(b"GGUF")
+    (folder / "pkg-1.0.dist-info").mkdir()
+    (folder / "pkg-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.4\nLicense-Expression: MIT\n")
+    source = model_import.inspect_source(folder)
+    assert (source.kind, source.member) == ("package", "pkg/m.gguf")
+    assert source.licences == ["MIT (pkg-1.0.dist-info/METADATA: License-Expression)"]
+
+
 def test_a_model_card_without_a_licence_found_says_so_plainly(tmp_path: Path) -> None:
     source = model_import.inspect_source(_wheel(tmp_path / "pkg-1.0-py3-none-any.whl", {"pkg/m.gguf": b""}))
     assert source.licences == [] and source.licence_text is None
