@@ -297,8 +297,9 @@ def test_the_imported_model_card_says_the_source_its_licence_and_true_checksums(
 
 @pytest.mark.slow
 @needs_published
-def test_the_imported_model_classifies_banking77_tickets_in_generate_mode(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("mode", ["generate", "score"])
+def test_the_imported_model_classifies_banking77_tickets_in_both_modes(
+    mode: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Through `classify`, the model alone (no cascade): every ticket a valid record of the taxonomy, none a
     fallback."""
@@ -312,7 +313,7 @@ def test_the_imported_model_classifies_banking77_tickets_in_generate_mode(
     code = main(
         [
             *("classify", "--input", str(tickets), "--output", str(output), "--model", str(PUBLISHED)),
-            *("--taxonomy", str(BANKING77), "--mode", "generate", "--deadline-ms", "120000"),
+            *("--taxonomy", str(BANKING77), "--mode", mode, "--deadline-ms", "120000"),
             *("--set", "inference.escalation=off", "--set", "inference.pool=thread"),
         ]
     )
