@@ -299,7 +299,7 @@ def _gguf_file(source: Source, work: Path) -> Path | None:
 
 
 def _gguf_metadata(path: Path) -> dict[str, Any]:
-    """The GGUF's `general.*` fields and whether it has a chat template (read with the `gguf` package)."""
+    """The GGUF's `general.*` fields (name, architecture, license, ...), read with the `gguf` package."""
     from gguf import GGUFReader
 
     try:
@@ -308,7 +308,7 @@ def _gguf_metadata(path: Path) -> dict[str, Any]:
         raise UserError(f"{path.name} is not a readable GGUF file: {error}") from None
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
-        if key.startswith("general.") or key == "tokenizer.chat_template":
+        if key.startswith("general."):
             try:
                 metadata[key] = field.contents()
             except (ValueError, IndexError, TypeError):
