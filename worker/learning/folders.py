@@ -1,7 +1,9 @@
-"""Where `model train` may write a model folder, and how: built beside it, then swapped in whole.
+"""Where `model train` and `model import` may write a model folder, and how: built beside it, then swapped in
+whole.
 
 Every path of `model train` (both stages, `--encoder`, BANKING77's first stage, learning from feedback)
-writes its folder `--out DIR` through `writing(DIR)`:
+writes its folder `--out DIR` through `writing(DIR)`, and `model import` through `writing(DIR, MODEL_IMPORT)`
+(a `Writer`: the command, and the record file it leaves in the folder; below, `model train`'s):
 
 1. `check_target(DIR)`, before any work and again at the swap: the shipped folders (a checkout's
    models/triage-mini and models/triage-encoder, the copies inside an installed wheel) and anything inside
@@ -9,7 +11,7 @@ writes its folder `--out DIR` through `writing(DIR)`:
    wrote (`_refusal`): a folder it replaces loses nothing but the files of the model it held.
 2. The new folder is built in `.DIR.model-train-HOST-PID.partial` beside DIR (the same filesystem: the swap
    is two renames, no copy).
-3. Complete, its `training.json` gets `written_by` (`WRITTEN_BY`, `FORMAT`, every file written); the old
+3. Complete, its `training.json` gets `written_by` (`Writer.tool`, `FORMAT`, every file written); the old
    folder is renamed to `.DIR.model-train-HOST-PID.old`, the new one to DIR, and the old one removed.
    SIGINT and SIGTERM are held across the renames, so no stop leaves DIR missing.
 4. Any exception or stop before that (Ctrl-C, SIGTERM, a bug, a UserError): the partial folder is removed,
@@ -23,6 +25,7 @@ folder.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -41,10 +44,29 @@ from worker import shipped
 from worker.errors import UserError
 
 TRAINING_FILE = "training.json"
-# The tool named in `training.json`'s `written_by`, and the version of that record's rules: a folder is
-# `model train`'s to replace when its record says so and its files are those the record lists.
-WRITTEN_BY = "triage-worker model train"
+# The version of the rules of a record's `written_by` (the tool, this format, the files): a folder is a
+# writer's to replace when its record says so and its files are those the record lists.
 FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Writer:
+    """A command that writes model folders through `writing`: it replaces only folders whose `record` (a
+    JSON object it writes into each) says `written_by` it, and its partial and old folders carry `command`'s
+    name."""
+
+    command: str
+    record: str
+
+    @property
+    def tool(self) -> str:
+        """The name in the record's `written_by`."""
+        return f"triage-worker {self.command}"
+
+
+MODEL_TRAIN = Writer("model train", TRAINING_FILE)
+# `model import` (worker/learning/model_import.py): its record says where the model came from.
+MODEL_IMPORT = Writer("model import", "import.json")
 # The shipped model folders, in a checkout and in an installed wheel (worker/shipped.py).
 SHIPPED_MODELS = ("models/triage-mini", "models/triage-encoder")
 # What a `model train --data/--zero-shot` folder of the release before `written_by` could hold: its
@@ -99,11 +121,11 @@ def _shipped_folders() -> list[Path]:
     return [root / relative for root in roots for relative in SHIPPED_MODELS]
 
 
-def check_target(out: Path) -> None:
-    """A one-line UserError when `model train` may not replace `out` with a model folder (see the module);
-    nothing when it may: `out` is new, an empty folder, or a folder `model train` wrote that holds nothing
+def check_target(out: Path, writer: Writer = MODEL_TRAIN) -> None:
+    """A one-line UserError when `writer` may not replace `out` with a model folder (see the module);
+    nothing when it may: `out` is new, an empty folder, or a folder `writer` wrote that holds nothing
     else."""
-    refusal = _refusal(out)
+    refusal = _refusal(out, writer)
     if refusal is not None:
         raise UserError(refusal)
 
@@ -128,53 +150,53 @@ def _shipped_refusal(out: Path) -> str | None:
     return None
 
 
-def _refusal(out: Path) -> str | None:
+def _refusal(out: Path, writer: Writer) -> str | None:
     refusal = _shipped_refusal(out)
     if refusal is not None:
         return refusal
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        return f"--out {out} is not a folder: choose a folder (model train writes one)"
+        return f"--out {out} is not a folder: choose a folder ({writer.command} writes one)"
     if not out.exists() or not any(out.iterdir()):
         return None
-    listed = _files_written(out)
+    listed = _files_written(out, writer)
     if isinstance(listed, str):
         return (
-            f"--out {out} is not empty and is not a folder `model train` wrote ({listed}): refusing to "
+            f"--out {out} is not empty and is not a folder `{writer.command}` wrote ({listed}): refusing to "
             "replace it; choose another --out, or empty it yourself"
         )
     others = _other_entries(out, listed)
     if others:
         named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         return (
-            f"--out {out} holds {named}, which `model train` did not write: refusing to replace it and lose "
-            "them; move them out, or choose another --out"
+            f"--out {out} holds {named}, which `{writer.command}` did not write: refusing to replace it and "
+            "lose them; move them out, or choose another --out"
         )
     return None
 
 
-def _files_written(folder: Path) -> frozenset[str] | str:
-    """The files `model train` wrote into `folder`, from its `training.json`, or why it cannot be said."""
+def _files_written(folder: Path, writer: Writer) -> frozenset[str] | str:
+    """The files `writer` wrote into `folder`, from its record, or why it cannot be said."""
     try:
-        record = json.loads((folder / TRAINING_FILE).read_text(encoding="utf-8"))
+        record = json.loads((folder / writer.record).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return f"no {TRAINING_FILE}"
+        return f"no {writer.record}"
     except (OSError, ValueError):
-        return f"its {TRAINING_FILE} cannot be read"
+        return f"its {writer.record} cannot be read"
     if not isinstance(record, dict):
-        return f"its {TRAINING_FILE} is not model train's record"
+        return f"its {writer.record} is not {writer.command}'s record"
     written_by = record.get("written_by")
     if written_by is None:
         # The release before `written_by`: its `model train --data/--zero-shot` folders said `kind`.
-        if record.get("kind") in LEGACY_KINDS:
+        if writer == MODEL_TRAIN and record.get("kind") in LEGACY_KINDS:
             return LEGACY_FILES
-        return f"its {TRAINING_FILE} does not say `written_by` {WRITTEN_BY!r}"
-    if not isinstance(written_by, dict) or written_by.get("tool") != WRITTEN_BY:
-        return f"its {TRAINING_FILE} is another tool's record"
+        return f"its {writer.record} does not say `written_by` {writer.tool!r}"
+    if not isinstance(written_by, dict) or written_by.get("tool") != writer.tool:
+        return f"its {writer.record} is another tool's record"
     if written_by.get("format") != FORMAT:
-        return f"written by another release of model train (record format {written_by.get('format')!r})"
+        return f"written by another release of {writer.command} (record format {written_by.get('format')!r})"
     files = written_by.get("files")
     if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
-        return f"its {TRAINING_FILE} does not list the files written"
+        return f"its {writer.record} does not list the files written"
     return frozenset(files)
 
 
@@ -200,15 +222,15 @@ def _other_entries(folder: Path, written: frozenset[str]) -> list[str]:
     return sorted((f"{name}/" if name in folders else name for name in tops), key=lambda n: (len(n), n))
 
 
-def _prefix(target: Path) -> str:
+def _prefix(target: Path, writer: Writer) -> str:
     """The name of this host's partial and old folders beside `target`, up to the process id: a process of
     another host (a pod sharing the volume) is none this one can tell alive or dead."""
-    return f".{target.name}.model-train-{socket.gethostname()}-"
+    return f".{target.name}.{writer.command.replace(' ', '-')}-{socket.gethostname()}-"
 
 
-def _temporary(target: Path, role: str) -> Path:
+def _temporary(target: Path, role: str, writer: Writer) -> Path:
     """This process's partial or old folder beside `target`."""
-    return target.parent / f"{_prefix(target)}{os.getpid()}.{role}"
+    return target.parent / f"{_prefix(target, writer)}{os.getpid()}.{role}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -223,10 +245,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _clean_stale(target: Path) -> None:
+def _clean_stale(target: Path, writer: Writer) -> None:
     """Remove the partial and old folders that runs on this host killed outright left beside `target`, and
     rename a lost `target` back from its old folder (a kill between the swap's two renames)."""
-    left = re.compile(re.escape(_prefix(target)) + r"(\d+)\.(partial|old)")
+    left = re.compile(re.escape(_prefix(target, writer)) + r"(\d+)\.(partial|old)")
     for entry in sorted(target.parent.iterdir()):
         match = left.fullmatch(entry.name)
         if match is None or _pid_alive(int(match[1])):
@@ -265,54 +287,54 @@ def _stop_signals_held() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
-def _stamp(folder: Path) -> None:
-    """Add `written_by` to the folder's training.json: the tool, the format, and every file in the folder."""
-    path = folder / TRAINING_FILE
+def _stamp(folder: Path, writer: Writer) -> None:
+    """Add `written_by` to the folder's record: the tool, the format, and every file in the folder."""
+    path = folder / writer.record
     record: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     files, _ = _entries(folder)
-    record["written_by"] = {"tool": WRITTEN_BY, "format": FORMAT, "files": sorted(files | {TRAINING_FILE})}
+    record["written_by"] = {"tool": writer.tool, "format": FORMAT, "files": sorted(files | {writer.record})}
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 @contextlib.contextmanager
-def writing(out: Path) -> Iterator[Path]:
-    """A new empty folder beside `out` to build the model folder in (it must write a training.json);
+def writing(out: Path, writer: Writer = MODEL_TRAIN) -> Iterator[Path]:
+    """A new empty folder beside `out` to build the model folder in (it must write `writer`'s record);
     swapped in as `out` when the block completes, removed when it does not (see the module)."""
-    check_target(out)
+    check_target(out, writer)
     target = Path(os.path.abspath(out))  # `--out .` has a name and a parent to put the partial folder in
-    partial = _temporary(target, "partial")
+    partial = _temporary(target, "partial", writer)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(target)
+        _clean_stale(target, writer)
         partial.mkdir()
     except OSError as error:
         raise UserError(f"--out {out}: cannot write beside it: {error.strerror or error}") from None
     swapped = False
     try:
         yield partial
-        _stamp(partial)
+        _stamp(partial, writer)
         with _stop_signals_held():
-            _swap(partial, out, target)
+            _swap(partial, out, target, writer)
             swapped = True
     except BaseException as error:
         stop = error.args[0] if isinstance(error, Interrupted) else "SIGINT"
         if isinstance(error, Interrupted):
             error.reported = True
         if swapped:  # a stop held while the new folder was swapped in, acted on once it was
-            _say(f"model train stopped by {stop}: {out} holds the new model (it was being swapped in)")
+            _say(f"{writer.command} stopped by {stop}: {out} holds the new model (it was being swapped in)")
             raise
         with _stop_signals_held():
             shutil.rmtree(partial, ignore_errors=True)
         if not target.exists():
             kept = f"{out} was not made"
-        elif (target / TRAINING_FILE).is_file():
+        elif (target / writer.record).is_file():
             kept = f"{out} is as it was (the model in it still serves)"
         else:
             kept = f"{out} is as it was"
         if isinstance(error, KeyboardInterrupt):
-            _say(f"model train stopped by {stop}: {kept}; the partial folder was removed")
+            _say(f"{writer.command} stopped by {stop}: {kept}; the partial folder was removed")
         elif not isinstance(error, _NotReplaced):
-            _say(f"model train failed: {kept}; the partial folder was removed")
+            _say(f"{writer.command} failed: {kept}; the partial folder was removed")
         raise
 
 
@@ -327,14 +349,14 @@ def _keep_aside(partial: Path, target: Path, why: str) -> _NotReplaced:
     return _NotReplaced(f"{why}; the new model is in {kept}")
 
 
-def _swap(partial: Path, out: Path, target: Path) -> None:
-    refusal = _refusal(out)  # checked again: the folder may have changed in the minutes training took
+def _swap(partial: Path, out: Path, target: Path, writer: Writer) -> None:
+    refusal = _refusal(out, writer)  # checked again: the folder may have changed in the minutes training took
     if refusal is not None:
         raise _keep_aside(partial, target, f"{refusal} (it changed while training)")
     if not target.is_dir():
         partial.rename(target)
         return
-    old = _temporary(target, "old")
+    old = _temporary(target, "old", writer)
     try:
         target.rename(old)
     except OSError as error:  # a mount point (a volume mounted at --out) cannot be renamed
