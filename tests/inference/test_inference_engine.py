@@ -15,7 +15,6 @@ import pytest
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.errors import UserError
-from worker.inference.answer_trie import weigh
 from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
@@ -142,41 +141,63 @@ def test_prefix_reuse_reads_the_same_logits_and_answers_as_a_fresh_generator(
         assert (again.intent, again.scores) == (first_time.intent, first_time.scores)
 
 
+def _trie_shares(engine: Engine, text: str) -> dict[str, float]:
+    """Brute force, from scratch for each label: its tokens appended one at a time to a new Generator, each
+    token's probability renormalised over the tokens that continue some label there."""
+    ids, _ = engine.prepare(text)
+    shares = {}
+    for label, tokens in zip(engine.labels, engine.label_ids, strict=True):
+        generator = og.Generator(engine.model, engine.params())
+        generator.append_tokens(engine.prefix_ids + ids)
+        share, written = 1.0, []
+        for token in tokens:
+            allowed = sorted(
+                {other[len(written)] for other in engine.label_ids if other[: len(written)] == written}
+            )
+            logits = generator.get_logits()[0, -1].astype(np.float64)[allowed]
+            probabilities = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+            share *= float(probabilities[allowed.index(token)])
+            written.append(token)
+            generator.append_tokens([token])
+        shares[label] = share
+    return shares
+
+
 def test_generate_mode_confidence_is_the_labels_probability_among_the_labels(
     engines: dict[str, Engine], contexts: dict[str, Context]
 ) -> None:
-    """Each label's probability along its own path down the trie: together they are a distribution over
-    the taxonomy's labels (the test taxonomy mixes one-token and several-token labels), and the answer's
-    confidence is its label's share, as in score mode; the labels `scores` settles are exact too."""
+    """Each label's probability along its own path: together a distribution over the taxonomy's labels (the
+    test taxonomy mixes one-token and several-token labels), and the answer's confidence is its label's
+    share, as in score mode; the labels `scores` settles are exact too."""
     engine, context = engines["generate"], contexts["generate"]
     assert any(len(ids) > 1 for ids in engine.label_ids)
     for text in ["Where is my card?", "I want a refund for this purchase", "日本語 🙂 pin"]:
         answer = context.classify(_request(text))
-        shares = {
-            label: weigh(context.walk(text, math.inf, follow=index)[1])[0]
-            for index, label in enumerate(engine.labels)
-        }
-        assert math.isclose(sum(shares.values()), 1.0, abs_tol=1e-9)
+        shares = _trie_shares(engine, text)
+        assert math.isclose(sum(shares.values()), 1.0, abs_tol=1e-6)
         assert 0.0 < answer.confidence <= 1.0
-        assert math.isclose(answer.confidence, shares[answer.intent], rel_tol=1e-6)
+        assert answer.intent == max(shares, key=lambda label: shares[label]) or len(answer.scores) < len(
+            shares
+        )
+        # int4 kernels differ slightly between chunked and one-token appends.
+        assert math.isclose(answer.confidence, shares[answer.intent], rel_tol=0.05)
         for label, probability in answer.scores.items():
-            assert math.isclose(probability, shares[label], rel_tol=1e-6)
+            assert math.isclose(probability, shares[label], rel_tol=0.05)
 
 
 def test_generate_mode_writes_each_label_as_the_tokenizer_spells_it(engines: dict[str, Engine]) -> None:
-    """Following a label's path appends exactly the tokens the tokenizer gives the label after the answer's
-    opening (what forced, unnatural splits got wrong under the runtime's JSON guidance)."""
+    """The walk appends exactly the tokens the tokenizer gives the chosen label after the answer's opening
+    (what forced, unnatural splits got wrong under the runtime's JSON guidance)."""
     engine = engines["generate"]
     context = engine.new_context()
-    ids, _ = engine.prepare("Where is my card?")
-    for index in range(len(engine.labels)):
-        leaf, _ = context._walk(ids, math.inf, follow=index)
+    for text in ["Where is my card?", "refund please", "pin", "euro rate"]:
+        ids, _ = engine.prepare(text)
+        leaf, _ = context._walk(ids, math.inf)
         written = [int(t) for t in context._require().get_sequence(0)[len(engine.prefix_ids) + len(ids) :]]
         context._reset()
-        assert leaf == index
-        # The label's own tokens, up to its last choice (the tokens after it are no choice and are not
+        # The label's own tokens up to its last choice (the tokens after it are no choice and are not
         # appended: nothing reads the logits there).
-        assert written == engine.label_ids[index][: len(written)]
+        assert written == engine.label_ids[leaf][: len(written)]
 
 
 @pytest.mark.parametrize("mode", ["score", "generate"])

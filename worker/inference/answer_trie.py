@@ -83,13 +83,6 @@ class Decision:
         allowed = np.asarray(logits, dtype=np.float64)[node.tokens]
         return cls(node, allowed, int(np.argmax(allowed)))
 
-    @classmethod
-    def of(cls, node: TrieNode, logits: npt.NDArray[np.floating], token: int) -> Decision:
-        """The decision that takes `token` (which must be allowed at `node`)."""
-        tokens = node.tokens
-        allowed = np.asarray(logits, dtype=np.float64)[tokens]
-        return cls(node, allowed, int(np.flatnonzero(tokens == token)[0]))
-
     @property
     def child(self) -> TrieNode:
         return self.node.children[self.token]

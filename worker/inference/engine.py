@@ -280,12 +280,12 @@ class Context:
         finally:
             self._reset()
 
-    def walk(self, text: str, deadline: float, follow: int | None = None) -> tuple[int, list[Decision]]:
-        """`generate` mode's walk down the label trie for `text` (or along label `follow`'s path): the label
-        reached and the decisions, raw, for calibration (worker/learning/calibration.py)."""
+    def walk(self, text: str, deadline: float) -> tuple[int, list[Decision]]:
+        """`generate` mode's walk down the label trie for `text`: the label reached and the decisions, raw,
+        for calibration (worker/learning/calibration.py)."""
         ids, _ = self.engine.prepare(text)
         try:
-            return self._walk(ids, deadline, follow)
+            return self._walk(ids, deadline)
         finally:
             self._reset()
 
@@ -364,32 +364,26 @@ class Context:
         top = sorted(settled.items(), key=lambda item: -item[1])[:TOP_K_SCORES]
         return intent, priority, confidence, {self.engine.labels[i]: p for i, p in top}
 
-    def _walk(self, ids: list[int], deadline: float, follow: int | None = None) -> tuple[int, list[Decision]]:
+    def _walk(self, ids: list[int], deadline: float) -> tuple[int, list[Decision]]:
         """Append `ids`, then write the intent token by token down the label trie: each step reads the
-        model's next-token logits and takes the most likely allowed token (or, with `follow`, that label's
-        token: what calibration reads). A run of tokens with no choice is appended in one call and is no
-        decision. Returns the label reached and the decisions on the way."""
+        model's next-token logits and takes the most likely allowed token. A run of tokens with no choice
+        is appended in one call and is no decision. Returns the label reached and the decisions on the way."""
         generator = self._require()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded
         generator.append_tokens(ids)
-        node, decisions, depth = self.engine.label_trie, list[Decision](), 0
+        node, decisions = self.engine.label_trie, list[Decision]()
         while True:
             run, node = node.forced()
-            depth += len(run)
             if node.label is not None:
                 return node.label, decisions
             if run:
                 generator.append_tokens(run)
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded
-            logits = generator.get_logits()[0, -1]
-            if follow is None:
-                decision = Decision.greedy(node, logits)
-            else:
-                decision = Decision.of(node, logits, self.engine.label_ids[follow][depth])
+            decision = Decision.greedy(node, generator.get_logits()[0, -1])
             decisions.append(decision)
-            node, depth = decision.child, depth + 1
+            node = decision.child
             if node.label is None:
                 generator.append_tokens([decision.token])
 
