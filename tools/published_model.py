@@ -62,7 +62,9 @@ def fetch_wheel(into: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="exit 1, importing nothing, when it is not there")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1, importing nothing, when it is not there"
+    )
     args = parser.parse_args(argv)
     folder = published_model()
     if _imported_from_wheel(folder):

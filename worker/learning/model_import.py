@@ -31,6 +31,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import shutil
 import struct
 import tempfile
@@ -233,6 +234,9 @@ def import_model(
     line per step. Refused in one line, before any work: a source `inspect_source` refuses, an `out_dir`
     that is not new, empty or a previous import, a missing `--chat-template`, a missing package."""
     started = time.monotonic()
+    # Everything is read from local files: the Hugging Face libraries (here and in the builder process, which
+    # inherits this) must not look anything up on the hub nor report usage.
+    os.environ.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"})
     source = inspect_source(source_path)
     folders.check_target(out_dir, folders.MODEL_IMPORT)
     template_text = _read_template(chat_template) if chat_template is not None else None
