@@ -99,3 +99,25 @@ def test_prefix_and_suffix_encode_like_the_full_prompt_with_the_model_template()
     text, truncated = truncate_ticket("ab 🙂 " * 500, tokenizer, 50)
     assert truncated and len(tokenizer.encode(text)) <= 50
     assert ("ab 🙂 " * 500).startswith(text) and not text.endswith(("\ufffd", " "))
+
+
+def _folding(messages: list[dict[str, str]], generation: bool) -> str:
+    """Gemma's template, in Python: no system turn; the system text opens the first user turn."""
+    system = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
+    turns = [m for m in messages if m["role"] != "system"]
+    text = "<bos>" + "".join(
+        f"<start_of_turn>{m['role']}\n{(system if i == 0 else '')}{m['content'].strip()}<end_of_turn>\n"
+        for i, m in enumerate(turns)
+    )
+    return text + "<start_of_turn>model\n" if generation else text
+
+
+def test_a_template_that_folds_the_system_prompt_into_the_user_turn_still_shares_the_instructions() -> None:
+    """Without the line-break split the prefix was `<bos>` alone, and every ticket re-read the taxonomy."""
+    taxonomy = load_taxonomy(TINY / "taxonomy.toml")
+    builder = PromptBuilder(taxonomy, _folding)
+    assert builder.prefix == f"<bos><start_of_turn>user\n{builder.system_text}\n\n"
+    assert builder.prefix + builder.suffix("Where is my card?") == builder.full("Where is my card?")
+    # A split the tokenizer would merge across is passed over for the next one (the special-token start).
+    refusing = PromptBuilder(taxonomy, _folding, lambda prefix, full: not prefix.endswith("\n\n"))
+    assert refusing.prefix == "<bos>"
