@@ -377,10 +377,10 @@ class Context:
             run, node = node.forced()
             if node.label is not None:
                 return node.label, decisions
-            if run:
-                generator.append_tokens(run)
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded
+            if run:
+                generator.append_tokens(run)
             decision = Decision.greedy(node, generator.get_logits()[0, -1])
             decisions.append(decision)
             node = decision.child
