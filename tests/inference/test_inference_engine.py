@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 
 from tools import REPO
 from worker.classification import ClassifyRequest
+from worker.cli.cli import main
 from worker.errors import UserError
 from worker.inference.engine import Context, Engine, log_softmax
 from worker.inference.loading import resolve_taxonomy
@@ -278,3 +281,21 @@ def test_cuda_without_the_cuda_package_names_the_package() -> None:
 def test_a_folder_that_is_not_a_model_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"genai_config\.json"):
         _engine(InferenceSettings(model=str(tmp_path)))
+
+
+def test_a_model_that_cannot_hold_its_prompt_is_refused_at_start_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A context shorter than the shared prefix: one line and exit 2 at start, not a model error for every
+    ticket (a model whose cache the runtime refuses, as Gemma 3's was, fails the same way)."""
+    folder = tmp_path / "short"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+    config["model"]["context_length"] = config["search"]["max_length"] = 64
+    (folder / "genai_config.json").write_text(json.dumps(config), encoding="utf-8")
+    assert (
+        main(["classify", "--model", str(folder), "--set", "inference.escalation=off", "Where is my card?"])
+        == 2
+    )
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("triage-worker: error: short cannot be served: ") and len(error.splitlines()) == 1
