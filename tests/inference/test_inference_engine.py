@@ -152,7 +152,7 @@ def _trie_shares(engine: Engine, text: str) -> dict[str, float]:
     for label, tokens in zip(engine.labels, engine.label_ids, strict=True):
         generator = og.Generator(engine.model, engine.params())
         generator.append_tokens(engine.prefix_ids + ids)
-        share, written = 1.0, []
+        share, written = 1.0, list[int]()
         for token in tokens:
             allowed = sorted(
                 {other[len(written)] for other in engine.label_ids if other[: len(written)] == written}
