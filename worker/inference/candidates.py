@@ -107,6 +107,12 @@ class CandidatesContext:
         self._llm = engine.llm.new_context("score")
         self._recent_s: collections.deque[float] = collections.deque(maxlen=_RECENT_TURNS)
 
+    @property
+    def expected_llm_s(self) -> float:
+        """The LLM's slowest recent turn (0 before the first): a ticket with less time left keeps the
+        encoder's answer, which would otherwise most likely be lost to the deadline."""
+        return max(self._recent_s, default=0.0)
+
     def classify(self, request: ClassifyRequest) -> Classification:
         """Never raises; see the module for when the encoder's answer stands."""
         started = time.monotonic()
@@ -115,7 +121,7 @@ class CandidatesContext:
         if proposed.fallback or proposed.out_of_scope or len(candidates) < 2:
             return proposed
         llm_started = time.monotonic()
-        if request.deadline - llm_started < max(self._recent_s, default=0.0):
+        if request.deadline - llm_started < self.expected_llm_s:
             return proposed
         try:
             turn, truncated = self.engine.user_turn(request.text, candidates)
