@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import math
 import time
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -18,7 +17,7 @@ from worker.errors import UserError
 from worker.inference.candidates import CandidatesEngine
 from worker.inference.escalation import choose_escalation
 from worker.inference.loading import model_id, resolve_taxonomy
-from worker.inference.pool import open_pool
+from worker.inference.pool import Result, open_pool
 from worker.settings import DEFAULT_ESCALATION_DIR, DEFAULT_MODEL_DIR, InferenceSettings
 
 FIRST = InferenceSettings(escalation_llm=str(DEFAULT_MODEL_DIR), escalation_top_k=3)
@@ -81,12 +80,12 @@ def test_a_ticket_whose_deadline_is_near_keeps_the_encoders_answer(engine: Candi
     assert (near.model, near.intent, near.scores) == (proposed.model, proposed.intent, proposed.scores)
 
 
-def test_the_stage_runs_in_a_classifier_pool(tmp_path: Path) -> None:
+def test_the_stage_runs_in_a_classifier_pool() -> None:
     stage = _stage(top_k=2)
     with open_pool(stage, *resolve_taxonomy(stage)) as pool:
         assert pool.model_id == model_id(DEFAULT_MODEL_DIR)
         pool.submit(ClassifyRequest(7, "I still have not received my new card", time.monotonic() + 30.0))
-        answers = []
+        answers: list[Result] = []
         while not answers:
             answers = pool.poll(5.0)
     ((request_id, answer),) = answers
