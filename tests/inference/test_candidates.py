@@ -117,3 +117,12 @@ def test_without_an_llm_the_stage_is_the_encoder_alone() -> None:
     choice = choose_escalation(InferenceSettings(), *resolve_taxonomy(InferenceSettings()))
     assert choice.settings is not None and choice.settings.candidates_llm_settings() is None
     assert choice.settings.model == str(DEFAULT_ESCALATION_DIR)
+
+
+def test_a_long_ticket_is_cut_and_the_llm_still_sees_every_candidate() -> None:
+    stage = _stage(top_k=5)
+    engine = CandidatesEngine(stage, *resolve_taxonomy(stage))
+    text = " ".join(["I ordered a new card weeks ago and it never arrived, where is it?"] * 200)
+    answer = engine.new_context().classify(ClassifyRequest(0, text, math.inf))
+    assert answer.truncated and not answer.fallback
+    assert answer.model == model_id(DEFAULT_MODEL_DIR) and len(answer.scores) == 5

@@ -52,16 +52,11 @@ def candidates_turn(ticket: str, intents: Sequence[Intent]) -> str:
     return f"{ticket}\n\n{CANDIDATES_HEADING}\n{lines}"
 
 
-def _llm_taxonomy(taxonomy: Taxonomy, ticket_tokens: int, top_k: int) -> Taxonomy:
-    """The taxonomy as the LLM's engine runs it: no intent list in the system prompt (the candidates are in
-    the user turn), and a user-turn budget of the ticket's plus the longest candidate block (a token is at
-    least one character, so the block's characters bound its tokens)."""
+def _candidates_budget(taxonomy: Taxonomy, top_k: int) -> int:
+    """Tokens enough for the longest candidate block of `top_k` intents (a token is at least one character,
+    so the block's characters bound its tokens)."""
     lines = sorted((len(f"- {i.name}: {i.description}\n") for i in taxonomy.intents), reverse=True)
-    block = len(f"\n\n{CANDIDATES_HEADING}\n") + sum(lines[:top_k])
-    prompt = msgspec.structs.replace(
-        taxonomy.prompt, list_intents=False, max_ticket_tokens=ticket_tokens + block
-    )
-    return msgspec.structs.replace(taxonomy, prompt=prompt)
+    return len(f"\n\n{CANDIDATES_HEADING}\n") + sum(lines[:top_k])
 
 
 class CandidatesEngine:
@@ -80,8 +75,12 @@ class CandidatesEngine:
         self.encoder = EncoderEngine(settings, taxonomy, taxonomy_path)
         budgets = [settings.max_ticket_tokens, taxonomy.prompt.max_ticket_tokens]
         self.ticket_tokens = min(b for b in budgets if b is not None)
-        llm_taxonomy = _llm_taxonomy(taxonomy, self.ticket_tokens, self.top_k)
-        self.llm = Engine(llm_settings, llm_taxonomy, taxonomy_path)
+        # The LLM's user turn is the ticket and the candidates: the engine sizes its cache for that budget,
+        # and its system prompt lists no intents (the candidates are in the user turn).
+        turn_tokens = self.ticket_tokens + _candidates_budget(taxonomy, self.top_k)
+        llm_settings = msgspec.structs.replace(llm_settings, max_ticket_tokens=turn_tokens)
+        prompt = msgspec.structs.replace(taxonomy.prompt, list_intents=False, max_ticket_tokens=turn_tokens)
+        self.llm = Engine(llm_settings, msgspec.structs.replace(taxonomy, prompt=prompt), taxonomy_path)
         self.model_id = self.llm.model_id
         self._intents = {intent.name: intent for intent in taxonomy.intents}
 
