@@ -69,6 +69,21 @@ def test_the_llm_answers_one_of_the_encoders_top_k_with_its_probability_among_th
     assert changed > 0  # the LLM decides, it does not echo the encoder
 
 
+def test_the_answer_weighs_the_llms_probabilities_by_the_encoders(engine: CandidatesEngine) -> None:
+    """The served distribution is the LLM's among the k times the encoder's, renormalised over the k."""
+    context, llm = engine.new_context(), engine.llm.new_context("score")
+    for index, text in enumerate(_texts(5)):
+        proposed = engine.encoder.new_context().classify(ClassifyRequest(index, text, math.inf))
+        if proposed.out_of_scope:  # the encoder's answer stands (see the test above)
+            continue
+        candidates = list(proposed.scores)[:3]
+        alone = llm.score_among(engine.user_turn(text, candidates)[0], candidates)
+        weighed = {label: p * proposed.scores[label] for label, p in zip(candidates, alone, strict=True)}
+        answer = context.classify(ClassifyRequest(index, text, math.inf))
+        for label, value in weighed.items():
+            assert answer.scores[label] == pytest.approx(value / sum(weighed.values()), abs=1e-6)
+
+
 def test_a_ticket_whose_deadline_is_near_keeps_the_encoders_answer(engine: CandidatesEngine) -> None:
     context = engine.new_context()
     text = _texts(1)[0]

@@ -10,8 +10,10 @@ the encoder's top few usually hold the right intent. Whether it pays is measured
 The LLM runs as score mode does (worker/inference/engine.py): its system prompt (the taxonomy's
 instructions; no intent list, the candidates are in the user turn) is prefilled once per context and reused
 with `rewind_to`; each candidate label's tokens after `{"intent": "` are scored and the probabilities
-renormalised over the k candidates (`Context.score_among`), so `confidence` is the LLM's probability of its
-choice among them and `scores` lists all k. The answer is always one of the candidates.
+renormalised over the k candidates (`Context.score_among`). The answer multiplies them with the encoder's
+probabilities of the same k, renormalised (two opinions as independent ones: measured better than the LLM's
+alone on every row of the bench), so `confidence` is a probability among the k, `scores` lists all k, and
+the answer is always one of the candidates.
 
 The encoder's answer stands, with its own `model`, when the LLM cannot add anything in time: a ticket the
 encoder answers as a fallback or out of scope, one whose time left is under the LLM's recent slowest turn,
@@ -124,7 +126,7 @@ class CandidatesContext:
             return proposed
         try:
             turn, truncated = self.engine.user_turn(request.text, candidates)
-            probs = self._llm.score_among(turn, candidates, request.deadline)
+            llm = self._llm.score_among(turn, candidates, request.deadline)
         except DeadlineExceeded:
             return proposed
         except Exception:
@@ -132,6 +134,9 @@ class CandidatesContext:
             return proposed
         now = time.monotonic()
         self._recent_s.append(now - llm_started)
+        # Both opinions, as independent ones: measured better than the LLM's alone (make bench-llm-topk).
+        probs = llm * np.array([proposed.scores[label] for label in candidates])
+        probs /= probs.sum()
         order = np.argsort(-probs)
         intent = candidates[int(order[0])]
         return msgspec.structs.replace(
