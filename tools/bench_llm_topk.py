@@ -179,13 +179,19 @@ def _findings(rows: Sequence[dict[str, Any]]) -> list[str]:
         k, best = max(row["llm_over_top_k"].items(), key=lambda item: item[1]["accuracy"])
         change = (best["accuracy"] - stage["accuracy"]) * 100.0
         lines.append(
-            f"- {row['taxonomy']}, {row['amount']}: the best k ({k}) "
-            f"{'gains' if change > 0 else 'loses'} {abs(change):.1f} points on the encoder stage alone "
+            f"- {row['taxonomy']}, {row['amount']}: the best k ({k}) {_change(change)} the encoder stage "
+            "alone "
             f"({best['accuracy']:.1%} against {stage['accuracy']:.1%}; the LLM alone "
             f"{best['llm_alone_accuracy']:.1%}) "
             f"at {stage['tickets_per_second'] / best['tickets_per_second']:.0f}x its time per ticket."
         )
     return lines
+
+
+def _change(points: float) -> str:
+    if abs(points) < 0.05:
+        return "matches"
+    return f"{'gains' if points > 0 else 'loses'} {abs(points):.1f} points on"
 
 
 def _markdown(record: dict[str, Any]) -> str:
