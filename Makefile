@@ -22,7 +22,7 @@ RUN_ARGS ?=
 BENCH_ARGS ?=
 
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-open-intent \
-	bench-encoder-tuning \
+	bench-encoder-tuning bench-llm-topk \
 	bench-inference eval model published-model \
 	fuzz soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
@@ -172,6 +172,14 @@ bench-open-intent: $(VENV)/.extra-train
 ## The encoder fine-tune against the shipped encoder into results/encoder-tuning.* (~30 minutes)
 bench-encoder-tuning: $(VENV)/.extra-train
 	$(BIN)/python -m tools.bench_encoder_tuning --out results $(BENCH_ARGS)
+
+# An LLM (LLM=DIR, an ORT GenAI folder, e.g. SmolLM2-135M-Instruct int4) deciding among the encoder stage's
+# top k intents (inference.escalation_llm) against the encoder stage alone and in the served cascade, on 200
+# BANKING77 test tickets, BANKING77 and bank-desk, zero-shot, 5 per intent and (BANKING77) the shipped stage;
+# results/llm-topk.md and .json (tools/bench_llm_topk.py).
+## An LLM over the encoder's top candidates into results/llm-topk.* (LLM=DIR; ~40 minutes)
+bench-llm-topk: $(VENV)/.extra-train
+	$(BIN)/python -m tools.bench_llm_topk --llm $(LLM) --tickets 200 $(BENCH_ARGS)
 
 # Inference design figures (ratios against a baseline of the same run), written to results/.
 ## Inference design figures into results/

@@ -19,7 +19,8 @@ The code is in twelve rooms, one folder each, plus a few shared modules; each ro
   `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`;
   the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. A model's taxonomy is
   resolved once where the model is assembled (`loading.resolve_taxonomy`, called by `worker.app` or a
-  command) and handed to its pool, engines and encoder stage as a value. Imports only the shared modules.
+  command) and handed to its pool, engines and encoder stage as a value; an LLM may decide among the encoder
+  stage's top candidates (`candidates`). Imports only the shared modules.
 - ``worker/pipeline`` (the pipeline): the one loop every door rides (`engine.Engine`): the in-flight bound,
   deadlines, the Schema Registry's wait, drains on revoke, shutdown; over three seams (`seams`): where
   records come from (`sources/`: a consumer group, a share group, the lines of a file), what happens to each

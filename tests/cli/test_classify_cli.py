@@ -198,6 +198,48 @@ def test_classify_runs_the_cascade_as_the_worker_does_by_default(
     capsys.readouterr()
 
 
+def test_classify_lets_an_llm_decide_among_the_encoders_top_candidates(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inference.escalation_llm`: escalated tickets are answered by the LLM among the encoder stage's top k
+    (here the embedded model, an ORT GenAI model, as the LLM), and their records say so."""
+    tickets = tmp_path / "tickets.jsonl"
+    texts = _banking77_test_texts(30)
+    tickets.write_text(
+        "".join(json.dumps({"ticket_id": str(i), "body": text}) + "\n" for i, text in enumerate(texts)),
+        encoding="utf-8",
+    )
+    out = tmp_path / "results.jsonl"
+    llm = ("--set", f"inference.escalation_llm={REPO / 'models' / 'triage-mini'}")
+    every = ("--set", "inference.escalate_below=1.0", "--set", "inference.escalation_top_k=2")
+    unhurried = ("--deadline-ms", "60000")  # no ticket keeps an earlier answer for its deadline
+    assert main(["classify", "--input", str(tickets), "--output", str(out), *llm, *every, *unhurried]) == 0
+    records = [msgspec.json.decode(line, type=TriageResult) for line in out.read_text().splitlines()]
+    assert len(records) == len(texts)
+    decided = [r for r in records if r.stage == "escalation" and r.model == "triage-mini"]
+    # All but those the encoder stage found out of scope ("none of these": no candidate to choose among).
+    assert len(decided) == len(texts) - sum(bool(r.out_of_scope) for r in records) > 0
+    for record in decided:
+        assert record.first_intent is not None and len(record.scores) == 2 and record.intent in record.scores
+        assert 0.0 < record.confidence <= 1.0 and abs(sum(record.scores.values()) - 1.0) < 1e-6
+    capsys.readouterr()
+
+
+def test_classify_refuses_an_escalation_llm_that_is_no_model_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["classify", "Where is my card?", "--set", f"inference.escalation_llm={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert (
+        err.strip()
+        == f"triage-worker: error: inference.escalation_llm: {tmp_path} is not an ORT GenAI model folder "
+        "(no genai_config.json)"
+    )
+    assert main(["classify", "Where is my card?", "--set", "inference.escalation_top_k=9"]) == 2
+    assert "escalation_top_k" in capsys.readouterr().err
+
+
 def _ticket_line(number: int) -> bytes:
     return json.dumps({"ticket_id": f"t{number}", "body": f"where is my card? ({number})"}).encode() + b"\n"
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tools import REPO
 from tools.harness import Audit, Worker, audit, make_topics, publish, wait_until_committed
 from worker.messages import TriageResult
 
@@ -82,6 +83,27 @@ def test_unsure_tickets_are_answered_by_the_encoder_stage_and_every_record_says_
     assert outcomes["failed"] + sum(final["escalation"]["skipped"].values()) == len(kept)
     start = worker.events("cascade_started")[0]
     assert start["escalation"].startswith("triage-encoder") and start["window"] == 2
+
+
+def test_with_an_escalation_llm_unsure_tickets_are_decided_among_the_encoders_top_candidates(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """`inference.escalation_llm`: the worker's escalated records are the LLM's choice among the encoder
+    stage's top k (the embedded model as the LLM), or, when it had no time or the encoder found the ticket out
+    of scope, the encoder stage's own answer; `model` says which."""
+    llm = {
+        "inference.escalation_llm": str(REPO / "models" / "triage-mini"),
+        "inference.escalation_top_k": "3",
+    }
+    report, worker, _ = _run(kafka_bootstrap, unique_topic, tmp_path, 120, 20.0, llm)
+    escalated = [r for r in _records(report) if r.stage == "escalation"]
+    decided = [r for r in escalated if r.model == "triage-mini"]
+    assert decided, "the LLM decided nothing"
+    for record in decided:
+        assert record.first_intent is not None and len(record.scores) == 3 and record.intent in record.scores
+        assert 0.0 < record.confidence <= 1.0 and abs(sum(record.scores.values()) - 1.0) < 1e-6
+    assert all(r.model.startswith("triage-encoder") for r in escalated if r not in decided)
+    assert worker.events("cascade_started")[0]["escalation"] == "triage-mini"
 
 
 def test_under_a_1_ms_deadline_nothing_is_escalated_and_every_ticket_still_gets_one_record(

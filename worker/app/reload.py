@@ -46,7 +46,13 @@ _CANARY_TIMEOUT_S = 60.0
 _REQUEST_CHECK_S = 0.2
 _SECTIONS = ("kafka", "topics", "pipeline", "log", "metrics")
 # Inference settings of the cascade's escalation stage, which runs on until a restart.
-_ESCALATION_KEYS = ("escalation", "escalate_below", "escalation_pool_size")
+_ESCALATION_KEYS = (
+    "escalation",
+    "escalate_below",
+    "escalation_pool_size",
+    "escalation_llm",
+    "escalation_top_k",
+)
 
 
 class ReloadError(UserError):

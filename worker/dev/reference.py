@@ -112,6 +112,11 @@ SETTING_DOCS: dict[str, str] = {
     "stage when their deadline leaves time (0.8 for the shipped model, chosen on the validation split; a "
     "folder `model train` wrote records its own: 1.0 when its first stage saw no held-out ticket)",
     "inference.escalation_pool_size": "the escalation stage's processes",
+    "inference.escalation_llm": "an ORT GenAI model folder that decides among the encoder stage's "
+    "`escalation_top_k` best intents, listed with their descriptions in its prompt; the answer is one of "
+    "them ([model](model.md#an-llm-over-the-encoders-top-candidates))",
+    "inference.escalation_top_k": "how many of the encoder stage's best intents `escalation_llm` decides "
+    "among (2 to 5)",
     "review.threshold": "classified results whose confidence is under this also go to `topics.review`",
     "review.fallbacks": "fallbacks (no model answer) also go to `topics.review`",
     "privacy.detect": "kinds of personal data looked for in every ticket (`email`, `iban`, `card_number`, "

@@ -417,3 +417,25 @@ class Context:
             except Exception:
                 log.exception("context rebuild failed")
                 self._generator = None
+
+    # -- deciding among candidates (worker/inference/candidates.py) -------------------------------------
+
+    def score_among(self, user_turn: str, labels: Sequence[str], deadline: float = math.inf) -> FloatArray:
+        """The probability of each of `labels` (some of the engine's) as the answer to `user_turn` (the whole
+        user message, already normalised and cut to budget by the caller), renormalised over those labels
+        only: each label's log-probability after `{"intent": "` as score mode reads it. Raises
+        DeadlineExceeded when `deadline` passes between continuations; the context is rewound either way."""
+        ids = self.engine.encode(self.engine.builder.suffix(user_turn) + INTENT_OPENING)
+        try:
+            if self._generator is None:
+                self._build()
+            generator = self._require()
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded
+            generator.append_tokens(ids)
+            continuations = [self.engine.label_ids[self.engine.labels.index(label)] for label in labels]
+            logprobs = self._continuations(continuations, deadline)
+            probs: FloatArray = np.exp(logprobs - np.logaddexp.reduce(logprobs))
+            return probs
+        finally:
+            self._reset()

@@ -65,9 +65,35 @@ def escalation_threshold(first: InferenceSettings) -> float:
     return float(value)
 
 
+def check_candidates_llm(stage: InferenceSettings, llm_folder: str) -> None:
+    """Refuse, in one line, an `escalation_llm` that cannot decide among `stage`'s candidates: the stage must
+    be an encoder stage (the candidates are its top intents) and the LLM an ORT GenAI model folder."""
+    if not is_encoder_folder(Path(stage.model).expanduser()):
+        raise UserError(
+            f"inference.escalation_llm decides among an encoder stage's candidates, but the escalation stage "
+            f"{stage.model} is not one (no encoder.json)"
+        )
+    folder = Path(llm_folder).expanduser()
+    if not (folder / "genai_config.json").is_file():
+        raise UserError(
+            f"inference.escalation_llm: {folder} is not an ORT GenAI model folder (no genai_config.json)"
+        )
+
+
 def choose_escalation(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> EscalationChoice:
     """The escalation stage for a first stage of settings `first`, whose taxonomy (as resolved) is
-    `taxonomy` from `taxonomy_path`."""
+    `taxonomy` from `taxonomy_path`; a UserError when `escalation_llm` cannot decide among its candidates."""
+    choice = _chosen_stage(first, taxonomy, taxonomy_path)
+    if first.escalation_llm is None:
+        return choice
+    if choice.settings is None and choice.why_off is None:
+        raise UserError("inference.escalation_llm needs the cascade, but inference.escalation is off")
+    if choice.settings is not None:
+        check_candidates_llm(choice.settings, first.escalation_llm)
+    return choice
+
+
+def _chosen_stage(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> EscalationChoice:
     settings = first.escalation_settings(str(taxonomy_path))
     if settings is None or first.escalation != ESCALATION_AUTO:
         return EscalationChoice(settings)

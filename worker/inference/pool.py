@@ -39,6 +39,7 @@ import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.errors import UserError
+from worker.inference.candidates import CandidatesContext, CandidatesEngine
 from worker.inference.encoder import EncoderContext, EncoderEngine, is_encoder_folder
 from worker.inference.engine import Context, Engine
 from worker.inference.genai import require_runtime
@@ -76,9 +77,13 @@ _REQUEST_DECODER = msgspec.msgpack.Decoder(ClassifyRequest)
 
 def open_engine(
     settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path
-) -> Engine | EncoderEngine:
+) -> Engine | EncoderEngine | CandidatesEngine:
     """The engine for the folder in `settings.model`: an encoder stage (it has `encoder.json`, see
-    worker/inference/encoder.py) or an ORT GenAI model, with the resolved `taxonomy` from `taxonomy_path`."""
+    worker/inference/encoder.py), with an LLM deciding among its top candidates when the settings are a
+    stage's with one (worker/inference/candidates.py), or an ORT GenAI model, with the resolved `taxonomy`
+    from `taxonomy_path`."""
+    if settings.candidates_llm_settings() is not None:
+        return CandidatesEngine(settings, taxonomy, taxonomy_path)
     if is_encoder_folder(Path(settings.model).expanduser()):
         return EncoderEngine(settings, taxonomy, taxonomy_path)
     return Engine(settings, taxonomy, taxonomy_path)
@@ -246,7 +251,7 @@ class ThreadPool(ClassifierPool):
         for thread in self._threads:
             thread.join(_STOP_TIMEOUT_S)
 
-    def _serve(self, context: Context | EncoderContext) -> None:
+    def _serve(self, context: Context | EncoderContext | CandidatesContext) -> None:
         while (request := self._requests.get()) is not None:
             self._results.put((request.request_id, context.classify(request)))
 
@@ -462,7 +467,7 @@ class _suppress:
         return kind is not None and issubclass(kind, (OSError, EOFError, ValueError, msgspec.DecodeError))
 
 
-def _warm(context: Context | EncoderContext) -> None:
+def _warm(context: Context | EncoderContext | CandidatesContext) -> None:
     context.classify(ClassifyRequest(-1, _WARM_TICKET, time.monotonic() + 60.0))
 
 

@@ -29,6 +29,11 @@ ESCALATION_AUTO = "auto"
 # The cascade's threshold where neither the settings nor the model folder choose one (`escalate_below`).
 DEFAULT_ESCALATE_BELOW = 0.8
 ESCALATION_OFF = "off"
+# How many of the encoder stage's best intents the escalation LLM decides among (`escalation_top_k`): at most
+# the encoder's `scores` (its top 5). 2 by default: 3 and 5 were within 1.5 points of it on every row of
+# results/llm-topk.md, at up to 2.4 times its time per ticket.
+MAX_CANDIDATES = 5
+DEFAULT_CANDIDATES = 2
 
 Provider = Literal["cpu", "cuda", "dml"]
 InferenceMode = Literal["score", "generate"]
@@ -156,6 +161,11 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     escalate_below: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     # One process by default: the stage shares the cores with the first one and must never crowd it out.
     escalation_pool_size: PositiveInt = 1
+    # An ORT GenAI model folder that decides among the encoder stage's `escalation_top_k` best intents, their
+    # descriptions listed in its prompt (worker/inference/candidates.py); None: the encoder stage's own
+    # answer stands. Needs an encoder stage as `escalation`.
+    escalation_llm: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    escalation_top_k: Annotated[int, msgspec.Meta(ge=2, le=MAX_CANDIDATES)] = DEFAULT_CANDIDATES
 
     def shadow_settings(self) -> InferenceSettings | None:
         """How the shadow model runs: these settings with the `shadow_*` keys applied; None when no shadow is
@@ -174,6 +184,7 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             shadow_taxonomy=None,
             shadow_mode=None,
             escalation=None,
+            escalation_llm=None,
         )
 
     def escalation_settings(self, taxonomy: str) -> InferenceSettings | None:
@@ -194,6 +205,14 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             shadow_mode=None,
             escalation=None,
         )
+
+    def candidates_llm_settings(self) -> InferenceSettings | None:
+        """How the LLM that decides among this escalation stage's candidates runs: `escalation_llm` as
+        `model`, in score mode; None when there is none. Only a stage's settings (`escalation_settings`, with
+        no cascade of their own) have one: a first stage's `escalation_llm` belongs to its cascade."""
+        if self.escalation_llm is None or self.escalation is not None:
+            return None
+        return msgspec.structs.replace(self, model=self.escalation_llm, mode="score", escalation_llm=None)
 
 
 _TICKET_FIELDS = tuple(field.name for field in msgspec.structs.fields(TicketEvent))

@@ -29,6 +29,7 @@ _UNSET_HINTS = {
     "inference.shadow_mode": "the primary's mode",
     "inference.escalation": "no cascade",
     "inference.escalate_below": "the model folder's choice (`model train`), else 0.8",
+    "inference.escalation_llm": "the encoder stage's own answer",
     "review.threshold": "no result goes to review for its confidence",
     "metrics.port": "no HTTP endpoint",
     "metrics.reload_token_file": "POST /reload closed (SIGHUP reloads)",
