@@ -14,8 +14,9 @@ The code is in twelve rooms, one folder each, plus a few shared modules; each ro
   broker, the dead-letter header contract, a side topic read from its beginning to its end by assignment
   (`side_topics`). Imports only the shared modules.
 - ``worker/inference`` (inference): loads an ORT GenAI model (checking it was trained for the taxonomy's
-  labels, `pairing`), builds the prompt from a taxonomy, scores or generates an answer in prefix-reusing
-  contexts, and serves them from a pool. Its contract is a
+  labels, `pairing`), builds the prompt from a taxonomy, scores the labels or writes one down their token
+  trie (`answer_trie`) in prefix-reusing contexts, at a folder's fitted temperature (`calibration`), and
+  serves them from a pool. Its contract is a
   `worker.classification.Classifier`: `submit(ClassifyRequest)`, `poll() -> [(request_id, Classification)]`;
   the worker's is a `switch.SwitchingClassifier`, whose pool a hot reload replaces. A model's taxonomy is
   resolved once where the model is assembled (`loading.resolve_taxonomy`, called by `worker.app` or a
@@ -41,7 +42,8 @@ The code is in twelve rooms, one folder each, plus a few shared modules; each ro
   from tickets or zero-shot (`encoder_stage`), its encoder fine-tuned on a full folder's tickets
   (`encoder_tuning`), its out-of-scope detector (`out_of_scope`), the first stage (`first_stage`), both
   stages into one model folder (`compose`), where a model folder may be written and how it replaces the old
-  one (`folders`), the ORT GenAI export (`export`), evaluation on BANKING77 (`evaluation`), reviewers'
+  one (`folders`), the ORT GenAI export (`export`), a published model imported (`model_import`) and its
+  confidence fitted to a taxonomy (`calibration`), evaluation on BANKING77 (`evaluation`), reviewers'
   feedback (`feedback`) and the fine-tune on it (`fine_tune`), model files fetched with Maven (`artifacts`).
   Imports the shared modules, `worker.inference`, `worker.kafka` and `worker.pipeline` (the feedback topic
   read, its rejects dead-lettered with the pipeline's redaction); never `worker.cli` or `worker.dev`.
