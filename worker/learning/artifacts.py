@@ -97,7 +97,7 @@ def _fetch_into_cache(model_folder: Path, manifest: EncoderManifest, echo: Calla
         echo,
     )
     path = folder / manifest.encoder
-    if manifest.encoder_sha256 and _sha256(path) != manifest.encoder_sha256:
+    if manifest.encoder_sha256 and file_sha256(path) != manifest.encoder_sha256:
         (folder / ".complete").unlink(missing_ok=True)
         raise UserError(f"{path}: its sha256 is not the one {model_folder / 'encoder.json'} records")
     return path
@@ -111,7 +111,8 @@ def fetch_stage_files(settings: InferenceSettings, echo: Callable[[str], None] =
         fetch_encoder(folder, echo)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file of any size, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import datetime
 import email.parser
-import hashlib
 import importlib.util
 import io
 import json
@@ -43,6 +42,7 @@ from typing import Any, Literal
 
 from worker.errors import UserError
 from worker.learning import folders
+from worker.learning.artifacts import file_sha256
 from worker.learning.export import export_model
 
 Precision = Literal["int4", "fp16", "fp32"]
@@ -433,14 +433,6 @@ def _place_template(
     return "none in the model: the plain template of `model import` (docs/model.md)"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as data:
-        for block in iter(lambda: data.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _megabytes(path: Path) -> str:
     return f"{path.stat().st_size / 1e6:.0f} MB"
 
@@ -460,13 +452,13 @@ def _record(
     """What import.json and the model card say (see the module)."""
     origin: dict[str, Any] = {"path": str(source.path), "kind": source.kind}
     if source.path.is_file():
-        origin["sha256"] = _sha256(source.path)
+        origin["sha256"] = file_sha256(source.path)
     if gguf_file is not None:
-        origin["gguf"] = {"file": source.member or gguf_file.name, "sha256": _sha256(gguf_file)}
+        origin["gguf"] = {"file": source.member or gguf_file.name, "sha256": file_sha256(gguf_file)}
         origin["gguf"]["name"] = gguf_metadata.get("general.name")
         origin["gguf"]["architecture"] = gguf_metadata.get("general.architecture")
     files = {
-        path.relative_to(building).as_posix(): {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        path.relative_to(building).as_posix(): {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         for path in sorted(building.rglob("*"))
         if path.is_file()
     }
