@@ -414,7 +414,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from worker.inference.calibration import write_calibration
     from worker.inference.loading import resolve_taxonomy
     from worker.learning.calibration import calibrate_folder
-    from worker.learning.compose import _progress, _reporter
+    from worker.learning.compose import progress_bar, step_reporter
     from worker.learning.data import read_labelled
 
     modes = args.modes.split(",")
@@ -435,9 +435,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise UserError(f"--data {args.data}: no labelled tickets")
     examples = examples[:: max(1, len(examples) // args.limit)][: args.limit]
     console = Console(stderr=True, soft_wrap=True)
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         fitted = calibrate_folder(
-            settings.inference, modes, examples, lambda mode: _reporter(progress, f"{mode}: reading")
+            settings.inference, modes, examples, lambda mode: step_reporter(progress, f"{mode}: reading")
         )
     for mode, result in fitted.items():
         print(

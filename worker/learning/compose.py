@@ -90,7 +90,7 @@ class TrainingOutcome:
     tuning_missing: str | None = None
 
 
-def _progress(console: Console) -> Progress:
+def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -103,7 +103,7 @@ def _progress(console: Console) -> Progress:
     )
 
 
-def _reporter(progress: Progress, description: str) -> Callable[[int, int], None]:
+def step_reporter(progress: Progress, description: str) -> Callable[[int, int], None]:
     task = progress.add_task(description, total=None)
 
     def report(done: int, total: int) -> None:
@@ -238,7 +238,7 @@ def train_model_folder(
                     f"the {tuning_seconds:.0f} s it had ran out before the first step (a busy machine?)"
                 )
         embedder = embedder or encoder_stage.open_embedder(echo=console.print)
-        with _progress(console) as progress:
+        with progress_bar(console) as progress:
             head, report = encoder_stage.fit_encoder_stage(
                 train,
                 validation,
@@ -246,7 +246,7 @@ def train_model_folder(
                 embedder,
                 max_seconds=encoder_budget,
                 seed=seed,
-                progress=_reporter(progress, "encoder stage: embedding tickets"),
+                progress=step_reporter(progress, "encoder stage: embedding tickets"),
                 in_scope_loss=in_scope_loss,
             )
         source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
@@ -283,7 +283,7 @@ def fine_tune_encoder(
     onnx_file, tokenizer = encoder_stage.shipped_encoder_files(console.print)
     index = {label: i for i, label in enumerate(taxonomy.labels)}
     tickets = [(text, index[intent]) for text, intent in train]
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         report = encoder_tuning.tune_encoder(
             onnx_file,
             tokenizer,
@@ -292,7 +292,7 @@ def fine_tune_encoder(
             out_file,
             max_seconds=max_seconds,
             seed=seed,
-            progress=_reporter(progress, "encoder: fine-tuning on the tickets"),
+            progress=step_reporter(progress, "encoder: fine-tuning on the tickets"),
         )
     console.print(
         f"encoder fine-tuned: {report.steps} of {report.planned_steps} steps ({report.tickets_seen} tickets) "
@@ -316,9 +316,9 @@ def train_zero_shot_folder(
     console = console or Console(stderr=True)
     started = time.monotonic()
     embedder = embedder or encoder_stage.open_embedder(echo=console.print)
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         head, report = encoder_stage.zero_shot_encoder_stage(
-            taxonomy, embedder, _reporter(progress, "encoder stage: embedding the taxonomy")
+            taxonomy, embedder, step_reporter(progress, "encoder stage: embedding the taxonomy")
         )
     texts = encoder_stage.intent_texts(taxonomy)
     rows = [(text, intent.name) for intent, own in zip(taxonomy.intents, texts, strict=True) for text in own]
@@ -372,7 +372,7 @@ def _finish(
         if trainer is not None:
             reserved = MEASURE_SECONDS_PER_TICKET * len(validation)
             remaining = max(60.0, max_seconds - (time.monotonic() - started) - reserved)
-            with _progress(console) as progress:
+            with progress_bar(console) as progress:
                 first = trainer(
                     # An intent without tickets is learnt from its taxonomy texts, as zero-shot learns all.
                     [*train, *_texts_for(taxonomy, coverage["without_rows"])],
@@ -384,7 +384,7 @@ def _finish(
                     unlabelled=unlabelled,
                     max_seconds=remaining,
                     seed=seed,
-                    progress=_reporter(progress, "first stage: training"),
+                    progress=step_reporter(progress, "first stage: training"),
                 )
         else:
             console.print(
