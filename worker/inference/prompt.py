@@ -7,7 +7,8 @@ passed in (`ChatRenderer`, `TextTokenizer`), either ORT GenAI's or the pure-Pyth
 The rendered prompt is split into a *prefix* (everything before the ticket that is identical for every
 ticket: prefilled once per context and reused with `rewind_to`) and a *suffix* (the rest of the user turn
 with the ticket, and the assistant header). The split must keep encode(prefix) + encode(suffix) ==
-encode(full): the engine passes the test (`accepts`) and the builder takes the longest split that passes.
+encode(full): the engine passes the test (`accepts`) and the builder takes the first split, in order of
+preference, that passes.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class PromptBuilder:
         return self.full(ticket) + answer_json(intent, priority) + eos
 
     def _split_prefix(self, accepts: SplitTest) -> str:
-        """The longest of `prefix_choices` that `accepts` takes with every probe ticket (else the shortest:
+        """The first of `prefix_choices` that `accepts` takes with every probe ticket (else the last of them:
         the engine's check then says why the prefix cannot be reused)."""
         choices = self.prefix_choices()
         fulls = [self.full(ticket) for ticket in SPLIT_PROBES]
