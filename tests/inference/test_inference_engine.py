@@ -18,7 +18,8 @@ from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.cli.cli import main
 from worker.errors import UserError
-from worker.inference.engine import Context, Engine, log_softmax
+from worker.inference.answer_trie import log_softmax
+from worker.inference.engine import Context, Engine
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import FallbackReason, SourcePosition, TicketEvent, TriageResult

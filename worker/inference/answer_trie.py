@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -92,10 +93,11 @@ class Decision:
         return int(self.node.tokens[self.taken])
 
 
-def log_probabilities(logits: npt.NDArray[np.float64], temperature: float) -> npt.NDArray[np.float64]:
-    scaled = logits / temperature
-    shifted = scaled - scaled.max()
-    result: npt.NDArray[np.float64] = shifted - np.log(np.exp(shifted).sum())
+def log_softmax(logits: npt.NDArray[Any]) -> npt.NDArray[np.float64]:
+    """Log-probabilities over the last axis (float64, shifted by the maximum for stability)."""
+    values = logits.astype(np.float64)
+    shifted = values - values.max(axis=-1, keepdims=True)
+    result: npt.NDArray[np.float64] = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     return result
 
 
@@ -105,7 +107,7 @@ def weigh(decisions: Sequence[Decision], temperature: float = 1.0) -> tuple[floa
     logprob = 0.0
     settled: dict[int, float] = {}
     for decision in decisions:
-        steps = log_probabilities(decision.logits, temperature)
+        steps = log_softmax(decision.logits / temperature)
         for index, token in enumerate(decision.node.tokens):
             child = decision.node.children[int(token)]
             if index != decision.taken and len(child.labels) == 1:

@@ -16,8 +16,8 @@ import numpy as np
 import structlog
 
 from worker.classification import Classification, ClassifyRequest
-from worker.inference.answer_trie import Decision, TrieNode, weigh
-from worker.inference.engine import TOP_K_SCORES, Engine
+from worker.inference.answer_trie import Decision, TrieNode
+from worker.inference.engine import Engine
 from worker.inference.genai import og
 
 log = structlog.get_logger(__name__)
@@ -93,7 +93,7 @@ class BatchRunner:
                 if len(node.children) == 1:  # no choice: one token a step, as every row steps together
                     chosen[index], nodes[index] = next(iter(node.children.items()))
                 else:
-                    decision = Decision.greedy(nodes[index], logits[index])
+                    decision = Decision.greedy(node, logits[index])
                     decisions[index].append(decision)
                     chosen[index], nodes[index] = decision.token, decision.child
                 if nodes[index].label is not None:
@@ -108,16 +108,14 @@ class BatchRunner:
             if expired[index] or end is None or leaf is None:
                 results.append(engine.fallback("deadline_exceeded", started, truncated))
                 continue
-            confidence, settled = weigh(decisions[index], self.context.temperature)
-            settled[leaf] = confidence
-            top = sorted(settled.items(), key=lambda item: -item[1])[:TOP_K_SCORES]
+            confidence, scores = engine.walked_answer(leaf, decisions[index], self.context.temperature)
             intent = engine.labels[leaf]
             results.append(
                 Classification(
                     intent=intent,
                     priority=engine.taxonomy.policy_priority(intent),
                     confidence=confidence,
-                    scores={engine.labels[i]: p for i, p in top},
+                    scores=scores,
                     model=engine.model_id,
                     latency_ms=(end - started) * 1000.0,
                     truncated=truncated,

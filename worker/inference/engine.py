@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -34,7 +34,7 @@ import structlog
 
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.errors import UserError
-from worker.inference.answer_trie import Decision, build_trie, weigh
+from worker.inference.answer_trie import Decision, build_trie, log_softmax, weigh
 from worker.inference.calibration import temperatures
 from worker.inference.genai import og
 from worker.inference.loading import load_model, model_dir, model_id
@@ -63,13 +63,6 @@ FloatArray = npt.NDArray[np.float64]
 
 class DeadlineExceeded(Exception):
     """Raised between model steps when the request's deadline has passed."""
-
-
-def log_softmax(logits: npt.NDArray[Any]) -> FloatArray:
-    values = logits.astype(np.float64)
-    shifted = values - values.max(axis=-1, keepdims=True)
-    result: FloatArray = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    return result
 
 
 class Engine:
@@ -149,6 +142,16 @@ class Engine:
         params = og.GeneratorParams(self.model)
         params.set_search_options(max_length=self.max_length, random_seed=RANDOM_SEED, batch_size=batch_size)
         return params
+
+    def walked_answer(
+        self, leaf: int, decisions: Sequence[Decision], temperature: float
+    ) -> tuple[float, dict[str, float]]:
+        """`generate` mode's confidence for the label a walk reached, and its scores: that label and every
+        label whose share the walk settles, the best `TOP_K_SCORES` of them."""
+        confidence, settled = weigh(decisions, temperature)
+        settled[leaf] = confidence
+        top = sorted(settled.items(), key=lambda item: -item[1])[:TOP_K_SCORES]
+        return confidence, {self.labels[i]: p for i, p in top}
 
     def fallback(self, reason: FallbackReason, started: float, truncated: bool = False) -> Classification:
         latency_ms = (time.monotonic() - started) * 1000.0
@@ -316,13 +319,17 @@ class Context:
         return intent, priority, float(probs[best]), scores
 
     def _label_probs(self, ids: list[int], deadline: float) -> FloatArray:
+        logprobs = self._label_logprobs(ids, self.engine.label_ids, deadline) / self.temperature
+        probs: FloatArray = np.exp(logprobs - np.logaddexp.reduce(logprobs))
+        return probs
+
+    def _label_logprobs(self, ids: list[int], continuations: list[list[int]], deadline: float) -> FloatArray:
+        """Append `ids` (a ticket's, up to the answer's opening), then each continuation's log-probability."""
         generator = self._require()
         if time.monotonic() >= deadline:
             raise DeadlineExceeded
         generator.append_tokens(ids)
-        logprobs = self._continuations(self.engine.label_ids, deadline) / self.temperature
-        probs: FloatArray = np.exp(logprobs - np.logaddexp.reduce(logprobs))
-        return probs
+        return self._continuations(continuations, deadline)
 
     def _continuations(self, continuations: list[list[int]], deadline: float) -> FloatArray:
         """Log-probability of each continuation after the current position: the first token from the last
@@ -355,14 +362,12 @@ class Context:
     def _generate(self, ids: list[int], deadline: float) -> tuple[str, Priority, float, dict[str, float]]:
         leaf, decisions = self._walk(ids, deadline)
         intent = self.engine.labels[leaf]
-        confidence, settled = weigh(decisions, self.temperature)
-        settled[leaf] = confidence
+        confidence, scores = self.engine.walked_answer(leaf, decisions, self.temperature)
         priority = self.engine.taxonomy.policy_priority(intent)
         if self.engine.priority_ids:
             self._require().rewind_to(len(self.engine.prefix_ids) + len(ids))
             priority = self._score_priority(self.engine.label_ids[leaf], deadline)
-        top = sorted(settled.items(), key=lambda item: -item[1])[:TOP_K_SCORES]
-        return intent, priority, confidence, {self.engine.labels[i]: p for i, p in top}
+        return intent, priority, confidence, scores
 
     def _walk(self, ids: list[int], deadline: float) -> tuple[int, list[Decision]]:
         """Append `ids`, then write the intent token by token down the label trie: each step reads the
@@ -429,12 +434,8 @@ class Context:
         try:
             if self._generator is None:
                 self._build()
-            generator = self._require()
-            if time.monotonic() >= deadline:
-                raise DeadlineExceeded
-            generator.append_tokens(ids)
             continuations = [self.engine.label_ids[self.engine.labels.index(label)] for label in labels]
-            logprobs = self._continuations(continuations, deadline)
+            logprobs = self._label_logprobs(ids, continuations, deadline)
             probs: FloatArray = np.exp(logprobs - np.logaddexp.reduce(logprobs))
             return probs
         finally:
