@@ -25,7 +25,7 @@ from worker.app.reload import Reloader
 from worker.classification import Classification, ClassifyRequest
 from worker.errors import UserError
 from worker.inference.loading import resolve_taxonomy
-from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, read_detector, write_detector
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, read_statistics, write_statistics
 from worker.inference.pool import open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.triage.cascade import Cascade
@@ -94,9 +94,9 @@ def test_a_reload_to_an_encoder_stage_that_finds_the_canary_out_of_scope_switche
     """A team's encoder stage says "none of these" to the canary (a banking ticket): a model that answers."""
     folder = tmp_path / "stage"
     shutil.copytree(DEFAULT_ESCALATION_DIR, folder, symlinks=True)
-    stored = read_detector(folder / OUT_OF_SCOPE_FILE, 384)
-    write_detector(
-        folder / OUT_OF_SCOPE_FILE, dataclasses.replace(stored, threshold=-1.0)
+    stored, vote = read_statistics(folder / OUT_OF_SCOPE_FILE, 384, 77)
+    write_statistics(
+        folder / OUT_OF_SCOPE_FILE, dataclasses.replace(stored, threshold=-1.0), vote
     )  # all out of scope
     configured = _settings(folder)
     assert _reloader(_settings(TINY_MODEL), configured).reload(tiny_switch)

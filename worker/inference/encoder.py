@@ -9,9 +9,10 @@ or, too large for the repository, in the user cache, where `triage-worker model 
 (worker/learning/artifacts.py). `model train --encoder` builds the folder (worker/learning/encoder_stage.py).
 
 It fills the same `Classification` as the ORT GenAI engine (`confidence` is the head's calibrated
-probability, `scores` the top labels, the priority the taxonomy's policy priority of the intent), so any
-classifier pool runs it and the pipeline cannot tell the two apart. One ONNX call per ticket cannot be
-stopped halfway: the deadline is checked before it (an encoder step is a few milliseconds).
+probability, blended with the vote of the nearest training tickets where the folder keeps them
+(worker/inference/neighbours.py); `scores` the top labels; the priority the taxonomy's policy priority of
+the intent), so any classifier pool runs it and the pipeline cannot tell the two apart. One ONNX call per
+ticket cannot be stopped halfway: the deadline is checked before it (an encoder step is a few milliseconds).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from worker.cache import cache_root
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.errors import UserError
 from worker.inference.loading import model_id
-from worker.inference.out_of_scope import OutOfScopeDetector, read_detector
+from worker.inference.neighbours import NeighbourVote
+from worker.inference.out_of_scope import OutOfScopeDetector, read_statistics
 from worker.inference.taxonomy import Taxonomy
 from worker.messages import FallbackReason
 from worker.settings import InferenceSettings
@@ -222,8 +224,11 @@ class EncoderEngine:
             manifest.max_tokens,
         )
         self.out_of_scope: OutOfScopeDetector | None = None
+        self.vote: NeighbourVote | None = None
         if manifest.out_of_scope is not None:
-            self.out_of_scope = read_detector(folder / manifest.out_of_scope, self.embedder.dimensions)
+            self.out_of_scope, self.vote = read_statistics(
+                folder / manifest.out_of_scope, self.embedder.dimensions, len(manifest.labels)
+            )
 
     def new_context(self, mode: object = None) -> EncoderContext:
         """A context: stateless here (the session is shared), kept for the pools' one interface."""
@@ -261,13 +266,16 @@ class EncoderEngine:
         return [answers.get(r.request_id) or self.fallback("overloaded", started) for r in requests]
 
     def _probabilities(self, embeddings: FloatArray) -> FloatArray:
+        """The head's calibrated probabilities, blended with the neighbour vote where the folder has one."""
         logits = (embeddings @ self._weight.T + self._bias) / self._temperature
         # Labels the taxonomy does not have are never answered: the rest is renormalised.
         logits = np.where(self._labels_known, logits, -np.inf)
         shifted = logits - logits.max(axis=1, keepdims=True)
         exp = np.exp(shifted)
         probabilities: FloatArray = exp / exp.sum(axis=1, keepdims=True)
-        return probabilities
+        if self.vote is None:
+            return probabilities
+        return self.vote.blend(probabilities, self.vote.votes(embeddings, self._labels_known))
 
     def _answer(self, probs: FloatArray, truncated: bool, latency_ms: float) -> Classification:
         order = np.argsort(-probs)[:TOP_K_SCORES]

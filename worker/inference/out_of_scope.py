@@ -16,6 +16,8 @@ shrinkage; at most 53 % with any shrinkage tried), 19-41 % for the head's probab
 
 The statistics are the training tickets' embeddings (float16: the same flags as float32 on those splits),
 the doubt's weight and the threshold, in `out_of_scope.npz` beside the head; `encoder.json` names the file.
+The same rows, with each one's intent, serve the neighbour vote (worker/inference/neighbours.py), whose
+probabilities are then the ones the doubt reads.
 Scoring a ticket is one product with them (9,000 x 384 for BANKING77's full data), on the embedding and the
 probabilities the encoder stage computes anyway.
 """
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from worker.errors import UserError
+from worker.inference.neighbours import NeighbourVote
 
 OUT_OF_SCOPE_FILE = "out_of_scope.npz"
 
@@ -48,7 +52,8 @@ class OutOfScopeDetector:
 
     def scores(self, embeddings: FloatArray, confidences: FloatArray) -> FloatArray:
         """Each normalised embedding's (B x D) cosine distance to its nearest reference embedding, plus
-        `doubt_weight` x (1 - the head's winning probability for it, `confidences`)."""
+        `doubt_weight` x (1 - its served winning probability, `confidences`: the head's, blended with the
+        neighbour vote where the folder has one)."""
         distances = nearest_distance(self.reference, embeddings)
         if not self.doubt_weight:
             return distances
@@ -69,29 +74,55 @@ def nearest_distance(reference: FloatArray, embeddings: FloatArray) -> FloatArra
     return distances
 
 
-def write_detector(path: Path, detector: OutOfScopeDetector) -> None:
-    np.savez(
-        path,
-        reference=detector.reference.astype(np.float16),
-        threshold=np.float32(detector.threshold),
-        in_scope_loss=np.float32(detector.in_scope_loss),
-        doubt_weight=np.float32(detector.doubt_weight),
-    )
+def write_statistics(path: Path, detector: OutOfScopeDetector, vote: NeighbourVote | None = None) -> None:
+    """`detector` into `path`, with each reference row's intent and the vote's settings when `vote` reads
+    the same rows (worker/inference/neighbours.py)."""
+    arrays: dict[str, Any] = {  # Any: numpy's stubs match **arrays against savez's other keywords
+        "reference": detector.reference.astype(np.float16),
+        "threshold": np.float32(detector.threshold),
+        "in_scope_loss": np.float32(detector.in_scope_loss),
+        "doubt_weight": np.float32(detector.doubt_weight),
+    }
+    if vote is not None:
+        assert vote.reference is detector.reference, "the vote reads the detector's reference rows"
+        arrays |= {
+            "intents": vote.intents.astype(np.int32),
+            "vote_weight": np.float32(vote.weight),
+            "vote_neighbours": np.int32(vote.neighbours),
+            "vote_temperature": np.float32(vote.temperature),
+        }
+    np.savez(path, **arrays)
 
 
-def read_detector(path: Path, dimensions: int) -> OutOfScopeDetector:
-    """The detector of `path`; a UserError when it cannot be read or does not fit a `dimensions`-wide
-    encoder."""
+def read_statistics(
+    path: Path, dimensions: int, labels: int
+) -> tuple[OutOfScopeDetector, NeighbourVote | None]:
+    """The detector of `path` and its neighbour vote (None in a folder written before the vote); a
+    UserError when it cannot be read or does not fit a `dimensions`-wide encoder and a head of `labels`
+    rows."""
     try:
         with np.load(path, allow_pickle=False) as stored:
             reference = np.asarray(stored["reference"], dtype=np.float32)
             threshold = float(stored["threshold"])
             in_scope_loss = float(stored["in_scope_loss"])
             doubt_weight = float(stored["doubt_weight"])
+            voting = "intents" in stored.files
+            if voting:
+                intents = np.asarray(stored["intents"], dtype=np.int32)
+                weight = float(stored["vote_weight"])
+                neighbours = int(stored["vote_neighbours"])
+                temperature = float(stored["vote_temperature"])
     except (OSError, KeyError, ValueError) as error:
         raise UserError(f"cannot read the out-of-scope statistics {path}: {error}") from None
     if reference.ndim != 2 or reference.shape[1] != dimensions or len(reference) == 0:
         raise UserError(
             f"{path}: its reference embeddings {reference.shape} do not fit a {dimensions}-wide encoder"
         )
-    return OutOfScopeDetector(reference, threshold, in_scope_loss, doubt_weight)
+    detector = OutOfScopeDetector(reference, threshold, in_scope_loss, doubt_weight)
+    if not voting:
+        return detector, None
+    if intents.shape != (len(reference),) or intents.min() < 0 or intents.max() >= labels:
+        raise UserError(f"{path}: its rows' intents do not fit a head of {labels} labels")
+    if not (0.0 <= weight <= 1.0 and neighbours >= 1 and temperature > 0.0):
+        raise UserError(f"{path}: its neighbour vote's settings are out of range")
+    return detector, NeighbourVote(reference, intents, labels, weight, neighbours, temperature)

@@ -364,8 +364,12 @@ def _finish(
             tuned_encoder=None if tuned is None else tuned[0],
         )  # fmt: skip
 
+        # The head alone teaches: on its own training tickets the neighbour vote is each ticket's own label
+        # (its nearest row is itself), so it would add nothing but a harder target.
+        teaching_head = dataclasses.replace(head, vote=None)
+
         def teacher(texts: Sequence[str]) -> Any:
-            return head.probabilities(encoder_stage.embed(embedder, texts))
+            return teaching_head.probabilities(encoder_stage.embed(embedder, texts))
 
         coverage = intent_coverage([*train, *validation], taxonomy)
         first = None
@@ -628,8 +632,11 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
         if scope["stand_in_recall"] is not None
         else ""
     )
+    assured = (
+        f" on new tickets with {scope['assurance']:.0%} confidence" if scope.get("assurance") else ""
+    )  # recorded since the operating point allows for its sampling error
     score = "cosine distance to the nearest training ticket" + (
-        f" plus {scope['doubt_weight']:g} x the head's doubt (1 - its winning probability)"
+        f" plus {scope['doubt_weight']:g} x the stage's doubt (1 - its winning probability)"
         if scope["doubt_weight"]
         else ""
     )
@@ -637,7 +644,7 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
         f"**Out of scope:** a ticket whose {score} exceeds {scope['threshold']:.4f} is answered "
         "with the taxonomy's out-of-scope intent (`out_of_scope_intent`, default its `fallback_intent`), the "
         "nearest intent kept for reviewers (`out_of_scope.npz`). That threshold is the operating point for "
-        f"an in-scope loss of {scope['in_scope_loss_target']:.0%}: it flagged "
+        f"an in-scope loss of {scope['in_scope_loss_target']:.0%}{assured}: it flagged "
         f"{scope['in_scope_flagged']:.1%} of {scope['held_out']} held-out in-scope tickets "
         f"({scope['held_out_from']}).{stand_in} `model train --in-scope-loss` moves it."
     )

@@ -15,6 +15,11 @@ on two cores. Two ways to get a head:
   the cosine similarities. Its temperature is fitted on held-out texts: each example phrase against
   prototypes built without it (leave-one-out), so that a guess does not come out at 0.99.
 
+With labelled tickets (5 or more for every intent) the folder also keeps their embeddings and intents: the
+out-of-scope detector measures distance to them (worker/learning/out_of_scope.py), and the served
+probabilities blend the head's with the vote of the 10 nearest (worker/inference/neighbours.py); the
+figures measured on held-out rows are the blend's.
+
 Either way the folder is an encoder stage as `worker/inference/encoder.py` reads it (`encoder.json`,
 `head.npz`, `tokenizer.json`, `taxonomy.toml`), with the encoder file copied in (`copy_encoder`) when the
 folder must stand alone, or left in the user cache as the shipped stage does.
@@ -44,7 +49,8 @@ from worker.inference.encoder import (
     ordered_labels_sha256,
     read_manifest,
 )
-from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, write_detector
+from worker.inference.neighbours import NeighbourVote
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, write_statistics
 from worker.inference.taxonomy import Taxonomy
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import TEACHER_C, expected_calibration_error
@@ -94,7 +100,7 @@ class EncoderStageReport:
     obtained (`calibration`: "validation", "cross-validation (k folds)", "leave-one-out examples" or
     "default temperature")."""
 
-    method: str  # "logistic regression" or "zero-shot prototypes"
+    method: str  # "logistic regression" (+ the neighbour vote) or "zero-shot prototypes"
     calibration: str
     temperature: float
     validation_accuracy: float | None
@@ -198,22 +204,27 @@ def measure(probabilities: FloatArray, truth: Sequence[int]) -> tuple[float, flo
 @dataclasses.dataclass(frozen=True)
 class LinearHead:
     """weight (L x D) and bias (L), rows in the taxonomy's label order, the temperature, and the
-    out-of-scope detector fitted with it (if any)."""
+    out-of-scope detector and neighbour vote fitted with it (if any)."""
 
     weight: FloatArray
     bias: FloatArray
     temperature: float
     out_of_scope: OutOfScopeDetector | None = None
+    vote: NeighbourVote | None = None
 
     def logits(self, embeddings: FloatArray) -> FloatArray:
         result: FloatArray = embeddings @ self.weight.T + self.bias
         return result
 
     def probabilities(self, embeddings: FloatArray) -> FloatArray:
-        return softmax(self.logits(embeddings), self.temperature)
+        """As served: the calibrated head's, blended with the neighbour vote when there is one."""
+        probabilities = softmax(self.logits(embeddings), self.temperature)
+        if self.vote is None:
+            return probabilities
+        return self.vote.blend(probabilities, self.vote.votes(embeddings))
 
     def doubt(self, embeddings: FloatArray) -> FloatArray:
-        """1 - the winning probability of each row: what the out-of-scope score weighs."""
+        """1 - the served winning probability of each row: what the out-of-scope score weighs."""
         doubt: FloatArray = 1.0 - self.probabilities(embeddings).max(axis=1)
         return doubt
 
@@ -242,12 +253,15 @@ def _logistic_regression(
 
 def doubt_fitter(temperature: float, seed: int, balanced: bool) -> DoubtFitter:
     """Fits a head as `fit_encoder_stage` does on the rows given (any subset of the intents), with
-    `temperature`, and returns its doubt: the out-of-scope detector's stand-in measurement."""
+    `temperature` and the rows' neighbour vote, and returns its doubt: the out-of-scope detector's
+    stand-in measurement."""
 
     def fit(x: FloatArray, intents: Sequence[int]) -> Doubt:
         order = {intent: i for i, intent in enumerate(sorted(set(intents)))}
-        head = _logistic_regression(x, [order[i] for i in intents], len(order), seed, balanced)
-        return dataclasses.replace(head, temperature=temperature).doubt
+        rows = [order[i] for i in intents]
+        head = _logistic_regression(x, rows, len(order), seed, balanced)
+        vote = NeighbourVote(x, np.asarray(rows, dtype=np.int32), len(order))
+        return dataclasses.replace(head, temperature=temperature, vote=vote).doubt
 
     return fit
 
@@ -296,10 +310,14 @@ def fit_encoder_stage(
     all_x, all_y = np.concatenate([train_x, prior_x]), [*train_y, *prior_y]
     tickets = Counter(train_y)
     balanced = min(tickets.get(i, 0) for i in range(len(labels))) < BALANCE_BELOW
+    # The vote of the nearest training rows (worker/inference/neighbours.py); not where some intent has
+    # too few tickets to be outvoted fairly (`balanced`): there is no detector to keep the rows either.
+    vote = None if balanced else NeighbourVote(all_x, np.asarray(all_y, dtype=np.int32), len(labels))
     if validation:
         head = _logistic_regression(all_x, all_y, len(labels), seed, balanced)
         temperature = fit_temperature(head.logits(val_x), val_y)
         held_logits, held_truth, calibration = head.logits(val_x), val_y, "validation"
+        held_votes = None if vote is None else vote.votes(val_x)
     else:
         # Intents with one ticket cannot be held out and learnt from at once: that ticket trains every fold.
         counts = Counter(train_y)
@@ -308,7 +326,7 @@ def fit_encoder_stage(
         if not held:
             raise UserError("no intent has 2 labelled tickets: nothing can be held out to calibrate on")
         folds = min(MAX_FOLDS, min(counts[train_y[row]] for row in held))
-        held_logits, held_truth = _out_of_fold_logits(
+        held_logits, held_truth, held_votes = _out_of_fold_logits(
             train_x[held],
             [train_y[row] for row in held],
             np.concatenate([train_x[kept], prior_x]),
@@ -317,6 +335,7 @@ def fit_encoder_stage(
             folds,
             seed,
             balanced,
+            voting=vote is not None,
         )
         temperature = fit_temperature(held_logits, held_truth)
         head = _logistic_regression(all_x, all_y, len(labels), seed, balanced)
@@ -325,7 +344,10 @@ def fit_encoder_stage(
         # Held-out tickets of one intent are all "right" at any temperature, and the smallest one tried
         # wins: every answer, wrong ones included, would say 1.0. The fit's own probabilities instead.
         temperature, calibration = 1.0, "not calibrated: the held-out tickets are of one intent"
-    accuracy, ece = measure(softmax(held_logits, temperature), held_truth)
+    held_probabilities = softmax(held_logits, temperature)
+    if vote is not None and held_votes is not None:
+        held_probabilities = vote.blend(held_probabilities, held_votes)
+    accuracy, ece = measure(held_probabilities, held_truth)
     detector, scope = None, None
     # An intent with fewer tickets than that is known by its taxonomy texts: its tickets would lie far from
     # every training ticket, out of scope to a detector calibrated on the others (bank-desk, 30 tickets of
@@ -346,13 +368,14 @@ def fit_encoder_stage(
             scope_y,
             in_scope_loss=in_scope_loss,
             seed=seed,
-            doubt=dataclasses.replace(head, temperature=temperature).doubt,
+            doubt=dataclasses.replace(head, temperature=temperature, vote=vote).doubt,
             fit_doubt=doubt_fitter(temperature, seed, balanced),
         )
-    head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector)
+    head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector, vote=vote)
     seen = set(train_y)
     report = EncoderStageReport(
-        method="logistic regression",
+        method="logistic regression"
+        + ("" if vote is None else f" + the vote of the {vote.neighbours} nearest training tickets"),
         calibration=calibration,
         temperature=temperature,
         validation_accuracy=accuracy,
@@ -391,12 +414,15 @@ def _out_of_fold_logits(
     folds: int,
     seed: int,
     balanced: bool,
-) -> tuple[FloatArray, list[int]]:
+    voting: bool,
+) -> tuple[FloatArray, list[int], FloatArray | None]:
     """Each row's logits from a head fitted without its fold (stratified folds), the prior rows in every
-    fold's training part; each fold's head fitted as the final one is (`balanced`)."""
+    fold's training part; each fold's head fitted as the final one is (`balanced`); and, `voting`, each
+    row's neighbour vote among the same fold's training part."""
     from sklearn.model_selection import StratifiedKFold
 
     logits = np.zeros((len(y), labels_count), dtype=np.float32)
+    votes = np.zeros((len(y), labels_count), dtype=np.float32) if voting else None
     targets = np.asarray(y)
     splitter = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
     for train_rows, held_rows in splitter.split(x, targets):
@@ -404,7 +430,10 @@ def _out_of_fold_logits(
         fold_y = [*targets[train_rows].tolist(), *prior_y]
         head = _logistic_regression(fold_x, fold_y, labels_count, seed, balanced)
         logits[held_rows] = head.logits(x[held_rows])
-    return logits, list(y)
+        if votes is not None:
+            fold_vote = NeighbourVote(fold_x, np.asarray(fold_y, dtype=np.int32), labels_count)
+            votes[held_rows] = fold_vote.votes(x[held_rows])
+    return logits, list(y), votes
 
 
 def intent_texts(taxonomy: Taxonomy) -> list[list[str]]:
@@ -498,7 +527,7 @@ def write_encoder_stage(
     shutil.copyfile(taxonomy_path, out_dir / "taxonomy.toml")
     np.savez(out_dir / "head.npz", weight=head.weight.astype(np.float32), bias=head.bias.astype(np.float32))
     if head.out_of_scope is not None:
-        write_detector(out_dir / OUT_OF_SCOPE_FILE, head.out_of_scope)
+        write_statistics(out_dir / OUT_OF_SCOPE_FILE, head.out_of_scope, head.vote)
     if copy_encoder:
         partial = out_dir / "model.onnx.partial"
         shutil.copyfile(onnx_file, partial)
