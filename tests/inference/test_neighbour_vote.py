@@ -4,24 +4,20 @@ head and BANKING77 reference rows) served with and without it."""
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from encoder_stages import banking77_rows, serve_stage
 
-from tools import REPO
-from worker.classification import Classification, ClassifyRequest
+from worker.classification import Classification
 from worker.errors import UserError
-from worker.inference.encoder import EncoderEngine, read_manifest
-from worker.inference.loading import resolve_taxonomy
+from worker.inference.encoder import read_manifest
 from worker.inference.neighbours import NeighbourVote
 from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, read_statistics, write_statistics
-from worker.learning.evaluation import canonical_label
-from worker.settings import DEFAULT_ESCALATION_DIR, InferenceSettings
+from worker.settings import DEFAULT_ESCALATION_DIR
 
 
 def _unit(*rows: list[float]) -> np.ndarray:
@@ -57,22 +53,6 @@ def test_the_blend_weighs_the_head_and_the_vote_by_the_weight() -> None:
     assert np.allclose(blended, [[0.75 * 0.2 + 0.25, 0.75 * 0.8]])
 
 
-def _test_rows() -> list[tuple[str, str]]:
-    with (REPO / "data" / "banking77" / "test.csv").open(encoding="utf-8", newline="") as handle:
-        return [(row["text"], canonical_label(row["category"])) for row in csv.DictReader(handle)]
-
-
-def _serve(folder: Path, texts: list[str]) -> list[Classification]:
-    settings = InferenceSettings(model=str(folder), taxonomy=str(folder / "taxonomy.toml"))
-    engine = EncoderEngine(settings, *resolve_taxonomy(settings))
-    deadline = time.monotonic() + 300
-    answers: list[Classification] = []
-    for start in range(0, len(texts), 64):
-        batch = texts[start : start + 64]
-        answers += engine.classify_batch([ClassifyRequest(i, text, deadline) for i, text in enumerate(batch)])
-    return answers
-
-
 def _without_vote(tmp_path: Path) -> Path:
     """The shipped stage as a folder written before the vote: its statistics without the rows' intents."""
     folder = tmp_path / "stage"
@@ -90,15 +70,15 @@ def test_the_shipped_stage_classifies_more_held_out_tickets_right_with_the_vote_
 ) -> None:
     """BANKING77 test tickets (never trained on, nor used to choose the vote's settings): every 4th one.
     A ticket said to be out of scope counts by its nearest intent (the detector is not what is measured)."""
-    rows = _test_rows()[::4]
+    rows = banking77_rows("test")[::4]
     texts = [text for text, _ in rows]
 
     def accuracy(answers: list[Classification]) -> float:
         classified = [a.nearest_intent if a.out_of_scope else a.intent for a in answers]
         return sum(c == intent for c, (_, intent) in zip(classified, rows, strict=True)) / len(rows)
 
-    with_vote = accuracy(_serve(DEFAULT_ESCALATION_DIR, texts))
-    head_alone = accuracy(_serve(_without_vote(tmp_path), texts))
+    with_vote = accuracy(serve_stage(DEFAULT_ESCALATION_DIR, texts))
+    head_alone = accuracy(serve_stage(_without_vote(tmp_path), texts))
     # Measured on these 770 tickets: see docs/your-taxonomy.md ("The neighbour vote").
     assert with_vote >= head_alone + 0.005, (with_vote, head_alone)
 

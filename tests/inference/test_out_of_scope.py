@@ -3,53 +3,33 @@ shipped encoder, onnxruntime + tokenizers, BANKING77 tickets; no fakes)."""
 
 from __future__ import annotations
 
-import csv
 import functools
 import random
 import shutil
-import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
+from encoder_stages import banking77_rows, serve_stage
 
 from tools import REPO
-from worker.classification import Classification, ClassifyRequest
 from worker.errors import UserError
-from worker.inference.encoder import MANIFEST, EncoderEngine, SentenceEmbedder, read_manifest
-from worker.inference.loading import resolve_taxonomy
+from worker.inference.encoder import MANIFEST, SentenceEmbedder, read_manifest
 from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE
 from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
 from worker.learning import compose, encoder_stage
-from worker.learning.evaluation import canonical_label
 from worker.learning.out_of_scope import allowed_flags, threshold_for
-from worker.settings import DEFAULT_ESCALATION_DIR, InferenceSettings
+from worker.settings import DEFAULT_ESCALATION_DIR
 
 BANKING77 = REPO / "taxonomies" / "banking77.toml"
 OUT_OF_DOMAIN = REPO / "data" / "out-of-domain" / "tickets.txt"
 Row = tuple[str, str]
 
 
-def _rows(split: str) -> list[Row]:
-    with (REPO / "data" / "banking77" / f"{split}.csv").open(encoding="utf-8", newline="") as handle:
-        return [(row["text"], canonical_label(row["category"])) for row in csv.DictReader(handle)]
-
-
 @functools.cache
 def _embedder() -> SentenceEmbedder:
     return encoder_stage.open_embedder(threads=2)
-
-
-def _serve(folder: Path, texts: list[str]) -> list[Classification]:
-    settings = InferenceSettings(model=str(folder), taxonomy=str(folder / "taxonomy.toml"))
-    engine = EncoderEngine(settings, *resolve_taxonomy(settings))
-    deadline = time.monotonic() + 120
-    answers: list[Classification] = []
-    for start in range(0, len(texts), 64):
-        batch = texts[start : start + 64]
-        answers += engine.classify_batch([ClassifyRequest(i, text, deadline) for i, text in enumerate(batch)])
-    return answers
 
 
 def test_tickets_of_intents_it_was_not_fitted_on_are_flagged_far_more_than_by_the_confidence() -> None:
@@ -61,7 +41,7 @@ def test_tickets_of_intents_it_was_not_fitted_on_are_flagged_far_more_than_by_th
     known_taxonomy = msgspec.structs.replace(taxonomy, intents=tuple(taxonomy.intents[i] for i in drawn))
     known = set(known_taxonomy.labels)
     by_intent: dict[str, list[Row]] = {intent: [] for intent in known}
-    for row in _rows("train"):
+    for row in banking77_rows("train"):
         if row[1] in known and len(by_intent[row[1]]) < 25:
             by_intent[row[1]].append(row)
     train, validation, kind = compose.split_rows([row for rows in by_intent.values() for row in rows], 77)
@@ -80,7 +60,7 @@ def test_tickets_of_intents_it_was_not_fitted_on_are_flagged_far_more_than_by_th
         scores = detector.scores(x, head.probabilities(x).max(axis=1))
         return float(detector.flags(scores).mean()), float(by_confidence)
 
-    unknown_intents = recalls([text for text, intent in _rows("test") if intent not in known][::16])
+    unknown_intents = recalls([text for text, intent in banking77_rows("test") if intent not in known][::16])
     other_domains = recalls([line for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines() if line])
     # Measured: 25.8 % against 4.3 % of the unknown intents' 163 test tickets, 90.0 % against 6.2 % of the 80
     # tickets of other domains.
@@ -91,14 +71,14 @@ def test_tickets_of_intents_it_was_not_fitted_on_are_flagged_far_more_than_by_th
 def test_the_shipped_stage_keeps_to_its_in_scope_loss_on_held_out_tickets_and_says_none_of_these() -> None:
     """test.csv tickets (never fitted on, nor used to choose the threshold): about 2 % flagged; tickets of
     other domains: answered with the fallback intent, out of scope, the head's answer kept as the nearest."""
-    in_scope = [text for text, _ in _rows("test")][::16]
-    answers = _serve(DEFAULT_ESCALATION_DIR, in_scope)
+    in_scope = [text for text, _ in banking77_rows("test")][::16]
+    answers = serve_stage(DEFAULT_ESCALATION_DIR, in_scope)
     flagged = sum(answer.out_of_scope for answer in answers) / len(answers)
     assert flagged <= 0.05, flagged  # target 2 % on validation; measured 2.0 % of all 3,080
     assert all(answer.out_of_scope_score is not None for answer in answers)
 
     other_domains = [line.strip() for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines()]
-    answers = _serve(DEFAULT_ESCALATION_DIR, [text for text in other_domains if text])
+    answers = serve_stage(DEFAULT_ESCALATION_DIR, [text for text in other_domains if text])
     out = [answer for answer in answers if answer.out_of_scope]
     assert len(out) >= 0.85 * len(answers), len(out)  # measured 73 of 80 (confidence: 29)
     taxonomy = load_taxonomy(BANKING77)
@@ -122,7 +102,7 @@ def _folder_copy(tmp_path: Path, with_detector: bool) -> Path:
 
 def test_a_folder_without_out_of_scope_statistics_answers_every_ticket_with_an_intent(tmp_path: Path) -> None:
     folder = _folder_copy(tmp_path, with_detector=False)
-    answers = _serve(folder, ["the printer on the third floor keeps jamming", "my card was stolen"])
+    answers = serve_stage(folder, ["the printer on the third floor keeps jamming", "my card was stolen"])
     labels = load_taxonomy(BANKING77).labels
     for answer in answers:
         assert answer.intent in labels and answer.confidence > 0.0
@@ -134,7 +114,7 @@ def test_the_taxonomy_names_what_none_of_these_is_called(tmp_path: Path) -> None
     folder = _folder_copy(tmp_path, with_detector=True)
     text = (folder / "taxonomy.toml").read_text(encoding="utf-8")
     (folder / "taxonomy.toml").write_text('out_of_scope_intent = "not_banking"\n' + text, encoding="utf-8")
-    answer = _serve(folder, ["the printer on the third floor keeps jamming"])[0]
+    answer = serve_stage(folder, ["the printer on the third floor keeps jamming"])[0]
     assert answer.out_of_scope and answer.intent == "not_banking"
     assert answer.priority == load_taxonomy(BANKING77).fallback_priority
 
