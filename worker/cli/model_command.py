@@ -220,7 +220,7 @@ def _train_folder(args: argparse.Namespace) -> int:
         _refuse_options(
             args,
             command,
-            ("data", "unlabelled", "text_column", "label_column", "in_scope_loss", "no_encoder_tuning"),
+            ("data", "unlabelled", "text_column", "label_column", "no_encoder_tuning"),
         )
     if args.taxonomy is None or args.out is None:
         raise UserError(
@@ -238,8 +238,9 @@ def _train_folder(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     if args.zero_shot:
         outcome = compose.train_zero_shot_folder(
-            taxonomy, taxonomy_path, Path(args.out), max_seconds=max_seconds, seed=seed, console=console
-        )
+            taxonomy, taxonomy_path, Path(args.out), max_seconds=max_seconds, seed=seed, console=console,
+            in_scope_loss=_in_scope_loss(args),
+        )  # fmt: skip
     else:
         rows, read = learning_data.read_labelled(
             Path(args.data), taxonomy, args.text_column, args.label_column
@@ -862,8 +863,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--in-scope-loss",
         type=float,
         metavar="SHARE",
-        help="the out-of-scope detector's operating point: the share of held-out in-scope tickets it may "
-        "flag as fitting no intent (default 0.02)",
+        help="the out-of-scope detector's operating point: the share of in-scope tickets it may flag as "
+        "fitting no intent, with 90%% confidence (default 0.02)",
     )
     train.add_argument(
         "--no-encoder-tuning",

@@ -310,15 +310,21 @@ def train_zero_shot_folder(
     seed: int = 77,
     console: Console | None = None,
     embedder: SentenceEmbedder | None = None,
+    in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
 ) -> TrainingOutcome:
-    """Both stages from the taxonomy's texts alone, and `VERSION` = zero-shot (see the module)."""
+    """Both stages from the taxonomy's texts alone, and `VERSION` = zero-shot (see the module);
+    `in_scope_loss`: the out-of-scope detector's operating point, where the taxonomy has example phrases
+    to choose it on."""
     folders.check_target(out_dir)
     console = console or Console(stderr=True)
     started = time.monotonic()
     embedder = embedder or encoder_stage.open_embedder(echo=console.print)
     with progress_bar(console) as progress:
         head, report = encoder_stage.zero_shot_encoder_stage(
-            taxonomy, embedder, step_reporter(progress, "encoder stage: embedding the taxonomy")
+            taxonomy,
+            embedder,
+            step_reporter(progress, "encoder stage: embedding the taxonomy"),
+            in_scope_loss=in_scope_loss,
         )
     texts = encoder_stage.intent_texts(taxonomy)
     rows = [(text, intent.name) for intent, own in zip(taxonomy.intents, texts, strict=True) for text in own]
@@ -616,8 +622,15 @@ def tuning_paragraph(tuning: dict[str, Any] | None, missing: str | None) -> str:
     )
 
 
-def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
-    """The model card's words on the out-of-scope detector, from its `OutOfScopeReport` as recorded."""
+def out_of_scope_paragraph(scope: dict[str, Any] | None, zero_shot: bool = False) -> str:
+    """The model card's words on the out-of-scope detector, from its `OutOfScopeReport` as recorded
+    (`zero_shot`: a folder learnt from the taxonomy alone)."""
+    if scope is None and zero_shot:
+        return (
+            "**Out of scope:** no detector: its operating point is chosen on the taxonomy's example phrases "
+            "(each against prototypes built without it), and the taxonomy has none; every ticket gets one of "
+            "the intents."
+        )
     if scope is None:
         return (
             f"**Out of scope:** no detector: it needs {encoder_stage.BALANCE_BELOW} labelled tickets of "
@@ -632,10 +645,16 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
         if scope["stand_in_recall"] is not None
         else ""
     )
+    held_out = (
+        f"the taxonomy's {scope['held_out']} example phrases, each against prototypes built without it (no "
+        "ticket was there to judge by: ask how it does on yours with `model eval --out-of-scope`)"
+        if scope["held_out_from"] == "leave-one-out examples"
+        else f"{scope['held_out']} held-out in-scope tickets ({scope['held_out_from']})"
+    )
     assured = (
         f" on new tickets with {scope['assurance']:.0%} confidence" if scope.get("assurance") else ""
     )  # recorded since the operating point allows for its sampling error
-    score = "cosine distance to the nearest training ticket" + (
+    score = scope["method"].split(" + ")[0] + (
         f" plus {scope['doubt_weight']:g} x the stage's doubt (1 - its winning probability)"
         if scope["doubt_weight"]
         else ""
@@ -645,8 +664,7 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None) -> str:
         "with the taxonomy's out-of-scope intent (`out_of_scope_intent`, default its `fallback_intent`), the "
         "nearest intent kept for reviewers (`out_of_scope.npz`). That threshold is the operating point for "
         f"an in-scope loss of {scope['in_scope_loss_target']:.0%}{assured}: it flagged "
-        f"{scope['in_scope_flagged']:.1%} of {scope['held_out']} held-out in-scope tickets "
-        f"({scope['held_out_from']}).{stand_in} `model train --in-scope-loss` moves it."
+        f"{scope['in_scope_flagged']:.1%} of {held_out}.{stand_in} `model train --in-scope-loss` moves it."
     )
 
 
@@ -749,7 +767,7 @@ def model_card(record: dict[str, Any]) -> str:
         "",
         tuning_paragraph(tuning, record.get("encoder_tuning_missing")),
         "",
-        out_of_scope_paragraph(encoder.get("out_of_scope")),
+        out_of_scope_paragraph(encoder.get("out_of_scope"), zero_shot=kind == "zero-shot"),
         "",
         f"**Cascade:** tickets the first stage answers under {cascade['escalate_below']} go to the "
         f"encoder stage ({cascade['why']}); `inference.escalate_below` overrides it.",

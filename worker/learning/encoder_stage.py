@@ -13,7 +13,8 @@ on two cores. Two ways to get a head:
 - **zero-shot, from the taxonomy alone** (`zero_shot_encoder_stage`): each intent's prototype is the
   normalised mean embedding of its texts (its name in words, its description, its `examples`); the logits are
   the cosine similarities. Its temperature is fitted on held-out texts: each example phrase against
-  prototypes built without it (leave-one-out), so that a guess does not come out at 0.99.
+  prototypes built without it (leave-one-out), so that a guess does not come out at 0.99. The same phrases
+  choose the out-of-scope detector's operating point (distance to the nearest prototype).
 
 With labelled tickets (5 or more for every intent) the folder also keeps their embeddings and intents: the
 out-of-scope detector measures distance to them (worker/learning/out_of_scope.py), and the served
@@ -60,6 +61,7 @@ from worker.learning.out_of_scope import (
     DoubtFitter,
     OutOfScopeReport,
     fit_out_of_scope,
+    fit_prototype_detector,
 )
 from worker.settings import DEFAULT_ESCALATION_DIR
 
@@ -115,8 +117,8 @@ class EncoderStageReport:
     unmeasured: tuple[str, ...] = ()
     # Every intent weighed the same in the fit (some intent had fewer than `BALANCE_BELOW` tickets).
     balanced: bool = False
-    # The out-of-scope detector's operating point and figures (None: not fitted: zero-shot, or some intent
-    # had fewer than `BALANCE_BELOW` tickets).
+    # The out-of-scope detector's operating point and figures (None: not fitted: zero-shot without example
+    # phrases, or some intent had fewer than `BALANCE_BELOW` tickets).
     out_of_scope: OutOfScopeReport | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -452,10 +454,15 @@ def _normalise(vectors: FloatArray) -> FloatArray:
 
 
 def zero_shot_encoder_stage(
-    taxonomy: Taxonomy, embedder: SentenceEmbedder, progress: Progress | None = None
+    taxonomy: Taxonomy,
+    embedder: SentenceEmbedder,
+    progress: Progress | None = None,
+    in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
 ) -> tuple[LinearHead, EncoderStageReport]:
     """A head from the taxonomy's texts alone: normalised prototypes (logits = cosine similarity, bias 0)
-    and a temperature fitted on each example phrase against prototypes built without it."""
+    and a temperature fitted on each example phrase against prototypes built without it; from the same
+    held-out phrases, when there are any, the out-of-scope detector's operating point for `in_scope_loss`
+    (the distance to the nearest prototype: worker/learning/out_of_scope.py, `fit_prototype_detector`)."""
     started = time.monotonic()
     per_intent = intent_texts(taxonomy)
     flat = [text for texts in per_intent for text in texts]
@@ -481,6 +488,7 @@ def zero_shot_encoder_stage(
         temperature = fit_temperature(logits, truth)
         accuracy, ece = measure(softmax(logits, temperature), truth)
         calibration = "leave-one-out examples"
+        detector, scope = fit_prototype_detector(prototypes, 1.0 - logits.max(axis=1), in_scope_loss)
     else:
         temperature, accuracy, ece, calibration = (
             ZERO_SHOT_DEFAULT_TEMPERATURE,
@@ -488,7 +496,9 @@ def zero_shot_encoder_stage(
             None,
             "default temperature",
         )
-    head = LinearHead(prototypes, np.zeros(len(per_intent), dtype=np.float32), temperature)
+        # No phrase to hold out: nothing to choose an operating point on, so no detector.
+        detector, scope = None, None
+    head = LinearHead(prototypes, np.zeros(len(per_intent), dtype=np.float32), temperature, detector)
     report = EncoderStageReport(
         method="zero-shot prototypes",
         calibration=calibration,
@@ -499,6 +509,7 @@ def zero_shot_encoder_stage(
         trained_on=len(flat),
         seconds=time.monotonic() - started,
         unmeasured=_unmeasured(taxonomy.labels, [owners[row] for row in held_rows]),
+        out_of_scope=scope,
     )
     return head, report
 
