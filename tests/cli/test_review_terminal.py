@@ -182,14 +182,19 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
         producer.produce(feedback, value=value)
     assert producer.flush(30) == 0
 
-    # The next session goes on at the ticket the last one quit on; --limit 1 ends it after that one.
+    # The next session goes on at the ticket the last one quit on; --limit 1 ends it after that one. The
+    # reviewer finds it fits none of the intents: the taxonomy's out-of-scope intent is on the list (#46).
     terminal = _review(kafka_bootstrap, review, feedback, group, "--limit", "1")
     try:
         screen = terminal.expect("Card still missing after a week")
         assert "Ticket 1" in screen and "T-last" in screen
         terminal.expect("q quit")
-        terminal.type("\r")  # Enter accepts
-        terminal.expect("Stopped after 1 tickets (--limit). accepted 1, corrected 0, skipped 0")
+        terminal.type("c")
+        terminal.expect("Search:")
+        terminal.type("unclass")
+        terminal.expect("> unclassified")
+        terminal.type("\r")
+        terminal.expect("Stopped after 1 tickets (--limit). accepted 0, corrected 1, skipped 0")
         assert terminal.close() == 0
     finally:
         if terminal.process.poll() is None:
@@ -202,14 +207,15 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
     assert verdicts == [
         ("T-accept", "card_arrival", "card_arrival", "alice"),
         ("T-correct", "card_arrival", "lost_or_stolen_card", "alice"),
-        ("T-last", "card_arrival", "card_arrival", "alice"),
+        ("T-last", "card_arrival", "unclassified", "alice"),
     ]
     corrected = events[1]
     assert corrected.text == "Someone took my card from my bag this morning"
     assert corrected.source == SourcePosition(topic="tickets.raw", partition=0, offset=11)
 
-    # What `model train --feedback-topic` reads: the reviewer's three verdicts are corrections, and each bad
-    # record is a dead letter naming its reason and its place on the feedback topic.
+    # What `model train --feedback-topic` reads (the taxonomy's intents and "none of these" are verdicts): the
+    # reviewer's three verdicts are corrections, and each bad record is a dead letter naming its reason and
+    # its place on the feedback topic.
     dead_letter_topic = unique_topic("feedback-dlq", partitions=1)
     settings = load_settings(
         env={},
@@ -221,7 +227,8 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
             "pipeline.group_id": group,
         },
     )
-    labels = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml").labels
+    taxonomy = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml")
+    labels = (*taxonomy.labels, taxonomy.out_of_scope_label)
     corrections, refused = read_feedback_topic(
         settings.kafka,
         settings.pipeline,
@@ -234,7 +241,7 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
     assert [(c.ticket_id, c.intent) for c in corrections] == [
         ("T-accept", "card_arrival"),
         ("T-correct", "lost_or_stolen_card"),
-        ("T-last", "card_arrival"),
+        ("T-last", "unclassified"),
     ]
     assert [r.error_type for r in refused] == ["invalid_feedback", "unknown_intent", "unknown_ticket"]
     dead = list(read_topic(kafka_bootstrap, dead_letter_topic))

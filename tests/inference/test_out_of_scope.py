@@ -16,10 +16,10 @@ from encoder_stages import banking77_rows, serve_stage
 from tools import REPO
 from worker.errors import UserError
 from worker.inference.encoder import MANIFEST, SentenceEmbedder, read_manifest
-from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector
 from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
 from worker.learning import compose, encoder_stage
-from worker.learning.out_of_scope import allowed_flags, threshold_for
+from worker.learning.out_of_scope import OutOfScopeReport, allowed_flags, fit_out_of_scope, threshold_for
 from worker.settings import DEFAULT_ESCALATION_DIR
 
 BANKING77 = REPO / "taxonomies" / "banking77.toml"
@@ -155,3 +155,40 @@ def test_new_in_scope_tickets_are_flagged_at_most_the_in_scope_loss_nine_times_i
 def test_too_few_held_out_tickets_to_assure_the_loss_flag_none_of_them() -> None:
     assert allowed_flags(100, 0.02) == 0
     assert allowed_flags(1003, 0.02) == 13  # the shipped stage's validation part: 1.3 %, not 2 %
+
+
+def test_enough_tickets_reviewers_said_fit_nothing_choose_the_doubt_s_weight() -> None:
+    """Reviewers' "none of these" tickets that lie as near training tickets as in-scope ones do, but where
+    the head hesitates: the distance alone cannot catch them, the doubt can; 20 of them choose its weight
+    (fewer, and with too few intents for stand-ins, nothing chooses it: the distance alone)."""
+    rng = np.random.default_rng(7)
+
+    def around(centre: list[float], count: int, spread: float = 0.05) -> np.ndarray:
+        points = np.asarray(centre, dtype=np.float32) + rng.normal(0.0, spread, (count, 3)).astype(np.float32)
+        normalised: np.ndarray = points / np.linalg.norm(points, axis=1, keepdims=True)
+        return normalised
+
+    between = [1.0, 1.0, 0.0]  # as near intent 0's tickets as intent 1's: the head cannot tell
+    reference = np.concatenate([around([1, 0, 0], 40), around([0, 1, 0], 40), around(between, 10)])
+    intents = [0] * 40 + [1] * 40 + [0] * 10
+    held = np.concatenate([around([1, 0, 0], 150), around([0, 1, 0], 150)])
+
+    def doubt(x: np.ndarray) -> np.ndarray:
+        hesitation: np.ndarray = 1.0 - np.abs(x[:, 0] - x[:, 1])
+        return hesitation
+
+    def fit(
+        reviewed: np.ndarray,
+    ) -> tuple[OutOfScopeDetector, OutOfScopeReport]:
+        return fit_out_of_scope(
+            reference, intents, [True] * len(intents), held, [0] * 150 + [1] * 150,
+            in_scope_loss=0.02, seed=1, doubt=doubt, fit_doubt=lambda x, y: doubt, reviewed=reviewed,
+        )  # fmt: skip
+
+    _, few = fit(around(between, 19))
+    assert (few.doubt_weight, few.doubt_weight_chosen_on) == (0.0, "none")
+    assert few.reviewed_out_of_scope == 19 and few.reviewed_out_of_scope_flagged is not None
+    _, enough = fit(around(between, 20))
+    assert enough.doubt_weight > 0.0 and enough.doubt_weight_chosen_on == "reviewed tickets"
+    assert enough.reviewed_out_of_scope_flagged is not None
+    assert enough.reviewed_out_of_scope_flagged > few.reviewed_out_of_scope_flagged + 0.5

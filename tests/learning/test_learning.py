@@ -557,6 +557,41 @@ def test_reviewers_verdicts_on_a_zero_shot_folder_train_its_few_shot_successor(
     assert served.labels == BANK_DESK.labels and not served.prompt.list_intents
 
 
+def test_a_reviewers_none_of_these_verdict_is_kept_and_measures_the_successor_s_detector(
+    tmp_path: Path, encoder_stage_only: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #46: a ticket the worker called out of scope reaches review as the taxonomy's out-of-scope
+    intent; a reviewer who agrees (or corrects a ticket to it) sends that intent back. It is a verdict, not
+    an unknown intent: no intent is learnt from it, and the new folder's detector is measured on it."""
+    day0 = tmp_path / "day0"
+    assert main(["model", "train", "--zero-shot", "--taxonomy", str(BANK_DESK_PATH), "--out", str(day0)]) == 0
+    other_domains = [
+        line for line in (REPO / "data" / "out-of-domain" / "tickets.txt").read_text().splitlines() if line
+    ][:25]
+    verdicts = tmp_path / "feedback.jsonl"
+    rows = [
+        *_per_intent(_shuffled_train(), 5),
+        *((text, BANK_DESK.out_of_scope_label) for text in other_domains),
+    ]
+    with verdicts.open("w", encoding="utf-8") as handle:
+        for number, (text, intent) in enumerate(rows):
+            event = {"ticket_id": f"t-{number}", "intent": intent, "text": text, "reviewer": "dana",
+                     "reviewed_at": "2026-12-06T00:00:00.000Z"}  # fmt: skip
+            handle.write(json.dumps(event) + "\n")
+    day1 = tmp_path / "day1"
+    capsys.readouterr()
+    argv = ["model", "train", "--feedback", str(verdicts), "--model", str(day0), "--out", str(day1)]
+    assert main(argv) == 0
+    assert "unknown_intent" not in capsys.readouterr().err  # refused, one by one, before
+    record = json.loads((day1 / "training.json").read_text())
+    assert record["data"]["verdicts"] == 60 and record["data"]["none_of_these"] == 25
+    assert BANK_DESK.out_of_scope_label not in load_taxonomy(day1 / "taxonomy.toml").labels
+    scope = record["encoder_stage"]["out_of_scope"]
+    assert scope["reviewed_out_of_scope"] == 25
+    assert scope["reviewed_out_of_scope_flagged"] >= 0.5  # measured 0.56 (other-domain tickets)
+    assert "Of the 25 tickets reviewers said fit none of the intents" in (day1 / "README.md").read_text()
+
+
 @pytest.mark.parametrize(
     "prompt_table",
     ["", '[prompt]\ninstructions = "Sort it."\n', "[prompt]\nlist_intents = true # the long prompt\n"],

@@ -336,9 +336,12 @@ def _fine_tune(args: argparse.Namespace) -> int:
         data = Path(args.data) if args.data else _default_data("model train --feedback without --data")
     taxonomy, taxonomy_path = evaluation.resolve_taxonomy(settings.inference)
     console = Console(stderr=True, soft_wrap=True)
+    # A reviewer may say a ticket fits none of the intents (the taxonomy's out-of-scope intent): a verdict,
+    # not an unknown intent, though no intent is learnt from it.
+    verdicts = (*taxonomy.labels, taxonomy.out_of_scope_label)
     if args.feedback is not None:
         corrections, rejections = feedback.read_feedback_file(
-            Path(args.feedback), taxonomy.labels, feedback.training_redactor(settings.privacy)
+            Path(args.feedback), verdicts, feedback.training_redactor(settings.privacy)
         )
     else:
         corrections, rejections = feedback.read_feedback_topic(
@@ -347,15 +350,23 @@ def _fine_tune(args: argparse.Namespace) -> int:
             settings.topics,
             settings.privacy,
             settings.dead_letter,
-            taxonomy.labels,
+            verdicts,
         )
     for rejection in rejections:
         console.print(f"skipped {rejection.where}: {rejection.error_type}: {rejection.message}", markup=False)
     console.print(f"{len(corrections)} tickets with a verdict ({len(rejections)} records refused):")
     for line in feedback.summarize(corrections):
         console.print(line, markup=False)
+    none_of_these = [c for c in corrections if c.intent == taxonomy.out_of_scope_label]
+    corrections = [c for c in corrections if c.intent != taxonomy.out_of_scope_label]
     if trained_folder:
-        return _learn_from_corrections(args, corrections, taxonomy, taxonomy_path, console)
+        return _learn_from_corrections(args, corrections, none_of_these, taxonomy, taxonomy_path, console)
+    if none_of_these:
+        console.print(
+            f"{len(none_of_these)} tickets were said to fit none of the intents: a fine-tune learns intents, "
+            "so they are left out (a folder `model train --data` wrote measures its detector on them)",
+            markup=False,
+        )
     original = [(e.text, e.intent) for e in evaluation.read_examples(data / "train.csv", taxonomy)]
     test = [(e.text, e.intent) for e in evaluation.read_examples(data / "test.csv", taxonomy)]
     if args.test_limit:
@@ -380,12 +391,14 @@ def _fine_tune(args: argparse.Namespace) -> int:
 def _learn_from_corrections(
     args: argparse.Namespace,
     corrections: list[feedback.Correction],
+    none_of_these: list[feedback.Correction],
     taxonomy: Taxonomy,
     taxonomy_path: Path,
     console: Console,
 ) -> int:
     """The few-shot path: the verdicts (plus --data's rows, when given) as labelled tickets for both stages
-    of a new folder, for the taxonomy of the model they reviewed."""
+    of a new folder, for the taxonomy of the model they reviewed; `none_of_these`, the tickets reviewers
+    said fit no intent, for its out-of-scope detector."""
     from worker.learning import compose
     from worker.learning import data as learning_data
 
@@ -399,11 +412,14 @@ def _learn_from_corrections(
         rows += labelled
         source += f" and {read.source}"
     if not rows:
-        raise UserError("no verdict to learn from: review some tickets first (`triage-worker review`)")
+        raise UserError("no verdict naming an intent to learn from: review some tickets first "
+                        "(`triage-worker review`)")  # fmt: skip
     max_minutes = args.max_minutes if args.max_minutes is not None else DEFAULT_MAX_MINUTES
     outcome = compose.train_model_folder(
-        rows, taxonomy, taxonomy_path, Path(args.out), data={"file": source, "verdicts": len(corrections)},
+        rows, taxonomy, taxonomy_path, Path(args.out),
+        data={"file": source, "verdicts": len(corrections), "none_of_these": len(none_of_these)},
         max_seconds=60.0 * max_minutes, seed=args.seed if args.seed is not None else 77, console=console,
+        reviewed_out_of_scope=[correction.text for correction in none_of_these],
     )  # fmt: skip
     print(f"wrote {outcome.out_dir} ({outcome.kind}, from {len(corrections)} verdicts; model card: "
           f"{outcome.out_dir / 'README.md'})")  # fmt: skip

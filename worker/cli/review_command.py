@@ -2,10 +2,10 @@
 
 Each ticket on the review topic (`topics.review`: results under `review.threshold`, and fallbacks when
 `review.fallbacks` is on) is shown with the model's answer and its top scores; the reviewer accepts it
-(`a` or Enter), corrects it (`c`: a searchable list of the taxonomy's intents: type to filter, arrows to
-move, Enter to pick, Esc to go back), skips it (`s`) or quits (`q`). A verdict is written to the feedback
-topic (`topics.feedback`) as a FeedbackEvent carrying the ticket's text, and waits for the broker's
-acknowledgement before the next ticket is shown.
+(`a` or Enter), corrects it (`c`: a searchable list of the taxonomy's intents and its out-of-scope intent,
+"none of these": type to filter, arrows to move, Enter to pick, Esc to go back), skips it (`s`) or quits
+(`q`). A verdict is written to the feedback topic (`topics.feedback`) as a FeedbackEvent carrying the
+ticket's text, and waits for the broker's acknowledgement before the next ticket is shown.
 
 Where a reviewer got to is the committed offset of the review group (`<pipeline.group_id>.review`): a new
 session goes on from there. `--from beginning|end|OFFSET|TIME` starts elsewhere (TIME: RFC 3339, e.g.
@@ -136,7 +136,9 @@ class Reviewer:
         self._keys = keys
         self._reviewer = args.reviewer or getpass.getuser()
         self._limit: int | None = args.limit
-        self._labels = resolve_taxonomy(settings.inference)[0].labels
+        taxonomy = resolve_taxonomy(settings.inference)[0]
+        # "None of these" is a verdict too: `model train --feedback` measures the out-of-scope detector on it.
+        self._labels = (*taxonomy.labels, taxonomy.out_of_scope_label)
         self.session = Session()
         group = args.group or f"{settings.pipeline.group_id}.review"
         overrides = {"group.id": group, "enable.partition.eof": "true"}

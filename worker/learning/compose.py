@@ -206,11 +206,14 @@ def train_model_folder(
     embedder: SentenceEmbedder | None = None,
     in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
     tune_encoder: bool = True,
+    reviewed_out_of_scope: Sequence[str] = (),
 ) -> TrainingOutcome:
     """Train both stages on labelled (text, intent) rows and write `out_dir` (see the module). `data`
     describes the rows for the model card (file, counts); `in_scope_loss` is the out-of-scope detector's
-    operating point (worker/learning/out_of_scope.py). A full folder fine-tunes the encoder first
-    (`tune_encoder`, with the `train` extra); `embedder`, the shipped encoder's, serves otherwise."""
+    operating point (worker/learning/out_of_scope.py), `reviewed_out_of_scope` texts reviewers said fit
+    none of the intents (never learnt as one; the detector is measured on them). A full folder fine-tunes
+    the encoder first (`tune_encoder`, with the `train` extra); `embedder`, the shipped encoder's, serves
+    otherwise."""
     folders.check_target(out_dir)  # before minutes of work, not after them
     console = console or Console(stderr=True)
     started = time.monotonic()
@@ -248,6 +251,7 @@ def train_model_folder(
                 seed=seed,
                 progress=step_reporter(progress, "encoder stage: embedding tickets"),
                 in_scope_loss=in_scope_loss,
+                reviewed_out_of_scope=reviewed_out_of_scope,
             )
         source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
         return _finish(
@@ -637,12 +641,22 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None, zero_shot: bool = False
             "every intent (an intent known by its taxonomy texts alone would be out of scope to it); every "
             "ticket gets one of the intents."
         )
+    chosen_on = scope.get("doubt_weight_chosen_on", "stand-ins")  # recorded since reviewers' verdicts count
+    by_reviewed = chosen_on == "reviewed tickets"
     stand_in = (
         f" With {scope['stand_in_intents']} of the intents held out as stand-ins for the unknown, fitted the "
         f"same way without them, it flagged {scope['stand_in_recall']:.1%} of their tickets (the distance "
         f"alone: {scope['stand_in_recall_distance_alone']:.1%}) and {scope['stand_in_in_scope_flagged']:.1%} "
-        "of the others' held-out tickets; the doubt's weight was chosen on them."
+        "of the others' held-out tickets"
+        + ("; the doubt's weight was chosen on them." if chosen_on == "stand-ins" else ".")
         if scope["stand_in_recall"] is not None
+        else ""
+    )
+    reviewed = (
+        f" Of the {scope['reviewed_out_of_scope']} tickets reviewers said fit none of the intents, it flags "
+        f"{scope['reviewed_out_of_scope_flagged']:.1%}"
+        + ("; they chose the doubt's weight." if by_reviewed else ".")
+        if scope.get("reviewed_out_of_scope")
         else ""
     )
     held_out = (
@@ -664,7 +678,8 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None, zero_shot: bool = False
         "with the taxonomy's out-of-scope intent (`out_of_scope_intent`, default its `fallback_intent`), the "
         "nearest intent kept for reviewers (`out_of_scope.npz`). That threshold is the operating point for "
         f"an in-scope loss of {scope['in_scope_loss_target']:.0%}{assured}: it flagged "
-        f"{scope['in_scope_flagged']:.1%} of {held_out}.{stand_in} `model train --in-scope-loss` moves it."
+        f"{scope['in_scope_flagged']:.1%} of {held_out}.{stand_in}{reviewed} `model train --in-scope-loss` "
+        "moves it."
     )
 
 

@@ -279,12 +279,15 @@ def fit_encoder_stage(
     progress: Progress | None = None,
     in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
     held_for_detector: Sequence[tuple[str, str]] = (),
+    reviewed_out_of_scope: Sequence[str] = (),
 ) -> tuple[LinearHead, EncoderStageReport]:
     """Fit the head on `labelled` (text, intent) rows and calibrate it on `validation`, or, when that is
     empty, by k-fold cross-validation of `labelled`; and, when every intent has `BALANCE_BELOW` tickets, the
     out-of-scope detector over the same rows, its threshold flagging `in_scope_loss` of held-out in-scope
     tickets (worker/learning/out_of_scope.py): the validation part's, else `held_for_detector` (rows the
     head never sees, kept out of its calibration too), else each training ticket against the others.
+    `reviewed_out_of_scope`: texts of tickets reviewers said fit none of the intents, never learnt as an
+    intent: they choose the detector's doubt weight when there are enough (worker/learning/out_of_scope.py).
     Embedding stops at `max_seconds` (the rows are shuffled, so the first ones are a fair sample; the report
     says so). Every intent must be one of the taxonomy's."""
     started = time.monotonic()
@@ -372,6 +375,7 @@ def fit_encoder_stage(
             seed=seed,
             doubt=dataclasses.replace(head, temperature=temperature, vote=vote).doubt,
             fit_doubt=doubt_fitter(temperature, seed, balanced),
+            reviewed=embed(embedder, reviewed_out_of_scope) if reviewed_out_of_scope else None,
         )
     head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector, vote=vote)
     seen = set(train_y)

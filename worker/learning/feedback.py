@@ -2,7 +2,8 @@
 latest verdict per ticket kept: the corrections a fine-tune learns from (worker/learning/fine_tune.py).
 
 A record is rejected, with a reason, when it is not a FeedbackEvent (`invalid_feedback`), names an intent
-outside the taxonomy (`unknown_intent`), or names a ticket whose text cannot be found (`unknown_ticket`: no
+outside the labels it is given (`unknown_intent`; `model train` gives the taxonomy's intents and its
+out-of-scope intent, "none of these"), or names a ticket whose text cannot be found (`unknown_ticket`: no
 `text`, and no record on the review topic at its `source` position or with its `ticket_id`). On the topic,
 rejected records go to the dead-letter topic once: a consumer group (`<pipeline.group_id>.feedback`) marks
 how far the topic has been checked, and only records past that mark are dead-lettered; every later read
@@ -41,7 +42,7 @@ from worker.settings import DeadLetterSettings, PipelineSettings, PrivacySetting
 # `triage.error.type` of the feedback records `model train --feedback-topic` refuses (schemas/dead_letter.md).
 FEEDBACK_ERROR_DOCS: tuple[tuple[str, str], ...] = (
     ("invalid_feedback", "not a FeedbackEvent (not JSON, a field missing or of the wrong type)"),
-    ("unknown_intent", "the corrected intent is not in the model's taxonomy"),
+    ("unknown_intent", "the intent is none of the taxonomy's intents, nor its out-of-scope intent"),
     ("unknown_ticket", "no `text`, and no review record at its `source` or with its `ticket_id`"),
 )
 

@@ -46,6 +46,9 @@ Doubt = Callable[[FloatArray], FloatArray]
 DoubtFitter = Callable[[FloatArray, Sequence[int]], Doubt]
 # Intents held out as stand-ins for the unknown when measuring the detector at training.
 STAND_IN_SHARE = 0.25
+# Reviewers' "none of these" tickets that choose the doubt's weight instead of the stand-ins: real unknowns
+# beat imitated ones once each moves the recall by 5 points at most.
+REVIEWED_TO_CHOOSE = 20
 # Rows per product when scoring each training ticket against the others (memory: rows x training tickets).
 _CHUNK = 1024
 
@@ -67,6 +70,11 @@ class OutOfScopeReport:
     stand_in_recall: float | None  # share of their tickets flagged, the rest fitted the same way
     stand_in_in_scope_flagged: float | None
     stand_in_recall_distance_alone: float | None  # the same with weight 0
+    # What chose the doubt's weight: "stand-ins", "reviewed tickets" or "none" (weight 0).
+    doubt_weight_chosen_on: str = "none"
+    # Tickets reviewers said fit none of the intents, and the share of them the detector flags.
+    reviewed_out_of_scope: int = 0
+    reviewed_out_of_scope_flagged: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -128,6 +136,7 @@ def fit_out_of_scope(
     seed: int,
     doubt: Doubt | None = None,
     fit_doubt: DoubtFitter | None = None,
+    reviewed: FloatArray | None = None,
 ) -> tuple[OutOfScopeDetector, OutOfScopeReport]:
     """The detector over `reference` (normalised embeddings, `reference_intents` each row's intent,
     `reference_tickets` whether it is a ticket: a taxonomy text is never held out), its threshold from `held`
@@ -136,7 +145,9 @@ def fit_out_of_scope(
 
     With a validation part, `doubt` (the head's 1 - winning probability) and `fit_doubt` (the same head
     fitted on other rows), the score adds the doubt times the weight of `DOUBT_WEIGHTS` that catches most
-    stand-ins at the loss target; otherwise the distance alone (weight 0)."""
+    stand-ins at the loss target; otherwise the distance alone (weight 0). `reviewed`: tickets reviewers
+    said fit none of the intents (normalised embeddings); at least `REVIEWED_TO_CHOOSE` of them choose the
+    weight instead of the stand-ins, and the report says how many of them the detector flags."""
     check_in_scope_loss(in_scope_loss)
     owners = np.asarray(reference_intents)
     is_ticket = np.asarray(reference_tickets, dtype=bool)
@@ -180,12 +191,29 @@ def fit_out_of_scope(
                 float((unknown_scores > stand_in_threshold).mean()),
                 float((known_scores > stand_in_threshold).mean()),
             )
-    # The weight catching most stand-ins (the smallest of equals); 0 without stand-ins to choose it on.
-    weight = max(recalls, key=lambda w: (recalls[w][0], -w)) if recalls and weighs_doubt else 0.0
-    held_scores = held_distances
-    if weight:
+    reviewed_x = np.zeros((0, reference.shape[1]), dtype=np.float32) if reviewed is None else reviewed
+    reviewed_distances = nearest_distance(reference, reviewed_x)
+
+    def scored(weight: float) -> tuple[FloatArray, FloatArray]:
+        """(held-out, reviewed) scores with `weight` x the doubt."""
+        if not weight:
+            return held_distances, reviewed_distances
         assert doubt is not None
-        held_scores = held_distances + weight * doubt(held)
+        return held_distances + weight * doubt(held), reviewed_distances + weight * doubt(reviewed_x)
+
+    def reviewed_recall(weight: float) -> float:
+        held_scores, reviewed_scores = scored(weight)
+        return float((reviewed_scores > threshold_for(held_scores, in_scope_loss)).mean())
+
+    # The weight catching most of the reviewers' "none of these" tickets, else of the stand-ins (the smallest
+    # of equals); 0 with neither to choose it on.
+    weight, chosen_on = 0.0, "none"
+    if weighs_doubt and len(reviewed_x) >= REVIEWED_TO_CHOOSE:
+        weight = max(DOUBT_WEIGHTS, key=lambda w: (reviewed_recall(w), -w))
+        chosen_on = "reviewed tickets"
+    elif recalls and weighs_doubt:
+        weight, chosen_on = max(recalls, key=lambda w: (recalls[w][0], -w)), "stand-ins"
+    held_scores, reviewed_scores = scored(weight)
     threshold = threshold_for(held_scores, in_scope_loss)
     detector = OutOfScopeDetector(reference, threshold, in_scope_loss, weight)
     report = OutOfScopeReport(
@@ -202,6 +230,11 @@ def fit_out_of_scope(
         stand_in_recall=recalls[weight][0] if recalls else None,
         stand_in_in_scope_flagged=recalls[weight][1] if recalls else None,
         stand_in_recall_distance_alone=recalls[0.0][0] if recalls else None,
+        doubt_weight_chosen_on=chosen_on,
+        reviewed_out_of_scope=len(reviewed_x),
+        reviewed_out_of_scope_flagged=float((reviewed_scores > threshold).mean())
+        if len(reviewed_x)
+        else None,
     )
     return detector, report
 
