@@ -1,6 +1,8 @@
 """`make bench-encoder-tuning`: what fine-tuning the encoder before the head gives (`model train`, full data).
 
     python -m tools.bench_encoder_tuning --out results      # results/encoder-tuning.md and .json
+    python -m tools.bench_encoder_tuning --per-intent 5 --passes 10 --seed 1 --seed 2 --known 0
+                                                            # results/encoder-tuning-5-per-intent.md, .json
 
 For bank-desk (BANKING77 regrouped into 12 intents) and BANKING77's own 77, every train.csv ticket, split as
 `model train` splits it (`compose.split_rows`: a stratified 10 % validation part): the encoder stage fitted
@@ -12,6 +14,13 @@ detector's flags on the in-scope test tickets (its in-scope loss) and on data/ou
 (80 tickets from other domains). Then BANKING77's open-intent protocol for one split (`--known` of the
 intents known, as tools/bench_open_intent.py runs it): out-of-scope recall at the 2 % operating point, both
 encoders. Each row is a ratio against the shipped encoder in the same run.
+
+`--per-intent N` measures few-shot folders instead: N tickets per intent drawn from train.csv for each
+`--seed` (as `make bench-train` draws them), every one trained on (`compose.split_rows`: few-shot, the head
+calibrated by cross-validation), the encoder tuned for `--passes` passes over them; beside the test split, a
+selection set of other train.csv tickets (`SELECTION_ROWS` in all, at least 10 per intent) on which settings
+are chosen, so that the test split only measures. The cross-validation figures of a tuned encoder are
+optimistic: it was tuned on every fold.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import msgspec
 from rich.console import Console
 
 from tools import REPO, bench_open_intent
-from tools.bench_train import OUT_OF_DOMAIN, TAXONOMIES, CachedEmbedder, _regrouped
+from tools.bench_train import OUT_OF_DOMAIN, TAXONOMIES, CachedEmbedder, _per_intent, _regrouped
 from worker.inference.encoder import SentenceEmbedder
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import compose, encoder_stage, encoder_tuning
@@ -39,6 +48,9 @@ from worker.learning.evaluation import read_examples
 from worker.learning.out_of_scope import DEFAULT_IN_SCOPE_LOSS
 
 BANKING77 = REPO / "data" / "banking77"
+# Few-shot runs: other train.csv tickets to choose settings on (720: 10 per intent of BANKING77's 77, 60 per
+# intent of bank-desk's 12).
+SELECTION_ROWS = 720
 Row = tuple[str, str]
 
 
@@ -50,11 +62,13 @@ def _embedded(embedder: SentenceEmbedder, texts: Sequence[str]) -> bench_open_in
 
 
 def _tuned(
-    taxonomy: Taxonomy, train: Sequence[Row], minutes: float, seed: int, folder: Path
+    taxonomy: Taxonomy, train: Sequence[Row], minutes: float, seed: int, folder: Path, passes: int = 1
 ) -> tuple[SentenceEmbedder, encoder_tuning.TuningReport]:
     """The encoder fine-tuned as `model train` tunes it (`compose.fine_tune_encoder`), as an embedder."""
-    out = folder / f"{taxonomy.name}-{len(taxonomy.labels)}.onnx"
-    report = compose.fine_tune_encoder(train, taxonomy, out, minutes * 60, seed, Console(stderr=True))
+    out = folder / f"{taxonomy.name}-{len(taxonomy.labels)}-{seed}.onnx"
+    report = compose.fine_tune_encoder(
+        train, taxonomy, out, minutes * 60, seed, Console(stderr=True), passes=passes
+    )
     return encoder_stage.open_embedder(encoder=out), report
 
 
@@ -66,8 +80,10 @@ def _stage(
     ood: Sequence[str],
     lookup: bench_open_intent.VectorLookup,
     seed: int,
+    selection: Sequence[Row] = (),
 ) -> dict[str, Any]:
-    """The encoder stage fitted as `model train` fits it over `lookup`'s vectors; its test figures."""
+    """The encoder stage fitted as `model train` fits it over `lookup`'s vectors; its test figures, and its
+    accuracy and ECE on the `selection` rows if any."""
     head, report = encoder_stage.fit_encoder_stage(
         train, validation, taxonomy, cast(SentenceEmbedder, lookup), max_seconds=3600.0, seed=seed
     )
@@ -81,6 +97,11 @@ def _stage(
         "ece": ece,
         "validation_accuracy": report.validation_accuracy,
     }
+    if selection:
+        selection_x = lookup.embed_batch([text for text, _ in selection])[0]
+        figures["selection_accuracy"], figures["selection_ece"] = encoder_stage.measure(
+            head.probabilities(selection_x), [taxonomy.labels.index(intent) for _, intent in selection]
+        )
     if head.out_of_scope is not None:
         detector = head.out_of_scope
         ood_probabilities = head.probabilities(ood_x)
@@ -124,17 +145,25 @@ def _open_intent(
 
 
 def _markdown(record: dict[str, Any]) -> str:
+    per_intent = record.get("per_intent")
+    data = (
+        f"{per_intent} train.csv tickets per intent for each seed, every one trained on (few-shot: "
+        "validation accuracy is out of fold, optimistic for a tuned encoder, tuned on every fold); "
+        "selection: other train.csv tickets, on which settings are chosen"
+        if per_intent
+        else "Every train.csv ticket, split as `model train` splits it"
+    )
     lines = [
         "# Fine-tuning the encoder before the head (`make bench-encoder-tuning`)",
         "",
         f"`{record['command']}` on {record['machine']}, {record['measured_at']}; load average "
-        f"{record['load_average']}. Every train.csv ticket, split as `model train` splits it; measured on "
-        f"BANKING77's test split ({record['test_tickets']} tickets) and {record['out_of_domain_tickets']} "
-        "out-of-domain tickets. tuned / shipped: the ratio in the same run.",
+        f"{record['load_average']}. {data}; measured on BANKING77's test split "
+        f"({record['test_tickets']} tickets) and {record['out_of_domain_tickets']} out-of-domain tickets. "
+        "tuned / shipped: the ratio in the same run.",
         "",
-        "| taxonomy | encoder | test accuracy | ECE | validation accuracy | in-scope flagged | "
-        "out-of-domain flagged | tuning |",
-        "|---|---|---|---|---|---|---|---|",
+        "| taxonomy | seed | encoder | test accuracy | ECE | validation accuracy | selection accuracy | "
+        "in-scope flagged | out-of-domain flagged | tuning |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in record["rows"]:
         for name in ("shipped", "tuned"):
@@ -145,20 +174,25 @@ def _markdown(record: dict[str, Any]) -> str:
                 if name == "tuned"
                 else "—"
             )
+            selection = stage.get("selection_accuracy")
             lines.append(
-                f"| {row['taxonomy']} ({row['intents']}) | {name} | {stage['accuracy']:.1%} | "
-                f"{stage['ece']:.3f} | {stage['validation_accuracy']:.1%} | "
+                f"| {row['taxonomy']} ({row['intents']}) | {row['seed']} | {name} | "
+                f"{stage['accuracy']:.1%} | {stage['ece']:.3f} | {stage['validation_accuracy']:.1%} | "
+                f"{'—' if selection is None else f'{selection:.1%}'} | "
                 f"{stage.get('in_scope_flagged', float('nan')):.1%} | "
                 f"{stage.get('out_of_domain_flagged', float('nan')):.1%} | {how} |"
             )
         ratio = row["tuned"]["accuracy"] / row["shipped"]["accuracy"]
-        lines.append(f"| {row['taxonomy']} ({row['intents']}) | tuned / shipped | {ratio:.3f}x | | | | | |")
+        lines.append(
+            f"| {row['taxonomy']} ({row['intents']}) | {row['seed']} | tuned / shipped | {ratio:.3f}x "
+            "| | | | | | |"
+        )
     split = record.get("open_intent")
     if split:
         lines += [
             "",
-            f"Open intent, BANKING77, {split['known_intents']} of 77 intents known (seed {record['seed']}), "
-            "threshold at 2 % in-scope loss chosen on the validation part:",
+            f"Open intent, BANKING77, {split['known_intents']} of 77 intents known "
+            f"(seed {record['seed'][0]}), threshold at 2 % in-scope loss chosen on the validation part:",
             "",
             "| encoder | detector | out-of-scope recall | precision | in-scope accuracy | in-scope flagged | "
             "AUROC |",
@@ -180,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m tools.bench_encoder_tuning", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", type=Path, default=REPO / "results")
-    parser.add_argument("--seed", type=int, default=77)
+    parser.add_argument(
+        "--seed", type=int, action="append", help="repeatable (default 77); open intent takes the first"
+    )
     parser.add_argument(
         "--minutes",
         type=float,
@@ -190,6 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--known", type=float, default=0.5, help="open-intent split: share of intents known (0: skip)"
     )
+    parser.add_argument(
+        "--per-intent",
+        type=int,
+        default=0,
+        help="few-shot: train on this many train.csv tickets per intent (default 0: every ticket)",
+    )
+    parser.add_argument("--passes", type=int, default=1, help="the fine-tune's passes over the tickets")
     parser.add_argument(
         "--taxonomy",
         choices=("bank-desk", "banking77"),
@@ -207,24 +250,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     ood = [line.strip() for line in OUT_OF_DOMAIN.read_text(encoding="utf-8").splitlines() if line.strip()]
     texts = list(dict.fromkeys([*(t for t, _ in train77), *(t for t, _ in test77), *ood]))
     shipped = encoder_stage.open_embedder(echo=lambda line: print(line, file=sys.stderr))
-    shipped_lookup = _embedded(shipped, texts)
+    # Few-shot rows read a few hundred train.csv tickets each, not all 10,000: each row embeds its own.
+    shipped_lookup = _embedded(shipped, [*(t for t, _ in test77), *ood] if args.per_intent else texts)
     plans = [
         (load_taxonomy(TAXONOMIES / "bank-desk.toml"), _regrouped(train77), _regrouped(test77)),
         (banking77, train77, test77),
     ]
     plans = [plan for plan in plans if args.taxonomy is None or plan[0].name in args.taxonomy]
+    seeds = args.seed or [77]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-encoder-tuning-") as scratch:
-        for taxonomy, train_rows, test_rows in plans:
-            train, validation, _ = compose.split_rows(train_rows, args.seed)
-            tuned, report = _tuned(taxonomy, train, args.minutes, args.seed, Path(scratch))
+        for seed, (taxonomy, train_rows, test_rows) in ((s, plan) for s in seeds for plan in plans):
+            labelled, selection = train_rows, []
+            if args.per_intent:
+                labelled = _per_intent(train_rows, args.per_intent, seed)
+                drawn = set(labelled)
+                selection = _per_intent(
+                    [row for row in train_rows if row not in drawn],
+                    max(10, SELECTION_ROWS // len(taxonomy.labels)),
+                    seed + 1000,
+                )
+            train, validation, _ = compose.split_rows(labelled, seed)
+            row_texts = texts
+            if args.per_intent:
+                row_texts = list(dict.fromkeys([*(t for t, _ in [*train, *selection, *test_rows]), *ood]))
+                encoder_stage.embed(cast(SentenceEmbedder, shipped_lookup), row_texts)
+            tuned, report = _tuned(taxonomy, train, args.minutes, seed, Path(scratch), args.passes)
             row = {
                 "taxonomy": taxonomy.name,
                 "intents": len(taxonomy.labels),
+                "seed": seed,
                 "tuning": report.as_dict(),
-                "shipped": _stage(taxonomy, train, validation, test_rows, ood, shipped_lookup, args.seed),
+                "shipped": _stage(
+                    taxonomy, train, validation, test_rows, ood, shipped_lookup, seed, selection
+                ),
                 "tuned": _stage(
-                    taxonomy, train, validation, test_rows, ood, _embedded(tuned, texts), args.seed
+                    taxonomy, train, validation, test_rows, ood, _embedded(tuned, row_texts), seed, selection
                 ),
             }
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -232,23 +293,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         split = None
         if args.known > 0:
             split = _open_intent(
-                banking77, train77, test77, args.known, args.minutes, args.seed, Path(scratch), shipped
+                banking77, train77, test77, args.known, args.minutes, seeds[0], Path(scratch), shipped
             )
     record = {
         "command": "python -m tools.bench_encoder_tuning " + " ".join(argv or sys.argv[1:]),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores",
         "load_average": [round(x, 1) for x in os.getloadavg()],
-        "seed": args.seed,
+        "seed": seeds,
+        "per_intent": args.per_intent or None,
+        "passes": args.passes,
         "test_tickets": len(test77),
         "out_of_domain_tickets": len(ood),
         "rows": rows,
         "open_intent": split,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "encoder-tuning.json").write_bytes(msgspec.json.format(msgspec.json.encode(record)) + b"\n")
-    (args.out / "encoder-tuning.md").write_text(_markdown(record), encoding="utf-8")
-    print(f"wrote {args.out / 'encoder-tuning.md'} and encoder-tuning.json")
+    stem = f"encoder-tuning-{args.per_intent}-per-intent" if args.per_intent else "encoder-tuning"
+    (args.out / f"{stem}.json").write_bytes(msgspec.json.format(msgspec.json.encode(record)) + b"\n")
+    (args.out / f"{stem}.md").write_text(_markdown(record), encoding="utf-8")
+    print(f"wrote {args.out / stem}.md and {stem}.json")
     return 0
 
 

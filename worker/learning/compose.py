@@ -265,7 +265,10 @@ def _why_not_tuned(kind: Kind, wanted: bool, seconds: float) -> str | None:
     if not wanted:
         return "not asked for (--no-encoder-tuning)"
     if kind != "full":
-        return f"{kind}: tuning is measured on full folders only (a validation part to measure it on)"
+        return (
+            f"{kind}: tuned on full folders only (on 5 tickets per intent it measured no better, "
+            "docs/your-taxonomy.md)"
+        )
     if seconds - encoder_tuning.EXPORT_SECONDS < encoder_tuning.MIN_STEP_SECONDS:
         return f"the time bound leaves {seconds:.0f} s to tune in (--max-minutes)"
     missing = encoder_tuning.missing_modules()
@@ -281,9 +284,11 @@ def fine_tune_encoder(
     max_seconds: float,
     seed: int,
     console: Console,
+    passes: int = 1,
 ) -> encoder_tuning.TuningReport:
     """The shipped encoder fine-tuned on (text, intent) `train` rows of `taxonomy` into `out_file` within
-    `max_seconds` (learning/encoder_tuning.py), progress on `console`; `make bench-encoder-tuning` too."""
+    `max_seconds` and `passes` over the rows (learning/encoder_tuning.py), progress on `console`;
+    `make bench-encoder-tuning` too."""
     onnx_file, tokenizer = encoder_stage.shipped_encoder_files(console.print)
     index = {label: i for i, label in enumerate(taxonomy.labels)}
     tickets = [(text, index[intent]) for text, intent in train]
@@ -296,6 +301,7 @@ def fine_tune_encoder(
             out_file,
             max_seconds=max_seconds,
             seed=seed,
+            passes=passes,
             progress=step_reporter(progress, "encoder: fine-tuning on the tickets"),
         )
     console.print(
