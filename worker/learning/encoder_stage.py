@@ -53,6 +53,7 @@ from worker.inference.encoder import (
 from worker.inference.neighbours import NeighbourVote
 from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, write_statistics
 from worker.inference.taxonomy import Taxonomy
+from worker.learning import evaluation
 from worker.learning.artifacts import fetch_encoder
 from worker.learning.evaluation import TEACHER_C, expected_calibration_error
 from worker.learning.out_of_scope import (
@@ -182,17 +183,8 @@ def softmax(logits: FloatArray, temperature: float) -> FloatArray:
 
 def fit_temperature(logits: FloatArray, truth: Sequence[int]) -> float:
     """The temperature of `TEMPERATURES` minimising the negative log-likelihood of the true labels on held-out
-    logits (post-hoc calibration: one parameter, the argmax unchanged)."""
-    rows = np.arange(len(truth))
-    index = np.asarray(truth)
-
-    def nll(temperature: float) -> float:
-        scaled = logits / temperature
-        scaled = scaled - scaled.max(axis=1, keepdims=True)
-        log_probs = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
-        return float(-log_probs[rows, index].mean())
-
-    return float(min(TEMPERATURES, key=nll))
+    logits (evaluation.fit_temperature over this stage's wider range)."""
+    return evaluation.fit_temperature(logits, truth, TEMPERATURES)
 
 
 def measure(probabilities: FloatArray, truth: Sequence[int]) -> tuple[float, float]:

@@ -175,18 +175,26 @@ def expected_calibration_error(
     return total
 
 
-def fit_temperature(logits: Any, labels: Any) -> float:
-    """Temperature T (0.5 to 3, step 0.01) minimising the negative log-likelihood of softmax(logits / T)
-    on held-out examples: the standard post-hoc calibration, one parameter, argmax unchanged."""
+# The first stage's temperatures: 0.5 to 3 in steps of 0.01 (its logits are a language model's).
+FIRST_STAGE_TEMPERATURES = tuple(round(0.5 + 0.01 * i, 2) for i in range(251))
+
+
+def fit_temperature(
+    logits: Any, labels: Any, candidates: Iterable[float] = FIRST_STAGE_TEMPERATURES
+) -> float:
+    """The temperature T of `candidates` minimising the negative log-likelihood of softmax(logits / T) on
+    held-out examples: the standard post-hoc calibration, one parameter, argmax unchanged."""
     import numpy as np
+
+    rows, index = np.arange(len(labels)), np.asarray(labels)
 
     def nll(temperature: float) -> float:
         scaled = logits / temperature
         scaled = scaled - scaled.max(axis=1, keepdims=True)
         log_probs = scaled - np.log(np.exp(scaled).sum(axis=1, keepdims=True))
-        return float(-log_probs[np.arange(len(labels)), labels].mean())
+        return float(-log_probs[rows, index].mean())
 
-    return min((round(0.5 + 0.01 * i, 2) for i in range(251)), key=nll)
+    return float(min(candidates, key=nll))
 
 
 def figures(name: str, examples: Sequence[Example], predictions: Sequence[Prediction], taxonomy: Taxonomy,
