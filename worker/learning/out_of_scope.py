@@ -9,7 +9,8 @@ card, the same fit with a quarter of the intents held out as stand-ins for the u
 tickets it flags (`stand_in_recall`). No stand-in chooses the threshold; they choose how much the stage's
 doubt (1 - its winning probability) adds to the distance, among `DOUBT_WEIGHTS`, with a head fitted without
 them (a validation part is needed: a few-shot folder's training tickets are not held out from its head, so
-it scores the distance alone).
+it scores the distance alone). A zero-shot folder has no ticket: its statistics are the intents' prototypes
+and its held-out rows the taxonomy's example phrases (`fit_prototype_detector`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class OutOfScopeReport:
     assurance: float  # the confidence that new in-scope tickets are flagged at most the target share
     in_scope_flagged: float  # share of the held-out in-scope tickets flagged at `threshold`
     held_out: int
-    held_out_from: str  # "validation" or "leave-one-out"
+    held_out_from: str  # "validation", "leave-one-out" or (zero-shot) "leave-one-out examples"
     reference_rows: int
     stand_in_intents: int  # intents held out as stand-ins for the unknown (0: too few intents)
     stand_in_recall: float | None  # share of their tickets flagged, the rest fitted the same way
