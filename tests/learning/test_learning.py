@@ -219,13 +219,18 @@ def test_a_zero_shot_stage_says_none_of_these_to_other_domains_and_seldom_to_its
     assert flagged(encoder_stage.embed(_embedder(), [line for line in other_domains if line.strip()])) >= 0.5
 
 
-def test_a_zero_shot_stage_without_example_phrases_has_no_detector() -> None:
+def test_a_zero_shot_stage_without_enough_example_phrases_has_no_detector() -> None:
     bare = msgspec.structs.replace(
         BANK_DESK, intents=tuple(msgspec.structs.replace(i, examples=()) for i in BANK_DESK.intents)
     )
     head, report = encoder_stage.zero_shot_encoder_stage(bare, _embedder())
     assert head.out_of_scope is None and report.out_of_scope is None
-    assert "the taxonomy has none" in compose.out_of_scope_paragraph(None, zero_shot=True)
+    assert "the taxonomy has fewer than 20" in compose.out_of_scope_paragraph(None, zero_shot=True)
+    few = msgspec.structs.replace(
+        BANK_DESK,
+        intents=tuple(msgspec.structs.replace(i, examples=i.examples[:1]) for i in BANK_DESK.intents),
+    )  # 12 phrases: a threshold from them would be one phrase's distance
+    assert encoder_stage.zero_shot_encoder_stage(few, _embedder())[0].out_of_scope is None
 
 
 def test_an_intent_without_tickets_is_learnt_from_its_taxonomy_texts_and_the_report_says_so() -> None:

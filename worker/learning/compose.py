@@ -638,8 +638,8 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None, zero_shot: bool = False
     if scope is None and zero_shot:
         return (
             "**Out of scope:** no detector: its operating point is chosen on the taxonomy's example phrases "
-            "(each against prototypes built without it), and the taxonomy has none; every ticket gets one of "
-            "the intents."
+            f"(each against prototypes built without it), and the taxonomy has fewer than "
+            f"{encoder_stage.ZERO_SHOT_DETECTOR_PHRASES}; every ticket gets one of the intents."
         )
     if scope is None:
         return (

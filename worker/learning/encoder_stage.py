@@ -82,6 +82,8 @@ TEMPERATURES = np.geomspace(0.005, 5.0, 400)
 # leave-one-out fit on its examples gave 0.020, ECE 0.057 on those tickets), rounded up to err towards
 # under-confidence.
 ZERO_SHOT_DEFAULT_TEMPERATURE = 0.03
+# Example phrases a zero-shot folder needs for an out-of-scope detector (bank-desk has 36).
+ZERO_SHOT_DETECTOR_PHRASES = 20
 EMBED_BATCH = 64
 # Texts sorted by length together (a deadline is checked between chunks).
 _SORT_CHUNK = 512
@@ -484,7 +486,10 @@ def zero_shot_encoder_stage(
         temperature = fit_temperature(logits, truth)
         accuracy, ece = measure(softmax(logits, temperature), truth)
         calibration = "leave-one-out examples"
-        detector, scope = fit_prototype_detector(prototypes, 1.0 - logits.max(axis=1), in_scope_loss)
+        detector, scope = None, None
+        # A threshold from a handful of phrases would be one phrase's distance: not an operating point.
+        if len(held_rows) >= ZERO_SHOT_DETECTOR_PHRASES:
+            detector, scope = fit_prototype_detector(prototypes, 1.0 - logits.max(axis=1), in_scope_loss)
     else:
         temperature, accuracy, ece, calibration = (
             ZERO_SHOT_DEFAULT_TEMPERATURE,
@@ -492,8 +497,7 @@ def zero_shot_encoder_stage(
             None,
             "default temperature",
         )
-        # No phrase to hold out: nothing to choose an operating point on, so no detector.
-        detector, scope = None, None
+        detector, scope = None, None  # no phrase to choose an operating point on
     head = LinearHead(prototypes, np.zeros(len(per_intent), dtype=np.float32), temperature, detector)
     report = EncoderStageReport(
         method="zero-shot prototypes",
