@@ -247,11 +247,16 @@ class EncoderEngine:
         if live:
             try:
                 embeddings, truncated = self.embedder.embed_batch([r.text for r in live])
-                probabilities = self._probabilities(embeddings)
+                # One product with the training rows serves the neighbour vote and the out-of-scope distance
+                # alike: both read the rows of one file (`read_statistics`).
+                similarities = (
+                    None if self.out_of_scope is None else embeddings @ self.out_of_scope.reference.T
+                )
+                probabilities = self._probabilities(embeddings, similarities)
                 scope_scores = (
                     None
-                    if self.out_of_scope is None
-                    else self.out_of_scope.scores(embeddings, probabilities.max(axis=1))
+                    if self.out_of_scope is None or similarities is None
+                    else self.out_of_scope.scores_from_similarities(similarities, probabilities.max(axis=1))
                 )
             except Exception:
                 log.exception("encoder error", requests=len(live))
@@ -265,8 +270,9 @@ class EncoderEngine:
                     answers[request.request_id] = answer
         return [answers.get(r.request_id) or self.fallback("overloaded", started) for r in requests]
 
-    def _probabilities(self, embeddings: FloatArray) -> FloatArray:
-        """The head's calibrated probabilities, blended with the neighbour vote where the folder has one."""
+    def _probabilities(self, embeddings: FloatArray, similarities: FloatArray | None) -> FloatArray:
+        """The head's calibrated probabilities, blended with the neighbour vote where the folder has one
+        (`similarities`: the tickets' with the rows it reads)."""
         logits = (embeddings @ self._weight.T + self._bias) / self._temperature
         # Labels the taxonomy does not have are never answered: the rest is renormalised.
         logits = np.where(self._labels_known, logits, -np.inf)
@@ -275,7 +281,9 @@ class EncoderEngine:
         probabilities: FloatArray = exp / exp.sum(axis=1, keepdims=True)
         if self.vote is None:
             return probabilities
-        return self.vote.blend(probabilities, self.vote.votes(embeddings, self._labels_known))
+        assert similarities is not None, "a vote comes with the detector whose rows it reads"
+        votes = self.vote.votes_from_similarities(similarities, self._labels_known)
+        return self.vote.blend(probabilities, votes)
 
     def _answer(self, probs: FloatArray, truncated: bool, latency_ms: float) -> Classification:
         order = np.argsort(-probs)[:TOP_K_SCORES]

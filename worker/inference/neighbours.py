@@ -17,7 +17,8 @@ not fine-tuned): validation accuracy of the head alone 92.2 / 93.5 / 92.0 %, ble
 temperature unchanged. `make bench-open-intent` and docs/your-taxonomy.md have the test figures.
 
 The rows voting are the out-of-scope detector's reference (worker/inference/out_of_scope.py): the embeddings
-the head learnt from, stored once in `out_of_scope.npz` with each row's intent.
+the head learnt from, stored once in `out_of_scope.npz` with each row's intent; the encoder engine computes
+the tickets' similarities with them once for both.
 """
 
 from __future__ import annotations
@@ -50,10 +51,16 @@ class NeighbourVote:
     def votes(self, embeddings: FloatArray, allowed: npt.NDArray[np.bool_] | None = None) -> FloatArray:
         """Per normalised embedding (B x D), the vote of its nearest reference rows over the labels (B x L),
         counting only rows of `allowed` labels (all by default); a row of zeros where none of them is."""
-        votes = np.zeros((len(embeddings), self.labels), dtype=np.float32)
-        if len(embeddings) == 0:
+        return self.votes_from_similarities(embeddings @ self.reference.T, allowed)
+
+    def votes_from_similarities(
+        self, similarities: FloatArray, allowed: npt.NDArray[np.bool_] | None = None
+    ) -> FloatArray:
+        """`votes` from the tickets' cosine similarities with the reference rows (B x N), for a caller that
+        has them already (the encoder engine's out-of-scope distance reads the same product)."""
+        votes = np.zeros((len(similarities), self.labels), dtype=np.float32)
+        if len(similarities) == 0:
             return votes
-        similarities = embeddings @ self.reference.T
         count = min(self.neighbours, similarities.shape[1])
         nearest = np.argpartition(-similarities, count - 1, axis=1)[:, :count]
         near = np.take_along_axis(similarities, nearest, axis=1)
@@ -61,7 +68,7 @@ class NeighbourVote:
         owners = self.intents[nearest]
         if allowed is not None:
             shares = np.where(allowed[owners], shares, 0.0)
-        np.add.at(votes, (np.repeat(np.arange(len(embeddings)), count), owners.ravel()), shares.ravel())
+        np.add.at(votes, (np.repeat(np.arange(len(similarities)), count), owners.ravel()), shares.ravel())
         totals = votes.sum(axis=1, keepdims=True)
         normalised: FloatArray = np.divide(votes, totals, out=np.zeros_like(votes), where=totals > 0)
         return normalised

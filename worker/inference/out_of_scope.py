@@ -54,7 +54,12 @@ class OutOfScopeDetector:
         """Each normalised embedding's (B x D) cosine distance to its nearest reference embedding, plus
         `doubt_weight` x (1 - its served winning probability, `confidences`: the head's, blended with the
         neighbour vote where the folder has one)."""
-        distances = nearest_distance(self.reference, embeddings)
+        return self.scores_from_similarities(embeddings @ self.reference.T, confidences)
+
+    def scores_from_similarities(self, similarities: FloatArray, confidences: FloatArray) -> FloatArray:
+        """`scores` from the tickets' cosine similarities with the reference rows (B x N), for a caller that
+        has them already (the encoder engine's neighbour vote reads the same product)."""
+        distances = nearest_distance_from(similarities)
         if not self.doubt_weight:
             return distances
         scores: FloatArray = (distances + self.doubt_weight * (1.0 - confidences)).astype(np.float32)
@@ -68,9 +73,14 @@ class OutOfScopeDetector:
 def nearest_distance(reference: FloatArray, embeddings: FloatArray) -> FloatArray:
     """1 - the largest cosine similarity of each row of `embeddings` with a row of `reference` (both
     normalised): 0 for a ticket the reference holds, up to 2."""
-    if len(embeddings) == 0:
+    return nearest_distance_from(embeddings @ reference.T)
+
+
+def nearest_distance_from(similarities: FloatArray) -> FloatArray:
+    """`nearest_distance` from the cosine similarities of each ticket with every reference row (B x N)."""
+    if len(similarities) == 0:
         return np.zeros(0, dtype=np.float32)
-    distances: FloatArray = (1.0 - (embeddings @ reference.T).max(axis=1)).astype(np.float32)
+    distances: FloatArray = (1.0 - similarities.max(axis=1)).astype(np.float32)
     return distances
 
 
