@@ -16,6 +16,7 @@ and its held-out rows the taxonomy's example phrases (`fit_prototype_detector`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -195,12 +196,18 @@ def fit_out_of_scope(
     reviewed_x = np.zeros((0, reference.shape[1]), dtype=np.float32) if reviewed is None else reviewed
     reviewed_distances = nearest_distance(reference, reviewed_x)
 
+    @functools.cache
+    def doubts() -> tuple[FloatArray, FloatArray]:
+        """The (held-out, reviewed) tickets' doubt, once: every weight tried reads it."""
+        assert doubt is not None
+        return doubt(held), doubt(reviewed_x)
+
     def scored(weight: float) -> tuple[FloatArray, FloatArray]:
         """(held-out, reviewed) scores with `weight` x the doubt."""
         if not weight:
             return held_distances, reviewed_distances
-        assert doubt is not None
-        return held_distances + weight * doubt(held), reviewed_distances + weight * doubt(reviewed_x)
+        held_doubt, reviewed_doubt = doubts()
+        return held_distances + weight * held_doubt, reviewed_distances + weight * reviewed_doubt
 
     def reviewed_recall(weight: float) -> float:
         held_scores, reviewed_scores = scored(weight)
