@@ -227,8 +227,7 @@ def test_a_reviewer_accepts_corrects_and_skips_from_the_keyboard(
             "pipeline.group_id": group,
         },
     )
-    taxonomy = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml")
-    labels = (*taxonomy.labels, taxonomy.out_of_scope_label)
+    labels = load_taxonomy(DEFAULT_MODEL_DIR / "taxonomy.toml").verdict_labels
     corrections, refused = read_feedback_topic(
         settings.kafka,
         settings.pipeline,

@@ -338,7 +338,7 @@ def _fine_tune(args: argparse.Namespace) -> int:
     console = Console(stderr=True, soft_wrap=True)
     # A reviewer may say a ticket fits none of the intents (the taxonomy's out-of-scope intent): a verdict,
     # not an unknown intent, though no intent is learnt from it.
-    verdicts = (*taxonomy.labels, taxonomy.out_of_scope_label)
+    verdicts = taxonomy.verdict_labels
     if args.feedback is not None:
         corrections, rejections = feedback.read_feedback_file(
             Path(args.feedback), verdicts, feedback.training_redactor(settings.privacy)

@@ -136,9 +136,8 @@ class Reviewer:
         self._keys = keys
         self._reviewer = args.reviewer or getpass.getuser()
         self._limit: int | None = args.limit
-        taxonomy = resolve_taxonomy(settings.inference)[0]
         # "None of these" is a verdict too: `model train --feedback` measures the out-of-scope detector on it.
-        self._labels = (*taxonomy.labels, taxonomy.out_of_scope_label)
+        self._labels = resolve_taxonomy(settings.inference)[0].verdict_labels
         self.session = Session()
         group = args.group or f"{settings.pipeline.group_id}.review"
         overrides = {"group.id": group, "enable.partition.eof": "true"}

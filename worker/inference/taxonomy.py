@@ -75,6 +75,11 @@ class Taxonomy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def out_of_scope_label(self) -> str:
         return self.out_of_scope_intent or self.fallback_intent
 
+    @property
+    def verdict_labels(self) -> tuple[str, ...]:
+        """What a reviewer may answer: one of the intents, or the out-of-scope intent ("none of these")."""
+        return (*self.labels, self.out_of_scope_label)
+
     def policy_priority(self, intent: str) -> Priority:
         """The priority the taxonomy assigns to an intent (fallback priority for unknown names)."""
         for candidate in self.intents:
