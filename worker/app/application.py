@@ -20,7 +20,8 @@ Contract:
   uncommitted is lost, the next owner of the partitions reads it again (worker/app/signals.py, as for
   `replay`).
 - Reloading: SIGHUP, or `POST /reload` when metrics.port and metrics.reload_token_file are set, loads the
-  model again without leaving the consumer group (worker/app/reload.py).
+  model again without leaving the consumer group, hands the running parts the privacy, redaction and review
+  settings, and names what only a restart applies (worker/app/reload.py, worker/settings/reloads.py).
 """
 
 from __future__ import annotations
