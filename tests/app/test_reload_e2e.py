@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
 from tools.harness import TINY_MODEL, Publisher, Worker, audit, make_topics, publish, wait_until_committed
@@ -239,6 +240,73 @@ def test_without_a_token_file_post_reload_is_closed_and_sighup_still_reloads(
         worker.process.send_signal(signal.SIGHUP)
         assert worker.wait_for("reload_succeeded", timeout=120)["model"] == "tiny"
         assert [event["requested_by"] for event in worker.events("reload_started")] == [["SIGHUP"]]
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+
+
+def _dead_letters(bootstrap: str, topic: str, count: int, timeout: float = 60.0) -> list[bytes]:
+    """The values of the first `count` records of `topic`."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"reader-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.subscribe([topic])
+    values: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < count and time.monotonic() < deadline:
+            record = consumer.poll(0.5)
+            if record is not None and record.error() is None:
+                values.append(record.value() or b"")
+    finally:
+        consumer.close()
+    assert len(values) == count, f"{len(values)} of {count} dead letters within {timeout}s"
+    return values
+
+
+def test_a_sighup_applies_privacy_settings_and_names_a_restart_only_change(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """Issue #55: the worker as a process, its --config file edited to redact dead letters, detect e-mail
+    addresses and lower max_in_flight. Before, the reload switched the model and applied none of it,
+    naming only max_in_flight; the next dead letter held the address in clear."""
+    topics = make_topics(unique_topic, partitions=1)
+    config = tmp_path / "worker.toml"
+    model = f"[inference]\nmodel = {json.dumps(str(TINY_MODEL))}\npool_size = 1\n\n"
+    config.write_text(model + '[privacy]\ndetect = ["iban"]\n')
+    args = ("--config", str(config), "--metrics-port", "0", "--metrics-host", "127.0.0.1")
+    worker = Worker(
+        kafka_bootstrap, topics, f"triage-test-{uuid.uuid4().hex[:8]}", tmp_path, model=None, args=args
+    )
+    producer = Producer({"bootstrap.servers": kafka_bootstrap})
+    email = b"ann.lee@example.com"
+    try:
+        url = f"http://127.0.0.1:{worker.wait_for('telemetry_listening', timeout=60)['port']}"
+        worker.wait_for("partitions_assigned", timeout=90)
+        producer.produce(topics.input, b"not a ticket, from " + email)
+        producer.flush(10)
+        assert email in _dead_letters(kafka_bootstrap, topics.dead_letter, 1)[0]
+
+        config.write_text(model + "[dead_letter]\nredact = true\n\n[pipeline]\nmax_in_flight = 8\n")
+        worker.process.send_signal(signal.SIGHUP)
+        succeeded = worker.wait_for("reload_succeeded", timeout=120)
+        assert sorted(succeeded["applied"]) == ["dead_letter.redact", "privacy.detect"]
+        named = worker.events("reload_needs_restart")
+        assert [event["settings"] for event in named] == [["pipeline.max_in_flight"]]
+        with urllib.request.urlopen(f"{url}/readyz", timeout=10) as answer:
+            assert json.loads(answer.read())["restart_pending"] == ["pipeline.max_in_flight"]
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+            page = answer.read().decode()
+        assert "triage_restart_pending 1.0" in page
+        assert 'triage_config_restart_pending{setting="pipeline.max_in_flight"} 1.0' in page
+
+        producer.produce(topics.input, b"not a ticket either, from " + email)
+        producer.flush(10)
+        assert email not in _dead_letters(kafka_bootstrap, topics.dead_letter, 2)[1]
         assert worker.stop() == 0
     finally:
         worker.kill()

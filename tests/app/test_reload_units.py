@@ -190,12 +190,182 @@ def test_a_reload_names_settings_it_cannot_apply_and_refuses_a_new_fallback_labe
     )
     with capture_logs() as logs:
         assert not _reloader(running, configured).reload(tiny_switch)
-    ignored = [e for e in logs if e["event"] == "reload_ignored_settings"]
-    assert ignored[0]["settings"] == ["kafka.sasl.password", "pipeline.max_in_flight"]
+    named = [e for e in logs if e["event"] == "reload_needs_restart"]
+    assert named[0]["settings"] == ["kafka.sasl.password", "pipeline.max_in_flight"]
     failed = [e for e in logs if e["event"] == "reload_failed"]
     assert "fallback label other/Medium differs from the running unclassified/Medium" in failed[0]["reason"]
     assert "hunter2" not in repr(logs)
     assert tiny_switch.model_id == "tiny"
+
+
+def _changed(settings: Settings, **sections: dict[str, object]) -> Settings:
+    """`settings` with fields of some sections replaced (`pipeline={"max_in_flight": 8}`)."""
+    replaced = {
+        name: {**getattr(settings, name), **fields}
+        if name == "kafka"
+        else msgspec.structs.replace(getattr(settings, name), **fields)
+        for name, fields in sections.items()
+    }
+    return msgspec.structs.replace(settings, **replaced)
+
+
+class _Heard:
+    """What a reloader told the worker: the pending restarts after each reload, and the settings applied."""
+
+    def __init__(self) -> None:
+        self.pending: list[list[str]] = []
+        self.applied: list[Settings] = []
+
+
+def _heard_reloader(
+    running: Settings, configured: Settings, switch: SwitchingClassifier
+) -> tuple[Reloader, _Heard]:
+    heard = _Heard()
+    fallback = resolve_taxonomy(running.inference)[0].fallback_label
+    reloader = Reloader(running, lambda: configured, fallback, on_pending=heard.pending.append)
+    reloader.start(switch, None, heard.applied.append)
+    return reloader, heard
+
+
+def test_a_reload_names_every_restart_only_change_in_one_line_secrets_masked_and_says_a_restart_is_pending(
+    tiny_switch: SwitchingClassifier,
+) -> None:
+    """Before, only kafka, topics, pipeline, log and metrics were compared: a changed shadow, tracing,
+    registry, input or output setting went unnamed, and nothing said a restart was pending."""
+    running = _settings(TINY_MODEL)
+    configured = _changed(
+        running,
+        kafka={"sasl.password": "hunter2-secret"},
+        pipeline={"max_in_flight": 8},
+        topics={"output": "tickets.triaged.v2"},
+        inference={"shadow_pool_size": 2, "escalation_top_k": 3, "max_ticket_tokens": 128},
+        input={"fields": {"body": "description"}},
+        output={"format": "avro"},
+        schema_registry={"url": "http://user:s3cret@registry:8081", "basic_auth_user_info": "user:s3cret"},
+        tracing={"sample_ratio": 0.5},
+        log={"level": "debug"},
+        metrics={"stall_timeout_ms": 90000},
+    )
+    restart_only = [
+        "inference.escalation_top_k",
+        "inference.shadow_pool_size",
+        "input.fields",
+        "kafka.sasl.password",
+        "log.level",
+        "metrics.stall_timeout_ms",
+        "output.format",
+        "pipeline.max_in_flight",
+        "schema_registry.basic_auth_user_info",
+        "schema_registry.url",
+        "topics.output",
+        "tracing.sample_ratio",
+    ]
+    reloader, heard = _heard_reloader(running, configured, tiny_switch)
+    try:
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+        named = [e for e in logs if e["event"] == "reload_needs_restart"]
+        assert len(named) == 1 and sorted(named[0]["settings"]) == restart_only
+        values = named[0]["values"]
+        assert values["pipeline.max_in_flight"] == {"running": 64, "configured": 8}
+        assert values["kafka.sasl.password"] == {"running": None, "configured": "***"}
+        assert values["schema_registry.url"]["configured"] == "http://user:***@registry:8081"
+        assert "hunter2" not in repr(logs) and "s3cret" not in repr(logs)
+        succeeded = [e for e in logs if e["event"] == "reload_succeeded"]
+        assert succeeded[0]["applied"] == ["inference.max_ticket_tokens"]
+        assert heard.pending == [restart_only]
+        # What runs: the live change applied, every restart-only one at its running value.
+        assert heard.applied[0].inference.max_ticket_tokens == 128
+        assert heard.applied[0].pipeline == running.pipeline and heard.applied[0].kafka == running.kafka
+        assert heard.applied[0].inference.shadow_pool_size == running.inference.shadow_pool_size
+
+        with capture_logs() as logs:  # still configured, still pending: the running values stayed
+            assert reloader.reload(tiny_switch)
+        assert (
+            sorted(next(e for e in logs if e["event"] == "reload_needs_restart")["settings"]) == restart_only
+        )
+        reloader._load = lambda: running  # the configuration set back (a private seam, for the test)
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+        assert not [e for e in logs if e["event"] == "reload_needs_restart"]
+        assert heard.pending[-1] == []
+    finally:
+        reloader.close()
+
+
+def test_a_reload_that_changes_a_refused_setting_fails_loudly_and_applies_nothing(
+    tiny_switch: SwitchingClassifier,
+) -> None:
+    """privacy.phone_region decides which phone numbers the logs of processes that are not reloaded find:
+    before, a reload switched the model and the new region was silently not applied."""
+    running = _settings(TINY_MODEL)
+    configured = _changed(_settings(DEFAULT_MODEL_DIR), privacy={"phone_region": "GB", "keep": ["email"]})
+    with capture_logs() as logs:
+        assert not _reloader(running, configured).reload(tiny_switch)
+    assert tiny_switch.model_id == "tiny"  # nothing else applied either
+    reloader, heard = _heard_reloader(running, configured, tiny_switch)
+    try:
+        with capture_logs() as logs:
+            assert not reloader.reload(tiny_switch)
+    finally:
+        reloader.close()
+    failed = [e for e in logs if e["event"] == "reload_failed"]
+    assert len(failed) == 1 and failed[0]["reason"].startswith("privacy.phone_region changed, which a reload")
+    assert "restart the worker" in failed[0]["reason"]
+    assert heard.applied == [] and heard.pending == [["privacy.phone_region"]]
+    assert tiny_switch.model_id == "tiny"
+
+
+def test_privacy_and_redaction_changes_are_applied_by_a_reload(tiny_switch: SwitchingClassifier) -> None:
+    running = _settings(TINY_MODEL, redact_input=False)
+    configured = _changed(
+        _settings(TINY_MODEL),
+        privacy={"detect": ["email", "iban"], "keep": ["iban"], "carry_headers": ["x-request-id"]},
+        dead_letter={"redact": True},
+    )
+    reloader, heard = _heard_reloader(running, configured, tiny_switch)
+    try:
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+    finally:
+        reloader.close()
+    assert not [e for e in logs if e["event"] == "reload_needs_restart"] and heard.pending == [[]]
+    applied = heard.applied[0]
+    assert (applied.privacy, applied.dead_letter) == (configured.privacy, configured.dead_letter)
+    assert applied.inference.redact_input
+    succeeded = next(e for e in logs if e["event"] == "reload_succeeded")
+    assert sorted(succeeded["applied"]) == [
+        "dead_letter.redact",
+        "inference.redact_input",
+        "privacy.carry_headers",
+        "privacy.detect",
+        "privacy.keep",
+    ]
+
+
+def test_review_settings_apply_where_review_runs_and_turning_it_on_needs_a_restart(
+    tiny_switch: SwitchingClassifier,
+) -> None:
+    off = _settings(TINY_MODEL)
+    on = _changed(off, review={"threshold": 0.5})
+    reloader, heard = _heard_reloader(off, on, tiny_switch)
+    try:
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+    finally:
+        reloader.close()
+    assert next(e for e in logs if e["event"] == "reload_needs_restart")["settings"] == ["review.threshold"]
+    assert heard.applied[0].review == off.review and heard.pending == [["review.threshold"]]
+
+    stricter = _changed(on, review={"threshold": 0.9, "fallbacks": True})
+    reloader, heard = _heard_reloader(on, stricter, tiny_switch)
+    try:
+        with capture_logs() as logs:
+            assert reloader.reload(tiny_switch)
+    finally:
+        reloader.close()
+    assert not [e for e in logs if e["event"] == "reload_needs_restart"]
+    assert heard.applied[0].review == stricter.review and heard.pending == [[]]
 
 
 def test_requests_during_a_reload_are_coalesced_into_one_more(tiny_switch: SwitchingClassifier) -> None:
@@ -423,3 +593,33 @@ def test_reloads_go_one_at_a_time_and_post_reload_is_refused_meanwhile(
         reloader.close()
         telemetry.close()
     assert tiny_switch.model_id == "tiny"
+
+
+def test_readiness_and_metrics_say_a_restart_is_pending_without_failing_readiness() -> None:
+    telemetry = _telemetry(ReloadAccess(None))
+    assert telemetry.server is not None and telemetry.probes is not None
+    port = telemetry.server.port
+    try:
+        status, body = _call(port, "/readyz", "GET")
+        assert json.loads(body)["restart_pending"] == []
+        families = {f.name: f for f in text_string_to_metric_families(_call(port, "/metrics", "GET")[1])}
+        assert families["triage_restart_pending"].samples[0].value == 0
+        assert families["triage_config_restart_pending"].samples == []
+
+        telemetry.restart_pending(["kafka.sasl.password", "pipeline.max_in_flight"])
+        pending_status, pending_body = _call(port, "/readyz", "GET")
+        answer = json.loads(pending_body)
+        assert answer["restart_pending"] == ["kafka.sasl.password", "pipeline.max_in_flight"]
+        # Not a check: readiness is what it was (the worker serves with the settings it started with).
+        assert pending_status == status and answer["checks"] == json.loads(body)["checks"]
+        families = {f.name: f for f in text_string_to_metric_families(_call(port, "/metrics", "GET")[1])}
+        assert families["triage_restart_pending"].samples[0].value == 2
+        per_setting = {
+            s.labels["setting"]: s.value for s in families["triage_config_restart_pending"].samples
+        }
+        assert per_setting == {"kafka.sasl.password": 1.0, "pipeline.max_in_flight": 1.0}
+
+        telemetry.restart_pending([])
+        assert json.loads(_call(port, "/readyz", "GET")[1])["restart_pending"] == []
+    finally:
+        telemetry.close()

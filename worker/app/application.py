@@ -20,7 +20,8 @@ Contract:
   uncommitted is lost, the next owner of the partitions reads it again (worker/app/signals.py, as for
   `replay`).
 - Reloading: SIGHUP, or `POST /reload` when metrics.port and metrics.reload_token_file are set, loads the
-  model again without leaving the consumer group (worker/app/reload.py).
+  model again without leaving the consumer group, hands the running parts the privacy, redaction and review
+  settings, and names what only a restart applies (worker/app/reload.py, worker/settings/reloads.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_k
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
 from worker.privacy.values import key_detector
-from worker.settings import Settings, masked_kafka_config
+from worker.settings import PrivacySettings, Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.tracing import tracing_for
 from worker.telemetry.worker import WorkerTelemetry
@@ -103,17 +104,15 @@ class WorkerApp:
 
     def start(self) -> Engine:
         """Check, load and assemble everything (see the contract); the pipeline, not running yet."""
-        settings = with_zero_shot_review(self._configured)
+        # As configured, before the start fits options to the broker: what a reload compares with.
+        settings = configured = with_zero_shot_review(self._configured)
         configure_logging(settings.log, settings.privacy)
         StopOnSignals(self._held, self.request_stop, _log_stop)
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
         # Tracing on without the `otel` extra stops the start here (a no-op unless tracing is configured).
-        tracing = tracing_for(
-            settings.tracing,
-            settings.pipeline.group_id,
-            key_is_personal=key_detector(settings.privacy.copy_redactor()),
-        )
+        personal_keys = PersonalKeys(settings.privacy)
+        tracing = tracing_for(settings.tracing, settings.pipeline.group_id, key_is_personal=personal_keys)
         queue = settings.pipeline.consume == "queue"
         if queue:
             refuse_exactly_once(settings)
@@ -153,11 +152,12 @@ class WorkerApp:
         )
         # Read the settings again as above: an edited --config file (a remounted ConfigMap) takes effect.
         reloader = self._reloader = Reloader(
-            settings,
+            configured,
             lambda: with_zero_shot_review(self._reread()),
             taxonomy.fallback_label,
             telemetry.reloaded,
             escalation_labels=None if escalation.settings is None else taxonomy.labels,
+            on_pending=telemetry.restart_pending,
         )
         if hasattr(signal, "SIGHUP"):  # not on Windows: POST /reload there
             # Before the model loads: a hang-up meanwhile reloads once the worker runs, instead of killing it.
@@ -190,6 +190,7 @@ class WorkerApp:
             result_encoder=result_encoder,
             tracing=tracing,
         )
+        parts.follow(lambda new: personal_keys.follow(new.privacy))
         if share_group is not None:
             pipeline = queue_pipeline(
                 settings,
@@ -215,7 +216,7 @@ class WorkerApp:
         self._pipeline = pipeline
         if self._stop_requested:
             pipeline.request_stop()
-        reloader.start(classifier, cascade)
+        reloader.start(classifier, cascade, parts.reloaded)
         return pipeline
 
     def close(self) -> None:
@@ -230,6 +231,20 @@ class WorkerApp:
             self._escalation_pool.close()
         if self._telemetry is not None:
             self._telemetry.close()
+
+
+class PersonalKeys:
+    """Whether a record's key holds personal data, as `privacy` finds it (a trace shows a key only when it
+    does not), following each hot reload's privacy settings (`follow`, from the reload's thread)."""
+
+    def __init__(self, privacy: PrivacySettings) -> None:
+        self.follow(privacy)
+
+    def follow(self, privacy: PrivacySettings) -> None:
+        self._is_personal = key_detector(privacy.copy_redactor())
+
+    def __call__(self, key: bytes) -> bool:
+        return self._is_personal(key)
 
 
 def check_topics(settings: Settings) -> Settings:

@@ -52,7 +52,9 @@ ResultEncoder = Callable[[TriageResult], bytes]
 class TriageParts:
     """What every classifying door shares: the model and its cascade, the side topics, the input's decoder
     (None: plain JSON tickets), the output's encoder (None: JSON) and the tracer of each ticket (off unless
-    given: `worker.telemetry.tracing.tracing_for`)."""
+    given: `worker.telemetry.tracing.tracing_for`). `reloaded(settings)` hands the parts built over them the
+    settings a hot reload applies live (worker/settings/reloads.py): the redaction of the intake, the outputs
+    and the dead letters, and which results go to review."""
 
     def __init__(
         self,
@@ -72,6 +74,18 @@ class TriageParts:
         self.decoder = decoder
         self.encode = result_encoder or encode_result
         self.tracing = tracing
+        self._live: list[Callable[[Settings], None]] = []
+        if review is not None:
+            self.follow(lambda settings: review.review_as(settings.review))
+
+    def follow(self, apply: Callable[[Settings], None]) -> None:
+        """Call `apply` with the settings of each hot reload that succeeds (from the reload's thread)."""
+        self._live.append(apply)
+
+    def reloaded(self, settings: Settings) -> None:
+        """A hot reload's `settings` for every part that takes them live."""
+        for apply in self._live:
+            apply(settings)
 
     @property
     def side_topics(self) -> list[ResultWatcher]:
@@ -101,8 +115,11 @@ def triage_stage(
         settings.topics, settings.privacy, settings.dead_letter, settings.pipeline.max_header_bytes,
         parts.encode, settlement.write, side_topics, metrics,
     )  # fmt: skip
+    intake = Intake(settings.pipeline, settings.privacy, settings.inference.redact_input, metrics)
+    parts.follow(lambda new: intake.redact_as(new.privacy, new.inference.redact_input))
+    parts.follow(lambda new: outputs.redact_as(new.privacy, new.dead_letter))
     stage = TriageStage(
-        Intake(settings.pipeline, settings.privacy, settings.inference.redact_input, metrics),
+        intake,
         parts.decoder,
         queue,
         requests,
@@ -190,8 +207,8 @@ def group_pipeline(
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     guarantee = guarantee_for(
         GuaranteeWiring(
-            pipeline, _dead_letter_rules(settings, metrics, clock), clients, consumer, tracker, metrics,
-            clock, paused.pause, failure, Redone(queue, requests), give_up.get,
+            pipeline, _dead_letter_rules(settings, parts, metrics, clock), clients, consumer, tracker,
+            metrics, clock, paused.pause, failure, Redone(queue, requests), give_up.get,
         )
     )  # fmt: skip
     return _triage_loop(
@@ -228,7 +245,7 @@ def queue_pipeline(
         factory.share_consumer, settings.topics.input, pipeline.group_id, group, budget, fetch,
         pipeline.poll_timeout_ms / 1000.0, metrics, failure, clock,
     )  # fmt: skip
-    rules = _dead_letter_rules(settings, metrics, clock)
+    rules = _dead_letter_rules(settings, parts, metrics, clock)
     settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     return _triage_loop(
@@ -238,12 +255,14 @@ def queue_pipeline(
 
 
 def _dead_letter_rules(
-    settings: Settings, metrics: PipelineMetrics, clock: Callable[[], float]
+    settings: Settings, parts: TriageParts, metrics: PipelineMetrics, clock: Callable[[], float]
 ) -> DeliveryRules:
     """The delivery-error rules of `run`'s outputs: dead letters to `topics.dead_letter`, redacted as the
-    privacy and dead-letter sections say."""
+    privacy and dead-letter sections say (a hot reload's, from then on)."""
     redaction = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter)
-    return DeliveryRules(settings.topics.dead_letter, redaction, metrics, clock)
+    rules = DeliveryRules(settings.topics.dead_letter, redaction, metrics, clock)
+    parts.follow(lambda new: rules.redact_as(DeadLetterRedaction.configured(new.privacy, new.dead_letter)))
+    return rules
 
 
 def refuse_exactly_once(settings: Settings) -> None:

@@ -2,12 +2,16 @@
 and switch new tickets to it, without leaving the consumer group.
 
 The settings are read again the way `run` read them (flags > --set > environment > --config file), so an
-edited TOML file or a remounted ConfigMap takes effect. Only the inference settings change a running
-worker; any other change is logged as ignored (it needs a restart).
+edited TOML file or a remounted ConfigMap takes effect. What a reload does with each setting is declared in
+`worker.settings.reloads.RELOAD`: a `live` one is applied (the inference settings, through a new pool; the
+privacy and redaction settings and which results go to review, handed to the running parts by `apply`); a
+`restart` one is named in one line (`reload_needs_restart`, values masked where secret), keeps its running
+value, and is reported as a pending restart (`on_pending`: readiness and metrics); a `refused` one fails the
+reload (`reload_failed`, naming it), which then applies nothing.
 
 A reload runs on a thread of its own: loading and warming a pool takes seconds, and the consumer loop must
-keep polling meanwhile. The cascade's escalation stage is not reloaded: changes to its settings are logged as
-ignored (they need a restart). A new taxonomy must keep the label set the running stage was checked against;
+keep polling meanwhile. The cascade's escalation stage and the shadow are not reloaded: their settings are
+restart-only. A new taxonomy must keep the label set the running stage was checked against;
 where the stage was chosen by "auto" (the default), one that does not is switched to all the same and the
 cascade stands aside (every first answer stands) until a reload brings that label set back. Before the
 switch the new pool must pass what the running one passed at start: it loads (each context checks at load
@@ -26,7 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import msgspec
 import structlog
 
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
@@ -36,6 +39,7 @@ from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.triage.cascade import Cascade
 from worker.settings import ESCALATION_AUTO, InferenceSettings, Settings
+from worker.settings.reloads import changed_settings, declared, masked_setting, with_running
 
 _log = structlog.get_logger("worker.reload")
 
@@ -44,15 +48,7 @@ _CANARY_TICKET = "Where is my new card? I ordered it two weeks ago and it has no
 _CANARY_TIMEOUT_S = 60.0
 # How often the reload thread looks for requests: a signal handler cannot safely wake it.
 _REQUEST_CHECK_S = 0.2
-_SECTIONS = ("kafka", "topics", "pipeline", "log", "metrics")
-# Inference settings of the cascade's escalation stage, which runs on until a restart.
-_ESCALATION_KEYS = (
-    "escalation",
-    "escalate_below",
-    "escalation_pool_size",
-    "escalation_llm",
-    "escalation_top_k",
-)
+_REVIEW_KEYS = ("review.threshold", "review.fallbacks")
 
 
 class ReloadError(UserError):
@@ -60,9 +56,11 @@ class ReloadError(UserError):
 
 
 class Reloader:
-    """Owns the reload thread. `load` gives the settings as configured now; `fallback` is the label the
-    pipeline gives its own fallbacks (fixed at start); `on_outcome` hears each result (for metrics), with the
-    new pool and its settings on success."""
+    """Owns the reload thread. `running`: the settings the worker started with, as configured (before any
+    option the start fitted to the broker); `load` gives the settings as configured now; `fallback` is the
+    label the pipeline gives its own fallbacks (fixed at start); `on_outcome` hears each result (for
+    metrics), with the new pool and its settings on success; `on_pending` hears, at each reload that read the
+    settings, the ones configured that only a restart applies (none: an empty list)."""
 
     def __init__(
         self,
@@ -72,9 +70,14 @@ class Reloader:
         on_outcome: Callable[[ReloadOutcome, InferenceSettings | None, ClassifierPool | None], None]
         | None = None,
         escalation_labels: tuple[str, ...] | None = None,
+        on_pending: Callable[[list[str]], None] | None = None,
     ) -> None:
         """`escalation_labels`: the running taxonomy's labels when a cascade runs (a reload keeps them)."""
         self._running = running
+        # Whether the review side topic runs: only then can a reload apply `review.*`.
+        self._review_runs = running.review.enabled
+        self._on_pending = on_pending
+        self._apply: Callable[[Settings], None] | None = None
         self._labels = escalation_labels
         self._load = load
         self._fallback = fallback
@@ -101,10 +104,18 @@ class Reloader:
             self._sources.append(source)
             return True
 
-    def start(self, switch: SwitchingClassifier, cascade: Cascade | None = None) -> None:
+    def start(
+        self,
+        switch: SwitchingClassifier,
+        cascade: Cascade | None = None,
+        apply: Callable[[Settings], None] | None = None,
+    ) -> None:
         """Serve requests (including any made before this) by staging new pools on `switch`; `cascade`, the
-        running one, stands aside while an "auto" stage does not fit the taxonomy."""
+        running one, stands aside while an "auto" stage does not fit the taxonomy; `apply` hands the running
+        parts the settings of each reload that succeeds (the live ones beside inference: redaction, review),
+        just before the new pool is staged."""
         self._cascade = cascade
+        self._apply = apply
         self._thread = threading.Thread(target=self._serve, args=(switch,), name="reloader", daemon=True)
         self._thread.start()
 
@@ -135,8 +146,10 @@ class Reloader:
         pool: ClassifierPool | None = None
         try:
             settings = self._load()
-            self._log_ignored(settings)
-            taxonomy, taxonomy_path = resolve_taxonomy(settings.inference)
+            applied, kept = self._compare(settings)
+            # What only a restart applies stays as it runs (the escalation stage, the shadow, the loop, ...).
+            running = with_running(settings, self._running, kept)
+            taxonomy, taxonomy_path = resolve_taxonomy(running.inference)
             if taxonomy.fallback_label != self._fallback:
                 raise ReloadError(
                     f"the taxonomy's fallback label {_label(taxonomy.fallback_label)} differs from the "
@@ -148,7 +161,7 @@ class Reloader:
                     f"{taxonomy_path} changes the label set the running escalation stage was checked "
                     'against: needs a restart (or inference.escalation = "auto", which stands aside)'
                 )
-            pool = open_pool(settings.inference, taxonomy, taxonomy_path, settings.log, settings.privacy)
+            pool = open_pool(running.inference, taxonomy, taxonomy_path, running.log, running.privacy)
             answer = _canary(pool)
             # "None of these" is an answer too (an encoder stage's out-of-scope detector): the canary, a
             # banking ticket, fits none of a team's intents.
@@ -157,32 +170,33 @@ class Reloader:
                     f"canary ticket answered {answer.intent!r} "
                     f"(fallback: {answer.fallback_reason or 'no'}), not an intent of {taxonomy_path}"
                 )
+            if self._apply is not None:
+                self._apply(running)
         except Exception as error:  # whatever goes wrong, the running pool stays
             if pool is not None:
                 pool.close()
             # A UserError's message is written for the operator; anything else also needs its kind.
             reason = str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
-            _log.error("reload_failed", reason=_one_line(reason), effect="the running model stays")
+            _log.error(
+                "reload_failed", reason=_one_line(reason), effect="the running model and settings stay"
+            )
             if self._on_outcome is not None:
                 self._on_outcome("failed", None, None)
             return False
-        # The escalation stage's settings stay the running ones (it is not reloaded).
-        kept = {key: getattr(self._running.inference, key) for key in _ESCALATION_KEYS}
-        self._running = msgspec.structs.replace(
-            self._running, inference=msgspec.structs.replace(settings.inference, **kept)
-        )
+        self._running = running
         self._fit_cascade(stage_fits, str(taxonomy_path), switch, pool)
         _log.info(
             "reload_succeeded",
             model=pool.model_id,
             taxonomy=str(taxonomy_path),
-            mode=settings.inference.mode,
+            mode=running.inference.mode,
             contexts=pool.size,
             canary=answer.intent,
+            applied=applied,
             seconds=round(time.monotonic() - started, 2),
         )
         if self._on_outcome is not None:
-            self._on_outcome("succeeded", settings.inference, pool)
+            self._on_outcome("succeeded", running.inference, pool)
         return True
 
     def _fit_cascade(
@@ -203,25 +217,44 @@ class Reloader:
             cascade.fits_first_stage = True
             _log.info("cascade_resumed", taxonomy=taxonomy)
 
-    def _log_ignored(self, settings: Settings) -> None:
-        """Name (never show: they may be secrets) the changed settings a reload does not apply."""
-        changed = []
-        for section in _SECTIONS:
-            before, after = getattr(self._running, section), getattr(settings, section)
-            if before == after:
-                continue
-            old = before if isinstance(before, dict) else msgspec.structs.asdict(before)
-            new = after if isinstance(after, dict) else msgspec.structs.asdict(after)
-            changed += [
-                f"{section}.{key}" for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)
-            ]
-        changed += [
-            f"inference.{key}"
-            for key in _ESCALATION_KEYS
-            if getattr(self._running.inference, key) != getattr(settings.inference, key)
-        ]
-        if changed:
-            _log.warning("reload_ignored_settings", settings=changed, effect="they need a restart")
+    def _compare(self, settings: Settings) -> tuple[list[str], list[str]]:
+        """The settings changed from the running ones: those this reload applies, and those it does not (each
+        keeps its running value), after one `reload_needs_restart` line naming them; raises ReloadError
+        naming the `refused` ones, which fail the reload. Either way those are reported as pending a
+        restart."""
+        changed = changed_settings(self._running, settings)
+        live, refused, restart = [], [], []
+        for key in changed:
+            how = declared(key).reload
+            if how == "live" and key in _REVIEW_KEYS and not self._review_runs:
+                how = "restart"  # review turned on: its producer and topic are set up at start
+            if how == "refused":
+                refused.append(key)
+            elif how == "restart":
+                restart.append(key)
+            else:
+                live.append(key)
+        if self._on_pending is not None:
+            self._on_pending(sorted(refused + restart))
+        if restart:
+            _log.warning(
+                "reload_needs_restart",
+                settings=restart,
+                values={key: _shown(key, *changed[key]) for key in restart},
+                effect="the running values stay until a restart",
+            )
+        if refused:
+            reasons = "; ".join(f"{key} ({declared(key).why})" for key in refused)
+            raise ReloadError(
+                f"{', '.join(refused)} changed, which a reload cannot apply: {reasons}; restart the worker "
+                "to apply it, or set it back to reload the rest"
+            )
+        return live, restart
+
+
+def _shown(key: str, running: object, configured: object) -> dict[str, object]:
+    """A changed setting's two values as a log line may show them (secrets masked)."""
+    return {"running": masked_setting(key, running), "configured": masked_setting(key, configured)}
 
 
 def _canary(pool: ClassifierPool) -> Classification:

@@ -1,6 +1,7 @@
 """The parts of docs/ generated from the code, so that they cannot drift from it.
 
-- `settings`: every setting with its default (from `Settings`) and its meaning (`SETTING_DOCS`).
+- `settings`: every setting with its default (from `Settings`), its meaning (`SETTING_DOCS`) and what a hot
+  reload does with it (`worker.settings.reloads.RELOAD`).
 - `run-flags`: `triage-worker run`'s flags, the setting each one sets and its default (from `Settings`).
 - `metrics`: every metric the worker, the lag exporter and replay export (from their registered collectors).
 
@@ -37,6 +38,7 @@ from worker.pipeline.metrics import (
     ShadowMetrics,
 )
 from worker.settings import Settings
+from worker.settings.reloads import RELOAD
 from worker.telemetry.collectors import ModelProcessCollector, PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.replay import ReplayMetrics
@@ -179,11 +181,18 @@ def setting_keys() -> list[str]:
 
 
 def settings_table() -> str:
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows = ["| key | default | meaning | on reload |", "|---|---|---|---|"]
     for key in setting_keys():
         default = "bootstrap.servers = " + default_of("kafka.bootstrap.servers") if key == "kafka.*" else None
-        rows.append(f"| `{key}` | {_cell(default or default_of(key))} | {SETTING_DOCS[key]} |")
+        cells = f"{_cell(default or default_of(key))} | {SETTING_DOCS[key]} | {reload_cell(key)}"
+        rows.append(f"| `{key}` | {cells} |")
     return "\n".join(rows)
+
+
+def reload_cell(key: str) -> str:
+    """What a hot reload does with setting `key` (docs/operations.md#what-a-reload-does-with-each-setting)."""
+    declared = RELOAD["kafka" if key == "kafka.*" else key]
+    return f"**{declared.reload}**" + (f": {declared.why}" if declared.why else "")
 
 
 def run_flags_table() -> str:
@@ -225,6 +234,7 @@ def exporters() -> dict[str, CollectorRegistry]:
     metrics.review.sent.update({("a", reason): 1 for reason in typing.get_args(ReviewReason)})
     probes = WorkerProbes(60.0, _AnsweringBroker(), lambda: 0.0)  # type: ignore[arg-type]
     probes.metrics, probes.pool_contexts = metrics, 1
+    probes.restart_pending = ("pipeline.max_in_flight",)
     model_processes = ModelProcessCollector()
     model_processes.pools["primary"] = lambda: [os.getpid()]
     worker = CollectorRegistry()

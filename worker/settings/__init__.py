@@ -8,6 +8,8 @@ line, and read by every other room.
 - `command_line`: every command's ``--config`` and ``--set`` (`add_config_argument`, `settings_from_args`).
 - `writing`: `settings_to_toml`, the effective settings as a file `--config` accepts back (`config show`).
 - `masking`: which settings and librdkafka options hold secrets, and their values masked.
+- `reloads`: what a hot reload does with each setting (`RELOAD`: live, restart or refused, and why), and the
+  comparison of the running settings with the configured ones a reload acts on.
 
 Below the assembly point (`worker.app`) a part takes its own section or plain values, never the whole
 `Settings` (`tests/project/test_architecture.py` checks it). Imports the shared modules and

@@ -92,6 +92,21 @@ class PipelineCollector(Collector):
         yield by_label(
             "triage_reloads", "Hot reloads of the model, by outcome.", "outcome", (), self._probes.reloads
         )
+        pending = self._probes.restart_pending
+        yield gauge(
+            "triage_restart_pending",
+            "Settings changed in the configuration that only a restart applies (0: none; see "
+            "triage_config_restart_pending).",
+            len(pending),
+        )
+        per_setting = GaugeMetricFamily(
+            "triage_config_restart_pending",
+            "1 for each setting changed in the configuration that only a restart applies.",
+            labels=["setting"],
+        )
+        for setting in pending:
+            per_setting.add_metric([setting], 1)
+        yield per_setting
         metrics = self._probes.metrics
         if metrics is None:
             return

@@ -67,6 +67,8 @@ class WorkerProbes(Probes):
         self.pool_contexts: int | None = None
         self.warm_contexts = 0
         self.reloads: dict[str, int] = {"succeeded": 0, "failed": 0}
+        # Settings configured (as the last reload read them) that only a restart applies, by dotted key.
+        self.restart_pending: tuple[str, ...] = ()
 
     def loop_age(self) -> float | None:
         """Seconds since the consumer loop last turned; None before its first turn."""
@@ -85,6 +87,13 @@ class WorkerProbes(Probes):
         return report({"loop": self._loop()})
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
+        """The checks, and `restart_pending`: the settings only a restart applies, which do not fail
+        readiness (the worker serves with the settings it started with; failing every pod a ConfigMap edit
+        reached would take the whole group out of service instead of waiting for a rollout)."""
+        ok, body = self._checks()
+        return ok, {**body, "restart_pending": list(self.restart_pending)}
+
+    def _checks(self) -> tuple[bool, dict[str, Any]]:
         warm = self.warm_contexts
         gauges = self.metrics.partitions if self.metrics is not None else None
         registry = self.metrics.registry if self.metrics is not None else None

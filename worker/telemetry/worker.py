@@ -104,6 +104,11 @@ class WorkerTelemetry:
             self.info.update(model=pool.model_id, mode=inference.mode, provider=inference.provider, pool=kind)
             self.probes.pool_contexts = self.probes.warm_contexts = pool.size
 
+    def restart_pending(self, settings: list[str]) -> None:
+        """The settings configured now that only a restart applies (a hot reload's finding; none: [])."""
+        if self.probes is not None:
+            self.probes.restart_pending = tuple(settings)
+
     def close(self) -> None:
         if self.server is not None:
             self.server.close()

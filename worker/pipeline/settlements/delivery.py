@@ -128,6 +128,10 @@ class DeliveryRules:
         self._metrics = metrics
         self._clock = clock
 
+    def redact_as(self, redaction: DeadLetterRedaction) -> None:
+        """Mask the dead letters made from now on with `redaction` (a hot reload's, from its thread)."""
+        self._redaction = redaction
+
     def delivered(self, work: Work) -> None:
         """An output was acknowledged: counted, with the record's time from poll to acknowledgement."""
         self._metrics.produced += 1

@@ -61,6 +61,11 @@ class Review:
         self.metrics = ReviewMetrics()
         self._side = SideTopic(producer, topic, self.metrics, "review")
 
+    def review_as(self, settings: ReviewSettings) -> None:
+        """Send the results written from now on to review as `settings` say (a hot reload's, from its
+        thread; off: none is sent, the producer stays)."""
+        self._settings = settings
+
     def consider(
         self,
         event: TicketEvent,

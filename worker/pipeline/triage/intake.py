@@ -57,9 +57,13 @@ class Intake:
     ) -> None:
         self._deadline_ms = pipeline.deadline_ms
         self._max_value_bytes = pipeline.max_value_bytes
-        self._redactor = privacy.redactor()
-        self._redact_input = redact_input
+        self.redact_as(privacy, redact_input)
         self._metrics = metrics
+
+    def redact_as(self, privacy: PrivacySettings, redact_input: bool) -> None:
+        """Scan the records taken from now on as `privacy` and `redact_input` say (a hot reload's, from its
+        thread): one reference replaced, so a record is scanned wholly as before or wholly as after."""
+        self._scanning = (privacy.redactor(), redact_input)
 
     def ticket(
         self, work: Work, decoded: TicketEvent | DecodeError | None, now: float, wall: float
@@ -81,11 +85,12 @@ class Intake:
             # The log's redacting processor masks the ticket's personal data in the traceback's messages.
             _log.exception("record_failed", topic=work.topic, partition=work.partition, offset=work.offset)
             return "internal_error", f"{type(error).__name__}: {error}"
-        scan = work.scan = self._redactor.scan(event.subject, event.body)
+        redactor, redact_input = self._scanning
+        scan = work.scan = redactor.scan(event.subject, event.body)
         if scan.kinds:
             self._metrics.pii_tickets += 1
             self._metrics.pii_found.update(dict(scan.counts))
-        if self._redact_input:
+        if redact_input:
             event = msgspec.structs.replace(event, subject=scan.subject, body=scan.body)
         work.event = event
         work.deadline = deadline

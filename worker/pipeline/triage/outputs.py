@@ -58,18 +58,24 @@ class Outputs:
         self._output_topic = topics.output
         self._dead_letter_topic = topics.dead_letter
         self._max_header_bytes = max_header_bytes
-        self._carried = CarriedMetadata(privacy.copy_redactor(), privacy.carry_headers)
-        self._dead_letter_redaction = DeadLetterRedaction.configured(privacy, dead_letter)
+        self.redact_as(privacy, dead_letter)
         self._encode, self._write = encode, write
         self._side_topics = side_topics
         self._metrics = metrics
 
+    def redact_as(self, privacy: PrivacySettings, dead_letter: DeadLetterSettings) -> None:
+        """Write every output from now on redacted as `privacy` and `dead_letter` say (a hot reload's, from
+        its thread): one reference replaced, so an output is written wholly as before or wholly as after."""
+        carried = CarriedMetadata(privacy.copy_redactor(), privacy.carry_headers)
+        self._redaction = (carried, DeadLetterRedaction.configured(privacy, dead_letter))
+
     def result(self, work: Work, answer: Classification, made_at: str = "") -> None:
         event, scan = work.event, work.scan
         assert event is not None and scan is not None  # a ticket: set by the intake
+        carried = self._redaction[0]
         value = self._encode(triage_result(event, answer, work.source, made_at or None, scan.kinds))
-        key = result_key(work.key, event, self._carried)
-        headers, left_off = carried_headers(self._carried.headers(work.headers), self._max_header_bytes)
+        key = result_key(work.key, event, carried)
+        headers, left_off = carried_headers(carried.headers(work.headers), self._max_header_bytes)
         if left_off:
             self._metrics.headers_left_off += left_off
             _log.debug("headers_left_off", partition=work.partition, offset=work.offset, count=left_off)
@@ -94,7 +100,7 @@ class Outputs:
             offset=work.offset,
             error_type=error_type,
         )
-        letter = dead_letter(work, self._dead_letter_topic, error_type, message, self._dead_letter_redaction)
+        letter = dead_letter(work, self._dead_letter_topic, error_type, message, self._redaction[1])
         work.trace.outcome("dead_letter", error_type)  # its type only: the message may quote the value
         work.trace.begin("produce", topic=self._dead_letter_topic)
         self._write(work, dataclasses.replace(letter, headers=work.trace.headers(letter.headers)))
