@@ -288,8 +288,9 @@ class Sentence:
         return self.text[self.start : self.end]
 
 
-def sentence(rng: random.Random, kind: str | None = None) -> Sentence:
-    """One sentence holding one identifier of `kind` (a random kind when None) in a random context."""
+def sentence(rng: random.Random, kind: str | None = None, identifier: str | None = None) -> Sentence:
+    """One sentence holding one identifier of `kind` (a random kind when None; `identifier` when given,
+    else a generated one) in a random context."""
     kind = kind or rng.choice(sorted(MAKERS))
     text, neighbours = "", []
     lead, before = rng.choice(_BEFORE)
@@ -305,7 +306,7 @@ def sentence(rng: random.Random, kind: str | None = None) -> Sentence:
     text += label
     opening, closing = rng.choice(_BRACKETS)
     text += opening
-    identifier = MAKERS[kind](rng)
+    identifier = identifier or MAKERS[kind](rng)
     start = len(text)
     text += identifier
     end = len(text)
@@ -321,11 +322,12 @@ def sentence(rng: random.Random, kind: str | None = None) -> Sentence:
 
 
 def neighbours_only(rng: random.Random) -> str:
-    """A sentence with order numbers, dates, amounts and quantities beside each other, and no identifier."""
+    """A sentence with order numbers, dates, amounts and quantities beside each other (half of them without
+    the words that say what they are, so that their digits run on into each other), and no identifier."""
     parts = []
     for _ in range(rng.randint(2, 5)):
         lead, make = rng.choice(_BEFORE[:-1])
-        parts.append(lead + (make(rng) if make else ""))
+        parts.append((lead if rng.random() < 0.5 else "") + (make(rng) if make else ""))
     return rng.choice(_GAPS).join(parts) + rng.choice(_PUNCTUATION)
 
 

@@ -249,11 +249,12 @@ def _cards(text: str) -> Iterator[Finding]:
 def _cards_in_run(text: str, groups: Sequence[tuple[int, int]]) -> Iterator[Finding]:
     """The cards among the windows of whole `groups` (positions in `text`) of one run: every window of 13 to
     19 digits that is a card by `card_valid`, ranked by how a card is written (`_rank`), the best first; a
-    window overlapping one already taken is left. Where windows of the same rank overlap, all of them are
-    taken as one: a card followed by a CVV-sized group that is a card with it ("4111 1111 1111 1111 123":
-    the 19 digits), or a four-digit order number that makes a card with the card's first groups, which the
-    digits cannot tell apart (the redaction then takes the order number too, rather than leave a card's
-    digits in clear)."""
+    window overlapping one already taken is left, and a window of rank 0 counts only when it is the whole
+    run ("41111111 11111111" alone, not "645039637802 / 1996-07-04"). Where windows of the same rank
+    overlap, all of them are taken as one: a card followed by a CVV-sized group that is a card with it
+    ("4111 1111 1111 1111 123": the 19 digits), or a four-digit order number that makes a card with the
+    card's first groups, which the digits cannot tell apart (the redaction then takes the order number
+    too, rather than leave a card's digits in clear)."""
     windows: list[tuple[int, int, int]] = []  # (rank, first group, last group)
     failed_iban: dict[int, bool] = {}
     for first in range(len(groups)):
@@ -269,6 +270,8 @@ def _cards_in_run(text: str, groups: Sequence[tuple[int, int]]) -> Iterator[Find
             if first not in failed_iban:
                 failed_iban[first] = _in_failed_iban(text, groups[first][0])
             rank = _rank(text, groups[first : last + 1])
+            if rank == 0 and (first, last) != (0, len(groups) - 1):
+                rank = -1  # grouped as no card is, and more digits beside it: numbers running on
             if not failed_iban[first] and rank >= 0:
                 windows.append((rank, first, last))
     taken: list[tuple[int, int]] = []  # spans of groups, first to last
@@ -286,16 +289,17 @@ def _cards_in_run(text: str, groups: Sequence[tuple[int, int]]) -> Iterator[Find
 
 def _rank(text: str, groups: Sequence[tuple[int, int]]) -> int:
     """2: grouped as cards are printed (`_card_shaped`), the same separator in every gap (or in one piece);
-    1: so grouped, different separators; 0: grouped otherwise, from a first group of four digits or more;
-    -1 (no card): a first group shorter, which is how a reference, a date or an amount that runs on into
-    other digits begins ("304-304353318610", "30 126032. 1995-04"), and no card is printed. A date, an
-    amount or a quantity beside a card is seldom of a higher rank with it than the card alone: "On
-    2026-01-06 6011 6565 1606 1135", "5353--6864--3248--8813. 3"."""
+    1: so grouped, different separators; 0: grouped otherwise, but in groups of three digits or more (the
+    first of four or more) with the same separator in every gap, taken only when the window is its whole
+    run (`_cards_in_run`); -1: no card. A date, an amount, a quantity or a reference beside a card is
+    seldom of a higher rank with it than the card alone ("On 2026-01-06 6011 6565 1606 1135",
+    "5353--6864--3248--8813. 3"), and numbers that run on into each other are seldom more than rank -1
+    ("304-304353318610", "30 126032. 1995-04", "68152 - 2008/04/15")."""
     sizes = [end - start for start, end in groups]
-    if not _card_shaped(sizes):
-        return 0 if sizes[0] >= 4 else -1
-    gaps = {text[end:start] for (_, end), (start, _) in itertools.pairwise(groups)}
-    return 2 if len(gaps) <= 1 else 1
+    same_gaps = len({text[end:start] for (_, end), (start, _) in itertools.pairwise(groups)}) <= 1
+    if _card_shaped(sizes):
+        return 2 if same_gaps else 1
+    return 0 if same_gaps and sizes[0] >= 4 and min(sizes) >= 3 else -1
 
 
 def _overlap(one: tuple[int, int], other: tuple[int, int]) -> bool:
