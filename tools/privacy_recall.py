@@ -365,7 +365,7 @@ def ticket_corpora() -> dict[str, list[str]]:
     return corpora
 
 
-Find = Callable[[str], object]
+Find = Callable[[str], Sequence[Finding]]
 
 
 def tickets_per_second(texts: Sequence[str], finds: Sequence[Find], rounds: int = 5) -> list[float]:
@@ -382,7 +382,8 @@ def tickets_per_second(texts: Sequence[str], finds: Sequence[Find], rounds: int 
 
 
 def detector_at(revision: str) -> Find:
-    """`find` of worker/privacy/detector.py as it was at git `revision`, loaded beside this one."""
+    """`find` of worker/privacy/detector.py as it was at git `revision`, loaded beside this one (its
+    findings are of its own `Finding` class, alike in fields)."""
     source = subprocess.run(
         ["git", "show", f"{revision}:worker/privacy/detector.py"],
         cwd=REPO,
@@ -405,17 +406,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=55)
     parser.add_argument("--show", type=int, default=5, help="misses to print per kind")
     parser.add_argument(
+        "--detector", metavar="REV", help="measure the detector of git revision REV instead of this tree's"
+    )
+    parser.add_argument(
         "--against", metavar="REV", help="time the detector of git revision REV too, in the same rounds"
     )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
+    measured: Find = detector_at(args.detector) if args.detector else find
     kinds = sorted(MAKERS)
     tally = {kind: [0, 0, 0, 0] for kind in kinds}  # sentences, found, exact, neighbour touched
     touched_by: dict[str, int] = {}
     misses: dict[str, list[str]] = {kind: [] for kind in kinds}
     generated = [sentence(rng, kinds[index % len(kinds)]) for index in range(args.count)]
     for planted in generated:
-        verdict = judge(planted, find(planted.text))
+        verdict = judge(planted, measured(planted.text))
         row = tally[planted.kind]
         row[0] += 1
         row[1] += verdict.found
@@ -425,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             touched_by[kind] = touched_by.get(kind, 0) + 1
         if not verdict.exact and len(misses[planted.kind]) < args.show:
             misses[planted.kind].append(repr(planted.text))
-    print(f"generated sentences: {args.count}, seed {args.seed}")
+    print(f"detector: {args.detector or 'this tree'}; generated sentences: {args.count}, seed {args.seed}")
     print(f"{'kind':<12} {'sentences':>9} {'found':>8} {'recall':>8} {'exact':>8} {'neighbour hit':>13}")
     for kind in kinds:
         total, found, exact, touched = tally[kind]
@@ -439,10 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         for text in misses[kind]:
             print(f"  not exact ({kind}): {text}")
     negatives = [neighbours_only(rng) for _ in range(args.count // 4)]
-    flagged = [text for text in negatives if find(text)]
+    flagged = [text for text in negatives if measured(text)]
     by_kind: dict[str, int] = {}
     for text in flagged:
-        for finding in find(text):
+        for finding in measured(text):
             by_kind[finding.kind] = by_kind.get(finding.kind, 0) + 1
     kinds_found = ", ".join(f"{kind} {count}" for kind, count in sorted(by_kind.items())) or "none"
     print(
@@ -450,14 +455,14 @@ def main(argv: list[str] | None = None) -> int:
         f" (findings: {kinds_found})"
     )
     for text in flagged[: args.show]:
-        print(f"  flagged: {text!r} -> {find(text)}")
+        print(f"  flagged: {text!r} -> {measured(text)}")
     for name, texts in ticket_corpora().items():
-        flagged = [text for text in texts if find(text)]
+        flagged = [text for text in texts if measured(text)]
         print(f"false positives, {name}: {len(flagged)} of {len(texts)} tickets")
         for text in flagged[: args.show]:
-            print(f"  flagged: {text!r} -> {find(text)}")
-    finds: list[Find] = [find]
-    names = ["this tree"]
+            print(f"  flagged: {text!r} -> {measured(text)}")
+    finds: list[Find] = [measured]
+    names = [args.detector or "this tree"]
     if args.against:
         finds.append(detector_at(args.against))
         names.append(args.against)
