@@ -145,8 +145,8 @@ def test_dates_amounts_order_numbers_and_quantities_are_no_card_or_iban(rng: ran
     text = neighbours_only(rng)
     found = find(text, kinds=frozenset({"card_number", "iban", "us_ssn"}))
     # Two numbers of four digits or more joined by one separator are a card printed in two groups when their
-    # digits pass as one ("56159341239 - 1653"): about 1 in 3,000 of these sentences (the figure
-    # docs/privacy.md reports); the property holds for the derandomized examples.
+    # digits pass as one ("56159341239 - 1653"): 2 in 5,000 of these sentences (docs/privacy.md's
+    # figure, python -m tools.privacy_recall), none among the derandomized examples.
     assert found == [], (text, found)
 
 
