@@ -206,13 +206,16 @@ def _in_failed_iban(text: str, start: int) -> bool:
     return head is not None and not any(_ibans(head[0] + text[start : start + 40]))
 
 
-def _card_shaped(sizes: Sequence[int]) -> bool:
-    """Whether digit groups of `sizes` are grouped as cards are printed: in one piece, or a first group of
-    four, then groups of four (or Amex's and Diners' six), then the rest, up to seven digits ("4111 1111
-    1111 1111 123", "3782 822463 10005", "4111 1111 11111")."""
-    return len(sizes) == 1 or (
-        sizes[0] == 4 and all(size in (4, 6) for size in sizes[1:-1]) and sizes[-1] <= 7
-    )
+def _card_shaped(sizes: Sequence[int], first_digits: str) -> bool:
+    """Whether digit groups of `sizes` are grouped as cards are printed: in one piece; in fours, the last
+    group of one to five digits ("4111 1111 1111 1111", "4111 1111 1111 1111 123", "4111 1111 11111"); or
+    as American Express (4-6-5, from 34 or 37) and Diners Club (4-6-4, from 36 or 300-305) print theirs.
+    `first_digits`: the number's first two digits or more."""
+    if len(sizes) == 1 or (all(size == 4 for size in sizes[:-1]) and sizes[-1] <= 5):
+        return True
+    if list(sizes) == [4, 6, 5]:
+        return first_digits[:2] in ("34", "37")
+    return list(sizes) == [4, 6, 4] and (first_digits[:2] == "36" or "300" <= first_digits[:3] <= "305")
 
 
 def _glued_before(text: str, at: int) -> bool:
@@ -297,7 +300,7 @@ def _rank(text: str, groups: Sequence[tuple[int, int]]) -> int:
     ("304-304353318610", "30 126032. 1995-04", "68152 - 2008/04/15")."""
     sizes = [end - start for start, end in groups]
     same_gaps = len({text[end:start] for (_, end), (start, _) in itertools.pairwise(groups)}) <= 1
-    if _card_shaped(sizes):
+    if _card_shaped(sizes, text[groups[0][0] : groups[0][0] + 3]):
         return 2 if same_gaps else 1
     return 0 if same_gaps and sizes[0] >= 4 and min(sizes) >= 3 else -1
 
