@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=55)
     parser.add_argument("--show", type=int, default=5, help="misses to print per kind")
     parser.add_argument(
+        "--rounds", type=int, default=5, help="timing rounds; the median is shown (default 5)"
+    )
+    parser.add_argument(
         "--detector", metavar="REV", help="measure the detector of git revision REV instead of this tree's"
     )
     parser.add_argument(
@@ -488,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"BANKING77 test tickets with a digit ({len(with_digits)})", with_digits),
         (f"generated sentences ({len(texts)}, one identifier each)", texts),
     ):
-        rates = tickets_per_second(work, finds)
+        rates = tickets_per_second(work, finds, args.rounds)
         shown = ", ".join(f"{name} {rate:,.0f}" for name, rate in zip(names, rates, strict=True))
         print(f"speed, {label}: tickets/s {shown}")
     return 0
