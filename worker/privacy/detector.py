@@ -14,8 +14,10 @@ worker takes (`docs/privacy.md` has the cost).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -39,11 +41,13 @@ class Finding:
 
 # A local part of the characters RFC 5322 allows unquoted (letters of any script included), and a domain of at
 # least two labels. Quoted local parts and IP-literal domains are left out: nobody types them in a ticket.
+# The local part begins with a letter, digit or underscore, so that a quote, bracket or `#` before an
+# address (`'jo@example.com'`, `{jo@example.com}`) stays the sentence's.
 # The top-level domain is letters (of any script: internationalised domains as people type them), or an ASCII
 # Punycode label (`xn--fiqs8s`, how a mail client may show the same domain), tried first so that it is taken
 # whole rather than cut at its `xn`.
 _EMAIL = re.compile(
-    r"(?<![\w.!#$%&'*+/=?^`{|}~-])[\w.!#$%&'*+/=?^`{|}~-]+@(?:[^\W_](?:[\w-]{0,61}[^\W_])?\.)+"
+    r"(?<!\w)\w[\w.!#$%&'*+/=?^`{|}~-]*@(?:[^\W_](?:[\w-]{0,61}[^\W_])?\.)+"
     r"(?:[Xx][Nn]--[A-Za-z0-9](?:[A-Za-z0-9-]{0,57}[A-Za-z0-9])?|[^\W\d_]{2,63})(?!\w)"
 )
 
@@ -57,11 +61,17 @@ def _emails(text: str) -> Iterator[Finding]:
 
 # -- digit groups --------------------------------------------------------------------------------------------
 
-# What people (and their mail clients) put between the groups of a card number or an IBAN, one per gap: a
-# space (a no-break, figure, thin, hair or narrow no-break space too: HTML mail pastes them), a tab, a line
-# break (Windows' CR LF counts as one), a dash (hyphen, non-breaking hyphen, figure or en dash) or a dot.
-_SEPARATOR_CHARS = " \u00a0\u2007\u2009\u200a\u202f\t\r\n-\u2010\u2011\u2012\u2013."
-_SEPARATOR = rf"(?:\r\n|[{re.escape(_SEPARATOR_CHARS)}])"
+# What people (and their mail clients) put between the groups of a card number or an IBAN: any run of
+# spaces (a no-break, figure, thin, hair or narrow no-break space too: HTML mail pastes them) and tabs, with
+# up to two marks among them: a line break (Windows' CR LF counts as one), a dash (hyphen, non-breaking
+# hyphen, figure, en or em dash), a dot or a slash. So "4111 1111", "4111  1111", "4111 - 1111",
+# "4111/1111", "4111 -- 1111" and "4111.\n1111" all join two groups.
+_SPACE_CHARS = " \u00a0\u2007\u2009\u200a\u202f\t"
+_MARK_CHARS = "-\u2010\u2011\u2012\u2013\u2014./\r\n"
+_SEPARATOR_CHARS = _SPACE_CHARS + _MARK_CHARS
+_SPACES = f"[{re.escape(_SPACE_CHARS)}]"
+_MARK = rf"(?:\r\n|[{re.escape(_MARK_CHARS)}])"
+_GAP = f"(?:{_SPACES}+(?:{_MARK}{_SPACES}*){{0,2}}|(?:{_MARK}{_SPACES}*){{1,2}})"
 _SEPARATORS = re.compile(f"[{re.escape(_SEPARATOR_CHARS)}]")
 
 
@@ -78,9 +88,9 @@ _IBAN_LENGTHS = {
     "RO": 24, "RS": 22, "SA": 24, "SC": 31, "SE": 24, "SI": 19, "SK": 24, "SM": 27, "ST": 25, "SV": 28,
     "TL": 23, "TN": 24, "TR": 26, "UA": 29, "VA": 22, "VG": 24, "XK": 20,
 }  # fmt: skip
-# A country code and check digits, then alphanumerics with at most one separator between them (printed IBANs
-# come in groups of four). The match may run past the IBAN into the next word; `_iban_end` cuts it.
-_IBAN_START = re.compile(rf"(?<![^\W_])([A-Za-z]{{2}})(\d{{2}})(?:{_SEPARATOR}?[A-Za-z0-9]){{11,30}}")
+# A country code and check digits, then alphanumerics with at most one gap (above) between them (printed
+# IBANs come in groups of four). The match may run past the IBAN into the next word; `_iban_end` cuts it.
+_IBAN_START = re.compile(rf"(?<![^\W_])([A-Za-z]{{2}})(\d{{2}})(?:{_GAP}?[A-Za-z0-9]){{11,30}}")
 
 
 def _iban_valid(compact: str) -> bool:
@@ -91,8 +101,8 @@ def _iban_valid(compact: str) -> bool:
 
 
 def _iban_end(text: str, start: int, length: int) -> int | None:
-    """Where the IBAN of `length` characters starting at `start` ends (single separators skipped), or None
-    when the text runs out or the IBAN would end inside a word."""
+    """Where the IBAN of `length` characters starting at `start` ends (separators skipped), or None when the
+    text runs out or the IBAN would end inside a word."""
     taken, index = 0, start
     while taken < length:
         if index >= len(text):
@@ -143,14 +153,16 @@ _ISSUERS: tuple[tuple[int, int, frozenset[int]], ...] = (
     (50, 50, frozenset(range(13, 20))),  # Maestro
     (56, 69, frozenset(range(13, 20))),
 )
-# Runs of digit groups joined by one separator each, not inside a longer word or number, nor after a "+" (an
-# international phone number).
-_DIGIT_RUN = re.compile(rf"(?<![\w.,+])\d+(?:{_SEPARATOR}\d+)*(?![\w]|[.,]\d)")
+# Runs of digit groups joined by gaps (above). A card is looked for among the windows of whole groups of a
+# run, wherever it starts: after an order number, a quantity, a date or an amount the run holds more than
+# the card ("Order 26 4225 4410 1995 2883", "On 2026-01-06 6011 6565 1606 1135").
+_DIGIT_RUN = re.compile(rf"\d+(?:{_GAP}\d+)*")
+_DIGITS = re.compile(r"\d+")
 # The start of an IBAN-shaped code before a run of digits ("DE47 2298 ...", "ie43 yzjs 5895 ..."): when it
 # is no valid IBAN, its digits are no card either, even when they pass Luhn (one in ten does).
-_IBAN_HEAD = re.compile(
-    rf"(?<![A-Za-z0-9])[A-Za-z]{{2}}\d{{2}}(?:{_SEPARATOR}?[A-Za-z0-9]{{1,4}}){{0,8}}{_SEPARATOR}?$"
-)
+_IBAN_HEAD = re.compile(rf"(?<![A-Za-z0-9])[A-Za-z]{{2}}\d{{2}}(?:{_GAP}?[A-Za-z0-9]{{1,4}}){{0,8}}{_GAP}?$")
+# The first digit of every issuer's range: a window starting with another digit is no card.
+_ISSUER_FIRST_DIGITS = frozenset("23456")
 
 
 def luhn_valid(digits: str) -> bool:
@@ -165,11 +177,28 @@ def luhn_valid(digits: str) -> bool:
 
 
 def _issued(digits: str) -> bool:
+    return _issued_prefix(digits[:4], len(digits))
+
+
+@functools.lru_cache(maxsize=4096)
+def _issued_prefix(prefix: str, length: int) -> bool:
+    """Whether an issuer's range holds numbers of `length` digits beginning with `prefix` (four digits)."""
     for low, high, lengths in _ISSUERS:
         width = len(str(low))
-        if low <= int(digits[:width]) <= high and len(digits) in lengths:
+        if low <= int(prefix[:width]) <= high and length in lengths:
             return True
     return False
+
+
+def card_valid(digits: str) -> bool:
+    """Whether `digits` (digits only) could be a payment card's number: 13 to 19 digits, Luhn-valid, in an
+    issuer's range and of a length it issues."""
+    return (
+        13 <= len(digits) <= 19
+        and digits[0] in _ISSUER_FIRST_DIGITS
+        and _issued(digits)
+        and luhn_valid(digits)
+    )
 
 
 def _in_failed_iban(text: str, start: int) -> bool:
@@ -177,25 +206,107 @@ def _in_failed_iban(text: str, start: int) -> bool:
     return head is not None and not any(_ibans(head[0] + text[start : start + 40]))
 
 
+def _card_shaped(sizes: Sequence[int], first_digits: str) -> bool:
+    """Whether digit groups of `sizes` are grouped as cards are printed: in one piece; in fours, the last
+    group of one to five digits ("4111 1111 1111 1111", "4111 1111 1111 1111 123", "4111 1111 11111"); or
+    as American Express (4-6-5, from 34 or 37) and Diners Club (4-6-4, from 36 or 300-305) print theirs.
+    `first_digits`: the number's first two digits or more."""
+    if len(sizes) == 1 or (all(size == 4 for size in sizes[:-1]) and sizes[-1] <= 5):
+        return True
+    if list(sizes) == [4, 6, 5]:
+        return first_digits[:2] in ("34", "37")
+    return list(sizes) == [4, 6, 4] and (first_digits[:2] == "36" or "300" <= first_digits[:3] <= "305")
+
+
+def _glued_before(text: str, at: int) -> bool:
+    """Whether a digit group starting at `at` is part of something before it: a word, an international
+    phone number (`+`), the decimals or thousands of a number (`1,`)."""
+    if at == 0:
+        return False
+    before = text[at - 1]
+    return before.isalnum() or before in "_+" or (before == "," and at > 1 and text[at - 2].isdigit())
+
+
+def _glued_after(text: str, at: int) -> bool:
+    """Whether a digit group ending at `at` runs on into a word or a number's decimals (`,50`)."""
+    if at >= len(text):
+        return False
+    after = text[at]
+    return after.isalnum() or after == "_" or (after == "," and text[at + 1 : at + 2].isdigit())
+
+
 def _cards(text: str) -> Iterator[Finding]:
     for run in _DIGIT_RUN.finditer(text):
-        if len(run[0]) < 13 or _in_failed_iban(text, run.start()):
+        if len(run[0]) < 13:
             continue
-        # A card may be followed by more digits in the same run ("4111 1111 1111 1111 12/27"): the longest
-        # run of whole groups from the start that is a card wins.
-        groups = [(m.start(), m.end()) for m in re.finditer(r"\d+", run[0])]
+        groups = [(run.start() + m.start(), run.start() + m.end()) for m in _DIGITS.finditer(run[0])]
+        # A group glued to a word (or a "+") on the run's edge is part of that word: no card starts or
+        # ends in it.
+        if _glued_before(text, groups[0][0]):
+            groups = groups[1:]
+        if groups and _glued_after(text, groups[-1][1]):
+            groups = groups[:-1]
+        yield from _cards_in_run(text, groups)
+
+
+def _cards_in_run(text: str, groups: Sequence[tuple[int, int]]) -> Iterator[Finding]:
+    """The cards among the windows of whole `groups` (positions in `text`) of one run: every window of 13 to
+    19 digits that is a card by `card_valid`, ranked by how a card is written (`_rank`), the best first; a
+    window overlapping one already taken is left, and a window of rank 0 counts only when it is the whole
+    run ("41111111 11111111" alone, not "645039637802 / 1996-07-04"). Where windows of the same rank
+    overlap, all of them are taken as one: a card followed by a CVV-sized group that is a card with it
+    ("4111 1111 1111 1111 123": the 19 digits), or a four-digit order number that makes a card with the
+    card's first groups, which the digits cannot tell apart (the redaction then takes the order number
+    too, rather than leave a card's digits in clear)."""
+    windows: list[tuple[int, int, int]] = []  # (rank, first group, last group)
+    failed_iban: dict[int, bool] = {}
+    for first in range(len(groups)):
+        if text[groups[first][0]] not in _ISSUER_FIRST_DIGITS:
+            continue
         digits = ""
-        ends: list[tuple[str, int]] = []
-        for start, end in groups:
-            digits += run[0][start:end]
+        for last in range(first, len(groups)):
+            digits += text[groups[last][0] : groups[last][1]]
             if len(digits) > 19:
                 break
-            if len(digits) >= 13:
-                ends.append((digits, end))
-        for candidate, end in reversed(ends):
-            if luhn_valid(candidate) and _issued(candidate):
-                yield Finding("card_number", run.start(), run.start() + end)
-                break
+            if len(digits) < 13 or not card_valid(digits):
+                continue
+            if first not in failed_iban:
+                failed_iban[first] = _in_failed_iban(text, groups[first][0])
+            rank = _rank(text, groups[first : last + 1])
+            if rank == 0 and (first, last) != (0, len(groups) - 1):
+                rank = -1  # grouped as no card is, and more digits beside it: numbers running on
+            if not failed_iban[first] and rank >= 0:
+                windows.append((rank, first, last))
+    taken: list[tuple[int, int]] = []  # spans of groups, first to last
+    for rank in (2, 1, 0):
+        merged: list[tuple[int, int]] = []
+        for _, first, last in sorted(window for window in windows if window[0] == rank):
+            if merged and first <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(last, merged[-1][1]))
+            else:
+                merged.append((first, last))
+        taken += [span for span in merged if not any(_overlap(span, other) for other in taken)]
+    for first, last in sorted(taken):
+        yield Finding("card_number", groups[first][0], groups[last][1])
+
+
+def _rank(text: str, groups: Sequence[tuple[int, int]]) -> int:
+    """2: grouped as cards are printed (`_card_shaped`), the same separator in every gap (or in one piece);
+    1: so grouped, different separators; 0: grouped otherwise, but in groups of three digits or more (the
+    first of four or more) with the same separator in every gap, taken only when the window is its whole
+    run (`_cards_in_run`); -1: no card. A date, an amount, a quantity or a reference beside a card is
+    seldom of a higher rank with it than the card alone ("On 2026-01-06 6011 6565 1606 1135",
+    "5353--6864--3248--8813. 3"), and numbers that run on into each other are seldom more than rank -1
+    ("304-304353318610", "30 126032. 1995-04", "68152 - 2008/04/15")."""
+    sizes = [end - start for start, end in groups]
+    same_gaps = len({text[end:start] for (_, end), (start, _) in itertools.pairwise(groups)}) <= 1
+    if _card_shaped(sizes, text[groups[0][0] : groups[0][0] + 3]):
+        return 2 if same_gaps else 1
+    return 0 if same_gaps and sizes[0] >= 4 and min(sizes) >= 3 else -1
+
+
+def _overlap(one: tuple[int, int], other: tuple[int, int]) -> bool:
+    return one[0] <= other[1] and other[0] <= one[1]
 
 
 # -- US social security numbers ------------------------------------------------------------------------------
@@ -231,10 +342,18 @@ def _phones(text: str, region: str | None) -> Iterator[Finding]:
     for match in phonenumbers.PhoneNumberMatcher(text, region, phonenumbers.Leniency.VALID):
         if _glued(text, match.start, match.end):
             continue  # part of a reference: "INV-2024-015547" holds a valid Washington DC number
-        international = match.raw_string.lstrip("(").startswith("+")
+        international = match.raw_string.lstrip("([").startswith("+")
         if not international and not _grouped_as_dialled(match.raw_string, region):
             continue
-        yield Finding("phone", match.start, match.end)
+        start = match.start
+        # The matcher takes a bracket before a number as the start of "(201) 555-0123" even when it closes
+        # after the number ("(+27101237872)"): it is the sentence's.
+        while text[start] in "([" and _CLOSING[text[start]] not in text[start + 1 : match.end]:
+            start += 1
+        yield Finding("phone", start, match.end)
+
+
+_CLOSING = {"(": ")", "[": "]"}
 
 
 def _glued(text: str, start: int, end: int) -> bool:
