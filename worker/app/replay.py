@@ -125,6 +125,14 @@ def replay_pipeline(
     tracker, give_up, metrics = OffsetTracker(), GiveUpAt(), PipelineMetrics()
     source = ReplaySource(consumer, options, tracker, _planned(summary, observer))
     reports = Reports(summary, observer, source, exactly_once(settings.pipeline) and not options.dry_run)
+    # The run's numbers, its own in-flight bound among them: the loop and the guarantee take it from here.
+    numbers = dataclasses.replace(
+        limits(settings),
+        max_in_flight=_IN_FLIGHT,
+        resume_below=_IN_FLIGHT // 2,
+        poll_timeout_s=_POLL_S,
+        shutdown_timeout_s=INTERRUPT_DRAIN_S,
+    )
     settlement: Settlement
     if options.dry_run:  # nothing published, nothing committed: each output is as good as acknowledged
         settlement = InOrder(lambda work, _output: reports.delivered(work, None))
@@ -150,16 +158,10 @@ def replay_pipeline(
                 failure,
                 reports,
                 give_up.get,
+                max_in_flight=numbers.max_in_flight,
             )
         )
     stage = ReplayStage(options, source, settlement, reports)
-    numbers = dataclasses.replace(
-        limits(settings),
-        max_in_flight=_IN_FLIGHT,
-        resume_below=_IN_FLIGHT // 2,
-        poll_timeout_s=_POLL_S,
-        shutdown_timeout_s=INTERRUPT_DRAIN_S,
-    )
     tracing = tracing_for(
         settings.tracing,
         options.group,
