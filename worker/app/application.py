@@ -54,7 +54,6 @@ from worker.kafka.clients import KafkaClients, consumer_config, producer_config,
 from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_kafka_options
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
-from worker.privacy.values import key_detector
 from worker.settings import Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.tracing import tracing_for
@@ -109,11 +108,7 @@ class WorkerApp:
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
         # Tracing on without the `otel` extra stops the start here (a no-op unless tracing is configured).
-        tracing = tracing_for(
-            settings.tracing,
-            settings.pipeline.group_id,
-            key_is_personal=key_detector(settings.privacy.copy_redactor()),
-        )
+        tracing = tracing_for(settings.tracing, settings.pipeline.group_id)
         queue = settings.pipeline.consume == "queue"
         if queue:
             refuse_exactly_once(settings)

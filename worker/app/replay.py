@@ -41,7 +41,6 @@ from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_fo
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import OffsetTracker
 from worker.pipeline.triage.records import DeadLetterRedaction
-from worker.privacy.values import key_detector
 from worker.replay.outcomes import PartitionPlan, ReplayObserver, ReplaySummary, fatal_reason
 from worker.replay.reports import Reports
 from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
@@ -162,12 +161,7 @@ def replay_pipeline(
             )
         )
     stage = ReplayStage(options, source, settlement, reports)
-    tracing = tracing_for(
-        settings.tracing,
-        options.group,
-        replay=True,
-        key_is_personal=key_detector(settings.privacy.copy_redactor()),
-    )
+    tracing = tracing_for(settings.tracing, options.group, replay=True)
     return Engine(
         source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False, tracing=tracing
     )
