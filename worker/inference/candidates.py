@@ -10,10 +10,14 @@ the encoder's top few usually hold the right intent. Whether it pays is measured
 The LLM runs as score mode does (worker/inference/engine.py): its system prompt (the taxonomy's
 instructions; no intent list, the candidates are in the user turn) is prefilled once per context and reused
 with `rewind_to`; each candidate label's tokens after `{"intent": "` are scored and the probabilities
-renormalised over the k candidates (`Context.score_among`). The answer multiplies them with the encoder's
-probabilities of the same k, renormalised (two opinions as independent ones: measured better than the LLM's
-alone on every row of the bench), so `confidence` is a probability among the k, `scores` lists all k, and
-the answer is always one of the candidates.
+renormalised over the k candidates (`Context.score_among`). The LLM only says how the k compare: whether
+the right intent is among them at all is the encoder's estimate, its probability mass on them (`weighed`).
+That mass is shared among the k by both opinions, the LLM's probabilities times the encoder's
+(independent ones: measured better than the LLM's alone on every row of the bench), so `confidence` is a
+probability over the whole taxonomy: never above the encoder's mass on the k, the encoder's own where the
+LLM cannot tell them apart, and low where both are unsure (renormalised over the k alone it was never under
+1/k: 0.5 for the default two). `scores` are the k with those probabilities and the encoder's other top
+labels with its own; the answer is always one of the candidates.
 
 The encoder's answer stands, with its own `model`, when the LLM cannot add anything in time: a ticket the
 encoder answers as a fallback or out of scope, one whose time left is under the LLM's recent slowest turn,
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -35,7 +39,7 @@ import structlog
 from worker.classification import Classification, ClassifyRequest
 from worker.errors import UserError
 from worker.inference.encoder import EncoderEngine
-from worker.inference.engine import DeadlineExceeded, Engine
+from worker.inference.engine import DeadlineExceeded, Engine, FloatArray
 from worker.inference.escalation import check_candidates_llm
 from worker.inference.prompt import normalize, truncate_ticket
 from worker.inference.taxonomy import Intent, Taxonomy
@@ -52,6 +56,23 @@ def candidates_turn(ticket: str, intents: Sequence[Intent]) -> str:
     """The LLM's user turn: the ticket, then the candidate intents with their descriptions, best first."""
     lines = "\n".join(f"- {intent.name}: {intent.description}" for intent in intents)
     return f"{ticket}\n\n{CANDIDATES_HEADING}\n{lines}"
+
+
+def weighed(encoder: Mapping[str, float], candidates: Sequence[str], llm: FloatArray) -> dict[str, float]:
+    """The answer's scores, best first: the `candidates` (some of the encoder's `scores`, each > 0) with the
+    encoder's probability mass on them shared by both opinions (the LLM's probabilities among them, `llm`,
+    times the encoder's), then the encoder's other labels as it had them. Each is a probability over the
+    whole taxonomy; the first is always a candidate (each candidate's share of the mass is at least the mass
+    over k, so at least any other label's; on a tie the candidate comes first)."""
+    prior = np.array([encoder[label] for label in candidates], dtype=np.float64)
+    joint = np.asarray(llm, dtype=np.float64) * prior
+    total = joint.sum()
+    shared = joint / total if total > 0.0 else prior / prior.sum()  # an LLM that put nothing on any of them
+    scores = {label: float(p) for label, p in zip(candidates, prior.sum() * shared, strict=True)}
+    for label, p in encoder.items():
+        scores.setdefault(label, p)
+    chosen = set(candidates)
+    return dict(sorted(scores.items(), key=lambda item: (-item[1], item[0] not in chosen)))
 
 
 def _candidates_budget(taxonomy: Taxonomy, top_k: int) -> int:
@@ -135,16 +156,14 @@ class CandidatesContext:
         now = time.monotonic()
         self._recent_s.append(now - llm_started)
         # Both opinions, as independent ones: measured better than the LLM's alone (make bench-llm-topk).
-        probs = llm * np.array([proposed.scores[label] for label in candidates])
-        probs /= probs.sum()
-        order = np.argsort(-probs)
-        intent = candidates[int(order[0])]
+        scores = weighed(proposed.scores, candidates, llm)
+        intent = next(label for label in scores if label in candidates)
         return msgspec.structs.replace(
             proposed,
             intent=intent,
             priority=self.engine.taxonomy.policy_priority(intent),
-            confidence=float(probs[order[0]]),
-            scores={candidates[int(i)]: float(probs[i]) for i in order},
+            confidence=scores[intent],
+            scores=scores,
             model=self.engine.model_id,
             latency_ms=(now - started) * 1000.0,
             truncated=proposed.truncated or truncated,
