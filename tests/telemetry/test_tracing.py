@@ -293,7 +293,35 @@ def test_an_escalated_ticket_has_both_stages_in_its_trace() -> None:
     assert (first.attributes or {})["triage.confidence_bucket"] == "0.5-0.6"
     assert (escalation.attributes or {})["triage.stage"] == "escalation"
     assert (escalation.attributes or {})["gen_ai.request.model"] == "escalation@test"
+    assert (escalation.attributes or {})["gen_ai.response.model"] == "escalation@test"
     assert (escalation.attributes or {})["triage.confidence_bucket"] == "0.9-1.0"
+
+
+class _EncoderStands(InstantClassifier):
+    """An escalation stage whose LLM gives no answer in time: its encoder's answer stands."""
+
+    model_id = "llm@test"
+
+    def answer(self, request: ClassifyRequest) -> Classification:
+        return instant_answer("encoder@test")
+
+
+def test_an_escalation_span_says_which_model_answered() -> None:
+    """The stage's pool is the LLM's (`gen_ai.request.model`); its encoder answered, as the record's `model`
+    says (`gen_ai.response.model`)."""
+    traced = Traced()
+    traced.add(ticket("T-1"))
+    cascade = Cascade(_EncoderStands(), 0.8, window=8, prior_latency_s=0.0, first_contexts=1)
+    traced.run(_Unsure(), cascade=cascade)
+
+    [process] = traced.processes()
+    first, escalation = traced.children(process)[2:4]
+    assert (first.attributes or {})["gen_ai.response.model"] == "instant@test"
+    attributes = escalation.attributes or {}
+    assert (attributes["gen_ai.request.model"], attributes["gen_ai.response.model"]) == (
+        "llm@test",
+        "encoder@test",
+    )
 
 
 def test_exactly_once_a_ticket_is_settled_by_its_transaction() -> None:

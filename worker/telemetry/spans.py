@@ -252,10 +252,13 @@ def _step(step: Step, attributes: Mapping[str, Attribute]) -> tuple[str, str, di
 
 
 def _ended(attributes: Mapping[str, Attribute]) -> dict[str, Attribute]:
-    """What a step's end says (`confidence`: bucketed to a tenth, `fallback`, `escalated`, `settled_by`)."""
+    """What a step's end says (`model`: the model that answered, `confidence`: bucketed to a tenth,
+    `fallback`, `escalated`, `settled_by`)."""
     ended: dict[str, Attribute] = {}
     for name, value in attributes.items():
-        if name == "confidence" and isinstance(value, float):
+        if name == "model":
+            ended["gen_ai.response.model"] = value
+        elif name == "confidence" and isinstance(value, float):
             low = min(9, max(0, math.floor(value * 10)))
             ended["triage.confidence_bucket"] = f"{low / 10:.1f}-{(low + 1) / 10:.1f}"
         else:
