@@ -90,10 +90,12 @@ def _accuracy(intents: Sequence[str], truth: Sequence[str]) -> float:
     return float(np.mean([i == t for i, t in zip(intents, truth, strict=True)]))
 
 
-def _llm_alone(encoder: Classification, served: Classification) -> str:
-    """The candidate the LLM alone would choose: the served probabilities are the LLM's times the encoder's,
-    renormalised, so dividing by the encoder's gives the LLM's back (up to a common factor)."""
-    return max(served.scores, key=lambda label: served.scores[label] / encoder.scores[label])
+def _llm_alone(encoder: Classification, served: Classification, k: int) -> str:
+    """The candidate the LLM alone would choose: the served probabilities of the encoder's top `k` are the
+    LLM's times the encoder's (sharing the encoder's mass on them), so dividing by the encoder's gives the
+    LLM's back (up to a common factor); the other labels' are the encoder's own."""
+    candidates = list(encoder.scores)[:k]
+    return max(candidates, key=lambda label: served.scores[label] / encoder.scores[label])
 
 
 def _row(
@@ -130,7 +132,7 @@ def _row(
             figures = _figures([a.intent for a in answers], truth, seconds)
             decided = [a.model == engine.model_id for a in answers]
             alone = [
-                _llm_alone(e, a) if by_llm else a.intent
+                _llm_alone(e, a, k) if by_llm else a.intent
                 for e, a, by_llm in zip(encoder, answers, decided, strict=True)
             ]
             figures["llm_alone_accuracy"] = _accuracy(alone, truth)

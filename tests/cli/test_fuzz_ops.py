@@ -94,6 +94,7 @@ class _HandFed:
                     settings.pipeline, DeliveryRules(None, redaction, metrics, time.monotonic),
                     KafkaClients(settings.kafka, settings.pipeline), self.consumer, tracker, metrics,
                     time.monotonic, reports.stopped, Failure(), reports,
+                    max_in_flight=settings.pipeline.max_in_flight,
                 )
             )
         )  # fmt: skip

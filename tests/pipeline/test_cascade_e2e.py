@@ -100,8 +100,11 @@ def test_with_an_escalation_llm_unsure_tickets_are_decided_among_the_encoders_to
     decided = [r for r in escalated if r.model == "triage-mini"]
     assert decided, "the LLM decided nothing"
     for record in decided:
-        assert record.first_intent is not None and len(record.scores) == 3 and record.intent in record.scores
-        assert 0.0 < record.confidence <= 1.0 and abs(sum(record.scores.values()) - 1.0) < 1e-6
+        # Its scores: the 3 candidates and the encoder's other top intents, probabilities over the taxonomy.
+        assert record.first_intent is not None and len(record.scores) >= 3
+        assert record.intent == next(iter(record.scores))
+        assert record.confidence == record.scores[record.intent]
+        assert 0.0 < record.confidence <= 1.0 and sum(record.scores.values()) <= 1.0 + 1e-6
     assert all(r.model.startswith("triage-encoder") for r in escalated if r not in decided)
     assert worker.events("cascade_started")[0]["escalation"] == "triage-mini"
 

@@ -47,7 +47,8 @@ def answer(intent: str, confidence: float, model: str, latency_ms: float) -> Cla
 class Stage:
     """A classifier that answers on its next poll: `card_lost` (0.3 if "unsure" is in the text, else 0.95)
     as the first stage; `card_arrival` (0.9) as the escalation stage, a `model_error` fallback for texts
-    with "fail", and nothing for texts with "hold" until `release()`."""
+    with "fail", a `deadline_exceeded` one after 800 ms of model time for texts with "late", and nothing for
+    texts with "hold" until `release()`."""
 
     def __init__(self, model_id: str, escalation: bool = False) -> None:
         self.model_id = model_id
@@ -80,6 +81,8 @@ class Stage:
             return answer("card_lost", 0.3 if "unsure" in text else 0.95, self.model_id, 2.0)
         if "fail" in text:
             return fallback_answer("model_error", FALLBACK, self.model_id, 1.0)
+        if "late" in text:
+            return fallback_answer("deadline_exceeded", FALLBACK, self.model_id, 800.0)
         return answer("card_arrival", 0.9, self.model_id, 5.0)
 
 
@@ -196,6 +199,26 @@ def test_a_failed_escalation_leaves_the_first_answer_standing(kafka: MemoryKafka
     )
     assert result.escalation_skipped == "error"
     assert worker.metrics.snapshot()["escalation"]["escalated"]["failed"] == 1
+
+
+def test_a_stage_that_ran_out_of_time_leaves_the_first_answer_with_the_stage_s_time_in_its_latency(
+    kafka: MemoryKafka,
+) -> None:
+    """The first answer stands (its model, `escalation_skipped = "deadline"`), and its `latency_ms` says
+    what the ticket spent: the first stage's 2 ms and the 800 ms the stage tried for."""
+    fill_texts(kafka, 0, ["unsure and late"])
+    worker, _ = cascade_pipeline(kafka, "at_least_once", Stage("llm@test", escalation=True))
+    running = Running(worker)
+    wait_until(lambda: worker.metrics.produced == 1, "the record")
+    assert running.stop() == 0
+    (result,) = records(kafka).values()
+    assert (result.stage, result.model, result.intent, result.escalation_skipped) == (
+        "first",
+        "first@test",
+        "card_lost",
+        "deadline",
+    )
+    assert result.latency_ms == 802.0
 
 
 @BOTH_GUARANTEES

@@ -272,11 +272,11 @@ def test_an_unexpected_exception_on_one_record_dead_letters_it_and_the_loop_goes
     from worker.pipeline.triage.deadlines import ticket_deadline as real_deadline
 
     def deadline_that_breaks(
-        now: float, wall: float, budget_ms: int, metadata: Mapping[str, str] | None
+        now: float, wall: float, deadline: float, metadata: Mapping[str, str] | None
     ) -> float:
         if metadata:  # stands for any library failing on one record's content
             raise ZeroDivisionError("a bug reached by one record")
-        return real_deadline(now, wall, budget_ms, metadata)
+        return real_deadline(now, wall, deadline, metadata)
 
     monkeypatch.setattr("worker.pipeline.triage.intake.ticket_deadline", deadline_that_breaks)
     topics = make_topics(unique_topic, partitions=1)

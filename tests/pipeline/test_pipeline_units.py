@@ -80,21 +80,21 @@ def _iso(seconds_from_now: float, now_wall: float) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
 
-def test_deadline_is_poll_time_plus_budget() -> None:
-    assert ticket_deadline(100.0, 5000.0, 2000, None) == pytest.approx(102.0)
+def test_deadline_is_the_loops_without_a_requested_one() -> None:
+    assert ticket_deadline(100.0, 5000.0, 102.0, None) == pytest.approx(102.0)
 
 
 def test_an_earlier_requested_deadline_wins_a_later_one_is_ignored() -> None:
     wall = 1_700_000_000.0
     sooner = {DEADLINE_METADATA_KEY: _iso(0.5, wall)}
     later = {DEADLINE_METADATA_KEY: _iso(60.0, wall)}
-    assert ticket_deadline(100.0, wall, 2000, sooner) == pytest.approx(100.5)
-    assert ticket_deadline(100.0, wall, 2000, later) == pytest.approx(102.0)
+    assert ticket_deadline(100.0, wall, 102.0, sooner) == pytest.approx(100.5)
+    assert ticket_deadline(100.0, wall, 102.0, later) == pytest.approx(102.0)
 
 
 @pytest.mark.parametrize("text", ["soon", "2024-05-01T12:30:00", ""])
 def test_unusable_requested_deadlines_are_ignored(text: str) -> None:
-    assert ticket_deadline(100.0, 0.0, 2000, {DEADLINE_METADATA_KEY: text}) == pytest.approx(102.0)
+    assert ticket_deadline(100.0, 0.0, 102.0, {DEADLINE_METADATA_KEY: text}) == pytest.approx(102.0)
 
 
 # -- records --------------------------------------------------------------------------------------------

@@ -49,10 +49,9 @@ from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.tracing import NO_TRACING, Tracing
 from worker.pipeline.triage.cascade import Cascade
-from worker.privacy.values import key_detector
 from worker.replay.outcomes import ReplaySummary
 from worker.replay.selection import ReplayOptions
-from worker.settings import MetricsSettings, PrivacySettings, Settings, TracingSettings, load_settings
+from worker.settings import MetricsSettings, Settings, TracingSettings, load_settings
 from worker.telemetry.collectors import PipelineCollector
 from worker.telemetry.probes import WorkerProbes
 from worker.telemetry.server import TelemetryServer, new_registry
@@ -93,10 +92,7 @@ class Traced:
         self.exporter = InMemorySpanExporter()
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(self.exporter))
-        # As the worker assembles it: a key the privacy detector passes is shown on sampled tickets' spans.
-        self.tracing: Tracing = OtelTracing(
-            provider, GROUP, key_is_personal=key_detector(PrivacySettings().copy_redactor())
-        )
+        self.tracing: Tracing = OtelTracing(provider, GROUP)
         self.positions: list[tuple[int, int]] = []
 
     def add(
@@ -184,8 +180,7 @@ def test_a_classified_ticket_is_one_trace_from_the_producer_s_span_to_the_triage
         "messaging.destination.partition.id": "0",
         "messaging.kafka.offset": 0,
         "messaging.consumer.group.name": GROUP,
-        "messaging.kafka.message.key": "customer-1",  # no personal data in it
-    }
+    }  # never the key, not even one without personal data in it
     assert process.status.status_code is StatusCode.UNSET
     children = traced.children(process)
     assert [span.name for span in children] == STEPS
@@ -298,7 +293,35 @@ def test_an_escalated_ticket_has_both_stages_in_its_trace() -> None:
     assert (first.attributes or {})["triage.confidence_bucket"] == "0.5-0.6"
     assert (escalation.attributes or {})["triage.stage"] == "escalation"
     assert (escalation.attributes or {})["gen_ai.request.model"] == "escalation@test"
+    assert (escalation.attributes or {})["gen_ai.response.model"] == "escalation@test"
     assert (escalation.attributes or {})["triage.confidence_bucket"] == "0.9-1.0"
+
+
+class _EncoderStands(InstantClassifier):
+    """An escalation stage whose LLM gives no answer in time: its encoder's answer stands."""
+
+    model_id = "llm@test"
+
+    def answer(self, request: ClassifyRequest) -> Classification:
+        return instant_answer("encoder@test")
+
+
+def test_an_escalation_span_says_which_model_answered() -> None:
+    """The stage's pool is the LLM's (`gen_ai.request.model`); its encoder answered, as the record's `model`
+    says (`gen_ai.response.model`)."""
+    traced = Traced()
+    traced.add(ticket("T-1"))
+    cascade = Cascade(_EncoderStands(), 0.8, window=8, prior_latency_s=0.0, first_contexts=1)
+    traced.run(_Unsure(), cascade=cascade)
+
+    [process] = traced.processes()
+    first, escalation = traced.children(process)[2:4]
+    assert (first.attributes or {})["gen_ai.response.model"] == "instant@test"
+    attributes = escalation.attributes or {}
+    assert (attributes["gen_ai.request.model"], attributes["gen_ai.response.model"]) == (
+        "llm@test",
+        "encoder@test",
+    )
 
 
 def test_exactly_once_a_ticket_is_settled_by_its_transaction() -> None:
@@ -533,16 +556,19 @@ def test_no_ticket_text_and_no_personal_data_in_any_span() -> None:
         assert value not in seen
 
 
-def test_a_key_is_shown_only_where_the_detector_finds_no_personal_data_in_it() -> None:
-    """The conventions' `messaging.kafka.message.key`: a customer number as the key is shown; an e-mail
-    address, a phone number or bytes that are not text never are."""
+def test_a_key_is_never_in_a_span() -> None:
+    """The conventions' `messaging.kafka.message.key` is left out: not a customer number, an e-mail
+    address, a phone number nor bytes that are not text (a key is found by no detector's verdict)."""
     traced = Traced()
-    for index, key in enumerate([b"C-1001", PERSONAL[0].encode(), b"call +44 20 7946 0958", b"\xff\xfe"]):
+    keys = [b"C-1001", PERSONAL[0].encode(), b"call +44 20 7946 0958", b"\xff\xfe"]
+    for index, key in enumerate(keys):
         traced.add(ticket(f"T-{index}"), key)
     traced.run(InstantClassifier())
 
     shown = [(p.attributes or {}).get("messaging.kafka.message.key") for p in traced.processes()]
-    assert shown == ["C-1001", None, None, None]
+    assert shown == [None] * len(keys)
+    seen = " | ".join(_every_string(traced.spans()))
+    assert not any(key.decode(errors="replace") in seen for key in keys)
 
 
 class _Lines(Offline):
@@ -584,27 +610,7 @@ def test_a_replayed_dead_letter_s_span_is_linked_to_the_original_ticket_s_trace(
         [("traceparent", TRACEPARENT)], "missing_field", "m", INPUT, 0, 0
     )
     kafka.append(DEAD, 0, ticket("T-1"), None, headers)
-    exporter = InMemorySpanExporter()
-
-    def tracing_for_replay(
-        settings: TracingSettings,
-        group: str | None,
-        *,
-        replay: bool,
-        key_is_personal: Callable[[bytes], bool] | None = None,
-    ) -> OtelTracing:
-        provider = TracerProvider()
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-        return OtelTracing(provider, group, replay=replay, key_is_personal=key_is_personal)
-
-    monkeypatch.setattr(replay_door, "tracing_for", tracing_for_replay)
-    monkeypatch.setattr(replay_door, "_ReplayClients", lambda settings, group: kafka.clients(group, None))
-    consumer = cast(confluent_kafka.Consumer, ReplayConsumer(kafka, "replay"))
-    options = ReplayOptions(dlq_topic=DEAD, group="replay")
-    engine = replay_door.replay_pipeline(
-        _settings(), options, consumer, ReplaySummary(DEAD, "replay", False), None, Failure()
-    )
-    assert engine.run() == 0
+    exporter = _replayed(kafka, _settings(), monkeypatch)
 
     [process] = [span for span in exporter.get_finished_spans() if span.kind is SpanKind.CONSUMER]
     assert process.name == f"process {DEAD}"
@@ -617,6 +623,46 @@ def test_a_replayed_dead_letter_s_span_is_linked_to_the_original_ticket_s_trace(
     )
     [settle] = [span for span in exporter.get_finished_spans() if span.name == "settle"]
     assert (settle.attributes or {})["triage.settled_by"] == "commit"
+
+
+def test_a_key_is_in_no_span_whatever_privacy_detect_looks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `privacy.detect` narrowed to cards, the detector passes an e-mail address: the door's spans
+    still never hold the key (they did, where a key the detector passed was shown)."""
+    kafka = MemoryKafka()
+    kafka.create_topic(INPUT, 1)
+    kafka.create_topic(DEAD, 1)
+    headers = dead_letters.dead_letter_headers(None, "missing_field", "m", INPUT, 0, 0)
+    kafka.append(DEAD, 0, ticket("T-1"), PERSONAL[0].encode(), headers)
+    kafka.append(DEAD, 0, ticket("T-2"), b"C-1001", headers)
+    exporter = _replayed(kafka, _settings({"privacy.detect": "card_number"}), monkeypatch)
+
+    spans = list(exporter.get_finished_spans())
+    assert len([span for span in spans if span.kind is SpanKind.CONSUMER]) == 2
+    seen = " | ".join(_every_string(spans))
+    assert PERSONAL[0] not in seen and "C-1001" not in seen
+
+
+def _replayed(
+    kafka: MemoryKafka, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> InMemorySpanExporter:
+    """The replay door over `kafka`'s dead letters, as it assembles its tracer, with spans exported to
+    memory as they end; run to its end."""
+    exporter = InMemorySpanExporter()
+
+    def tracing_for_replay(settings: TracingSettings, group: str | None, **options: Any) -> OtelTracing:
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        return OtelTracing(provider, group, **options)
+
+    monkeypatch.setattr(replay_door, "tracing_for", tracing_for_replay)
+    monkeypatch.setattr(replay_door, "_ReplayClients", lambda settings, group: kafka.clients(group, None))
+    consumer = cast(confluent_kafka.Consumer, ReplayConsumer(kafka, "replay"))
+    options = ReplayOptions(dlq_topic=DEAD, group="replay")
+    engine = replay_door.replay_pipeline(
+        settings, options, consumer, ReplaySummary(DEAD, "replay", False), None, Failure()
+    )
+    assert engine.run() == 0
+    return exporter
 
 
 # -- exemplars ----------------------------------------------------------------------------------------------

@@ -55,8 +55,7 @@ from worker.kafka.clients import KafkaClients, consumer_config, producer_config,
 from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_kafka_options
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
-from worker.privacy.values import key_detector
-from worker.settings import PrivacySettings, Settings, masked_kafka_config
+from worker.settings import Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.tracing import tracing_for
 from worker.telemetry.worker import WorkerTelemetry
@@ -111,8 +110,7 @@ class WorkerApp:
         _log.info("settings", kafka=masked_kafka_config(settings.kafka), pid=os.getpid())
         reload_access = ReloadAccess.configured(settings.metrics)  # an unfit token file stops the start here
         # Tracing on without the `otel` extra stops the start here (a no-op unless tracing is configured).
-        personal_keys = PersonalKeys(settings.privacy)
-        tracing = tracing_for(settings.tracing, settings.pipeline.group_id, key_is_personal=personal_keys)
+        tracing = tracing_for(settings.tracing, settings.pipeline.group_id)
         queue = settings.pipeline.consume == "queue"
         if queue:
             refuse_exactly_once(settings)
@@ -190,7 +188,6 @@ class WorkerApp:
             result_encoder=result_encoder,
             tracing=tracing,
         )
-        parts.follow(lambda new: personal_keys.follow(new.privacy))
         if share_group is not None:
             pipeline = queue_pipeline(
                 settings,
@@ -231,20 +228,6 @@ class WorkerApp:
             self._escalation_pool.close()
         if self._telemetry is not None:
             self._telemetry.close()
-
-
-class PersonalKeys:
-    """Whether a record's key holds personal data, as `privacy` finds it (a trace shows a key only when it
-    does not), following each hot reload's privacy settings (`follow`, from the reload's thread)."""
-
-    def __init__(self, privacy: PrivacySettings) -> None:
-        self.follow(privacy)
-
-    def follow(self, privacy: PrivacySettings) -> None:
-        self._is_personal = key_detector(privacy.copy_redactor())
-
-    def __call__(self, key: bytes) -> bool:
-        return self._is_personal(key)
 
 
 def check_topics(settings: Settings) -> Settings:

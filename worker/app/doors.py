@@ -173,13 +173,14 @@ def _triage_loop(
     give_up: GiveUpAt,
     clock: Callable[[], float],
     metrics_interval_s: float,
+    numbers: Limits,
 ) -> Engine:
     """A Kafka door's loop: `source` and `settlement` with the triage stage, the registry's wait where the
-    input needs one."""
+    input needs one; `numbers`: the door's `Limits`, the same the settlement was given its bound from."""
     stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
     registry = RegistryWait(metrics.registry, clock) if metrics.registry is not None else None
     return Engine(
-        source, stage, settlement, limits(settings), metrics, failure, give_up, registry, clock,
+        source, stage, settlement, numbers, metrics, failure, give_up, registry, clock,
         metrics_interval_s, _started_line(settings), tracing=parts.tracing,
     )  # fmt: skip
 
@@ -205,15 +206,17 @@ def group_pipeline(
         pipeline.revoke_timeout_ms / 1000.0, tracker, paused, metrics, failure, clock,
     )  # fmt: skip
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
+    numbers = limits(settings)
     guarantee = guarantee_for(
         GuaranteeWiring(
             pipeline, _dead_letter_rules(settings, parts, metrics, clock), clients, consumer, tracker,
             metrics, clock, paused.pause, failure, Redone(queue, requests), give_up.get,
+            max_in_flight=numbers.max_in_flight,
         )
     )  # fmt: skip
     return _triage_loop(
         settings, parts, source, guarantee, queue, requests, metrics, failure, give_up, clock,
-        metrics_interval_s,
+        metrics_interval_s, numbers,
     )  # fmt: skip
 
 
@@ -250,7 +253,7 @@ def queue_pipeline(
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     return _triage_loop(
         settings, parts, source, settlement, queue, requests, metrics, failure, give_up, clock,
-        metrics_interval_s,
+        metrics_interval_s, limits(settings),
     )  # fmt: skip
 
 

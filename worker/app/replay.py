@@ -41,7 +41,6 @@ from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_fo
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import OffsetTracker
 from worker.pipeline.triage.records import DeadLetterRedaction
-from worker.privacy.values import key_detector
 from worker.replay.outcomes import PartitionPlan, ReplayObserver, ReplaySummary, fatal_reason
 from worker.replay.reports import Reports
 from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
@@ -125,6 +124,14 @@ def replay_pipeline(
     tracker, give_up, metrics = OffsetTracker(), GiveUpAt(), PipelineMetrics()
     source = ReplaySource(consumer, options, tracker, _planned(summary, observer))
     reports = Reports(summary, observer, source, exactly_once(settings.pipeline) and not options.dry_run)
+    # The run's numbers, its own in-flight bound among them: the loop and the guarantee take it from here.
+    numbers = dataclasses.replace(
+        limits(settings),
+        max_in_flight=_IN_FLIGHT,
+        resume_below=_IN_FLIGHT // 2,
+        poll_timeout_s=_POLL_S,
+        shutdown_timeout_s=INTERRUPT_DRAIN_S,
+    )
     settlement: Settlement
     if options.dry_run:  # nothing published, nothing committed: each output is as good as acknowledged
         settlement = InOrder(lambda work, _output: reports.delivered(work, None))
@@ -150,22 +157,11 @@ def replay_pipeline(
                 failure,
                 reports,
                 give_up.get,
+                max_in_flight=numbers.max_in_flight,
             )
         )
     stage = ReplayStage(options, source, settlement, reports)
-    numbers = dataclasses.replace(
-        limits(settings),
-        max_in_flight=_IN_FLIGHT,
-        resume_below=_IN_FLIGHT // 2,
-        poll_timeout_s=_POLL_S,
-        shutdown_timeout_s=INTERRUPT_DRAIN_S,
-    )
-    tracing = tracing_for(
-        settings.tracing,
-        options.group,
-        replay=True,
-        key_is_personal=key_detector(settings.privacy.copy_redactor()),
-    )
+    tracing = tracing_for(settings.tracing, options.group, replay=True)
     return Engine(
         source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False, tracing=tracing
     )

@@ -21,7 +21,7 @@ values are redacted as text (`redact_bytes`: bytes that are not UTF-8 stay, a bi
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import msgspec
@@ -121,9 +121,3 @@ class CarriedMetadata:
     def key_is_personal(self, key: bytes) -> bool:
         """Whether `key` holds personal data (an e-mail address, a phone number, ...)."""
         return redact_bytes(key, self._redactor) != key
-
-
-def key_detector(redactor: Redactor) -> Callable[[bytes], bool]:
-    """Whether a record's key holds personal data as `redactor` finds it, the judgement the copies of its
-    record make (`CarriedMetadata.key_is_personal`), for whatever else shows a key: a trace."""
-    return CarriedMetadata(redactor, ()).key_is_personal

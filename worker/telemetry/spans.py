@@ -87,22 +87,20 @@ def _exporter(settings: TracingSettings, environ: Mapping[str, str]) -> SpanExpo
 class OtelTracing(Tracing):
     """Spans of every taken record through `provider` (see the module docstring). `replay`: a record's trace
     context is the original ticket's (a dead letter carries the span that dead-lettered it), so the span
-    is linked to it, as the messaging conventions say of a message processed again, rather than its child."""
+    is linked to it, as the messaging conventions say of a message processed again, rather than its child.
 
-    def __init__(
-        self,
-        provider: TracerProvider,
-        consumer_group: str | None,
-        *,
-        replay: bool = False,
-        key_is_personal: Callable[[bytes], bool] | None = None,
-    ) -> None:
+    A record's key is never in a span (the conventions' `messaging.kafka.message.key` is left out): keys are
+    often a customer's e-mail address or phone number, and a span goes to a collector outside the
+    privacy settings' reach. Showing it only where the privacy detector found nothing made it depend on
+    `privacy.detect` (narrowed to cards, an e-mail key was shown) and on the detector's recall; a trace is
+    found by its partition and offset instead."""
+
+    def __init__(self, provider: TracerProvider, consumer_group: str | None, *, replay: bool = False) -> None:
         self._provider = provider
         self._tracer = provider.get_tracer("worker.pipeline", __version__)
         self._propagator = TraceContextTextMapPropagator()
         self._group = consumer_group
         self._replay = replay
-        self._key_is_personal = key_is_personal
 
     def ticket(self, work: Work) -> TicketTrace:
         parent = self._propagator.extract(_trace_context(work.headers))
@@ -117,23 +115,11 @@ class OtelTracing(Tracing):
         context = set_span_in_context(span)
         if not span.is_recording():  # sampled out: only its context goes on, to the outputs
             return _Unsampled(self._propagator.inject, context)
-        if (key := self._shown_key(work.key)) is not None:  # sampled tickets only: the detector costs
-            span.set_attribute("messaging.kafka.message.key", key)
         return _Ticket(self._tracer, span, context, self._propagator.inject)
 
-    def _shown_key(self, key: bytes | None) -> str | None:
-        """The record's key as the conventions' attribute: only a UTF-8 key in which the privacy detector
-        finds no personal data (none given: never). A customer's e-mail address as the key stays out."""
-        if key is None or self._key_is_personal is None or self._key_is_personal(key):
-            return None
-        try:
-            return key.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-
     def _process_attributes(self, work: Work) -> dict[str, Attribute]:
-        """The messaging conventions' attributes of a record's process span (the key is set apart, see
-        `_shown_key`)."""
+        """The messaging conventions' attributes of a record's process span: its position, never its key
+        (see the class docstring)."""
         attributes: dict[str, Attribute] = {
             "messaging.operation.type": "process",
             "messaging.operation.name": "process",
@@ -266,10 +252,13 @@ def _step(step: Step, attributes: Mapping[str, Attribute]) -> tuple[str, str, di
 
 
 def _ended(attributes: Mapping[str, Attribute]) -> dict[str, Attribute]:
-    """What a step's end says (`confidence`: bucketed to a tenth, `fallback`, `escalated`, `settled_by`)."""
+    """What a step's end says (`model`: the model that answered, `confidence`: bucketed to a tenth,
+    `fallback`, `escalated`, `settled_by`)."""
     ended: dict[str, Attribute] = {}
     for name, value in attributes.items():
-        if name == "confidence" and isinstance(value, float):
+        if name == "model":
+            ended["gen_ai.response.model"] = value
+        elif name == "confidence" and isinstance(value, float):
             low = min(9, max(0, math.floor(value * 10)))
             ended["triage.confidence_bucket"] = f"{low / 10:.1f}-{(low + 1) / 10:.1f}"
         else:

@@ -12,14 +12,14 @@ In `spans.py` (imported only when tracing is on), each taken record gets a CONSU
 with the messaging conventions' attributes, parented on the producer's context in its `traceparent` header;
 the loop's steps are its children (see `worker/pipeline/tracing.py`). Spans are started with an explicit
 parent and held on the ticket's work object, never made "current": 64 tickets in flight finish in any order.
-Spans carry positions, model ids, step names, reasons and buckets only: never the ticket's text, its key or
-its other headers.
+Spans carry positions, model ids, step names, reasons and buckets only: never the ticket's text, its key
+(whatever `privacy.detect` says) or its other headers.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from worker.errors import UserError
 from worker.pipeline.tracing import NO_TRACING, Tracing
@@ -47,14 +47,12 @@ def tracing_for(
     environ: Mapping[str, str] = os.environ,
     *,
     replay: bool = False,
-    key_is_personal: Callable[[bytes], bool] | None = None,
 ) -> Tracing:
     """The door's tracer: `NO_TRACING` when tracing is off (nothing of OpenTelemetry imported), else spans
     exported over OTLP. `consumer_group`: the Kafka door's group (None: an offline door, which reads no
     topic); `replay`: the records are dead letters replayed, each span a trace of its own linked to the
-    original ticket's; `key_is_personal`: the privacy detector's verdict on a record's key, which a sampled
-    ticket's span shows only when it finds nothing (None: never shown). Raises UserError (one line) when
-    tracing is on and the `otel` extra is not installed, or the protocol is one the worker does not send."""
+    original ticket's. Raises UserError (one line) when tracing is on and the `otel` extra is not installed,
+    or the protocol is one the worker does not send."""
     why = enabled_by(settings, environ)
     if why is None:
         return NO_TRACING
@@ -64,6 +62,4 @@ def tracing_for(
         from worker.telemetry.spans import OtelTracing, provider_for
     except ImportError as error:
         raise UserError(MISSING_EXTRA.format(why=why, error=error)) from None
-    return OtelTracing(
-        provider_for(settings, environ), consumer_group, replay=replay, key_is_personal=key_is_personal
-    )
+    return OtelTracing(provider_for(settings, environ), consumer_group, replay=replay)

@@ -108,10 +108,12 @@ class GuaranteeWiring:
     `consumer` is the caller's: a guarantee commits through it and seeks it back on a redo; `tracker` holds
     the taken offsets; `pause` stops a partition a guarantee cannot go on with; `give_up_at()` is the
     caller's instant (a `clock()` value, None: none) after which a produce stops waiting for room in the
-    client's queue: set while revoking or stopping. `pipeline`: the guarantee, the commit cadence and the
-    in-flight bound; `rules`: the delivery-error rules, with the dead-letter topic (None for a replay, whose
-    outputs go back where they came from: none is written smaller, and one refused for its content is left
-    out, `DeliveryRules.left_out`).
+    client's queue: set while revoking or stopping. `pipeline`: the guarantee and the commit cadence;
+    `rules`: the delivery-error rules, with the dead-letter topic (None for a replay, whose outputs go back
+    where they came from: none is written smaller, and one refused for its content is left out,
+    `DeliveryRules.left_out`). `max_in_flight`: the door's in-flight bound, its loop's
+    `Limits.max_in_flight` (the one owner of that number: a replay's is its own, not
+    `pipeline.max_in_flight`); done work filling half of it brings a commit forward.
     """
 
     pipeline: PipelineSettings
@@ -125,6 +127,7 @@ class GuaranteeWiring:
     failure: Failure
     observer: Observer = field(default_factory=Observer)
     give_up_at: Callable[[], float | None] = lambda: None
+    max_in_flight: int = field(kw_only=True)
 
 
 def guarantee_for(wiring: GuaranteeWiring) -> AtLeastOnce | ExactlyOnce:
@@ -140,6 +143,7 @@ class _Base:
 
     def __init__(self, wiring: GuaranteeWiring) -> None:
         self._pipeline = wiring.pipeline
+        self._max_in_flight = wiring.max_in_flight
         self._rules = wiring.rules
         self._dead_letter_topic = wiring.rules.dead_letter_topic
         self._clients = wiring.clients
@@ -319,7 +323,7 @@ class _Base:
             return  # one commit at a time: that also caps the rate at one per broker round trip
         due = now - self._last_commit >= self._pipeline.commit_interval_ms / 1000.0
         # Done but uncommitted work holds in-flight slots: commit early when it fills half of them.
-        crowded = self._tracker.uncommitted_done() * 2 >= self._pipeline.max_in_flight
+        crowded = self._tracker.uncommitted_done() * 2 >= self._max_in_flight
         if not self._may_commit(due or crowded):
             return
         positions = self._tracker.commit_positions()

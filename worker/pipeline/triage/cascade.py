@@ -16,8 +16,10 @@ Otherwise the ticket goes to the stage and its record waits for the answer. The 
 stage's answer (`stage = "escalation"`, its `model`, `intent`, `confidence`, `scores`), the first stage's
 intent and confidence, and the model time of both stages in `latency_ms`. A stage answer that is a fallback
 (error, or its own deadline check) leaves the first answer standing (`escalation_skipped = "deadline"` or
-`"error"`). Every ticket still gets exactly one record: an escalated ticket stays in flight, so
-rebalances, shutdown and both delivery guarantees treat it like one at the first stage.
+`"error"`, the first stage's `model`), its `latency_ms` with the time the stage spent on it added: a stage
+too slow for the deadlines shows in the records, not only in `StageLatency`, which counts every turnaround,
+those ended by a deadline too. Every ticket still gets exactly one record: an escalated ticket stays in
+flight, so rebalances, shutdown and both delivery guarantees treat it like one at the first stage.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ class Cascade:
                 "deadline" if answer.fallback_reason in ("deadline_exceeded", "overloaded") else "error"
             )
             self.metrics.outcome(first.intent, "failed")
-            return first_standing(first, skipped)
+            spent = msgspec.structs.replace(first, latency_ms=first.latency_ms + answer.latency_ms)
+            return first_standing(spent, skipped)
         self.metrics.outcome(first.intent, "confirmed" if answer.intent == first.intent else "changed")
         return msgspec.structs.replace(
             answer,

@@ -1,11 +1,12 @@
 """Per-ticket deadlines: when the worker must give up on the model and publish a fallback instead.
 
-A ticket's deadline is the moment it was polled plus `pipeline.deadline_ms`. A producer may ask for an earlier
-one with the metadata key ``deadline_at`` (an RFC 3339 timestamp, e.g. a chat session's SLA); a later one is
-ignored, so a producer cannot make the worker hold a slot longer than configured. The decoder dead-letters a
-``deadline_at`` that is not an RFC 3339 timestamp (`invalid_timestamp`), so one is never silently ignored; one
-already past when the ticket is taken is answered `expired_on_arrival`. Deadlines are kept on the monotonic
-clock so that a wall-clock jump cannot expire or prolong every ticket at once.
+A ticket's deadline is its loop's, set once (`Engine._take`): the moment it was taken plus its door's
+`Limits.deadline_s` (`pipeline.deadline_ms` for `run`). A producer may ask for an earlier one with the
+metadata key ``deadline_at`` (an RFC 3339 timestamp, e.g. a chat session's SLA), applied here, once; a later
+one is ignored, so a producer cannot make the worker hold a slot longer than configured. The decoder
+dead-letters a ``deadline_at`` that is not an RFC 3339 timestamp (`invalid_timestamp`), so one is never
+silently ignored; one already past when the ticket is taken is answered `expired_on_arrival`. Deadlines are
+kept on the monotonic clock so that a wall-clock jump cannot expire or prolong every ticket at once.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from worker.messages import DEADLINE_METADATA_KEY
 def ticket_deadline(
     polled_monotonic: float,
     polled_wall: float,
-    deadline_ms: int,
+    deadline: float,
     metadata: Mapping[str, str] | None,
 ) -> float:
-    """Absolute deadline on `time.monotonic()`'s clock for a ticket polled at the given instants."""
-    deadline = polled_monotonic + deadline_ms / 1000.0
+    """Absolute deadline on `time.monotonic()`'s clock for a ticket polled at the given instants whose loop
+    gave it `deadline` (on the same clock): that one, or the producer's `deadline_at` when it is earlier."""
     requested = _requested_wall_deadline(metadata)
     if requested is not None:
         deadline = min(deadline, polled_monotonic + (requested - polled_wall))

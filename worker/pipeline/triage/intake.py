@@ -6,7 +6,8 @@
   result small, see `guarantees.smaller`);
 - the value is decoded: plain JSON by `decode_ticket`, or what the registry-aware decoder made of it
   (`decoded`, decoded before the record was taken so that one the registry cannot answer for is not taken);
-- the ticket's deadline: `pipeline.deadline_ms` from the poll, or the producer's `deadline_at`;
+- the ticket's deadline: the loop's (`work.deadline`, from its door's `Limits`), or the producer's earlier
+  `deadline_at` (`deadlines.py`);
 - its personal data is looked for once (every copy made of it later takes this scan), and with
   `inference.redact_input` the model, the shadow and the cascade get the redacted text.
 
@@ -44,9 +45,9 @@ class TicketDecoding(Protocol):
 
 
 class Intake:
-    """Reads taken records into tickets (values up to `pipeline.max_value_bytes`, each with its deadline);
-    scans each for `privacy`'s kinds, counting those found in `metrics`, and gives the model the ticket
-    redacted when `redact_input` (`inference.redact_input`)."""
+    """Reads taken records into tickets (values up to `pipeline.max_value_bytes`, each with the deadline the
+    loop gave it, or its producer's earlier one); scans each for `privacy`'s kinds, counting those found in
+    `metrics`, and gives the model the ticket redacted when `redact_input` (`inference.redact_input`)."""
 
     def __init__(
         self,
@@ -55,7 +56,6 @@ class Intake:
         redact_input: bool,
         metrics: PipelineMetrics,
     ) -> None:
-        self._deadline_ms = pipeline.deadline_ms
         self._max_value_bytes = pipeline.max_value_bytes
         self.redact_as(privacy, redact_input)
         self._metrics = metrics
@@ -68,7 +68,8 @@ class Intake:
     def ticket(
         self, work: Work, decoded: TicketEvent | DecodeError | None, now: float, wall: float
     ) -> Rejection | None:
-        """Sets `work.event`, `.scan` and `.deadline`; or returns why the record is a dead letter."""
+        """Sets `work.event`, `.scan` and `.deadline` (the loop's, or the producer's earlier `deadline_at`);
+        or returns why the record is a dead letter."""
         if work.key is not None and len(work.key) > MAX_KEY_BYTES:
             return "key_too_large", f"key is {len(work.key)} bytes, over the {MAX_KEY_BYTES}-byte limit"
         try:
@@ -78,7 +79,7 @@ class Intake:
                 raise decoded
             else:
                 event = decoded
-            deadline = ticket_deadline(now, wall, self._deadline_ms, event.metadata)
+            deadline = ticket_deadline(now, wall, work.deadline, event.metadata)
         except DecodeError as problem:
             return problem.error_type, problem.message
         except Exception as error:  # no record may stop the worker, whatever a library raises

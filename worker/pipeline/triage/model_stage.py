@@ -188,13 +188,14 @@ class ModelStage:
 
 
 def _answered(answer: Classification) -> dict[str, Attribute]:
-    """What a model step's trace says of its answer: its confidence (bucketed by the tracer) and, for a
-    fallback, why; never the ticket's text."""
+    """What a model step's trace says of its answer: the model that gave it (an escalation stage's encoder
+    when its LLM gave none), its confidence (bucketed by the tracer) and, for a fallback, why; never the
+    ticket's text."""
     if answer.fallback:
-        return {"fallback": answer.fallback_reason or "unknown"}
+        return {"model": answer.model, "fallback": answer.fallback_reason or "unknown"}
     if answer.out_of_scope:
-        return {"confidence": answer.confidence, "out_of_scope": True}
-    return {"confidence": answer.confidence}
+        return {"model": answer.model, "confidence": answer.confidence, "out_of_scope": True}
+    return {"model": answer.model, "confidence": answer.confidence}
 
 
 class Redone(Observer):
