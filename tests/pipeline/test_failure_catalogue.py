@@ -602,6 +602,15 @@ def delivery_failed(door: Door) -> None:
     wait_until(lambda: metrics.delivery_failed + metrics.transactions_aborted >= 1, "the failed delivery")
 
 
+def delivery_failed_on_a_last_delivery(door: Door) -> None:
+    """Queue mode: a ticket's triage record fails for good on the ticket's last delivery: released, the
+    broker would archive it without a trace, so its dead letter is written instead (issue #55)."""
+    assert isinstance(door, QueueDoor)
+    _refusing(door.kafka, "T-1", confluent_kafka.KafkaError.NOT_ENOUGH_REPLICAS)
+    door.start([OK, Input(last_delivery=True), OK], HoldingClassifier())
+    wait_until(lambda: door.engine.metrics.delivery_failed >= 1, "the failed delivery")
+
+
 def model_death(door: Door) -> None:
     """The model process dies under a ticket, on an early delivery and on its last one (queue mode)."""
     inputs = [OK, Input("die: card stolen"), Input("die: card lost", last_delivery=True), OK]
@@ -664,6 +673,19 @@ def shutdown_mid_batch(door: Door) -> None:
         wait_until(lambda: len(classifier.held) == 1, "the held ticket")
 
 
+def shutdown_on_a_last_delivery(door: Door) -> None:
+    """Queue mode: shutdown while a ticket on its last delivery is at the model, with too little shutdown
+    time for its answer: it is answered `overloaded` halfway through the shutdown time rather than released
+    (the broker would archive it without a trace, issue #55)."""
+    classifier = HoldingClassifier()
+    door.start(
+        [OK, Input("hold: card stolen", last_delivery=True)], classifier,
+        settings={"pipeline.shutdown_timeout_ms": 300},
+    )  # fmt: skip
+    door.wait_settled(0)
+    wait_until(lambda: len(classifier.held) == 1, "the held ticket")
+
+
 @dataclass(frozen=True)
 class Skip:
     why: str
@@ -676,6 +698,7 @@ NO_PRODUCER = Skip("a file door writes to its output stream: no broker can refus
 NO_MODEL = Skip("a replay republishes: no model, no dispatch queue")
 PACED = Skip("a line is read only when the model has room for it: it never waits in the dispatch queue")
 NO_PARTITIONS = Skip("a share group hands out records, not partitions: its records' locks end instead")
+LAST_DELIVERY = Skip("a delivery count, and a last delivery, are a share group's alone")
 NO_GROUP = Skip("no group membership, no lock: partitions assigned (replay) or lines read once")
 
 Scenario = Callable[[Door], None]
@@ -731,6 +754,14 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "replay exactly_once": "T L L",
         "lines": NO_PRODUCER,
     }),
+    "producer refusal: delivery failed on a last delivery": (delivery_failed_on_a_last_delivery, {
+        "group at_least_once": LAST_DELIVERY,
+        "group exactly_once": LAST_DELIVERY,
+        "queue": "T D T",  # D: its dead letter instead of its release (the broker would archive it)
+        "replay at_least_once": LAST_DELIVERY,
+        "replay exactly_once": LAST_DELIVERY,
+        "lines": LAST_DELIVERY,
+    }),
     "model process death": (model_death, {
         "group at_least_once": "T T:model_error T:model_error T",
         "group exactly_once": "T T:model_error T:model_error T",
@@ -771,6 +802,14 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "replay exactly_once": "T L",  # the position stays before it for the next run
         "lines": "T L",  # no line: the run ended before its answer
     }),
+    "shutdown mid-batch on a last delivery": (shutdown_on_a_last_delivery, {
+        "group at_least_once": LAST_DELIVERY,
+        "group exactly_once": LAST_DELIVERY,
+        "queue": "T T:overloaded",  # answered halfway through the shutdown time, never released
+        "replay at_least_once": LAST_DELIVERY,
+        "replay exactly_once": LAST_DELIVERY,
+        "lines": LAST_DELIVERY,
+    }),
 }  # fmt: skip
 
 
@@ -807,7 +846,10 @@ def test_every_input_ends_as_one_triage_record_or_one_dead_letter_or_is_left_for
     expected = cell.split()
     try:
         scenario(door)
-        if scenario is not shutdown_mid_batch:  # there the stop is the failure: its outcomes come after it
+        if scenario not in (
+            shutdown_mid_batch,
+            shutdown_on_a_last_delivery,
+        ):  # there the stop is the failure: its outcomes come after it
             with contextlib.suppress(AssertionError):  # outcomes still on their way (a redone transaction)
                 wait_until(lambda: _matches([each.code() for each in door.seen()], expected), "", timeout=3.0)
     finally:

@@ -154,6 +154,11 @@ class ShareSource:
         # A Work needs a partition's offset state; queue mode commits no offsets, so these only name it.
         self._partitions: dict[TopicPartitionKey, PartitionOffsets] = {}
         self._taking = True
+        # While stopping: when the taken records on their last delivery that have no answer yet get one
+        # without the model (halfway through the shutdown time: the other half delivers it).
+        self._stop_answer_at: float | None = None
+        # Taken records on their last delivery answered without the model already (`_answer_last_taken`).
+        self._answered_now: set[Work] = set()
 
     # -- seams.Source ---------------------------------------------------------------------------------------
 
@@ -214,10 +219,16 @@ class ShareSource:
         self.acknowledge(work, Acknowledgement.RELEASE)
         return HandBack.RELEASED
 
+    def last_delivery(self, work: Work) -> bool:
+        """Whether `work`'s record is on its last delivery (False once it is settled or released)."""
+        message = self._unsettled.get(work)
+        return message is not None and self._last_delivery(message)
+
     def maintain(self, now: float) -> None:
         batch = self._batch
         if batch is None:
             return
+        self._answer_last_deliveries(batch, now)
         if now >= self._budget.expires_at(batch.lock_from):
             self._release_all("record lock ending")
         if not self._unsettled and not self._backlog:
@@ -244,12 +255,30 @@ class ShareSource:
         pass  # heartbeats run in librdkafka's background thread; a poll would refuse with records unsettled
 
     def stop_taking(self) -> None:
+        """Shutdown began: records on their last delivery in the backlog are answered at once (`overloaded`:
+        the shutdown leaves them no model time; released, the broker would archive them without a trace),
+        the rest of the backlog is released; taken ones on their last delivery still without an answer
+        halfway through the shutdown time are answered then (`maintain`)."""
         self._taking = False
+        assert self._loop is not None
+        now, stop_by = self._clock(), self._loop.stop_by
+        if stop_by is not None:
+            self._stop_answer_at = now + max(0.0, stop_by - now) / 2
+        if self._batch is not None:
+            self._answer_last_deliveries(self._batch, now)
         if self._backlog:
             self._release_backlog("stopping")
 
     def stop(self, limit: float) -> None:
         self._taking = False
+        last = [work for work, message in self._unsettled.items() if self._last_delivery(message)]
+        if last:  # answered, but not acknowledged in time: the broker's own net (its dead-letter topic)
+            _log.warning(
+                "last_deliveries_released",
+                count=len(last),
+                reason="stopping: their outputs were not acknowledged within the shutdown time",
+                effect="the broker archives them (to its dead-letter topic where one is configured)",
+            )
         self._release_all("stopping")
         try:
             self._consumer.commit_sync(_LAST_COMMIT_S)
@@ -357,7 +386,6 @@ class ShareSource:
         taken: collections.deque[Record] = collections.deque()
         kept: collections.deque[Record] = collections.deque()
         may_take = self._budget.may_take(batch.lock_from, now)
-        may_answer = self._budget.may_answer(batch.lock_from, now)
         released: list[Record] = []
         while self._backlog:
             record = self._backlog.popleft()
@@ -365,7 +393,7 @@ class ShareSource:
                 kept.append(record)
             elif may_take:
                 taken.append(record)
-            elif self._last_delivery(record.handle) and may_answer:
+            elif self._last_delivery(record.handle):  # never released: answered, even late
                 record.answer_now = "overloaded"
                 taken.append(record)
             else:
@@ -375,12 +403,45 @@ class ShareSource:
             self._release_records(released, "record lock: no time left to take them")
         return taken
 
+    def _answer_last_deliveries(self, batch: _Batch, now: float) -> None:
+        """Records on their last delivery are never released (the broker would archive them without a
+        trace). Once the lock allows no more model time (or the worker stops taking), those in the backlog
+        are taken at once, whatever the in-flight bound, and answered `overloaded` (they need no model time;
+        one held back for the registry gets its dead letter, `TriageStage.cannot_hold`). Once the window to
+        deliver an answer inside the lock closes (or halfway through the shutdown time), the taken ones
+        still without an answer are answered `overloaded` without waiting for the model."""
+        assert self._loop is not None
+        if self._backlog and not (self._taking and self._budget.may_take(batch.lock_from, now)):
+            last = [record for record in self._backlog if self._last_delivery(record.handle)]
+            if last:
+                self._backlog = collections.deque(
+                    record for record in self._backlog if not self._last_delivery(record.handle)
+                )
+                why = "record lock: no model time left" if self._taking else "stopping"
+                _log.info("last_deliveries_answered", count=len(last), reason=why)
+                for record in last:
+                    record.answer_now = "overloaded"
+                    self._loop.take(record)
+        answer_by = self._budget.answer_by(batch.lock_from)
+        if self._stop_answer_at is not None:
+            answer_by = min(answer_by, self._stop_answer_at)
+        if now >= answer_by:
+            due = [
+                work
+                for work, message in self._unsettled.items()
+                if work not in self._answered_now and self._last_delivery(message)
+            ]
+            if due:
+                self._answered_now.update(due)
+                self._loop.answer_now(due, "overloaded")
+
     def _close_batch(self, now: float) -> None:
         """Every record of the batch is settled: the acknowledgements go out, and the next poll may ask for
         another size."""
         batch = self._batch
         assert batch is not None
         self._batch = None
+        self._answered_now.clear()
         self._consumer.commit_async()
         if batch.first_take is None or batch.last_outcome is None:
             return

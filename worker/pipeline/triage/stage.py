@@ -19,14 +19,14 @@ Whatever a library raises on a record is a dead letter (`internal_error`): no re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from worker.classification import Classification
 from worker.decoding import DecodeError, RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
-from worker.messages import TicketEvent
+from worker.messages import FallbackReason, TicketEvent
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import HandBack, Record
 from worker.pipeline.side_topics.side_topic import ResultWatcher
@@ -112,6 +112,9 @@ class TriageStage:
 
     def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
         self._last_delivery_dead_letter(work, f"the Schema Registry gave no answer about it ({unavailable})")
+
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        self.model.answer_now(works, reason)
 
     def serve(self, wait_s: float) -> None:
         model = self.model
