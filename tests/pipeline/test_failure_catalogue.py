@@ -38,7 +38,7 @@ from typing import Any, cast
 import confluent_kafka
 import msgspec
 import pytest
-from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, Running
+from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, RaisingClassifier, Running
 from memory_kafka import (
     MemoryKafka,
     Message,
@@ -618,6 +618,14 @@ def model_death(door: Door) -> None:
     door.wait_settled(0, 1, 2, 3)
 
 
+def model_error(door: Door) -> None:
+    """The model raises on a ticket (its process lives on), on an early delivery and on its last one (queue
+    mode): another try would raise again, so every door answers it `model_error` (issue #55)."""
+    inputs = [OK, Input("raise: card stolen"), Input("raise: card lost", last_delivery=True), OK]
+    door.start(inputs, RaisingClassifier())
+    door.wait_settled(0, 1, 2, 3)
+
+
 def deadline_in_queue(door: Door) -> None:
     """A ticket's deadline passes while it waits in the dispatch queue (one ticket at a time to the model,
     and that one held): it is answered `overloaded` without the model; the next ticket goes on."""
@@ -766,6 +774,14 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "group at_least_once": "T T:model_error T:model_error T",
         "group exactly_once": "T T:model_error T:model_error T",
         "queue": "T L D T",  # released for another try; on its last delivery dead-lettered with why
+        "replay at_least_once": NO_MODEL,
+        "replay exactly_once": NO_MODEL,
+        "lines": "T T:model_error T:model_error T",
+    }),
+    "model error (the model raised)": (model_error, {
+        "group at_least_once": "T T:model_error T:model_error T",
+        "group exactly_once": "T T:model_error T:model_error T",
+        "queue": "T T:model_error T:model_error T",  # as every door: only a process death is tried again
         "replay at_least_once": NO_MODEL,
         "replay exactly_once": NO_MODEL,
         "lines": "T T:model_error T:model_error T",

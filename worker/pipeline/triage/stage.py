@@ -10,8 +10,8 @@ letter is written — the same for every door that classifies (`run` in both mod
 - `serve(wait_s)`: the model's answers (and the cascade's escalations, `model_stage.py`), tickets whose
   deadline passed while they waited (`overloaded`), dispatch, the side topics.
 - An answer is written as the ticket's triage record (`outputs.py`), unless the model process died under it
-  and its source gives it another try (`seams.HandBack`: queue mode releases it while it has deliveries left,
-  and dead-letters it on its last).
+  (`Classification.process_died`, not a model that raised) and its source gives it another try
+  (`seams.HandBack`: queue mode releases it while it has deliveries left, and dead-letters it on its last).
 
 Whatever a library raises on a record is a dead letter (`internal_error`): no record may stop the worker.
 """
@@ -164,9 +164,11 @@ class TriageStage:
     # -- answers --------------------------------------------------------------------------------------------
 
     def answered(self, work: Work, answer: Classification, made_at: str) -> None:
-        """The model stage's answer for `work`: written, unless its model process died (`model_error`) and
-        its source gives it another try, or dead-letters it on its last."""
-        if answer.fallback and answer.fallback_reason == "model_error":
+        """The model stage's answer for `work`: written, unless its model process died under it
+        (`process_died`) and its source gives it another try, or dead-letters it on its last. A model that
+        raised (`model_error` without a death) is answered `model_error` in every door: another try would
+        raise again."""
+        if answer.fallback and answer.fallback_reason == "model_error" and answer.process_died:
             outcome = self._hand_back(work)
             if outcome is HandBack.RELEASED:
                 work.trace.outcome("given_up", "the model process died under it: released for another try")
