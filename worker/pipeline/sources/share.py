@@ -16,19 +16,24 @@ an outage (issue #43):
   records in 10-50 ms). librdkafka 2.16 has neither the strict record limit (KIP-1206) nor lock renewal
   (KIP-1222), and the broker hands out whole producer batches, so a batch may still hold more than can be
   done: then the records delivered most often are taken first.
-- **A record on its last delivery is never released** (the broker would archive it without a trace): it is
-  taken before the others, and if its lock is about to end before the model could have it, it is answered
-  at once with the `overloaded` fallback (`Record.answer_now`), as group mode answers a ticket that waited
-  past its deadline. Other records not taken in time are released (counted as `released_untried`).
+- **A record on its last delivery is never released** (the broker would archive it without a trace; issue
+  #55): it is taken before the others; once the lock leaves no model time, or the worker stops taking, one
+  still in the backlog is taken at once, whatever the in-flight bound, and answered with the `overloaded`
+  fallback (`Record.answer_now`), as group mode answers a ticket that waited past its deadline (one held
+  back for the registry gets its dead letter instead); a taken one still without an answer when the window
+  to deliver inside the lock closes, or halfway through the shutdown time, is answered so without waiting
+  for the model (`Loop.answer_now`); one whose triage record fails is dead-lettered
+  (`acknowledgements.py`). Other records not taken in time are released (counted as `released_untried`).
 - **A Schema Registry that cannot answer** holds the records of its partition back in the backlog (the loop
   probes the registry on a backoff, `registry_wait.py`); no new batch is polled meanwhile, so an outage
   costs at most the one delivery of the batch at hand, whose lock ends while the registry is away.
 - **A model process that died** under a record: it is released for another try (another worker may well
-  classify it), unless it is the record's last delivery.
+  classify it), unless it is the record's last delivery. A model that raised is answered `model_error`.
 
-Shutdown: the backlog is released at once, the taken records finish within the loop's shutdown time, the
-rest is released, the acknowledgements are sent synchronously, and the consumer closed. A crash (kill -9)
-releases the worker's records at once (the broker sees the connection close).
+Shutdown: the backlog's last deliveries are answered at once and the rest of it released, the taken records
+finish within the loop's shutdown time (last deliveries answered halfway through it), the rest is released,
+the acknowledgements are sent synchronously, and the consumer closed. A crash (kill -9) releases the
+worker's records at once (the broker sees the connection close).
 """
 
 from __future__ import annotations
