@@ -333,3 +333,48 @@ def test_a_rolling_restart_on_the_last_delivery_leaves_every_ticket_triaged_or_d
     assert report.lost == []
     assert _misrouted(report) == []
     assert answered > 0  # the scenario happened: the replacement held last deliveries when it stopped
+
+
+def test_the_share_group_gets_the_brokers_own_dead_letter_topic_as_its_last_net(
+    share_group_bootstrap: str, share_topic: Callable[..., str]
+) -> None:
+    """Issue #55 item 4 (KIP-1191, Kafka 4.4): `prepare_share_group` gives a group nobody configured the
+    broker's dead-letter topic `dlq.<group>`, references only; a record the group archives (here one a
+    member rejects) then leaves a reference there: its topic, partition, offset, group and delivery count,
+    no key and no value."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(bootstrap, topics, **{"pipeline.group_id": group, "pipeline.consume": "queue"})
+    shared = prepare_share_group(settings.kafka, settings.pipeline)
+    assert (shared.dead_letter_topic, shared.dead_letter) == (f"dlq.{group}", "set by the worker")
+    publish(bootstrap, topics, 1, malformed_ratio=0.0, seed=4)
+    member = create_share_consumer(settings.kafka, settings.pipeline)
+    try:
+        member.subscribe([topics.input])
+        taken: list[confluent_kafka.Message] = []
+        deadline = time.monotonic() + _STARTED_S
+        while not taken and time.monotonic() < deadline:
+            taken = [message for message in member.poll(1.0) if message.error() is None]
+        assert len(taken) == 1
+        member.acknowledge(taken[0], confluent_kafka.AcknowledgeType.REJECT)
+        member.commit_sync(10.0)
+    finally:
+        member.close()
+    reader = confluent_kafka.Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"reader-{group}", "auto.offset.reset": "earliest"}
+    )
+    try:
+        reader.subscribe([f"dlq.{group}"])
+        found = None
+        deadline = time.monotonic() + 60
+        while found is None and time.monotonic() < deadline:
+            message = reader.poll(1.0)
+            if message is not None and message.error() is None:
+                found = message
+    finally:
+        reader.close()
+    assert found is not None, "no reference in the broker's dead-letter topic"
+    headers = dict(found.headers() or [])
+    assert (found.key(), found.value()) == (None, None)
+    assert headers["__dlq.errors.topic"] == topics.input.encode()
+    assert (headers["__dlq.errors.offset"], headers["__dlq.errors.group"]) == (b"0", group.encode())

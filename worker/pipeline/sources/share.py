@@ -298,6 +298,8 @@ class ShareSource:
             "group": self._group_id,
             "record_lock_ms": self._group.lock_ms,
             "delivery_count_limit": self._group.delivery_count_limit,
+            "broker_dead_letter_topic": self._group.dead_letter_topic,
+            "broker_dead_letter": self._group.dead_letter,
             "delivery_timeout_ms": round(self._budget.delivery_s * 1000),
             "fetch_size": self._fetch.current,
         }
