@@ -378,3 +378,27 @@ def test_a_last_delivery_held_for_the_registry_is_dead_lettered_before_its_lock_
     assert headers["triage.error.type"] == b"delivery_count_exceeded"
     assert b"Schema Registry" in (headers["triage.error.message"] or b"")
     assert kafka.logs["tickets.triaged"][0] == []
+
+
+def test_acknowledgements_are_sent_while_the_batch_is_still_at_work() -> None:
+    """A batch's acknowledgements reach the group within about half a second, not only once the whole batch
+    is settled: a worker killed (kill -9) mid-batch then has every ticket it finished more than that ago
+    acknowledged, and another worker writes again only the rest. Before, a kill -9 of a worker holding a
+    1,500-record batch wrote 76 tickets twice on the real broker (more than `max_in_flight`, 32)."""
+    kafka = _kafka()
+    _batch(kafka, ["ok", "ok", "hold", "hold"])
+    group = MemoryShareGroup(kafka, "triage", lock_ms=15000, delivery_count_limit=5)
+    holding = HoldingClassifier()
+    pipeline = queue_pipeline(
+        _settings(**{"kafka.max.poll.records": "10"}), TriageParts(holding, FALLBACK, 4), LOCK,
+        clients=group.clients(),
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    deliveries = [group.delivery("tickets.raw", 0, n) for n in range(4)]
+    _wait(lambda: len(kafka.logs["tickets.triaged"][0]) == 2 and len(holding.held) == 2)
+    _wait(lambda: [d.state for d in deliveries] == ["acknowledged"] * 2 + ["acquired"] * 2, timeout_s=3.0)
+    holding.release()
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert [d.state for d in deliveries] == ["acknowledged"] * 4

@@ -64,6 +64,9 @@ _log = structlog.get_logger("worker.pipeline")
 _LAST_COMMIT_S = 10.0
 # The consumer is made anew for another fetch size at most this often.
 _REFETCH_EVERY_S = 10.0
+# Acknowledgements made are sent at least this often while the batch is still at work (the client sends
+# them only on a commit, the next poll or close): a kill -9 then redoes only what was settled since.
+_SEND_EVERY_S = 0.5
 _UNSUPPORTED_VERSION = confluent_kafka.KafkaError.UNSUPPORTED_VERSION
 
 ErrorCallback = Callable[[confluent_kafka.KafkaError], None]
@@ -162,8 +165,11 @@ class ShareSource:
         # While stopping: when the taken records on their last delivery that have no answer yet get one
         # without the model (halfway through the shutdown time: the other half delivers it).
         self._stop_answer_at: float | None = None
-        # Taken records on their last delivery answered without the model already (`_answer_last_taken`).
+        # Taken records on their last delivery answered without the model already (`_answer_last_deliveries`).
         self._answered_now: set[Work] = set()
+        # Acknowledgements made and not sent yet, and when they were last sent.
+        self._unsent = 0
+        self._last_sent = clock()
 
     # -- seams.Source ---------------------------------------------------------------------------------------
 
@@ -238,6 +244,8 @@ class ShareSource:
             self._release_all("record lock ending")
         if not self._unsettled and not self._backlog:
             self._close_batch(now)
+        elif self._unsent and now - self._last_sent >= _SEND_EVERY_S:
+            self._send(now)
 
     def pause_all(self) -> None:
         pass  # the in-flight bound holds taking back by itself: a share consumer has nothing to pause
@@ -316,6 +324,7 @@ class ShareSource:
         if message is None:
             return
         self._consumer.acknowledge(message, outcome.value)
+        self._unsent += 1
         if outcome is Acknowledgement.ACCEPT:
             self._counts.accepted += 1
         elif outcome is Acknowledgement.REJECT:
@@ -449,12 +458,22 @@ class ShareSource:
         assert batch is not None
         self._batch = None
         self._answered_now.clear()
-        self._consumer.commit_async()
+        self._send(now)
         if batch.first_take is None or batch.last_outcome is None:
             return
         wanted = self._fetch.wanted(batch.to_model, batch.last_outcome - batch.first_take)
         if self._fetch.moves(wanted) and now - self._last_refetch >= _REFETCH_EVERY_S:
             self._refetch(wanted, now)
+
+    def _send(self, now: float) -> None:
+        """Send the acknowledgements made so far (records still at work stay acquired)."""
+        self._unsent, self._last_sent = 0, now
+        try:
+            self._consumer.commit_async()
+        except confluent_kafka.KafkaException as problem:
+            _log.warning(
+                "acknowledgements_not_sent", reason=str(problem), effect="sent with the next commit or poll"
+            )
 
     def _refetch(self, size: int, now: float) -> None:
         """A new consumer asking for `size` records a poll (the old one holds no records: its batch is
@@ -491,6 +510,7 @@ class ShareSource:
         """Records never taken go back to the group: another member, or this one's next poll, takes them."""
         for record in records:
             self._consumer.acknowledge(record.handle, Acknowledgement.RELEASE.value)
+        self._unsent += len(records)
         self._counts.released += len(records)
         self._counts.released_untried += len(records)
         if self._batch is not None:
