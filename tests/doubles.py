@@ -75,18 +75,33 @@ class HoldingClassifier(InstantClassifier):
 
 
 class DyingClassifier(InstantClassifier):
-    """Answers `model_error` (its process died under the ticket) for tickets whose text says "die", the others
-    at once."""
+    """Answers `model_error` for tickets whose text says `word`, the others at once: as a process pool answers
+    a ticket whose worker process died under it (`process_died`), or, `died=False`, as the engine answers a
+    ticket the model raised on."""
 
     fallback = FallbackLabel("unclassified", "Medium")
+
+    def __init__(self, word: str = "die", died: bool = True) -> None:
+        super().__init__()
+        self._word, self._died = word, died
 
     def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
         with self._lock:
             asked, self._asked = self._asked, []
         if not asked:
             time.sleep(min(timeout, 0.005))
-        died = fallback_answer("model_error", self.fallback, self.model_id, 1.0)
-        return [(r.request_id, died if "die" in r.text else instant_answer(self.model_id)) for r in asked]
+        failed = fallback_answer("model_error", self.fallback, self.model_id, 1.0, process_died=self._died)
+        return [
+            (r.request_id, failed if self._word in r.text else instant_answer(self.model_id)) for r in asked
+        ]
+
+
+class RaisingClassifier(DyingClassifier):
+    """Answers `model_error` without a process death (the model raised) for tickets whose text says
+    "raise", the others at once."""
+
+    def __init__(self) -> None:
+        super().__init__("raise", died=False)
 
 
 class FlakyRegistry:

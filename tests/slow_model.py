@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 
 from worker.classification import Classification, ClassifyRequest
-from worker.inference.engine import Context
+from worker.inference.engine import Context, Engine
 
 # Waits are cut into slices so that a deadline interrupts them promptly.
 _SLICE_S = 0.005
@@ -49,6 +49,19 @@ def install(seconds: float) -> Callable[[], None]:
 def install_for_good(seconds: float) -> None:
     """`install` for the life of this process: a pool's `initializer`, which returns nothing."""
     install(seconds)
+
+
+def raise_for_good(word: str) -> None:
+    """For the life of this process, the model raises on every ticket whose text holds `word` (its process
+    lives on): a pool's `initializer`, as `install_for_good`."""
+    original = Engine.prepare
+
+    def prepare(self: Engine, text: str) -> tuple[list[int], bool]:
+        if word in text:
+            raise RuntimeError(f"the model raised on a ticket with {word!r}")
+        return original(self, text)
+
+    Engine.prepare = prepare  # type: ignore[method-assign]
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the worker and, re-imported, its pool's processes

@@ -61,6 +61,12 @@ class Classification(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     out_of_scope_score: float | None = None
     nearest_intent: str | None = None
     nearest_confidence: float | None = None
+    # Set only by a process pool (worker/inference/pool.py) on the `model_error` of a request whose worker
+    # process died under it, never written into a record: queue mode gives such a ticket another try
+    # (another process may well answer it), where a model that raised or answered `model_error` itself is
+    # answered `model_error` as in every other door. Last, with its default: the struct crosses the pool's
+    # pipes as a msgpack array.
+    process_died: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,9 +78,14 @@ class FallbackLabel:
 
 
 def fallback_answer(
-    reason: FallbackReason, label: FallbackLabel, model: str, latency_ms: float, truncated: bool = False
+    reason: FallbackReason,
+    label: FallbackLabel,
+    model: str,
+    latency_ms: float,
+    truncated: bool = False,
+    process_died: bool = False,
 ) -> Classification:
-    """A fallback claims no confidence and no scores."""
+    """A fallback claims no confidence and no scores (`process_died`: see `Classification`)."""
     return Classification(
         intent=label.intent,
         priority=label.priority,
@@ -85,6 +96,7 @@ def fallback_answer(
         truncated=truncated,
         fallback=True,
         fallback_reason=reason,
+        process_died=process_died,
     )
 
 

@@ -300,3 +300,25 @@ def test_a_model_that_cannot_hold_its_prompt_is_refused_at_start_in_one_line(
     )
     error = capsys.readouterr().err.strip()
     assert error.startswith("triage-worker: error: short cannot be served: ") and len(error.splitlines()) == 1
+
+
+def test_a_model_whose_context_cannot_hold_the_prompt_and_the_ticket_budget_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #55: a context that holds the shared prefix (216 tokens with the test model) but not the prefix
+    plus the ticket budget (256 tokens) and the answer was accepted at start, and every ticket that used its
+    budget then failed with `model_error`. Now: one line and exit 2 at start, naming the budget that fits."""
+    folder = tmp_path / "short"
+    shutil.copytree(TINY, folder)
+    config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+    config["model"]["context_length"] = config["search"]["max_length"] = 400
+    (folder / "genai_config.json").write_text(json.dumps(config), encoding="utf-8")
+    assert main(["classify", "--model", str(folder), "--set", "inference.escalation=off", "Card?"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert error.startswith("triage-worker: error: short: its context (400 tokens) cannot hold the prompt")
+    assert "lower the ticket budget to at most " in error
+    fitting = int(error.rsplit("at most ", 1)[1].split()[0])
+    engine = _engine(InferenceSettings(model=str(folder), max_ticket_tokens=fitting))
+    answer = engine.new_context().classify(ClassifyRequest(1, "card " * 2000, time.monotonic() + 60))
+    assert answer.truncated and not answer.fallback  # the budget it names fits a ticket that uses it whole

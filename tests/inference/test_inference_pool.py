@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from slow_model import install as install_slow_model
 from slow_model import install_for_good as install_slow_model_for_good
+from slow_model import raise_for_good
 
 from tools import REPO
 from worker.classification import Classification, ClassifyRequest
@@ -127,10 +128,26 @@ def test_a_dead_worker_is_replaced_and_its_requests_answered_model_error() -> No
         results = _collect(pool, 3)
         assert sorted(results) == [0, 1, 2]
         assert {answer.fallback_reason for answer in results.values()} == {"model_error"}
+        assert all(answer.process_died for answer in results.values())  # queue mode tries them again
         pool.submit(ClassifyRequest(9, "and now?", time.monotonic() + 60))
         after = _collect(pool, 1)[9]
         assert not after.fallback
         assert pool.worker_pids() != [victim]
+
+
+def test_a_model_that_raises_is_answered_model_error_without_a_process_death() -> None:
+    """Issue #55: the engine's own `model_error` (the model raised; its process lives on) crosses the pipe
+    unmarked, so queue mode answers it as every door does instead of handing it back as a dead process."""
+    raising = functools.partial(raise_for_good, "poison")
+    settings = _settings()
+    with ProcessPool(settings, *resolve_taxonomy(settings), size=1, batch=False, initializer=raising) as pool:
+        [pid] = pool.worker_pids()
+        pool.submit(ClassifyRequest(1, "poison ticket", time.monotonic() + 30))
+        pool.submit(ClassifyRequest(2, "where is my card", time.monotonic() + 30))
+        results = _collect(pool, 2)
+        assert pool.worker_pids() == [pid]
+    assert (results[1].fallback_reason, results[1].process_died) == ("model_error", False)
+    assert not results[2].fallback and not results[2].process_died
 
 
 def test_a_replaced_worker_answers_with_the_taxonomy_the_pool_was_opened_with(tmp_path: Path) -> None:

@@ -11,10 +11,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+import confluent_kafka
 import msgspec
 import pytest
 from doubles import Running
-from memory_kafka import MemoryKafka
+from memory_kafka import MemoryKafka, Record, ScriptedShareConsumer, ShareMessage, share_clients
 from test_pipeline_memory import (
     FALLBACK,
     INPUT,
@@ -26,10 +27,13 @@ from test_pipeline_memory import (
     wait_until,
 )
 
+from worker.app.doors import TriageParts, queue_pipeline
 from worker.classification import Classification, ClassifyRequest, fallback_answer
+from worker.kafka.share_groups import ShareGroup
 from worker.messages import TriageResult
 from worker.pipeline.engine import Engine
 from worker.pipeline.triage.cascade import Cascade, StageLatency
+from worker.settings import load_settings
 
 __all__ = ["kafka"]  # the fixture, used by name
 
@@ -297,3 +301,44 @@ def test_the_gate_prefers_deadline_then_overload() -> None:
     assert cascade.gate(1.0, clock(), first_stage_pressed=False) == "overloaded"  # at its bound of 1
     assert cascade.unsure(answer("a", 0.49, "m", 1.0)) and not cascade.unsure(answer("a", 0.5, "m", 1.0))
     assert not cascade.unsure(fallback_answer("model_error", FALLBACK, "m", 1.0))
+
+
+def test_a_last_delivery_at_the_escalation_stage_keeps_its_first_answer_when_the_shutdown_cannot_wait() -> (
+    None
+):
+    """Queue mode (issue #55): a ticket on its last delivery that is at the escalation stage when the
+    shutdown's time for an answer runs out is written with its first answer (`escalation_skipped:
+    deadline`) rather than released, which would have the broker archive it without a trace."""
+    memory = MemoryKafka()
+    for topic in (INPUT, OUTPUT, "tickets.dlq"):
+        memory.create_topic(topic, 1)
+    value = msgspec.json.encode({"ticket_id": "T-0", "body": "unsure hold: card or transfer?"})
+    record = Record(0, b"customer-0", value, [])
+    memory.logs[INPUT][0].append(record)
+    consumer = ScriptedShareConsumer([[ShareMessage(INPUT, 0, record, 5)]])
+    stage = Stage("encoder@test", escalation=True)
+    cascade = Cascade(stage, 0.5, 8, 0.0, first_contexts=1, labels=LABELS)
+    settings = load_settings(
+        env={},
+        overrides={
+            "kafka.bootstrap.servers": "memory:9092", "kafka.delivery.timeout.ms": "5000",
+            "pipeline.consume": "queue", "pipeline.deadline_ms": "2000",
+            "pipeline.shutdown_timeout_ms": "300",
+            "topics.input": INPUT, "topics.output": OUTPUT, "topics.dead_letter": "tickets.dlq",
+        },
+    )  # fmt: skip
+    worker = queue_pipeline(
+        settings, TriageParts(Stage("first@test"), FALLBACK, 4, cascade=cascade),
+        ShareGroup(lock_ms=15000, delivery_count_limit=5), clients=share_clients(memory, consumer),
+    )  # fmt: skip
+    running = Running(worker)
+    wait_until(lambda: len(stage.held) == 1, "the ticket at the escalation stage")
+    assert running.stop() == 0
+    (written,) = [msgspec.json.decode(r.value or b"", type=TriageResult) for r in memory.logs[OUTPUT][0]]
+    assert (written.stage, written.intent, written.confidence, written.escalation_skipped) == (
+        "first",
+        "card_lost",
+        0.3,
+        "deadline",
+    )
+    assert consumer.outcomes == {0: confluent_kafka.AcknowledgeType.ACCEPT}

@@ -38,7 +38,7 @@ from typing import Any, cast
 import confluent_kafka
 import msgspec
 import pytest
-from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, Running
+from doubles import DyingClassifier, FlakyRegistry, HoldingClassifier, RaisingClassifier, Running
 from memory_kafka import (
     MemoryKafka,
     Message,
@@ -602,10 +602,27 @@ def delivery_failed(door: Door) -> None:
     wait_until(lambda: metrics.delivery_failed + metrics.transactions_aborted >= 1, "the failed delivery")
 
 
+def delivery_failed_on_a_last_delivery(door: Door) -> None:
+    """Queue mode: a ticket's triage record fails for good on the ticket's last delivery: released, the
+    broker would archive it without a trace, so its dead letter is written instead (issue #55)."""
+    assert isinstance(door, QueueDoor)
+    _refusing(door.kafka, "T-1", confluent_kafka.KafkaError.NOT_ENOUGH_REPLICAS)
+    door.start([OK, Input(last_delivery=True), OK], HoldingClassifier())
+    wait_until(lambda: door.engine.metrics.delivery_failed >= 1, "the failed delivery")
+
+
 def model_death(door: Door) -> None:
     """The model process dies under a ticket, on an early delivery and on its last one (queue mode)."""
     inputs = [OK, Input("die: card stolen"), Input("die: card lost", last_delivery=True), OK]
     door.start(inputs, DyingClassifier())
+    door.wait_settled(0, 1, 2, 3)
+
+
+def model_error(door: Door) -> None:
+    """The model raises on a ticket (its process lives on), on an early delivery and on its last one (queue
+    mode): another try would raise again, so every door answers it `model_error` (issue #55)."""
+    inputs = [OK, Input("raise: card stolen"), Input("raise: card lost", last_delivery=True), OK]
+    door.start(inputs, RaisingClassifier())
     door.wait_settled(0, 1, 2, 3)
 
 
@@ -664,6 +681,19 @@ def shutdown_mid_batch(door: Door) -> None:
         wait_until(lambda: len(classifier.held) == 1, "the held ticket")
 
 
+def shutdown_on_a_last_delivery(door: Door) -> None:
+    """Queue mode: shutdown while a ticket on its last delivery is at the model, with too little shutdown
+    time for its answer: it is answered `overloaded` halfway through the shutdown time rather than released
+    (the broker would archive it without a trace, issue #55)."""
+    classifier = HoldingClassifier()
+    door.start(
+        [OK, Input("hold: card stolen", last_delivery=True)], classifier,
+        settings={"pipeline.shutdown_timeout_ms": 300},
+    )  # fmt: skip
+    door.wait_settled(0)
+    wait_until(lambda: len(classifier.held) == 1, "the held ticket")
+
+
 @dataclass(frozen=True)
 class Skip:
     why: str
@@ -676,6 +706,7 @@ NO_PRODUCER = Skip("a file door writes to its output stream: no broker can refus
 NO_MODEL = Skip("a replay republishes: no model, no dispatch queue")
 PACED = Skip("a line is read only when the model has room for it: it never waits in the dispatch queue")
 NO_PARTITIONS = Skip("a share group hands out records, not partitions: its records' locks end instead")
+LAST_DELIVERY = Skip("a delivery count, and a last delivery, are a share group's alone")
 NO_GROUP = Skip("no group membership, no lock: partitions assigned (replay) or lines read once")
 
 Scenario = Callable[[Door], None]
@@ -731,10 +762,26 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "replay exactly_once": "T L L",
         "lines": NO_PRODUCER,
     }),
+    "producer refusal: delivery failed on a last delivery": (delivery_failed_on_a_last_delivery, {
+        "group at_least_once": LAST_DELIVERY,
+        "group exactly_once": LAST_DELIVERY,
+        "queue": "T D T",  # D: its dead letter instead of its release (the broker would archive it)
+        "replay at_least_once": LAST_DELIVERY,
+        "replay exactly_once": LAST_DELIVERY,
+        "lines": LAST_DELIVERY,
+    }),
     "model process death": (model_death, {
         "group at_least_once": "T T:model_error T:model_error T",
         "group exactly_once": "T T:model_error T:model_error T",
         "queue": "T L D T",  # released for another try; on its last delivery dead-lettered with why
+        "replay at_least_once": NO_MODEL,
+        "replay exactly_once": NO_MODEL,
+        "lines": "T T:model_error T:model_error T",
+    }),
+    "model error (the model raised)": (model_error, {
+        "group at_least_once": "T T:model_error T:model_error T",
+        "group exactly_once": "T T:model_error T:model_error T",
+        "queue": "T T:model_error T:model_error T",  # as every door: only a process death is tried again
         "replay at_least_once": NO_MODEL,
         "replay exactly_once": NO_MODEL,
         "lines": "T T:model_error T:model_error T",
@@ -770,6 +817,14 @@ CATALOGUE: dict[str, tuple[Scenario, dict[str, str | Skip]]] = {
         "replay at_least_once": "T L",  # the position stays before it for the next run
         "replay exactly_once": "T L",  # the position stays before it for the next run
         "lines": "T L",  # no line: the run ended before its answer
+    }),
+    "shutdown mid-batch on a last delivery": (shutdown_on_a_last_delivery, {
+        "group at_least_once": LAST_DELIVERY,
+        "group exactly_once": LAST_DELIVERY,
+        "queue": "T T:overloaded",  # answered halfway through the shutdown time, never released
+        "replay at_least_once": LAST_DELIVERY,
+        "replay exactly_once": LAST_DELIVERY,
+        "lines": LAST_DELIVERY,
     }),
 }  # fmt: skip
 
@@ -807,7 +862,10 @@ def test_every_input_ends_as_one_triage_record_or_one_dead_letter_or_is_left_for
     expected = cell.split()
     try:
         scenario(door)
-        if scenario is not shutdown_mid_batch:  # there the stop is the failure: its outcomes come after it
+        if scenario not in (
+            shutdown_mid_batch,
+            shutdown_on_a_last_delivery,
+        ):  # there the stop is the failure: its outcomes come after it
             with contextlib.suppress(AssertionError):  # outcomes still on their way (a redone transaction)
                 wait_until(lambda: _matches([each.code() for each in door.seen()], expected), "", timeout=3.0)
     finally:

@@ -29,6 +29,7 @@ from worker.dev.local_broker import LocalBroker, configured_kafka_version, free_
 from worker.kafka.admin import TopicSpec, create_topics
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
 from worker.kafka.share_groups import (
+    DELIVERY_COUNT_LIMIT,
     LOCK_DURATION,
     NO_SHARE_GROUPS,
     create_share_consumer,
@@ -58,6 +59,19 @@ def _all_answered(bootstrap: str, topics: Topics, sent: int, timeout_s: float) -
         if (len(report.inputs) >= sent and not report.lost) or time.monotonic() > deadline:
             return report
         time.sleep(2)
+
+
+def _outputs(bootstrap: str, topics: Topics) -> int:
+    report = audit(bootstrap, topics, visible_within_s=5)
+    return sum(map(len, report.results.values())) + sum(map(len, report.dead.values()))
+
+
+def _wait_for_outputs(bootstrap: str, topics: Topics, at_least: int, timeout_s: float = _STARTED_S) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (found := _outputs(bootstrap, topics)) < at_least:
+        assert time.monotonic() < deadline, f"{found} outputs, waited for {at_least}"
+        time.sleep(1)
+    return found
 
 
 def _misrouted(report: Audit) -> list[tuple[int, int]]:
@@ -270,3 +284,97 @@ def test_a_backlog_of_twenty_locks_is_triaged_once_without_spending_deliveries_o
     # out whole producer batches, which librdkafka 2.16 cannot ask to split (no strict record limit,
     # KIP-1206), so a bulk-produced backlog's tail does circle; on its last delivery it is answered.
     assert queue["released_untried"] <= count * 4
+
+
+def test_a_rolling_restart_on_the_last_delivery_leaves_every_ticket_triaged_or_dead_lettered(
+    share_group_bootstrap: str, share_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """Issue #55 as reported: delivery limit 2; a worker holding a batch is killed (kill -9), so its records
+    come back with one delivery spent; its replacement takes them on their last delivery and is stopped with
+    SIGTERM (a rolling deploy) while most are unfinished; a third worker finishes what is left. Every ticket
+    ends with a triage record or a dead letter. Before, the replacement released what it had not finished
+    (`records_released reason=stopping`) and the broker archived it: 1,405 of 1,500 with neither."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    set_share_group_configs(bootstrap, group, {DELIVERY_COUNT_LIMIT: 2})
+    count = 1500
+    publish(bootstrap, topics, count, malformed_ratio=0.0, seed=55)
+    crashing = Worker(bootstrap, topics, group, tmp_path, "crashing", QUEUE, slow_model_s=0.25)
+    try:
+        crashing.wait_for("pipeline_started", timeout=_STARTED_S)
+        _wait_for_outputs(bootstrap, topics, 1)  # it holds a batch
+    finally:
+        crashing.kill()
+    replacement = Worker(bootstrap, topics, group, tmp_path, "replacement", QUEUE, slow_model_s=0.25)
+    finishing: Worker | None = None
+    try:
+        replacement.wait_for("pipeline_started", timeout=_STARTED_S)
+        before = _outputs(bootstrap, topics)
+        _wait_for_outputs(bootstrap, topics, before + 1)  # it holds the batch again, on its last delivery
+        assert replacement.stop() == 0, replacement.tail()
+        answered = sum(event["count"] for event in replacement.events("last_deliveries_answered"))
+        released_last = replacement.events("last_deliveries_released")
+        finishing = Worker(bootstrap, topics, group, tmp_path, "finishing", QUEUE)
+        finishing.wait_for("pipeline_started", timeout=_STARTED_S)
+        report = _all_answered(bootstrap, topics, count, 300)
+        assert finishing.stop() == 0
+    finally:
+        replacement.kill()
+        if finishing is not None:
+            finishing.kill()
+    report = audit(bootstrap, topics, visible_within_s=5)
+    fallbacks = sum(1 for results in report.results.values() for r in results if r.fallback)
+    _report(
+        "queue, rolling restart on the last delivery",
+        f"{report.summary()}; the replacement answered {answered} last deliveries at its shutdown; "
+        f"{fallbacks} fallback records; released on their last delivery: {released_last}",
+    )
+    assert len(report.inputs) == count
+    assert report.lost == []
+    assert _misrouted(report) == []
+    assert answered > 0  # the scenario happened: the replacement held last deliveries when it stopped
+
+
+def test_the_share_group_gets_the_brokers_own_dead_letter_topic_as_its_last_net(
+    share_group_bootstrap: str, share_topic: Callable[..., str]
+) -> None:
+    """Issue #55 item 4 (KIP-1191, Kafka 4.4): `prepare_share_group` gives a group nobody configured the
+    broker's dead-letter topic `dlq.<group>`, references only; a record the group archives (here one a
+    member rejects) then leaves a reference there: its topic, partition, offset, group and delivery count,
+    no key and no value."""
+    bootstrap, topics = share_group_bootstrap, _topics(share_topic)
+    group = f"triage-queue-{uuid.uuid4().hex[:8]}"
+    settings = settings_for(bootstrap, topics, **{"pipeline.group_id": group, "pipeline.consume": "queue"})
+    shared = prepare_share_group(settings.kafka, settings.pipeline)
+    assert (shared.dead_letter_topic, shared.dead_letter) == (f"dlq.{group}", "set by the worker")
+    publish(bootstrap, topics, 1, malformed_ratio=0.0, seed=4)
+    member = create_share_consumer(settings.kafka, settings.pipeline)
+    try:
+        member.subscribe([topics.input])
+        taken: list[confluent_kafka.Message] = []
+        deadline = time.monotonic() + _STARTED_S
+        while not taken and time.monotonic() < deadline:
+            taken = [message for message in member.poll(1.0) if message.error() is None]
+        assert len(taken) == 1
+        member.acknowledge(taken[0], confluent_kafka.AcknowledgeType.REJECT)
+        member.commit_sync(10.0)
+    finally:
+        member.close()
+    reader = confluent_kafka.Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"reader-{group}", "auto.offset.reset": "earliest"}
+    )
+    try:
+        reader.subscribe([f"dlq.{group}"])
+        found = None
+        deadline = time.monotonic() + 60
+        while found is None and time.monotonic() < deadline:
+            message = reader.poll(1.0)
+            if message is not None and message.error() is None:
+                found = message
+    finally:
+        reader.close()
+    assert found is not None, "no reference in the broker's dead-letter topic"
+    headers = dict(found.headers() or [])
+    assert (found.key(), found.value()) == (None, None)
+    assert headers["__dlq.errors.topic"] == topics.input.encode()
+    assert (headers["__dlq.errors.offset"], headers["__dlq.errors.group"]) == (b"0", group.encode())

@@ -272,3 +272,133 @@ def test_a_stopping_worker_hands_its_unfinished_tickets_to_the_next_each_triaged
         msgspec.json.decode(r.value or b"", type=TriageResult) for r in kafka.logs["tickets.triaged"][0]
     ]
     assert sorted(r.source.offset for r in answered) == [0, 1, 2]
+
+
+def _crashed_member(group: MemoryShareGroup) -> None:
+    """A member takes every available record and dies (kill -9): the broker sees its connection close and
+    makes its records available again, each with one delivery spent."""
+    member = group.clients().share_consumer(lambda error: None, 1000)
+    member.subscribe(["tickets.raw"])
+    assert member.poll(0)
+    member.close()
+
+
+def test_a_rolling_restart_on_the_last_delivery_answers_every_ticket_instead_of_releasing_it() -> None:
+    """Issue #55, as reported: delivery limit 2; a worker holding a batch is killed (its records come back
+    with one delivery spent); the replacement takes the batch, its last delivery, and is stopped (SIGTERM)
+    with two tickets at the model and four in its backlog. Released, the broker would archive all six
+    without a trace: each is answered instead (`overloaded`: the shutdown left it no model time)."""
+    kafka = _kafka()
+    _batch(kafka, ["hold"] * 6)
+    group = MemoryShareGroup(kafka, "triage", lock_ms=15000, delivery_count_limit=2)
+    _crashed_member(group)
+    deliveries = [group.delivery("tickets.raw", 0, n) for n in range(6)]
+    assert [(d.state, d.count) for d in deliveries] == [("available", 1)] * 6
+    holding = HoldingClassifier()
+    settings = _settings(**{
+        "pipeline.max_in_flight": "2", "pipeline.shutdown_timeout_ms": "400", "kafka.max.poll.records": "100",
+    })  # fmt: skip
+    pipeline = queue_pipeline(
+        settings, TriageParts(holding, FALLBACK, 4), ShareGroup(lock_ms=15000, delivery_count_limit=2),
+        clients=group.clients(),
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    _wait(lambda: len(holding.held) == 2)  # the bound: four wait in the backlog
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert [(d.state, d.count) for d in deliveries] == [("acknowledged", 2)] * 6
+    answered = [
+        msgspec.json.decode(r.value or b"", type=TriageResult) for r in kafka.logs["tickets.triaged"][0]
+    ]
+    assert sorted((r.source.offset, r.fallback_reason) for r in answered) == [
+        (n, "overloaded") for n in range(6)
+    ]
+    assert kafka.logs["tickets.dlq"][0] == []
+
+
+def test_a_last_delivery_the_loop_reaches_past_its_answer_window_is_answered_late_not_released() -> None:
+    """Issue #55: a record on its last delivery left in the backlog by a full in-flight bound, which the loop
+    reaches only once the window to deliver an answer inside the lock has closed (9 s into the 15 s lock
+    here: a slow turn), is answered (`overloaded`, it needs no model time) rather than released: the broker
+    archives it at its lock's end whatever becomes of it, so a late answer can only add its outcome. The
+    others are released at the lock's end as before."""
+    kafka = _kafka()
+    consumer = ScriptedShareConsumer([_batch(kafka, ["hold", "ok", "ok"], deliveries=[5, 5, 1])])
+    now = [1000.0]
+    classifier = HoldingClassifier()
+    pipeline = queue_pipeline(
+        _settings(**{"pipeline.max_in_flight": "1"}), TriageParts(classifier, FALLBACK, 4), LOCK,
+        clients=share_clients(kafka, consumer), clock=lambda: now[0],
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    _wait(lambda: len(classifier.held) == 1)  # the bound is full: the other two wait in the backlog
+    now[0] += 9.5
+    _wait(lambda: consumer.outcomes.get(1) == ACCEPT)
+    now[0] += 4.6  # the lock's end: the rest is released
+    _wait(lambda: len(consumer.outcomes) == 3)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: ACCEPT, 1: ACCEPT, 2: RELEASE}
+    answered = [
+        msgspec.json.decode(r.value or b"", type=TriageResult) for r in kafka.logs["tickets.triaged"][0]
+    ]
+    assert sorted((r.source.offset, r.fallback_reason) for r in answered) == [
+        (0, "overloaded"),
+        (1, "overloaded"),
+    ]
+
+
+def test_a_last_delivery_held_for_the_registry_is_dead_lettered_before_its_lock_closes() -> None:
+    """Issue #55: records held back for a Schema Registry that does not answer go back to the group at the
+    lock's end, except the one on its last delivery: it gets its dead letter (with why) once the lock allows
+    no more model time, instead of being archived by the broker without a trace."""
+    kafka = _kafka()
+    consumer = ScriptedShareConsumer([_batch(kafka, ["ok", "ok"], deliveries=[5, 1])])
+    now = [1000.0]
+    pipeline = queue_pipeline(
+        _settings(), TriageParts(InstantClassifier(), FALLBACK, 4, decoder=FlakyRegistry()), LOCK,
+        clients=share_clients(kafka, consumer), clock=lambda: now[0],
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    state = pipeline.metrics.registry
+    assert state is not None
+    _wait(lambda: state.outage is not None)
+    now[0] += 7.5
+    _wait(lambda: consumer.outcomes.get(0) == REJECT)
+    now[0] += 6.6
+    _wait(lambda: len(consumer.outcomes) == 2)
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert consumer.outcomes == {0: REJECT, 1: RELEASE}
+    (letter,) = kafka.logs["tickets.dlq"][0]
+    headers = dict(letter.headers or [])
+    assert headers["triage.error.type"] == b"delivery_count_exceeded"
+    assert b"Schema Registry" in (headers["triage.error.message"] or b"")
+    assert kafka.logs["tickets.triaged"][0] == []
+
+
+def test_acknowledgements_are_sent_while_the_batch_is_still_at_work() -> None:
+    """A batch's acknowledgements reach the group within about half a second, not only once the whole batch
+    is settled: a worker killed (kill -9) mid-batch then has every ticket it finished more than that ago
+    acknowledged, and another worker writes again only the rest. Before, a kill -9 of a worker holding a
+    1,500-record batch wrote 76 tickets twice on the real broker (more than `max_in_flight`, 32)."""
+    kafka = _kafka()
+    _batch(kafka, ["ok", "ok", "hold", "hold"])
+    group = MemoryShareGroup(kafka, "triage", lock_ms=15000, delivery_count_limit=5)
+    holding = HoldingClassifier()
+    pipeline = queue_pipeline(
+        _settings(**{"kafka.max.poll.records": "10"}), TriageParts(holding, FALLBACK, 4), LOCK,
+        clients=group.clients(),
+    )  # fmt: skip
+    thread, codes = _run(pipeline)
+    deliveries = [group.delivery("tickets.raw", 0, n) for n in range(4)]
+    _wait(lambda: len(kafka.logs["tickets.triaged"][0]) == 2 and len(holding.held) == 2)
+    _wait(lambda: [d.state for d in deliveries] == ["acknowledged"] * 2 + ["acquired"] * 2, timeout_s=3.0)
+    holding.release()
+    pipeline.request_stop()
+    thread.join(20)
+    assert codes == [0]
+    assert [d.state for d in deliveries] == ["acknowledged"] * 4

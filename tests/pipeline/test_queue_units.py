@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import confluent_kafka
 import msgspec
@@ -15,6 +16,7 @@ from worker.app.doors import lock_budget, refuse_exactly_once
 from worker.errors import UserError
 from worker.kafka.share_groups import (
     ShareGroup,
+    broker_net,
     delivery_timeout_ms,
     queue_kafka_options,
     share_consumer_config,
@@ -171,3 +173,85 @@ def test_the_share_consumer_is_made_with_the_fetch_size_unless_the_user_set_one(
     assert (
         share_consumer_config(given.kafka, given.pipeline, max_poll_records=12)["max.poll.records"] == "500"
     )
+
+
+class _Entry:
+    def __init__(self, value: str, is_default: bool = True) -> None:
+        self.value, self.is_default = value, is_default
+
+
+class _Done:
+    def __init__(self, value: object = None, error: Exception | None = None) -> None:
+        self.value, self.error = value, error
+
+    def result(self, timeout: float | None = None) -> object:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Admin:
+    """The AdminClient calls `broker_net` makes, recorded; `refuse`: the call names that raise."""
+
+    def __init__(self, refuse: dict[str, confluent_kafka.KafkaException] | None = None) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.refuse = refuse or {}
+
+    def _answer(self, name: str, keys: list[object], value: object = None) -> dict[object, _Done]:
+        return {key: _Done(value, self.refuse.get(name)) for key in keys}
+
+    def list_topics(self, timeout: float) -> object:
+        return type("Metadata", (), {"brokers": {1: object()}})()
+
+    def describe_configs(self, resources: list[object]) -> dict[object, _Done]:
+        self.calls.append(("describe", resources))
+        return self._answer(
+            "describe", resources, {"errors.deadletterqueue.topic.name.prefix": _Entry("dlq.")}
+        )
+
+    def create_topics(self, topics: list[object], request_timeout: float) -> dict[object, _Done]:
+        self.calls.append(("create", topics))
+        return self._answer("create", [topic.topic for topic in topics])  # type: ignore[attr-defined]
+
+    def incremental_alter_configs(self, resources: list[object]) -> dict[object, _Done]:
+        self.calls.append(("alter", resources))
+        return self._answer("alter", resources)
+
+
+def test_the_share_group_gets_the_brokers_own_dead_letter_topic_as_the_last_net() -> None:
+    """Issue #55 item 4 (KIP-1191): where the broker knows the group config and nobody set it, the worker
+    creates `dlq.<group>` (allowed as a dead-letter topic) and sets it on the group, with references only
+    (no copy of the record: its personal data stays where it was)."""
+    admin = _Admin()
+    configs = {
+        "errors.deadletterqueue.topic.name": _Entry(""),
+        "errors.deadletterqueue.copy.record.enable": _Entry("false"),
+    }
+    topic, how = broker_net(admin, "triage", configs, {})  # type: ignore[arg-type]
+    assert (topic, how) == ("dlq.triage", "set by the worker")
+    created: list[Any] = next(call for name, call in admin.calls if name == "create")
+    assert [(topic.topic, topic.config) for topic in created] == [
+        ("dlq.triage", {"errors.deadletterqueue.group.enable": "true"})
+    ]
+    altered: list[Any] = [call for name, call in admin.calls if name == "alter"][-1]
+    assert len(altered) == 1
+    assert {(e.name, e.value) for e in altered[0].incremental_configs} == {
+        ("errors.deadletterqueue.topic.name", "dlq.triage"),
+        ("errors.deadletterqueue.copy.record.enable", "false"),
+    }
+
+
+def test_a_share_group_dead_letter_topic_someone_set_is_left_and_a_broker_without_one_is_no_error() -> None:
+    set_by_operator = {"errors.deadletterqueue.topic.name": _Entry("dlq.ours", is_default=False)}
+    admin = _Admin()
+    assert broker_net(admin, "triage", set_by_operator, {}) == ("dlq.ours", "set on the group")  # type: ignore[arg-type]
+    assert admin.calls == []
+    topic, how = broker_net(admin, "triage", {}, {})  # type: ignore[arg-type]
+    assert topic is None and how.startswith("none: the broker has no share-group dead-letter topics")
+    denied = confluent_kafka.KafkaException(
+        confluent_kafka.KafkaError(confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED, "not allowed")
+    )
+    refusing = _Admin(refuse={"create": denied})
+    topic, how = broker_net(refusing, "triage", {"errors.deadletterqueue.topic.name": _Entry("")}, {})  # type: ignore[arg-type]
+    assert topic is None and how.startswith("none: ") and "not allowed" in how
+    assert not any(name == "alter" for name, _ in refusing.calls)

@@ -249,7 +249,9 @@ def queue_pipeline(
         pipeline.poll_timeout_ms / 1000.0, metrics, failure, clock,
     )  # fmt: skip
     rules = _dead_letter_rules(settings, parts, metrics, clock)
-    settlement = Acknowledging(factory, rules, failure, source.acknowledge, give_up.get, clock)
+    settlement = Acknowledging(
+        factory, rules, failure, source.acknowledge, give_up.get, clock, source.last_delivery
+    )
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     return _triage_loop(
         settings, parts, source, settlement, queue, requests, metrics, failure, give_up, clock,

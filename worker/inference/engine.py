@@ -124,6 +124,7 @@ class Engine:
             self.tokenizer = og.Tokenizer(self.model)
         self._check_split()
         self._check_serves()
+        self._check_fits(_context_length(folder), needed)
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -201,6 +202,24 @@ class Engine:
                 "tokens, so the shared prefix cannot be reused"
             )
 
+    def _check_fits(self, context: int, needed: int) -> None:
+        """Refuse, in one line, a model whose context cannot hold the prompt plus the ticket budget and the
+        answer: a ticket that used its whole budget would run past the cache and fail with `model_error`
+        (issue #55), every such ticket, in every door."""
+        if needed <= context:
+            return
+        others = needed - self.max_ticket_tokens
+        fix = (
+            f"lower the ticket budget to at most {context - others} (inference.max_ticket_tokens)"
+            if context > others
+            else "the prompt alone does not fit: use a model with a longer context"
+        )
+        raise UserError(
+            f"{self.model_id}: its context ({context} tokens) cannot hold the prompt ({len(self.prefix_ids)} "
+            f"tokens) plus the ticket budget ({self.max_ticket_tokens} tokens) and the answer "
+            f"({others - len(self.prefix_ids)} tokens): {fix}"
+        )
+
     def _check_serves(self) -> None:
         """Create one Generator and prefill the prefix, so that a model this runtime cannot serve with these
         settings (e.g. a cache sized under what its attention needs) is refused at start in one line rather
@@ -209,6 +228,13 @@ class Engine:
             og.Generator(self.model, self.params()).append_tokens(self.prefix_ids)
         except Exception as error:  # ORT GenAI raises plain RuntimeError
             raise UserError(f"{self.model_id} cannot be served: {str(error).splitlines()[0]}") from None
+
+
+def _context_length(folder: Path) -> int:
+    """The most tokens the model in `folder` attends to (its `genai_config.json`)."""
+    config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
+    model = config.get("model", {})
+    return int(model.get("context_length") or config.get("search", {}).get("max_length") or 4096)
 
 
 def _cache_length(folder: Path, needed: int) -> tuple[int, int]:
@@ -221,7 +247,7 @@ def _cache_length(folder: Path, needed: int) -> tuple[int, int]:
     """
     config = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))
     model = config.get("model", {})
-    context = int(model.get("context_length") or config.get("search", {}).get("max_length") or 4096)
+    context = _context_length(folder)
     window = model.get("decoder", {}).get("sliding_window", {}).get("window_size")
     if not isinstance(window, int) or window <= 0:
         return min(context, needed), 0

@@ -15,8 +15,9 @@ polling, heartbeats, metrics. Hence the pool kinds:
   batch_size > 1, so a batched label continuation would need a full re-prefill per label.
 
 All pools answer every submitted request exactly once: a worker process that dies is restarted and its
-in-flight requests are answered with `model_error`; a request that is already past its deadline when its
-turn comes is answered `overloaded` without running.
+in-flight requests are answered with `model_error`, marked `process_died` (queue mode gives those another
+try; a `model_error` the engine itself answered, when the model raised, is not marked); a request that is
+already past its deadline when its turn comes is answered `overloaded` without running.
 """
 
 from __future__ import annotations
@@ -445,7 +446,9 @@ class ProcessPool(ClassifierPool):
         )
         for request_id, (_, submitted) in worker.in_flight.items():
             latency_ms = (time.monotonic() - submitted) * 1000.0
-            answer = fallback_answer("model_error", self._taxonomy.fallback_label, self.model_id, latency_ms)
+            answer = fallback_answer(
+                "model_error", self._taxonomy.fallback_label, self.model_id, latency_ms, process_died=True
+            )
             results.append((request_id, answer))
         worker.in_flight.clear()
         worker.outbox.put(None)

@@ -13,6 +13,17 @@ per record. Measured with confluent-kafka 2.16.1 against Kafka 4.4.0 (docs/desig
   `share.delivery.count.limit`), read and set with the AdminClient before the group exists.
   `prepare_share_group` sets the start to earliest unless someone set it (as group mode: tickets published
   before the first worker started are still tickets) and reads the other two (`ShareGroup`);
+- where the broker has share groups' own dead-letter topics (KIP-1191, Kafka 4.4: the group config
+  `errors.deadletterqueue.topic.name`), `prepare_share_group` gives the group one as the last net, unless
+  someone set it: `dlq.<group>` (the broker's `errors.deadletterqueue.topic.name.prefix`, "dlq." by
+  default), created with `errors.deadletterqueue.group.enable=true`, and `errors.deadletterqueue.
+  copy.record.enable` left false, so that the broker writes a reference to each record it archives
+  (`__dlq.errors.topic`/`partition`/`offset`/`group`/`delivery.count`/`message` headers, no key, no value:
+  the ticket's personal data stays where it was). The worker itself never releases a record on its last
+  delivery; what it could not write at all (the broker away through the lock) is what this net is for.
+  It also receives a reference for each record the worker REJECTs after its own dead letter. A broker
+  without the config, or one that refuses it (ACLs), leaves the group without a net: said in the start
+  line, never fatal;
 - the producer's `delivery.timeout.ms` bounds how long a record's output may wait for the broker: in queue
   mode it defaults to a third of the lock (`queue_kafka_options`), so that a ticket's deadline plus its
   delivery fit inside the lock (`worker/pipeline/sources/lock_budget.py` refuses settings where they do not).
@@ -26,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import confluent_kafka
+import structlog
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._config import (  # re-exported untyped by confluent_kafka.admin
     AlterConfigOpType,
@@ -33,6 +45,7 @@ from confluent_kafka.admin._config import (  # re-exported untyped by confluent_
     ConfigResource,
 )
 from confluent_kafka.admin._resource import ResourceType  # re-exported untyped by confluent_kafka.admin
+from confluent_kafka.cimpl import NewTopic  # re-exported untyped by confluent_kafka.admin
 
 from worker.errors import UserError
 from worker.kafka.clients import (
@@ -46,12 +59,22 @@ from worker.kafka.clients import (
 )
 from worker.settings import PipelineSettings
 
+_log = structlog.get_logger("worker.kafka")
+_TOPIC_EXISTS = confluent_kafka.KafkaError.TOPIC_ALREADY_EXISTS
+
 # Kafka's defaults for the group configs (a broker may set others: `group.share.*`).
 DEFAULT_LOCK_MS = 30000
 DEFAULT_DELIVERY_COUNT_LIMIT = 5
 AUTO_OFFSET_RESET = "share.auto.offset.reset"
 LOCK_DURATION = "share.record.lock.duration.ms"
 DELIVERY_COUNT_LIMIT = "share.delivery.count.limit"
+# KIP-1191 (Kafka 4.4): the group's dead-letter topic, whether the broker copies the record into it, the
+# broker's prefix for such topics, and the topic config that lets a topic be one.
+DEAD_LETTER_TOPIC = "errors.deadletterqueue.topic.name"
+DEAD_LETTER_COPY = "errors.deadletterqueue.copy.record.enable"
+DEAD_LETTER_PREFIX = "errors.deadletterqueue.topic.name.prefix"
+DEAD_LETTER_ENABLE = "errors.deadletterqueue.group.enable"
+_DEFAULT_DEAD_LETTER_PREFIX = "dlq."
 # Consumer-group options a share consumer refuses at construction (measured), and the producer's.
 _REFUSED_BY_SHARE_CONSUMER = (
     "session.timeout.ms",
@@ -133,6 +156,10 @@ class ShareGroup:
 
     lock_ms: int = DEFAULT_LOCK_MS
     delivery_count_limit: int = DEFAULT_DELIVERY_COUNT_LIMIT
+    # The broker's own net (KIP-1191): the group's dead-letter topic (None: none), and how it came to be
+    # (or why there is none), for the start line.
+    dead_letter_topic: str | None = None
+    dead_letter: str = "not asked"
 
 
 def queue_kafka_options(kafka: Mapping[str, str], group: ShareGroup) -> dict[str, str]:
@@ -175,9 +202,82 @@ def prepare_share_group(kafka: Mapping[str, str], pipeline: PipelineSettings) ->
     limit = configs.get(DELIVERY_COUNT_LIMIT)
     group_limit = int(limit.value) if limit is not None else DEFAULT_DELIVERY_COUNT_LIMIT
     configured = pipeline.delivery_count_limit
+    dead_letter_topic, dead_letter = broker_net(admin, group_id, configs, kafka)
     return ShareGroup(
         lock_ms=int(lock.value) if lock is not None else DEFAULT_LOCK_MS,
         delivery_count_limit=min(configured, group_limit) if configured is not None else group_limit,
+        dead_letter_topic=dead_letter_topic,
+        dead_letter=dead_letter,
+    )
+
+
+def broker_net(
+    admin: AdminClient, group_id: str, configs: Mapping[str, Any], kafka: Mapping[str, str]
+) -> tuple[str | None, str]:
+    """The share group's own dead-letter topic (KIP-1191) as the last net, and how it came to be: left as
+    someone set it; else `<prefix><group>` created (topic config `errors.deadletterqueue.group.enable`) and
+    set on the group, records not copied into it (references only) unless someone asked for copies.
+    Never fatal: a broker without the config, or one that refuses a step, leaves the group without one
+    (logged, and said in the start line). `configs`: the group's configs as described."""
+    entry = configs.get(DEAD_LETTER_TOPIC)
+    if entry is None:
+        return None, "none: the broker has no share-group dead-letter topics (Kafka >= 4.4, KIP-1191)"
+    if entry.value:
+        return str(entry.value), "set on the group"
+    try:
+        topic = _dead_letter_prefix(admin, kafka) + group_id
+        _dead_letter_topic_ready(admin, topic, kafka)
+        entries = [ConfigEntry(DEAD_LETTER_TOPIC, topic, incremental_operation=AlterConfigOpType.SET)]
+        copy = configs.get(DEAD_LETTER_COPY)
+        if copy is None or copy.is_default:  # references only: the ticket's personal data stays put
+            entries.append(
+                ConfigEntry(DEAD_LETTER_COPY, "false", incremental_operation=AlterConfigOpType.SET)
+            )
+        resource = ConfigResource(ResourceType.GROUP, group_id, incremental_configs=entries)
+        kafka_call(
+            f"set {DEAD_LETTER_TOPIC}={topic} on share group {group_id}",
+            lambda: admin.incremental_alter_configs([resource])[resource].result(),
+            kafka,
+        )
+    except (UserError, confluent_kafka.KafkaException) as problem:
+        reason = str(problem).splitlines()[0] if str(problem) else type(problem).__name__
+        _log.warning("share_group_dead_letter_topic_not_set", group=group_id, reason=reason)
+        return None, f"none: {reason}"
+    return topic, "set by the worker"
+
+
+def _dead_letter_prefix(admin: AdminClient, kafka: Mapping[str, str]) -> str:
+    """The broker's prefix for dead-letter topic names ("dlq." by default), as one broker describes it."""
+    brokers = kafka_call("list the brokers", lambda: admin.list_topics(timeout=10).brokers, kafka)
+    if not brokers:
+        return _DEFAULT_DEAD_LETTER_PREFIX
+    resource = ConfigResource(ResourceType.BROKER, str(next(iter(brokers))))
+    configs: dict[str, Any] = kafka_call(
+        "describe a broker's configs", lambda: admin.describe_configs([resource])[resource].result(), kafka
+    )
+    prefix = configs.get(DEAD_LETTER_PREFIX)
+    return (
+        str(prefix.value) if prefix is not None and prefix.value is not None else _DEFAULT_DEAD_LETTER_PREFIX
+    )
+
+
+def _dead_letter_topic_ready(admin: AdminClient, topic: str, kafka: Mapping[str, str]) -> None:
+    """`topic` exists and may be a group's dead-letter topic: created so (one partition, the cluster's
+    replication), or, where it exists, given the topic config that allows it."""
+    new = NewTopic(topic, 1, -1, config={DEAD_LETTER_ENABLE: "true"})
+    try:
+        admin.create_topics([new], request_timeout=10.0)[topic].result()
+        return
+    except confluent_kafka.KafkaException as problem:
+        error = problem.args[0] if problem.args else None
+        if not (isinstance(error, confluent_kafka.KafkaError) and error.code() == _TOPIC_EXISTS):
+            raise
+    entry = ConfigEntry(DEAD_LETTER_ENABLE, "true", incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[entry])
+    kafka_call(
+        f"set {DEAD_LETTER_ENABLE}=true on {topic}",
+        lambda: admin.incremental_alter_configs([resource])[resource].result(),
+        kafka,
     )
 
 

@@ -39,6 +39,7 @@ import structlog
 from worker.decoding import RegistryUnavailable
 from worker.errors import UserError
 from worker.kafka.commits import TopicPartitionKey
+from worker.messages import FallbackReason
 from worker.pipeline.failure import Failure
 from worker.pipeline.flow import Flow, InFlightGate
 from worker.pipeline.metrics import PipelineMetrics
@@ -330,6 +331,17 @@ class Engine(Loop):
         self._stage.give_up(keys)
         self._settlement.abandon(works)
         _log.info("records_released", count=len(works), reason=why)
+
+    @property
+    def stop_by(self) -> float | None:
+        return self._stop_by
+
+    def take(self, record: Record) -> None:
+        self._take(record)
+        self._update_gauge()
+
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        self._stage.answer_now(works, reason)
 
     def _give_up(self, keys: set[TopicPartitionKey]) -> None:
         self._stage.give_up(keys)

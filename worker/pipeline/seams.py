@@ -64,7 +64,8 @@ class Record:
 
 
 class HandBack(enum.Enum):
-    """What becomes of a record whose model process died under it (`Source.hand_back`)."""
+    """What becomes of a record whose model process died under it (`Source.hand_back`); a model that raised
+    or answered `model_error` itself is answered as any other answer, in every door."""
 
     # The stage answers it (`model_error`), as any other answer.
     ANSWER = "answer"
@@ -96,6 +97,21 @@ class Loop(Protocol):
     def abandon(self, works: Collection[Work], why: str) -> None:
         """The source released these taken records itself (queue mode: their lock is ending): whatever the
         stage or the settlement still does for them is not written."""
+
+    @property
+    def stop_by(self) -> float | None:
+        """While stopping: the instant (a clock value) the shutdown ends; None otherwise."""
+        ...
+
+    def take(self, record: Record) -> None:
+        """Take `record` now, outside `read` and whatever the in-flight bound (queue mode: a record on its
+        last delivery, `answer_now` set, that must be answered before its lock closes; it needs no model
+        time)."""
+
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        """These taken records cannot wait for their answer any longer (queue mode: on their last delivery,
+        with the lock's or the shutdown's time for an answer running out): those still without one are
+        answered with the `reason` fallback now; a model answer coming later is discarded."""
 
 
 class Source(Protocol):
@@ -201,6 +217,11 @@ class Stage(Protocol[AdmissionT]):
     def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
         """`work` was taken although the stage could not read it (the source could not hold it back): its
         outcome must still be written (a dead letter saying why)."""
+
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        """Of `works`, those still waiting for the model or at it are answered with the `reason` fallback
+        now (their model answers, when they come, are discarded); the others are left as they are. Added for
+        queue mode's last deliveries (`Loop.answer_now`)."""
 
     def serve(self, wait_s: float) -> None:
         """Answers, expiry, dispatch and side topics; waits up to `wait_s` for an answer when one is due."""

@@ -21,11 +21,13 @@ Nothing waits here between two turns of the loop: the stage has no model, no que
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from worker.decoding import RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import DeadLetterInfo, read_dead_letter, replay_headers
+from worker.messages import FallbackReason
 from worker.pipeline.seams import Record, Settlement
 from worker.pipeline.work import Output, Work
 from worker.replay.outcomes import UNMATCHED, RecordReport, ReplayOutcome
@@ -104,6 +106,9 @@ class ReplayStage:
 
     def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
         raise AssertionError("a dead letter is never held back: its headers need no Schema Registry")
+
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        pass  # nothing waits here for a model (and a replay's source asks for no answer)
 
     def serve(self, wait_s: float) -> None:
         pass  # nothing waits here: the settlement serves the delivery reports

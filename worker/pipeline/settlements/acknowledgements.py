@@ -7,7 +7,10 @@ share group instead of a consumer group: there are no offsets to commit, each re
 - `ACCEPT`: the record's triage record was acknowledged by the broker;
 - `REJECT`: its dead letter was acknowledged (the record is archived, never redelivered);
 - `RELEASE`: its output could not be delivered (a producer error, the broker away past
-  `delivery.timeout.ms`): the share group hands it out again, to this worker or another.
+  `delivery.timeout.ms`): the share group hands it out again, to this worker or another. Not on the
+  record's last delivery (the broker would archive it without a trace): a triage record that failed is
+  replaced by the ticket's dead letter (`delivery_count_exceeded`, with why); only a dead letter that fails
+  too releases it, to the broker's own net (its dead-letter topic, where one is configured).
 
 A refused output first goes through the same delivery-error rules as in group mode
 (`delivery.DeliveryRules`: a dead letter too large is written smaller, a result refused for its content is
@@ -26,6 +29,7 @@ import structlog
 from worker.kafka import errors
 from worker.kafka.clients import ProducerFactory
 from worker.kafka.commits import TopicPartitionKey
+from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
 from worker.pipeline.failure import Failure
 from worker.pipeline.settlements.deliveries import Deliveries
 from worker.pipeline.settlements.delivery import DeliveryRules, send_tracked
@@ -49,8 +53,11 @@ class Acknowledging(WithoutOffsets):
         acknowledge: Acknowledge,
         give_up_at: Callable[[], float | None],
         clock: Callable[[], float],
+        last_delivery: Callable[[Work], bool] = lambda work: False,
     ) -> None:
+        """`last_delivery(work)`: whether the record is on its last delivery (the source's)."""
         self._rules, self._failure = rules, failure
+        self._last_delivery = last_delivery
         self._acknowledge, self._give_up_at = acknowledge, give_up_at
         self._clock = clock
         self.deliveries = Deliveries()
@@ -129,6 +136,19 @@ class Acknowledging(WithoutOffsets):
         instead = self._rules.instead(work, output, error)
         if instead is not None:
             self.write(work, instead)
+            return
+        dead_letter_topic = self._rules.dead_letter_topic
+        if output.topic != dead_letter_topic and dead_letter_topic is not None and self._last_delivery(work):
+            self._rules.failed(
+                work, error, "its last delivery: the ticket is dead-lettered instead", severe=False
+            )
+            self.write(work, self._rules.undelivered_letter(work, error, DELIVERY_COUNT_EXCEEDED))
+            return
+        if self._last_delivery(work):
+            self._rules.failed(
+                work, error, "its last delivery: released to the broker's own net (its dead-letter topic)"
+            )
+            self._acknowledge(work, Acknowledgement.RELEASE)
             return
         self._rules.failed(
             work, error, "the record is released: the share group hands it out again", severe=False

@@ -194,6 +194,18 @@ class DeliveryRules:
         letter = dead_letter(work, self.dead_letter_topic, RESULT_REFUSED, reason, self._redaction)
         return dataclasses.replace(letter, headers=work.trace.headers(letter.headers))
 
+    def undelivered_letter(self, work: Work, error: confluent_kafka.KafkaError, error_type: str) -> Output:
+        """The dead letter (`error_type`) of a record whose triage record failed for good where the record
+        cannot be tried again (queue mode: its last delivery)."""
+        assert self.dead_letter_topic is not None
+        self._metrics.dead_letter(error_type)
+        if self._metrics.queue is not None:
+            self._metrics.queue.delivery_count_exceeded += 1
+        reason = f"its triage record could not be delivered ({error.name()}: {error.str()})"
+        work.trace.outcome("dead_letter", error_type)
+        letter = dead_letter(work, self.dead_letter_topic, error_type, reason, self._redaction)
+        return dataclasses.replace(letter, headers=work.trace.headers(letter.headers))
+
     def failed(self, work: Work, error: confluent_kafka.KafkaError, effect: str, severe: bool = True) -> None:
         """A delivery failed for good: counted and logged with what the settlement does about it."""
         self._metrics.delivery_failed += 1

@@ -59,6 +59,11 @@ class LockBudget:
         """Whether an answer written now, without the model, can still be delivered inside that lock."""
         return now + self.delivery_s + MARGIN_S < lock_from + self.lock_s
 
+    def answer_by(self, lock_from: float) -> float:
+        """The last instant an answer written without the model can still be delivered inside that lock
+        (where `may_answer` turns False)."""
+        return lock_from + self.lock_s - self.delivery_s - MARGIN_S
+
     def expires_at(self, lock_from: float) -> float:
         """When records of that batch not acknowledged yet must be released (their lock is about to end)."""
         return lock_from + self.lock_s - MARGIN_S

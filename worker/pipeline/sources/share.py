@@ -16,19 +16,24 @@ an outage (issue #43):
   records in 10-50 ms). librdkafka 2.16 has neither the strict record limit (KIP-1206) nor lock renewal
   (KIP-1222), and the broker hands out whole producer batches, so a batch may still hold more than can be
   done: then the records delivered most often are taken first.
-- **A record on its last delivery is never released** (the broker would archive it without a trace): it is
-  taken before the others, and if its lock is about to end before the model could have it, it is answered
-  at once with the `overloaded` fallback (`Record.answer_now`), as group mode answers a ticket that waited
-  past its deadline. Other records not taken in time are released (counted as `released_untried`).
+- **A record on its last delivery is never released** (the broker would archive it without a trace; issue
+  #55): it is taken before the others; once the lock leaves no model time, or the worker stops taking, one
+  still in the backlog is taken at once, whatever the in-flight bound, and answered with the `overloaded`
+  fallback (`Record.answer_now`), as group mode answers a ticket that waited past its deadline (one held
+  back for the registry gets its dead letter instead); a taken one still without an answer when the window
+  to deliver inside the lock closes, or halfway through the shutdown time, is answered so without waiting
+  for the model (`Loop.answer_now`); one whose triage record fails is dead-lettered
+  (`acknowledgements.py`). Other records not taken in time are released (counted as `released_untried`).
 - **A Schema Registry that cannot answer** holds the records of its partition back in the backlog (the loop
   probes the registry on a backoff, `registry_wait.py`); no new batch is polled meanwhile, so an outage
   costs at most the one delivery of the batch at hand, whose lock ends while the registry is away.
 - **A model process that died** under a record: it is released for another try (another worker may well
-  classify it), unless it is the record's last delivery.
+  classify it), unless it is the record's last delivery. A model that raised is answered `model_error`.
 
-Shutdown: the backlog is released at once, the taken records finish within the loop's shutdown time, the
-rest is released, the acknowledgements are sent synchronously, and the consumer closed. A crash (kill -9)
-releases the worker's records at once (the broker sees the connection close).
+Shutdown: the backlog's last deliveries are answered at once and the rest of it released, the taken records
+finish within the loop's shutdown time (last deliveries answered halfway through it), the rest is released,
+the acknowledgements are sent synchronously, and the consumer closed. A crash (kill -9) releases the
+worker's records at once (the broker sees the connection close).
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ _log = structlog.get_logger("worker.pipeline")
 _LAST_COMMIT_S = 10.0
 # The consumer is made anew for another fetch size at most this often.
 _REFETCH_EVERY_S = 10.0
+# Acknowledgements made are sent at least this often while the batch is still at work (the client sends
+# them only on a commit, the next poll or close): a kill -9 then redoes only what was settled since.
+_SEND_EVERY_S = 0.5
 _UNSUPPORTED_VERSION = confluent_kafka.KafkaError.UNSUPPORTED_VERSION
 
 ErrorCallback = Callable[[confluent_kafka.KafkaError], None]
@@ -154,6 +162,14 @@ class ShareSource:
         # A Work needs a partition's offset state; queue mode commits no offsets, so these only name it.
         self._partitions: dict[TopicPartitionKey, PartitionOffsets] = {}
         self._taking = True
+        # While stopping: when the taken records on their last delivery that have no answer yet get one
+        # without the model (halfway through the shutdown time: the other half delivers it).
+        self._stop_answer_at: float | None = None
+        # Taken records on their last delivery answered without the model already (`_answer_last_deliveries`).
+        self._answered_now: set[Work] = set()
+        # Acknowledgements made and not sent yet, and when they were last sent.
+        self._unsent = 0
+        self._last_sent = clock()
 
     # -- seams.Source ---------------------------------------------------------------------------------------
 
@@ -214,14 +230,22 @@ class ShareSource:
         self.acknowledge(work, Acknowledgement.RELEASE)
         return HandBack.RELEASED
 
+    def last_delivery(self, work: Work) -> bool:
+        """Whether `work`'s record is on its last delivery (False once it is settled or released)."""
+        message = self._unsettled.get(work)
+        return message is not None and self._last_delivery(message)
+
     def maintain(self, now: float) -> None:
         batch = self._batch
         if batch is None:
             return
+        self._answer_last_deliveries(batch, now)
         if now >= self._budget.expires_at(batch.lock_from):
             self._release_all("record lock ending")
         if not self._unsettled and not self._backlog:
             self._close_batch(now)
+        elif self._unsent and now - self._last_sent >= _SEND_EVERY_S:
+            self._send(now)
 
     def pause_all(self) -> None:
         pass  # the in-flight bound holds taking back by itself: a share consumer has nothing to pause
@@ -244,12 +268,30 @@ class ShareSource:
         pass  # heartbeats run in librdkafka's background thread; a poll would refuse with records unsettled
 
     def stop_taking(self) -> None:
+        """Shutdown began: records on their last delivery in the backlog are answered at once (`overloaded`:
+        the shutdown leaves them no model time; released, the broker would archive them without a trace),
+        the rest of the backlog is released; taken ones on their last delivery still without an answer
+        halfway through the shutdown time are answered then (`maintain`)."""
         self._taking = False
+        assert self._loop is not None
+        now, stop_by = self._clock(), self._loop.stop_by
+        if stop_by is not None:
+            self._stop_answer_at = now + max(0.0, stop_by - now) / 2
+        if self._batch is not None:
+            self._answer_last_deliveries(self._batch, now)
         if self._backlog:
             self._release_backlog("stopping")
 
     def stop(self, limit: float) -> None:
         self._taking = False
+        last = [work for work, message in self._unsettled.items() if self._last_delivery(message)]
+        if last:  # answered, but not acknowledged in time: the broker's own net (its dead-letter topic)
+            _log.warning(
+                "last_deliveries_released",
+                count=len(last),
+                reason="stopping: their outputs were not acknowledged within the shutdown time",
+                effect="the broker archives them (to its dead-letter topic where one is configured)",
+            )
         self._release_all("stopping")
         try:
             self._consumer.commit_sync(_LAST_COMMIT_S)
@@ -264,6 +306,8 @@ class ShareSource:
             "group": self._group_id,
             "record_lock_ms": self._group.lock_ms,
             "delivery_count_limit": self._group.delivery_count_limit,
+            "broker_dead_letter_topic": self._group.dead_letter_topic,
+            "broker_dead_letter": self._group.dead_letter,
             "delivery_timeout_ms": round(self._budget.delivery_s * 1000),
             "fetch_size": self._fetch.current,
         }
@@ -280,6 +324,7 @@ class ShareSource:
         if message is None:
             return
         self._consumer.acknowledge(message, outcome.value)
+        self._unsent += 1
         if outcome is Acknowledgement.ACCEPT:
             self._counts.accepted += 1
         elif outcome is Acknowledgement.REJECT:
@@ -357,7 +402,6 @@ class ShareSource:
         taken: collections.deque[Record] = collections.deque()
         kept: collections.deque[Record] = collections.deque()
         may_take = self._budget.may_take(batch.lock_from, now)
-        may_answer = self._budget.may_answer(batch.lock_from, now)
         released: list[Record] = []
         while self._backlog:
             record = self._backlog.popleft()
@@ -365,7 +409,7 @@ class ShareSource:
                 kept.append(record)
             elif may_take:
                 taken.append(record)
-            elif self._last_delivery(record.handle) and may_answer:
+            elif self._last_delivery(record.handle):  # never released: answered, even late
                 record.answer_now = "overloaded"
                 taken.append(record)
             else:
@@ -375,18 +419,61 @@ class ShareSource:
             self._release_records(released, "record lock: no time left to take them")
         return taken
 
+    def _answer_last_deliveries(self, batch: _Batch, now: float) -> None:
+        """Records on their last delivery are never released (the broker would archive them without a
+        trace). Once the lock allows no more model time (or the worker stops taking), those in the backlog
+        are taken at once, whatever the in-flight bound, and answered `overloaded` (they need no model time;
+        one held back for the registry gets its dead letter, `TriageStage.cannot_hold`). Once the window to
+        deliver an answer inside the lock closes (or halfway through the shutdown time), the taken ones
+        still without an answer are answered `overloaded` without waiting for the model."""
+        assert self._loop is not None
+        if self._backlog and not (self._taking and self._budget.may_take(batch.lock_from, now)):
+            last = [record for record in self._backlog if self._last_delivery(record.handle)]
+            if last:
+                self._backlog = collections.deque(
+                    record for record in self._backlog if not self._last_delivery(record.handle)
+                )
+                why = "record lock: no model time left" if self._taking else "stopping"
+                _log.info("last_deliveries_answered", count=len(last), reason=why)
+                for record in last:
+                    record.answer_now = "overloaded"
+                    self._loop.take(record)
+        answer_by = self._budget.answer_by(batch.lock_from)
+        if self._stop_answer_at is not None:
+            answer_by = min(answer_by, self._stop_answer_at)
+        if now >= answer_by:
+            due = [
+                work
+                for work, message in self._unsettled.items()
+                if work not in self._answered_now and self._last_delivery(message)
+            ]
+            if due:
+                self._answered_now.update(due)
+                self._loop.answer_now(due, "overloaded")
+
     def _close_batch(self, now: float) -> None:
         """Every record of the batch is settled: the acknowledgements go out, and the next poll may ask for
         another size."""
         batch = self._batch
         assert batch is not None
         self._batch = None
-        self._consumer.commit_async()
+        self._answered_now.clear()
+        self._send(now)
         if batch.first_take is None or batch.last_outcome is None:
             return
         wanted = self._fetch.wanted(batch.to_model, batch.last_outcome - batch.first_take)
         if self._fetch.moves(wanted) and now - self._last_refetch >= _REFETCH_EVERY_S:
             self._refetch(wanted, now)
+
+    def _send(self, now: float) -> None:
+        """Send the acknowledgements made so far (records still at work stay acquired)."""
+        self._unsent, self._last_sent = 0, now
+        try:
+            self._consumer.commit_async()
+        except confluent_kafka.KafkaException as problem:
+            _log.warning(
+                "acknowledgements_not_sent", reason=str(problem), effect="sent with the next commit or poll"
+            )
 
     def _refetch(self, size: int, now: float) -> None:
         """A new consumer asking for `size` records a poll (the old one holds no records: its batch is
@@ -423,6 +510,7 @@ class ShareSource:
         """Records never taken go back to the group: another member, or this one's next poll, takes them."""
         for record in records:
             self._consumer.acknowledge(record.handle, Acknowledgement.RELEASE.value)
+        self._unsent += len(records)
         self._counts.released += len(records)
         self._counts.released_untried += len(records)
         if self._batch is not None:

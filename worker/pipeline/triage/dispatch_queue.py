@@ -83,6 +83,16 @@ class DispatchQueue:
         ]
         heapq.heapify(self._order)
 
+    def take_out(self, works: Collection[Work]) -> list[Work]:
+        """Take `works` out of the queue (those of them waiting), to be answered without the model."""
+        found = [(arrival, work) for arrival, work in self._waiting.items() if work in works]
+        for arrival, work in found:
+            del self._waiting[arrival]
+            work.trace.end("queue")
+        if found:
+            self._drop_stale()
+        return [work for _, work in found]
+
     def pending(self, keys: Collection[TopicPartitionKey]) -> int:
         return sum(1 for work in self._waiting.values() if work.partition_key in keys)
 

@@ -20,7 +20,7 @@ It never polls Kafka, produces or commits: those are the loop's and the guarante
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from worker.classification import (
     Classification,
@@ -120,6 +120,21 @@ class ModelStage:
             wait_s = 0.0
         if self._cascade is not None and self._requests.at_escalation:
             self._take_escalations(self._cascade, self._cascade.poll(wait_s, self._clock))
+
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        """Of `works`, those waiting for the model or at it are answered with the `reason` fallback now (their
+        model answers, when they come, are discarded); those at the escalation stage keep their first answer
+        (skipped: `deadline`). The others (answered already) are left as they are."""
+        for work in self._queue.take_out(works):
+            self._write(work, self.fallback_for(work, reason), "")
+        at_model, escalated = self._requests.take_out(works)
+        for work in at_model:
+            work.trace.end("model", fallback=reason)
+            self._write(work, self.fallback_for(work, reason), "")
+        for work in escalated:
+            assert self._cascade is not None and work.first is not None  # only a cascade escalates
+            work.trace.end("escalation", fallback=reason)
+            self._write(work, self._cascade.first_stands(work.first, "deadline"), "")
 
     def fallback_for(self, work: Work, reason: FallbackReason) -> Classification:
         self._metrics.fallback[reason] += 1

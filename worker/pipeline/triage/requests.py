@@ -59,6 +59,17 @@ class ModelRequests:
         """The ticket an escalation answer belongs to (None for an unknown id); an orphan leaves the count."""
         return self._orphans.back(self._escalated.pop(request_id, None))
 
+    def take_out(self, works: Collection[Work]) -> tuple[list[Work], list[Work]]:
+        """Take `works` out (those of them at the model, and those at the escalation stage, orphans left
+        alone): their answers, when they come, belong to no ticket and are discarded."""
+        taken: tuple[list[Work], list[Work]] = ([], [])
+        for out, found in ((self._at_model, taken[0]), (self._escalated, taken[1])):
+            for request_id, work in list(out.items()):
+                if work in works and not work.orphan:
+                    del out[request_id]
+                    found.append(work)
+        return taken
+
     def pending(self, keys: Collection[TopicPartitionKey]) -> int:
         """Tickets of `keys` not answered yet (orphans excluded)."""
         out = [*self._at_model.values(), *self._escalated.values()]

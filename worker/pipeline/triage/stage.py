@@ -10,8 +10,8 @@ letter is written — the same for every door that classifies (`run` in both mod
 - `serve(wait_s)`: the model's answers (and the cascade's escalations, `model_stage.py`), tickets whose
   deadline passed while they waited (`overloaded`), dispatch, the side topics.
 - An answer is written as the ticket's triage record (`outputs.py`), unless the model process died under it
-  and its source gives it another try (`seams.HandBack`: queue mode releases it while it has deliveries left,
-  and dead-letters it on its last).
+  (`Classification.process_died`, not a model that raised) and its source gives it another try
+  (`seams.HandBack`: queue mode releases it while it has deliveries left, and dead-letters it on its last).
 
 Whatever a library raises on a record is a dead letter (`internal_error`): no record may stop the worker.
 """
@@ -19,14 +19,14 @@ Whatever a library raises on a record is a dead letter (`internal_error`): no re
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from worker.classification import Classification
 from worker.decoding import DecodeError, RegistryUnavailable
 from worker.kafka.commits import TopicPartitionKey
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED
-from worker.messages import TicketEvent
+from worker.messages import FallbackReason, TicketEvent
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import HandBack, Record
 from worker.pipeline.side_topics.side_topic import ResultWatcher
@@ -113,6 +113,9 @@ class TriageStage:
     def cannot_hold(self, work: Work, unavailable: RegistryUnavailable) -> None:
         self._last_delivery_dead_letter(work, f"the Schema Registry gave no answer about it ({unavailable})")
 
+    def answer_now(self, works: Collection[Work], reason: FallbackReason) -> None:
+        self.model.answer_now(works, reason)
+
     def serve(self, wait_s: float) -> None:
         model = self.model
         if self._requests:
@@ -161,9 +164,11 @@ class TriageStage:
     # -- answers --------------------------------------------------------------------------------------------
 
     def answered(self, work: Work, answer: Classification, made_at: str) -> None:
-        """The model stage's answer for `work`: written, unless its model process died (`model_error`) and
-        its source gives it another try, or dead-letters it on its last."""
-        if answer.fallback and answer.fallback_reason == "model_error":
+        """The model stage's answer for `work`: written, unless its model process died under it
+        (`process_died`) and its source gives it another try, or dead-letters it on its last. A model that
+        raised (`model_error` without a death) is answered `model_error` in every door: another try would
+        raise again."""
+        if answer.fallback and answer.fallback_reason == "model_error" and answer.process_died:
             outcome = self._hand_back(work)
             if outcome is HandBack.RELEASED:
                 work.trace.outcome("given_up", "the model process died under it: released for another try")
