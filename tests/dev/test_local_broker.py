@@ -221,12 +221,20 @@ def test_a_folder_the_broker_made_is_marked_and_wiped_by_the_next_fresh_start(tm
         broker.stop()
 
 
-@pytest.mark.parametrize("layout", ["missing", "empty", "marked", "from-before-the-marker"])
+@pytest.mark.parametrize(
+    "layout", ["missing", "empty", "marked", "from-before-the-marker", "the-demo-against-another-kafka"]
+)
 def test_broker_start_fresh_goes_on_with_its_own_folder(tmp_path: Path, layout: str, no_jars: None) -> None:
     state = tmp_path / "state"
     if layout == "empty":
         state.mkdir()
+    elif layout == "the-demo-against-another-kafka":  # only the demo's worker log, in a folder it made
+        local_broker.make_state_dir(state)
+        (state / "logs").mkdir()
+        (state / "logs" / "demo-worker-0a1b2c.log").write_text("worker log\n")
     elif layout != "missing":
+        (state / "demo-worker-3d4e5f.log").parent.mkdir(parents=True, exist_ok=True)
+        (state / "demo-worker-3d4e5f.log").write_text("where the demo put them before\n")
         _own_state_folder(state, marker=layout == "marked")
         (state / "broker.port").write_text("9092\n")
         (state / "tls").mkdir()

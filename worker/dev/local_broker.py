@@ -89,6 +89,8 @@ STATE_ENTRIES = frozenset(
         "kafka.version",
     }
 )
+# The demo's worker logs, which it wrote beside the broker's state before they went to `logs/`.
+_DEMO_LOG = re.compile(r"demo-worker-[0-9a-f]{6}\.log")
 _PROPERTIES_HEADER = "# Written by triage-worker (worker/dev/local_broker.py); rewritten on every start.\n"
 
 SCRAM_MECHANISM = "SCRAM-SHA-512"
@@ -527,7 +529,7 @@ class LocalBroker:
                 f"broker start --fresh: refusing to wipe {state_dir}: it is not a folder the local broker "
                 f"made (no {STATE_MARKER} in it); {why}"
             )
-        foreign = [name for name in entries if name not in STATE_ENTRIES]
+        foreign = [name for name in entries if name not in STATE_ENTRIES and not _DEMO_LOG.fullmatch(name)]
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise UserError(
@@ -681,11 +683,8 @@ class LocalBroker:
         if fresh:
             self._check_wipeable()  # again: the folder may have changed while the jars were fetched
             shutil.rmtree(self.state_dir, ignore_errors=True)
-        made = not self.state_dir.exists() or not any(self.state_dir.iterdir())
+        make_state_dir(self.state_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if made:
-            # Only a folder the broker made (or found empty) is marked as its own.
-            self._marker_file.write_text("A local Kafka broker's state (triage-worker broker start).\n")
         formatted = (self.data_dir / "meta.properties").is_file()
         formatted_by = self._recorded_version()
         if formatted and formatted_by not in (None, self.kafka_version):
@@ -764,6 +763,15 @@ class LocalBroker:
             _terminate(pid, timeout_s)
         self._forget()
         return pid is not None
+
+
+def make_state_dir(state_dir: Path) -> None:
+    """Make `state_dir` and mark it as the broker's own (`STATE_MARKER`): only a folder that did not exist or
+    was empty is marked, so `start(fresh=True)` never takes a folder it merely wrote into for its own."""
+    if state_dir.is_dir() and any(state_dir.iterdir()):
+        return
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / STATE_MARKER).write_text("A local Kafka broker's state (triage-worker broker start).\n")
 
 
 def _written_by_us(properties_file: Path) -> bool:
