@@ -355,3 +355,58 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_
     done, _ = _classify_to(tmp_path, "results")
     assert done.returncode == 2
     assert done.stderr == "triage-worker: error: cannot write results: Is a directory\n"  # no model loaded
+
+
+_EARLIER = b'{"earlier": "results, kept until this run has one of its own"}\n'
+
+
+@pytest.mark.parametrize(
+    ("arguments", "why"),
+    [
+        (["  "], "the ticket text is empty"),
+        (["--input", "{tmp}/bad.jsonl"], "no ticket to classify"),
+        (["Where is my card?", "--model", "{tmp}/not-a-model"], "not-a-model"),
+        (["Where is my card?", "--provider", "cuda"], "onnxruntime-genai-cuda"),
+        (["--input", "{tmp}/tickets.jsonl", "--taxonomy", "{tmp}/bad.toml"], "bad.toml"),
+    ],
+    ids=["empty-text", "no-ticket-line", "no-model", "missing-provider", "bad-taxonomy"],
+)
+@pytest.mark.parametrize("existing", [True, False], ids=["existing-output", "new-output"])
+def test_a_refused_run_leaves_its_output_file_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], why: str, existing: bool
+) -> None:
+    """Issue 55: `classify --output FILE` emptied an existing FILE before its checks refused the run. Now the
+    file is emptied by the first result only: a refused run leaves it as it was (and creates none)."""
+    (tmp_path / "bad.jsonl").write_bytes(b"not a ticket\n")
+    (tmp_path / "tickets.jsonl").write_bytes(_ticket_line(0))
+    (tmp_path / "bad.toml").write_text("[[intents]\n")
+    (tmp_path / "not-a-model").mkdir()
+    out = tmp_path / "results.jsonl"
+    if existing:
+        out.write_bytes(_EARLIER)
+    given = [argument.replace("{tmp}", str(tmp_path)) for argument in arguments]
+
+    code = main(["classify", *given, "--output", str(out), "--set", "inference.pool=thread"])
+
+    assert code == 2
+    refusal = capsys.readouterr().err.splitlines()[-1]
+    assert refusal.startswith("triage-worker: error: ") and why in refusal
+    if existing:
+        assert out.read_bytes() == _EARLIER
+    else:
+        assert not out.exists()
+
+
+def test_the_first_result_replaces_what_the_output_file_held(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results.jsonl"
+    out.write_bytes(_EARLIER * 50)  # longer than the results: nothing of it may be left at the end
+    tickets = tmp_path / "tickets.jsonl"
+    tickets.write_bytes(_ticket_line(0) + _ticket_line(1))
+
+    code = main(["classify", "--input", str(tickets), "--output", str(out), "--model", str(TINY)])
+
+    assert code == 0, capsys.readouterr().err
+    results = [msgspec.json.decode(line, type=TriageResult) for line in out.read_bytes().splitlines()]
+    assert [result.source.offset for result in results] == [0, 1]
