@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from tools import REPO
 from worker.cli.classify_command import EXIT_LINES_SKIPPED
 from worker.cli.cli import main
 from worker.messages import TriageResult
+from worker.settings import DEFAULT_ESCALATION_DIR
 
 TINY = REPO / "tests" / "models" / "tiny"
 
@@ -410,3 +412,45 @@ def test_the_first_result_replaces_what_the_output_file_held(
     assert code == 0, capsys.readouterr().err
     results = [msgspec.json.decode(line, type=TriageResult) for line in out.read_bytes().splitlines()]
     assert [result.source.offset for result in results] == [0, 1]
+
+
+@pytest.mark.parametrize("escalation", ["auto", "configured"])
+def test_without_the_encoder_classify_runs_without_the_cascade_says_why_and_starts_no_maven(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], escalation: str
+) -> None:
+    """Issue 55: on a checkout whose encoder was never fetched (models/triage-encoder/model.onnx missing, an
+    empty user cache), a configured stage made `classify` (and `run`) start Maven, a connection besides the
+    broker and the registry. The worker never fetches: it runs without the cascade and says why."""
+    stage = tmp_path / "triage-encoder"
+    shutil.copytree(DEFAULT_ESCALATION_DIR, stage, ignore=shutil.ignore_patterns("model.onnx"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    maven_log = tmp_path / "mvn.log"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mvn").write_text(f'#!/bin/sh\necho "$@" >> {maven_log}\nexit 1\n')
+    (tmp_path / "bin" / "mvn").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    if escalation == "auto":  # the embedded model and its taxonomy, for which "auto" takes the shipped stage
+        monkeypatch.setattr("worker.settings.sections.DEFAULT_ESCALATION_DIR", stage)
+        monkeypatch.setattr("worker.inference.escalation.DEFAULT_ESCALATION_DIR", stage)
+        arguments = ["classify", "Where is my card?"]
+    else:
+        arguments = [
+            "classify",
+            "Where is my card?",
+            "--model",
+            str(TINY),
+            "--set",
+            f"inference.escalation={stage}",
+        ]
+
+    assert main(arguments) == 0
+
+    captured = capsys.readouterr()
+    assert not maven_log.exists(), f"Maven was started: {maven_log.read_text()}"
+    (line,) = captured.out.splitlines()
+    assert not msgspec.json.decode(line, type=TriageResult).fallback
+    assert (
+        f"running without the cascade: {stage}: its encoder model.onnx is not downloaded yet: run "
+        "`triage-worker model fetch` once (it uses Maven; `make setup` does it), or put the file into the "
+        "folder"
+    ) in captured.err.splitlines()
