@@ -24,13 +24,17 @@ from pathlib import Path
 import msgspec
 
 from worker.errors import UserError
-from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
+from worker.inference.encoder import (
+    OWN_STAGE_DIR,
+    encoder_file,
+    encoder_stage_only,
+    is_encoder_folder,
+    read_manifest,
+)
 from worker.inference.taxonomy import Taxonomy
 from worker.settings import DEFAULT_ESCALATE_BELOW, DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
 from worker.small_files import read_small_file
 
-# The folder, inside a model folder, of the encoder stage trained with it.
-OWN_STAGE_DIR = "encoder"
 # What `model train` records of a folder, its cascade threshold among it (worker/learning/compose.py).
 TRAINING_FILE = "training.json"
 
@@ -42,8 +46,12 @@ class EscalationChoice:
 
 
 def own_stage(first: InferenceSettings) -> Path | None:
-    """The encoder stage trained with the first stage's model (`DIR/encoder/`), None when it has none."""
-    folder = Path(first.model).expanduser() / OWN_STAGE_DIR
+    """The encoder stage trained with the first stage's model (`DIR/encoder/`), None when it has none, or
+    when that stage is the model itself (a folder written without its first stage: `encoder_stage_only`)."""
+    model = Path(first.model).expanduser()
+    folder = model / OWN_STAGE_DIR
+    if encoder_stage_only(model) is not None:
+        return None
     return folder if is_encoder_folder(folder) else None
 
 
@@ -116,6 +124,13 @@ def _chosen_stage(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: P
     if first.escalation != ESCALATION_AUTO:
         missing = _missing_encoder(Path(settings.model))
         return EscalationChoice(settings) if missing is None else EscalationChoice(None, missing)
+    alone = encoder_stage_only(Path(first.model).expanduser())
+    if alone is not None:
+        return EscalationChoice(
+            None,
+            f"{first.model} has no first stage (it was trained without the `train` extra): its encoder stage "
+            f"{alone} answers every ticket; pip install 'triage-worker[train]' and train it again for both",
+        )
     own = own_stage(first)
     folder = own or DEFAULT_ESCALATION_DIR
     manifest = read_manifest(folder)
