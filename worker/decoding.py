@@ -49,7 +49,8 @@ _EXCERPT_CHARS = 60
 
 _DECODER = msgspec.json.Decoder(TicketEvent)
 _OPTIONAL_STRINGS = ("subject", "customer_id", "channel")
-_RFC3339 = re.compile(RFC3339_PATTERN)
+# ASCII digits only, and no newline after the offset (which `$` alone would let through).
+_RFC3339 = re.compile(RFC3339_PATTERN, re.ASCII)
 # A JSON string, or an unterminated one running to the end: brackets inside strings do not nest.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\Z)', re.DOTALL)
 # RFC 8259 §8.1: a parser may ignore a byte order mark; some Windows tools write one.
@@ -165,13 +166,30 @@ def _too_deep(value: bytes) -> bool:
     return False
 
 
-def _check_timestamp(text: str, field: str = "created_at") -> None:
-    """The Struct's pattern checks the shape (offset required); msgspec's parser then checks the calendar."""
+def rfc3339_moment(text: str) -> datetime.datetime:
+    """The instant an RFC 3339 date-time names; ValueError if `text` is not one.
+
+    RFC 3339 §5.6: `T` and `Z` in either case, fractional seconds of any length, an offset required (`Z` or
+    ±hh:mm); the calendar is checked too (no 2024-02-30, no hour 24, no offset +24:00). A leap second (:60)
+    is refused, as Python's datetime cannot hold it. This one function is both what the decoder accepts and
+    what a deadline is read with, so no value can pass the one and be ignored by the other."""
+    if not _RFC3339.fullmatch(text):
+        raise ValueError(f"not an RFC 3339 date-time: {text!r}")
     try:
-        if not _RFC3339.match(text):
-            raise ValueError(text)
-        msgspec.convert(text, datetime.datetime)
-    except (ValueError, msgspec.ValidationError):
+        # msgspec's parser takes either case of T and Z (Python 3.11's fromisoformat refuses a lower-case z).
+        moment = msgspec.convert(text, datetime.datetime)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"not an RFC 3339 date-time: {text!r}") from error
+    if moment.tzinfo is None:  # the pattern requires an offset; kept as a guard
+        raise ValueError(f"an RFC 3339 date-time needs an offset: {text!r}")
+    return moment
+
+
+def _check_timestamp(text: str, field: str = "created_at") -> None:
+    """The Struct's pattern checks the shape (offset required); `rfc3339_moment` the rest."""
+    try:
+        rfc3339_moment(text)
+    except ValueError:
         raise DecodeError(
             "invalid_timestamp",
             f"`{field}` must be an RFC 3339 timestamp like 2024-05-01T12:30:00Z, got {_show(text)}",

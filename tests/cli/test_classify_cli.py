@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from tools import REPO
 from worker.cli.classify_command import EXIT_LINES_SKIPPED
 from worker.cli.cli import main
 from worker.messages import TriageResult
+from worker.settings import DEFAULT_ESCALATION_DIR
 
 TINY = REPO / "tests" / "models" / "tiny"
 
@@ -358,3 +360,100 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tmp_
     done, _ = _classify_to(tmp_path, "results")
     assert done.returncode == 2
     assert done.stderr == "triage-worker: error: cannot write results: Is a directory\n"  # no model loaded
+
+
+_EARLIER = b'{"earlier": "results, kept until this run has one of its own"}\n'
+
+
+@pytest.mark.parametrize(
+    ("arguments", "why"),
+    [
+        (["  "], "the ticket text is empty"),
+        (["--input", "{tmp}/bad.jsonl"], "no ticket to classify"),
+        (["Where is my card?", "--model", "{tmp}/not-a-model"], "not-a-model"),
+        (["Where is my card?", "--provider", "cuda"], "onnxruntime-genai-cuda"),
+        (["--input", "{tmp}/tickets.jsonl", "--taxonomy", "{tmp}/bad.toml"], "bad.toml"),
+    ],
+    ids=["empty-text", "no-ticket-line", "no-model", "missing-provider", "bad-taxonomy"],
+)
+@pytest.mark.parametrize("existing", [True, False], ids=["existing-output", "new-output"])
+def test_a_refused_run_leaves_its_output_file_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], why: str, existing: bool
+) -> None:
+    """Issue 55: `classify --output FILE` emptied an existing FILE before its checks refused the run. Now the
+    file is emptied by the first result only: a refused run leaves it as it was (and creates none)."""
+    (tmp_path / "bad.jsonl").write_bytes(b"not a ticket\n")
+    (tmp_path / "tickets.jsonl").write_bytes(_ticket_line(0))
+    (tmp_path / "bad.toml").write_text("[[intents]\n")
+    (tmp_path / "not-a-model").mkdir()
+    out = tmp_path / "results.jsonl"
+    if existing:
+        out.write_bytes(_EARLIER)
+    given = [argument.replace("{tmp}", str(tmp_path)) for argument in arguments]
+
+    code = main(["classify", *given, "--output", str(out), "--set", "inference.pool=thread"])
+
+    assert code == 2
+    refusal = capsys.readouterr().err.splitlines()[-1]
+    assert refusal.startswith("triage-worker: error: ") and why in refusal
+    if existing:
+        assert out.read_bytes() == _EARLIER
+    else:
+        assert not out.exists()
+
+
+def test_the_first_result_replaces_what_the_output_file_held(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results.jsonl"
+    out.write_bytes(_EARLIER * 50)  # longer than the results: nothing of it may be left at the end
+    tickets = tmp_path / "tickets.jsonl"
+    tickets.write_bytes(_ticket_line(0) + _ticket_line(1))
+
+    code = main(["classify", "--input", str(tickets), "--output", str(out), "--model", str(TINY)])
+
+    assert code == 0, capsys.readouterr().err
+    results = [msgspec.json.decode(line, type=TriageResult) for line in out.read_bytes().splitlines()]
+    assert [result.source.offset for result in results] == [0, 1]
+
+
+@pytest.mark.parametrize("escalation", ["auto", "configured"])
+def test_without_the_encoder_classify_runs_without_the_cascade_says_why_and_starts_no_maven(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], escalation: str
+) -> None:
+    """Issue 55: on a checkout whose encoder was never fetched (models/triage-encoder/model.onnx missing, an
+    empty user cache), a configured stage made `classify` (and `run`) start Maven, a connection besides the
+    broker and the registry. The worker never fetches: it runs without the cascade and says why."""
+    stage = tmp_path / "triage-encoder"
+    shutil.copytree(DEFAULT_ESCALATION_DIR, stage, ignore=shutil.ignore_patterns("model.onnx"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    maven_log = tmp_path / "mvn.log"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mvn").write_text(f'#!/bin/sh\necho "$@" >> {maven_log}\nexit 1\n')
+    (tmp_path / "bin" / "mvn").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    if escalation == "auto":  # the embedded model and its taxonomy, for which "auto" takes the shipped stage
+        monkeypatch.setattr("worker.settings.sections.DEFAULT_ESCALATION_DIR", stage)
+        monkeypatch.setattr("worker.inference.escalation.DEFAULT_ESCALATION_DIR", stage)
+        arguments = ["classify", "Where is my card?"]
+    else:
+        arguments = [
+            "classify",
+            "Where is my card?",
+            "--model",
+            str(TINY),
+            "--set",
+            f"inference.escalation={stage}",
+        ]
+
+    assert main(arguments) == 0
+
+    captured = capsys.readouterr()
+    assert not maven_log.exists(), f"Maven was started: {maven_log.read_text()}"
+    (line,) = captured.out.splitlines()
+    assert not msgspec.json.decode(line, type=TriageResult).fallback
+    assert (
+        f"running without the cascade: {stage}: its encoder model.onnx is not downloaded yet: run "
+        "`triage-worker model fetch` once (it uses Maven; `make setup` does it), or put the file into the "
+        "folder"
+    ) in captured.err.splitlines()

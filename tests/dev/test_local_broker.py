@@ -115,6 +115,135 @@ def test_each_checkout_has_a_broker_state_folder_of_its_own(tmp_path: Path) -> N
         assert state_dir.name.startswith(f"{checkout.name}-")
 
 
+class _ReachedTheJars(Exception):
+    """What the stubbed `fetch_jars` raises: `start` got past its checks of the state folder."""
+
+
+def _own_state_folder(state: Path, *, marker: bool = True) -> None:
+    """A state folder as `start` leaves it (with the marker, or as one from before the marker)."""
+    (state / "data").mkdir(parents=True)
+    (state / "data" / "meta.properties").write_text("node.id=1\n")
+    (state / "logs").mkdir()
+    (state / "logs" / "server.log").write_text("Kafka Server started\n")
+    (state / "kafka.version").write_text("4.4.0\n")
+    (state / "server.properties").write_text(_HEADER + "node.id=1\n")
+    if marker:
+        (state / _MARKER).write_text("mine\n")
+
+
+# Spelt out rather than taken from the module: what the broker writes is part of the promise.
+_MARKER = ".triage-worker-broker"
+_HEADER = "# Written by triage-worker (worker/dev/local_broker.py); rewritten on every start.\n"
+_NOT_ITS_OWN = f"is not a folder the local broker made (no {_MARKER} in it)"
+
+
+@pytest.fixture
+def no_jars(monkeypatch: pytest.MonkeyPatch) -> None:
+    def reached(*_args: object, **_kwargs: object) -> Path:
+        raise _ReachedTheJars
+
+    monkeypatch.setattr(local_broker, "fetch_jars", reached)
+
+
+@pytest.mark.parametrize(
+    ("layout", "why"),
+    [
+        ("home", _NOT_ITS_OWN),
+        ("project-with-data-and-logs", _NOT_ITS_OWN),
+        ("own-plus-a-file", "holds notes.txt, which the local broker did not write"),
+        ("legacy-parent", _NOT_ITS_OWN),
+    ],
+)
+def test_broker_start_fresh_wipes_only_a_folder_the_broker_made(
+    tmp_path: Path, layout: str, why: str, no_jars: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`broker start --fresh --state-dir DIR` deleted DIR whatever it held (issue 55)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    if layout == "home":
+        (state / ".bashrc").write_text("export A=1\n")
+        (state / "work").mkdir()
+    elif layout == "project-with-data-and-logs":  # names the broker uses too, but not its folder
+        (state / "data").mkdir()
+        (state / "data" / "tickets.csv").write_text("a,b\n")
+        (state / "logs").mkdir()
+    elif layout == "own-plus-a-file":
+        _own_state_folder(state)
+        (state / "notes.txt").write_text("keep me\n")
+    else:  # `--state-dir ~/.cache/triage-worker/broker`: every checkout's broker folder under it
+        _own_state_folder(state / "my-checkout-1a2b3c4d")
+    before = sorted(str(path.relative_to(state)) for path in state.rglob("*"))
+
+    code = main(
+        ["broker", "start", "--fresh", "--state-dir", str(state), "--port", str(local_broker.free_port())]
+    )
+
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"triage-worker: error: broker start --fresh: refusing to wipe {state}: it {why}; "
+        "pick another --state-dir, or empty it yourself"
+    ]
+    assert sorted(str(path.relative_to(state)) for path in state.rglob("*")) == before
+
+
+def test_broker_start_fresh_refuses_a_file_or_a_link(tmp_path: Path, no_jars: None) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("keep\n")
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep.txt").write_text("keep\n")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+
+    with pytest.raises(UserError, match=f"refusing to wipe {afile}: it is not a folder"):
+        local_broker.LocalBroker(afile, local_broker.free_port()).start(fresh=True)
+    with pytest.raises(UserError, match=f"refusing to wipe {link}: it is a symbolic link"):
+        local_broker.LocalBroker(link, local_broker.free_port()).start(fresh=True)
+    assert afile.read_text() == "keep\n" and (target / "keep.txt").is_file()
+
+
+@pytest.mark.kafka
+def test_a_folder_the_broker_made_is_marked_and_wiped_by_the_next_fresh_start(tmp_path: Path) -> None:
+    if kafka_source.choose() != "local":
+        pytest.skip("starts a second local broker; this session uses another broker")
+    state = tmp_path / "broker"
+    broker = local_broker.LocalBroker(state, local_broker.free_port())
+    broker.start(fresh=True, echo=lambda _line: None)
+    broker.stop()
+    assert (state / _MARKER).is_file()
+    (state / "logs" / "server.log").write_text("from the first run\n")
+
+    broker.start(fresh=True, echo=lambda _line: None)
+    try:
+        assert "from the first run" not in (state / "logs" / "server.log").read_text()
+        assert (state / _MARKER).is_file()
+    finally:
+        broker.stop()
+
+
+@pytest.mark.parametrize(
+    "layout", ["missing", "empty", "marked", "from-before-the-marker", "the-demo-against-another-kafka"]
+)
+def test_broker_start_fresh_goes_on_with_its_own_folder(tmp_path: Path, layout: str, no_jars: None) -> None:
+    state = tmp_path / "state"
+    if layout == "empty":
+        state.mkdir()
+    elif layout == "the-demo-against-another-kafka":  # only the demo's worker log, in a folder it made
+        local_broker.make_state_dir(state)
+        (state / "logs").mkdir()
+        (state / "logs" / "demo-worker-0a1b2c.log").write_text("worker log\n")
+    elif layout != "missing":
+        (state / "demo-worker-3d4e5f.log").parent.mkdir(parents=True, exist_ok=True)
+        (state / "demo-worker-3d4e5f.log").write_text("where the demo put them before\n")
+        _own_state_folder(state, marker=layout == "marked")
+        (state / "broker.port").write_text("9092\n")
+        (state / "tls").mkdir()
+        (state / "sasl-ssl-client.toml").write_text("[kafka]\n")
+
+    with pytest.raises(_ReachedTheJars):
+        local_broker.LocalBroker(state, local_broker.free_port()).start(fresh=True)
+
+
 # --- Releases other than the default (issue #36's broker matrix) ---
 
 

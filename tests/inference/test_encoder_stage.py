@@ -126,6 +126,25 @@ def test_by_default_a_missing_encoder_means_no_cascade_rather_than_a_fetch_at_st
     assert choice.why_off is not None and "`triage-worker model fetch`" in choice.why_off
 
 
+@pytest.mark.parametrize("configured", ["folder", "shipped-by-name"])
+def test_a_configured_stage_whose_encoder_was_never_fetched_means_no_cascade_and_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, configured: str
+) -> None:
+    """Issue 55: a configured stage (not "auto") ran as configured, so a missing encoder was fetched with
+    Maven at the worker's start: a connection besides the broker and the registry. Now it is no cascade, and
+    the reason says what to run."""
+    folder = _stage_without_encoder(tmp_path, monkeypatch)
+    if configured == "shipped-by-name":
+        monkeypatch.setattr("worker.settings.sections.DEFAULT_ESCALATION_DIR", folder)
+    first, taxonomy = _first_stage(BANKING77, str(folder) if configured == "folder" else "triage-encoder")
+    choice = choose_escalation(first, taxonomy, BANKING77)
+    assert choice.settings is None
+    assert choice.why_off == (
+        f"{folder}: its encoder model.onnx is not downloaded yet: run `triage-worker model fetch` once "
+        "(it uses Maven; `make setup` does it), or put the file into the folder"
+    )
+
+
 @pytest.mark.parametrize("off", ["off", ""])
 def test_off_or_empty_runs_no_cascade(off: str) -> None:
     first, taxonomy = _first_stage(BANKING77, off)

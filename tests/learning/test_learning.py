@@ -282,6 +282,70 @@ def test_zero_shot_training_writes_one_folder_whose_records_say_zero_shot(
     assert 0.3 < float(result["confidence"]) < 0.99  # type: ignore[arg-type]
 
 
+def _encoder_only_folder(tmp_path: Path) -> Path:
+    """What `model train --zero-shot` writes without the `train` extra: records and `encoder/`, no first
+    stage (the `encoder_stage_only` fixture stands the first stage's trainer aside)."""
+    out = tmp_path / "desk"
+    assert main(["model", "train", "--zero-shot", "--taxonomy", str(BANK_DESK_PATH), "--out", str(out)]) == 0
+    assert not (out / "genai_config.json").exists() and (out / "encoder" / "encoder.json").is_file()
+    return out
+
+
+def test_a_folder_trained_without_the_first_stage_is_served_whole_by_classify(
+    tmp_path: Path, encoder_stage_only: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 55: `classify --model DIR` (and `run --model DIR`) refused such a folder ("not an ORT GenAI model
+    folder"), though its card says both take it whole. DIR serves its encoder stage; its records say DIR's
+    name, and no cascade runs over the stage itself (the reason is one line on stderr)."""
+    out = _encoder_only_folder(tmp_path)
+    card = (out / "README.md").read_text()
+    assert "`triage-worker classify --model .` and `triage-worker run --model .` take this folder" in card
+    capsys.readouterr()
+
+    assert main(["classify", "my card was stolen on the train", "--model", str(out)]) == 0
+
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.splitlines()[-1])
+    assert result["intent"] == "card_security" and result["model"] == "desk@zero-shot"
+    assert "stage" not in result  # no cascade: the encoder stage is the model
+    assert (
+        f"running without the cascade: {out} has no first stage (it was trained without the `train` extra): "
+        f"its encoder stage {out / 'encoder'} answers every ticket; pip install 'triage-worker[train]' and "
+        "train it again for both"
+    ) in captured.err.splitlines()
+    # The same answer as the stage itself gives (`--model DIR/encoder`, as before).
+    direct = _classify(["my card was stolen on the train", "--model", str(out / "encoder")], capsys)
+    assert (direct["intent"], direct["confidence"]) == (result["intent"], result["confidence"])
+
+
+@pytest.mark.kafka
+def test_a_folder_trained_without_the_first_stage_is_served_whole_by_run(
+    tmp_path: Path,
+    encoder_stage_only: None,
+    kafka_bootstrap: str,
+    unique_topic: Callable[..., str],
+) -> None:
+    """Issue 55, for `run --model DIR`: every ticket gets one record from DIR's encoder stage (a zero-shot
+    folder: each goes to review too)."""
+    from tools.harness import Worker, audit, make_topics, publish
+
+    out = _encoder_only_folder(tmp_path)
+    topics = make_topics(unique_topic)
+    review = unique_topic("review", partitions=1)
+    publish(kafka_bootstrap, topics, 12, seed=7)
+    group = f"encoder-only-{uuid.uuid4().hex[:8]}"
+    worker = Worker(
+        kafka_bootstrap, topics, group, tmp_path, "encoder-only", {"topics.review": review}, model=out
+    )
+    worker.run_to_completion(timeout=120)
+    (off,) = worker.events("cascade_off")
+    assert str(off["reason"]).startswith(f"{out} has no first stage")
+    report = audit(kafka_bootstrap, topics)
+    assert report.lost == [] and report.duplicates == 0
+    records = [record for records in report.results.values() for record in records]
+    assert records and all(record.model == "desk@zero-shot" and record.stage is None for record in records)
+
+
 def test_a_csv_export_with_a_handful_per_intent_trains_a_few_shot_folder(
     tmp_path: Path, encoder_stage_only: None, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,8 @@ show either the escalation stage's answer or why the gate kept the first one.
 from __future__ import annotations
 
 import collections
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +21,7 @@ import pytest
 from tools import REPO
 from tools.harness import Audit, Worker, audit, make_topics, publish, wait_until_committed
 from worker.messages import TriageResult
+from worker.settings import DEFAULT_ESCALATION_DIR
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -139,3 +142,33 @@ def test_under_overload_escalations_are_shed_before_the_first_stage_misses_a_dea
           f"{len(shed)} escalations shed, {escalated} escalated")  # fmt: skip
     assert missed, "the first stage kept up: no overload to test"
     assert shed and shed[0] < missed[0]
+
+
+def test_a_stage_whose_encoder_was_never_fetched_runs_no_cascade_says_why_and_starts_no_maven(
+    kafka_bootstrap: str, unique_topic: Callable[..., str], tmp_path: Path
+) -> None:
+    """Issue 55: with the stage's encoder neither in its folder nor in the user cache, `run` started Maven (a
+    connection besides the broker and the registry). It runs the first stage alone and logs why."""
+    stage = tmp_path / "triage-encoder"
+    shutil.copytree(DEFAULT_ESCALATION_DIR, stage, ignore=shutil.ignore_patterns("model.onnx"))
+    maven_log = tmp_path / "mvn.log"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mvn").write_text(f'#!/bin/sh\necho "$@" >> {maven_log}\nexit 1\n')
+    (tmp_path / "bin" / "mvn").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", "XDG_CACHE_HOME": str(tmp_path)}
+    topics = make_topics(unique_topic)
+    group = _group()
+    publish(kafka_bootstrap, topics, 20, seed=5)
+    settings = {**CASCADE, "inference.escalation": str(stage)}
+    worker = Worker(kafka_bootstrap, topics, group, tmp_path, "no-encoder", settings, model=None, env=env)
+    try:
+        worker.wait_for("pipeline_started", timeout=180)
+        wait_until_committed(kafka_bootstrap, group, topics.input, timeout=180, worker=worker)
+        assert worker.stop() == 0
+    finally:
+        worker.kill()
+    assert not maven_log.exists(), f"Maven was started: {maven_log.read_text()}"
+    (off,) = worker.events("cascade_off")
+    assert off["reason"].startswith(f"{stage}: its encoder model.onnx is not downloaded yet: run ")
+    assert "`triage-worker model fetch`" in off["reason"]
+    assert not any(record.stage == "escalation" for record in _records(audit(kafka_bootstrap, topics)))

@@ -407,6 +407,33 @@ def test_a_ticket_whose_deadline_had_passed_on_arrival_is_answered_expired_on_ar
     assert worker.metrics.fallback == {"expired_on_arrival": 1}
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    ["%Y-%m-%dt%H:%M:%Sz", "%Y-%m-%dT%H:%M:%Sz", "%Y-%m-%dt%H:%M:%S.250Z", "%Y-%m-%dt%H:%M:%S+00:00"],
+)
+def test_a_lower_case_deadline_at_that_had_passed_is_answered_expired_on_arrival(
+    kafka: MemoryKafka, spelling: str
+) -> None:
+    """Issue 55: `2024-05-01t12:30:00z` (RFC 3339 allows lower-case t and z) was accepted by the decoder and
+    ignored by the deadline, so a ticket past its deadline was classified; one not a timestamp is a dead
+    letter."""
+    past = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)).strftime(spelling)
+    for index, due in enumerate([past, "5 minutes from now"]):
+        ticket = {"ticket_id": f"T-{index}", "body": "my card is blocked", "metadata": {"deadline_at": due}}
+        kafka.append(INPUT, 0, msgspec.json.encode(ticket), f"customer-{index}".encode())
+    classifier = RecordingClassifier()
+    worker = pipeline(kafka, "at_least_once", classifier, settings={"pipeline.commit_interval_ms": 100})
+    running = Running(worker)
+    wait_until(lambda: kafka.committed["memory-group"].get((INPUT, 0)) == 2, "both tickets committed")
+    assert running.stop() == 0
+    ((_, record),) = kafka.read_committed(OUTPUT)
+    result = msgspec.json.decode(record.value or b"", type=TriageResult)
+    assert (result.ticket_id, result.fallback_reason) == ("T-0", "expired_on_arrival")
+    assert classifier.texts == []  # no model time for either
+    ((_, letter),) = kafka.read_committed(DEAD)
+    assert dict(letter.headers or [])[dead_letters.ERROR_TYPE] == b"invalid_timestamp"
+
+
 @pytest.mark.parametrize("redact", [True, False])
 def test_redact_input_and_dead_letter_redact_decide_what_the_model_and_the_dead_letter_get(
     kafka: MemoryKafka, redact: bool

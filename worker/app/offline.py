@@ -28,7 +28,6 @@ from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.kafka.dead_letters import read_dead_letter
-from worker.learning.artifacts import fetch_stage_files
 from worker.messages import TicketEvent, TriageResult
 from worker.pipeline.engine import Engine, GiveUpAt, Limits
 from worker.pipeline.failure import Failure
@@ -110,7 +109,10 @@ def offline_stages(
     if not cascade:
         escalation = None
     elif escalation is None:
-        escalation = choose_escalation(inference, taxonomy, taxonomy_path).settings
+        choice = choose_escalation(inference, taxonomy, taxonomy_path)
+        if choice.why_off is not None:
+            echo(f"running without the cascade: {choice.why_off}")
+        escalation = choice.settings
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(
             open_pool(inference, taxonomy, taxonomy_path, settings.log, settings.privacy, announce=announce)
@@ -134,7 +136,7 @@ def _open_stage(
     echo: Callable[[str], None],
     announce: bool,
 ) -> ClassifierPool:
-    fetch_stage_files(escalation, echo)
+    # Nothing fetched (see worker/app/stages.py's open_cascade): a missing encoder ran no cascade.
     return open_pool(escalation, taxonomy, taxonomy_path, settings.log, settings.privacy, announce=announce)
 
 

@@ -26,7 +26,6 @@ from worker.inference.pool import (
 )
 from worker.inference.taxonomy import Taxonomy
 from worker.kafka.clients import ClientErrorLog, create_producer
-from worker.learning.artifacts import fetch_stage_files
 from worker.logs import librdkafka_logger
 from worker.pipeline.side_topics.review import Review
 from worker.pipeline.side_topics.shadow import Shadow
@@ -61,10 +60,11 @@ def open_cascade(
     echo: Callable[[str], None],
     window: int | None = None,
 ) -> tuple[ClassifierPool, Cascade]:
-    """The escalation stage's files fetched where missing (each step told to `echo`), its pool opened with the
-    first stage's `taxonomy` (from `taxonomy_path`, as resolved for it) and the cascade over it started
-    (`start_cascade`); the caller closes the pool (closed here if the start fails)."""
-    fetch_stage_files(escalation, echo)
+    """The escalation stage's pool opened with the first stage's `taxonomy` (from `taxonomy_path`, as
+    resolved for it) and the cascade over it started (`start_cascade`); the caller closes the pool (closed
+    here if the start fails). Nothing is fetched: `choose_escalation` ran no cascade where the stage's
+    encoder is missing (the worker connects to nothing but the broker and the registry); `echo` is kept for
+    callers that say what the stage does."""
     pool = open_pool(escalation, taxonomy, taxonomy_path, settings.log, settings.privacy)
     try:
         return pool, start_cascade(settings, escalation, pool, taxonomy, first_contexts, window)

@@ -19,7 +19,7 @@ from worker.kafka.admin import create_topics, worker_topics
 from worker.settings import add_config_argument, settings_from_args
 
 SASL_USER = "triage"
-SASL_CLIENT_FILE = "sasl-ssl-client.toml"
+SASL_CLIENT_FILE = local_broker.SASL_CLIENT_FILE
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -48,7 +48,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
             f"go to <state-dir>/{SASL_CLIENT_FILE} (pass it with --config)"
         ),
     )
-    start.add_argument("--fresh", action="store_true", help="wipe topics and messages of earlier runs first")
+    start.add_argument(
+        "--fresh",
+        action="store_true",
+        help="wipe topics and messages of earlier runs first (only a state folder the broker made)",
+    )
     _add_kafka_version(start)
     _add_state_dir(start)
     start.set_defaults(handler=_start)

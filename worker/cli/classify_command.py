@@ -10,7 +10,10 @@ competes for the cores, so the first stage is never under pressure and the stage
 come, within the bounds of `worker/pipeline/sources/lines.py` (a large file, or one without newlines such as
 `/dev/zero`, cannot take the memory); a line that is not a ticket is named on stderr with the reason it
 would be dead-lettered, and skipped. What could destroy data is refused before any work: an output that is
-the input file itself, or one that cannot be written.
+the input file itself, or one that cannot be written. An existing `--output` FILE is opened (so a path that
+cannot be written fails at once) but emptied only when the first result is written, after every check passed
+(the ticket text, the first ticket line, the settings, the model): a refusal leaves it as it was, and a FILE
+the refused run created is removed again.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import msgspec
 from rich.console import Console
@@ -42,6 +45,14 @@ from worker.settings import Settings, add_config_argument, settings_from_args
 # results for the whole file.
 EXIT_LINES_SKIPPED = 3
 STANDARD_STREAM = Path("-")
+
+
+class Sink(Protocol):
+    """Where results go: stdout's buffer, or an `--output` file (`_DeferredOutput`)."""
+
+    def write(self, data: bytes, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -97,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return _classify_stream(settings, _name(args.input), source, out)
 
 
-def _classify_text(settings: Settings, text: str, out: IO[bytes]) -> int:
+def _classify_text(settings: Settings, text: str, out: Sink) -> int:
     """One ticket, through the same loop as a file, on an in-process context (starting worker processes would
     cost more than the ticket)."""
     event = TicketEvent(ticket_id="cli-0", body=checked_argument_text(text, "the ticket text"))
@@ -112,7 +123,7 @@ def _classify_text(settings: Settings, text: str, out: IO[bytes]) -> int:
     return 0 if run.written == 1 else 1
 
 
-def _write_line(out: IO[bytes], value: bytes) -> None:
+def _write_line(out: Sink, value: bytes) -> None:
     out.write(value + b"\n")
 
 
@@ -120,7 +131,7 @@ def _never_skipped(line: int, error_type: str, message: str) -> None:
     raise UserError(f"classify: the ticket text is not a ticket: {error_type}: {message}")
 
 
-def _classify_stream(settings: Settings, name: str, source: IO[bytes], out: IO[bytes]) -> int:
+def _classify_stream(settings: Settings, name: str, source: IO[bytes], out: Sink) -> int:
     """Classify each ticket line of `source` and write its result to `out` in input order, as they come
     (see the module's docstring for the bounds)."""
     console = Console(stderr=True, soft_wrap=True)  # one line per message, whatever the width
@@ -211,11 +222,35 @@ def _open_input(path: Path) -> Iterator[IO[bytes]]:
         yield handle
 
 
+class _DeferredOutput:
+    """An `--output` file opened before any work and emptied by the first write only (a regular file's old
+    content is kept until a result replaces it; a FIFO or a device is written as it is)."""
+
+    def __init__(self, handle: IO[bytes], regular: bool) -> None:
+        self._handle = handle
+        self._regular = regular
+        self.started = False
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            if self._regular:
+                self._handle.truncate(0)
+
+    def write(self, data: bytes, /) -> int:
+        self.start()
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
 @contextlib.contextmanager
-def _open_output(output: Path | None, source: IO[bytes] | None) -> Iterator[IO[bytes]]:
-    """The output, opened (created, or emptied) before any work, so that a path that cannot be written fails
-    at once; refused when it is the input file itself (by any name: a symlink, a hard link, or stdout
-    redirected to it), which writing would destroy while it is read."""
+def _open_output(output: Path | None, source: IO[bytes] | None) -> Iterator[Sink]:
+    """The output, opened before any work, so that a path that cannot be written fails at once, but emptied
+    only by the first result (see the module's docstring); refused when it is the input file itself (by
+    any name: a symlink, a hard link, or stdout redirected to it), which writing would destroy while it is
+    read."""
     if output is None or output == STANDARD_STREAM:
         if source is not None:
             with contextlib.suppress(OSError, ValueError):  # no file behind stdout (a test's capture)
@@ -223,15 +258,37 @@ def _open_output(output: Path | None, source: IO[bytes] | None) -> Iterator[IO[b
         yield sys.stdout.buffer
         sys.stdout.buffer.flush()
         return
-    if source is not None:
-        with contextlib.suppress(OSError):  # not there yet, or not reachable: opening it says why
-            _refuse_same_file(source, output.stat(), str(output))
+    created = False
     try:
-        handle = output.open("wb")
+        try:
+            fd = os.open(output, os.O_WRONLY | os.O_CLOEXEC)  # no O_TRUNC: see _DeferredOutput
+        except FileNotFoundError:
+            fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+            created = True
     except OSError as error:
         raise UserError(f"cannot write {output}: {error.strerror or error}") from None
+    handle = os.fdopen(fd, "wb")
     with handle:
-        yield handle
+        opened = os.fstat(fd)
+        sink: _DeferredOutput | None = None
+        try:
+            if source is not None:
+                _refuse_same_file(source, opened, str(output))
+            sink = _DeferredOutput(handle, stat.S_ISREG(opened.st_mode))
+            yield sink
+        except BaseException:  # refused (or interrupted) before a result: as it was, or gone if it was not
+            if created and (sink is None or not sink.started):
+                _remove_if_still(output, opened)
+            raise
+        sink.start()  # a run that wrote nothing still leaves its (empty) output, as it ran
+
+
+def _remove_if_still(output: Path, opened: os.stat_result) -> None:
+    """Remove the file a refused run created, if the path still names it (and not through a symlink)."""
+    with contextlib.suppress(OSError):
+        now = output.lstat()
+        if stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino):
+            output.unlink()
 
 
 def _refuse_same_file(source: IO[bytes], target: os.stat_result, what: str) -> None:

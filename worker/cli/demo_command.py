@@ -176,7 +176,10 @@ def _run(args: argparse.Namespace, settings: Settings) -> int:
     for name, outcome in create_topics(settings.kafka, worker_topics(topics)).items():
         print(f"topic {name}: {outcome}", flush=True)
     viewer = open_viewer(settings, from_beginning=False)  # only this run's records
-    log_path = Path(args.state_dir) / f"demo-worker-{uuid.uuid4().hex[:6]}.log"
+    # Into the broker's state folder (made and marked as its own if need be, so `broker start --fresh` may
+    # wipe it later), beside the broker's logs.
+    local_broker.make_state_dir(Path(args.state_dir))
+    log_path = Path(args.state_dir) / "logs" / f"demo-worker-{uuid.uuid4().hex[:6]}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     worker = _start_worker(args, bootstrap, log_path)
     print(f"worker pid {worker.pid}, log {log_path}; press Ctrl-C to stop", flush=True)

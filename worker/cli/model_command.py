@@ -65,7 +65,8 @@ OUT_OF_DOMAIN = "data/out-of-domain/tickets.txt"
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    """Resolve the escalation stage's encoder into the user cache (what the worker also does on first use)."""
+    """Resolve the escalation stage's encoder into the user cache (the worker never does: without it, it runs
+    no cascade and says so)."""
     from worker.inference.encoder import is_encoder_folder
     from worker.learning.artifacts import fetch_encoder
 

@@ -4,8 +4,13 @@ Machines this project targets have Java and Maven but often no Docker engine, an
 Debian or PyPI. So the broker's jars are resolved from Maven Central with the small pom in `deploy/kafka/`
 (cached outside the repo), and one KRaft node (broker + controller) is started on 127.0.0.1 as a detached
 JVM. Its state lives in one directory (by default one per checkout, see `default_state_dir`):
-`server.properties`, `data/` (the log dir), `logs/server.log`, `logs/stdout.log`, `broker.pid` and
-`broker.port`.
+`server.properties`, `data/` (the log dir), `logs/server.log`, `logs/stdout.log`, `broker.pid`,
+`broker.port` and the marker `.triage-worker-broker`, written when the broker makes the directory.
+
+`start(fresh=True)` wipes that directory, so it first makes sure the directory is the broker's own: it carries
+the marker (or, from before the marker, a `server.properties` this module wrote) and holds nothing but what
+the broker writes there. Any other folder (`--state-dir ~`, a project folder) is refused in one line, never
+deleted.
 
 A stopped broker can be started again on the same data (`start(fresh=False)`), which tests use to prove the
 worker survives a broker restart.
@@ -64,6 +69,29 @@ POM_FILE = "deploy/kafka/pom.xml"
 LOG4J_CONFIG = "deploy/kafka/log4j2.properties"
 _CHECKOUT_ONLY = "the local Kafka broker"
 _INSTEAD = "name a Kafka with --bootstrap-servers or KAFKA_BOOTSTRAP_SERVERS"
+
+# The file that says a state directory is the local broker's own (so `start(fresh=True)` may wipe it).
+STATE_MARKER = ".triage-worker-broker"
+# The SASL_SSL client settings `broker start --sasl-ssl-port` writes into the state directory.
+SASL_CLIENT_FILE = "sasl-ssl-client.toml"
+# Every entry the broker (and `broker start`) writes at the top of its state directory: a folder holding
+# anything else is not wiped.
+STATE_ENTRIES = frozenset(
+    {
+        STATE_MARKER,
+        SASL_CLIENT_FILE,
+        "server.properties",
+        "data",
+        "logs",
+        "tls",
+        "broker.pid",
+        "broker.port",
+        "kafka.version",
+    }
+)
+# The demo's worker logs, which it wrote beside the broker's state before they went to `logs/`.
+_DEMO_LOG = re.compile(r"demo-worker-[0-9a-f]{6}\.log")
+_PROPERTIES_HEADER = "# Written by triage-worker (worker/dev/local_broker.py); rewritten on every start.\n"
 
 SCRAM_MECHANISM = "SCRAM-SHA-512"
 SCRAM_ITERATIONS = 8192
@@ -472,6 +500,43 @@ class LocalBroker:
     def _version_file(self) -> Path:
         return self.state_dir / "kafka.version"
 
+    @property
+    def _marker_file(self) -> Path:
+        return self.state_dir / STATE_MARKER
+
+    def _check_wipeable(self) -> None:
+        """Refuse (one line naming the folder and why) to wipe a state directory that is not the broker's own.
+
+        A folder that does not exist or is empty has nothing to lose. Otherwise it must carry the marker, or
+        (a state directory from before the marker) a `server.properties` this module wrote, and hold nothing
+        but `STATE_ENTRIES`; a symbolic link is refused too (wiping it would not empty what it points to)."""
+        state_dir = self.state_dir
+        why = "pick another --state-dir, or empty it yourself"
+        if state_dir.is_symlink():
+            raise UserError(
+                f"broker start --fresh: refusing to wipe {state_dir}: it is a symbolic link, "
+                f"not a folder the local broker made; {why}"
+            )
+        if not state_dir.exists():
+            return
+        if not state_dir.is_dir():
+            raise UserError(f"broker start --fresh: refusing to wipe {state_dir}: it is not a folder; {why}")
+        entries = sorted(entry.name for entry in state_dir.iterdir())
+        if not entries:
+            return
+        if not (self._marker_file.is_file() or _written_by_us(self.properties_file)):
+            raise UserError(
+                f"broker start --fresh: refusing to wipe {state_dir}: it is not a folder the local broker "
+                f"made (no {STATE_MARKER} in it); {why}"
+            )
+        foreign = [name for name in entries if name not in STATE_ENTRIES and not _DEMO_LOG.fullmatch(name)]
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise UserError(
+                f"broker start --fresh: refusing to wipe {state_dir}: it holds {shown}, which the local "
+                f"broker did not write; {why}"
+            )
+
     def _recorded_version(self) -> str | None:
         try:
             return self._version_file.read_text().strip() or None
@@ -558,7 +623,7 @@ class LocalBroker:
             "group.initial.rebalance.delay.ms": "0",
             **secure,
         }
-        text = "# Written by triage-worker (worker/dev/local_broker.py); rewritten on every start.\n"
+        text = _PROPERTIES_HEADER
         text += "".join(f"{key}={value}\n" for key, value in properties.items())
         self.properties_file.write_text(text)
 
@@ -607,6 +672,8 @@ class LocalBroker:
                     f"stop it before starting Kafka {self.kafka_version}"
                 )
             return current
+        if fresh:
+            self._check_wipeable()
         if port_open(self.port):
             raise UserError(f"port {self.port} on 127.0.0.1 is already in use; pick another with --port")
         if self.sasl_ssl is not None and port_open(self.sasl_ssl.port):
@@ -614,7 +681,9 @@ class LocalBroker:
         fetch_jars(self.home, echo, self.kafka_version)
         java = require_java(self.kafka_version)
         if fresh:
+            self._check_wipeable()  # again: the folder may have changed while the jars were fetched
             shutil.rmtree(self.state_dir, ignore_errors=True)
+        make_state_dir(self.state_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         formatted = (self.data_dir / "meta.properties").is_file()
         formatted_by = self._recorded_version()
@@ -694,6 +763,24 @@ class LocalBroker:
             _terminate(pid, timeout_s)
         self._forget()
         return pid is not None
+
+
+def make_state_dir(state_dir: Path) -> None:
+    """Make `state_dir` and mark it as the broker's own (`STATE_MARKER`): only a folder that did not exist or
+    was empty is marked, so `start(fresh=True)` never takes a folder it merely wrote into for its own."""
+    if state_dir.is_dir() and any(state_dir.iterdir()):
+        return
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / STATE_MARKER).write_text("A local Kafka broker's state (triage-worker broker start).\n")
+
+
+def _written_by_us(properties_file: Path) -> bool:
+    """Whether `properties_file` starts with the header `_write_properties` writes."""
+    try:
+        with properties_file.open(encoding="utf-8", errors="replace") as handle:
+            return handle.readline() == _PROPERTIES_HEADER
+    except OSError:
+        return False
 
 
 def _terminate(pid: int, timeout_s: float) -> None:

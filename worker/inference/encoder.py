@@ -43,6 +43,9 @@ from worker.settings import InferenceSettings
 log = structlog.get_logger(__name__)
 
 MANIFEST = "encoder.json"
+# The folder, inside a model folder, of the encoder stage trained with it (`DIR/encoder/`, what `triage-worker
+# model train` writes next to the first stage).
+OWN_STAGE_DIR = "encoder"
 TOP_K_SCORES = 5
 # onnxruntime's name of each provider of the settings.
 _ORT_PROVIDERS = {
@@ -87,6 +90,22 @@ def ordered_labels_sha256(labels: Sequence[str]) -> str:
 
 def is_encoder_folder(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
+
+
+def encoder_stage_only(folder: Path) -> Path | None:
+    """The encoder stage that serves as the model of a `model train` folder written without its first stage
+    (no `train` extra: no genai_config.json, the stage in `DIR/encoder/`); None for any other folder. Its
+    card says `classify --model DIR` and `run --model DIR` take it whole, so `DIR` serves that stage (its
+    records say `DIR`'s name, and no cascade runs over the stage itself)."""
+    if (folder / "genai_config.json").is_file() or is_encoder_folder(folder):
+        return None
+    stage = folder / OWN_STAGE_DIR
+    return stage if is_encoder_folder(stage) else None
+
+
+def serves_encoder_stage(folder: Path) -> bool:
+    """Whether `folder` is served by an `EncoderEngine`: an encoder stage, or a folder with only one."""
+    return is_encoder_folder(folder) or encoder_stage_only(folder) is not None
 
 
 def read_manifest(folder: Path) -> EncoderManifest:
@@ -194,7 +213,8 @@ class EncoderEngine:
 
     def __init__(self, settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> None:
         self.settings = settings
-        folder = Path(settings.model).expanduser()
+        given = Path(settings.model).expanduser()
+        folder = encoder_stage_only(given) or given
         manifest = read_manifest(folder)
         self.taxonomy = taxonomy
         self.taxonomy_path = taxonomy_path
@@ -204,7 +224,7 @@ class EncoderEngine:
                 f"{folder}: its head was trained for {len(manifest.labels)} labels, without "
                 f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} of {self.taxonomy_path}"
             )
-        self.model_id = model_id(folder)
+        self.model_id = model_id(given)  # a folder with only an encoder stage: the folder's own name
         self.labels = manifest.labels
         self._labels_known = np.array([label in self.taxonomy.labels for label in manifest.labels])
         try:

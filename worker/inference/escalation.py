@@ -1,6 +1,9 @@
 """Which escalation stage the cascade gets (worker/pipeline/triage/cascade.py).
 
-A configured folder runs as configured (and refuses to start when it cannot). "auto", the default, runs:
+A configured folder runs as configured (and refuses to start when it cannot), except an encoder stage whose
+encoder was never fetched: the worker never fetches it (Maven would be a connection besides the broker and
+the registry), so it runs without a cascade and says why (run `triage-worker model fetch`). "auto", the
+default, runs:
 
 - the first stage's own encoder stage when its model folder has one (`DIR/encoder/`, what `triage-worker
   model train` writes next to the model it trains): trained for the same taxonomy, with its encoder in the
@@ -10,7 +13,7 @@ A configured folder runs as configured (and refuses to start when it cannot). "a
   the image carry it; a checkout gets it at `make setup`).
 
 Otherwise the worker runs without a cascade and says why, rather than refusing to start or fetching 34 MB on
-a worker's start.
+a worker's start: `run` logs `cascade_off` with the reason, `classify` prints it on stderr.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from pathlib import Path
 import msgspec
 
 from worker.errors import UserError
-from worker.inference.encoder import encoder_file, is_encoder_folder, read_manifest
+from worker.inference.encoder import (
+    OWN_STAGE_DIR,
+    encoder_file,
+    encoder_stage_only,
+    is_encoder_folder,
+    read_manifest,
+)
 from worker.inference.taxonomy import Taxonomy
 from worker.settings import DEFAULT_ESCALATE_BELOW, DEFAULT_ESCALATION_DIR, ESCALATION_AUTO, InferenceSettings
 from worker.small_files import read_small_file
 
-# The folder, inside a model folder, of the encoder stage trained with it.
-OWN_STAGE_DIR = "encoder"
 # What `model train` records of a folder, its cascade threshold among it (worker/learning/compose.py).
 TRAINING_FILE = "training.json"
 
@@ -39,8 +46,12 @@ class EscalationChoice:
 
 
 def own_stage(first: InferenceSettings) -> Path | None:
-    """The encoder stage trained with the first stage's model (`DIR/encoder/`), None when it has none."""
-    folder = Path(first.model).expanduser() / OWN_STAGE_DIR
+    """The encoder stage trained with the first stage's model (`DIR/encoder/`), None when it has none, or
+    when that stage is the model itself (a folder written without its first stage: `encoder_stage_only`)."""
+    model = Path(first.model).expanduser()
+    folder = model / OWN_STAGE_DIR
+    if encoder_stage_only(model) is not None:
+        return None
     return folder if is_encoder_folder(folder) else None
 
 
@@ -93,10 +104,33 @@ def choose_escalation(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_pat
     return choice
 
 
+def _missing_encoder(folder: Path) -> str | None:
+    """Why the encoder stage in `folder` cannot run here (its encoder is neither in it nor in the cache);
+    None when it can, or when `folder` is no encoder stage (an ORT GenAI folder needs nothing fetched; a
+    folder that is neither is refused when its pool opens)."""
+    if not is_encoder_folder(folder):
+        return None
+    try:
+        encoder_file(folder, read_manifest(folder))
+    except UserError as missing:
+        return str(missing)
+    return None
+
+
 def _chosen_stage(first: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path) -> EscalationChoice:
     settings = first.escalation_settings(str(taxonomy_path))
-    if settings is None or first.escalation != ESCALATION_AUTO:
-        return EscalationChoice(settings)
+    if settings is None:
+        return EscalationChoice(None)
+    if first.escalation != ESCALATION_AUTO:
+        missing = _missing_encoder(Path(settings.model))
+        return EscalationChoice(settings) if missing is None else EscalationChoice(None, missing)
+    alone = encoder_stage_only(Path(first.model).expanduser())
+    if alone is not None:
+        return EscalationChoice(
+            None,
+            f"{first.model} has no first stage (it was trained without the `train` extra): its encoder stage "
+            f"{alone} answers every ticket; pip install 'triage-worker[train]' and train it again for both",
+        )
     own = own_stage(first)
     folder = own or DEFAULT_ESCALATION_DIR
     manifest = read_manifest(folder)

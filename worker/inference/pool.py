@@ -41,7 +41,7 @@ import structlog
 from worker.classification import Classification, ClassifyRequest, fallback_answer
 from worker.errors import UserError
 from worker.inference.candidates import CandidatesContext, CandidatesEngine
-from worker.inference.encoder import EncoderContext, EncoderEngine, is_encoder_folder
+from worker.inference.encoder import EncoderContext, EncoderEngine, serves_encoder_stage
 from worker.inference.engine import Context, Engine
 from worker.inference.genai import require_runtime
 from worker.inference.pairing import warn_once_if_unpaired
@@ -80,12 +80,13 @@ def open_engine(
     settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path
 ) -> Engine | EncoderEngine | CandidatesEngine:
     """The engine for the folder in `settings.model`: an encoder stage (it has `encoder.json`, see
-    worker/inference/encoder.py), with an LLM deciding among its top candidates when the settings are a
-    stage's with one (worker/inference/candidates.py), or an ORT GenAI model, with the resolved `taxonomy`
-    from `taxonomy_path`."""
+    worker/inference/encoder.py; or a `model train` folder with only its encoder stage, `encoder_stage_only`),
+    with an LLM deciding among its top candidates when the settings are a stage's with one
+    (worker/inference/candidates.py), or an ORT GenAI model, with the resolved `taxonomy` from
+    `taxonomy_path`."""
     if settings.candidates_llm_settings() is not None:
         return CandidatesEngine(settings, taxonomy, taxonomy_path)
-    if is_encoder_folder(Path(settings.model).expanduser()):
+    if serves_encoder_stage(Path(settings.model).expanduser()):
         return EncoderEngine(settings, taxonomy, taxonomy_path)
     return Engine(settings, taxonomy, taxonomy_path)
 

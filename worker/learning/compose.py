@@ -1,6 +1,7 @@
 """One model folder with both stages: what `triage-worker model train --data/--zero-shot` writes.
 
     DIR/               the ORT GenAI first stage (genai_config.json, model.onnx, tokenizer): `--model DIR`
+                       (without the `train` extra there is none, and `--model DIR` serves `encoder/` alone)
     DIR/encoder/       the escalation stage: head.npz, tokenizer.json, encoder.json, the encoder's ONNX file
     DIR/taxonomy.toml  the taxonomy both were trained for; DIR/trained_labels.json its labels' record
     DIR/training.json  how it was trained and its figures; DIR/README.md the model card
@@ -408,8 +409,8 @@ def _finish(
                 )
         else:
             console.print(
-                f"[yellow]first stage not trained: {escape(missing or '')}; the encoder stage alone runs "
-                f"with --model {escape(str(out_dir / ENCODER_DIR))}[/yellow]"
+                f"[yellow]first stage not trained: {escape(missing or '')}; --model "
+                f"{escape(str(out_dir))} serves the encoder stage alone[/yellow]"
             )
         write_trained_labels(building, taxonomy)
         if kind == "zero-shot":
@@ -733,7 +734,15 @@ def model_card(record: dict[str, Any]) -> str:
         "fitted on "
         "it and every figure below is measured on it.",
     }[kind]
+    found_inside = (
+        "the taxonomy and the encoder stage (the cascade's escalation stage, `inference.escalation = "
+        '"auto"`) are found inside it.'
+    )
     if first is None:
+        found_inside = (
+            "it has no first stage, so its encoder stage (`encoder/`) answers every ticket, without a "
+            "cascade; the taxonomy is found inside it."
+        )
         first_rows = f"| first stage | not trained: {record['first_stage_missing']} | | |"
     else:
         first_rows = (
@@ -802,9 +811,8 @@ def model_card(record: dict[str, Any]) -> str:
             else []
         ),
         "",
-        "**Run it:** `triage-worker classify --model .` and `triage-worker run --model .` take this folder "
-        "whole: the taxonomy and the encoder stage (the cascade's escalation stage, `inference.escalation = "
-        '"auto"`) are found inside it. Measure it with `triage-worker model eval --model . --data TICKETS` '
+        f"**Run it:** `triage-worker classify --model .` and `triage-worker run --model .` take this folder "
+        f"whole: {found_inside} Measure it with `triage-worker model eval --model . --data TICKETS` "
         "before promoting it, run it as a shadow of the current model first (`run --shadow-model .`), then "
         "promote it (docs/your-taxonomy.md).",
     ]

@@ -11,9 +11,9 @@ kept on the monotonic clock so that a wall-clock jump cannot expire or prolong e
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 
+from worker.decoding import rfc3339_moment
 from worker.messages import DEADLINE_METADATA_KEY
 
 
@@ -36,10 +36,9 @@ def _requested_wall_deadline(metadata: Mapping[str, str] | None) -> float | None
     if not text:
         return None
     try:
-        moment = datetime.datetime.fromisoformat(text)
+        # What the decoder accepted, read the same way: lower-case t and z included (issue 55: fromisoformat
+        # refused `2024-05-01t12:30:00z`, so the deadline was dropped).
+        moment = rfc3339_moment(text)
     except ValueError:
-        return None
-    if moment.tzinfo is None:
-        # RFC 3339 requires an offset; a naive time could mean any zone, so it is not trusted.
-        return None
+        return None  # the decoder dead-letters such a value (`invalid_timestamp`) before it gets here
     return moment.timestamp()
