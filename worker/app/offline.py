@@ -37,7 +37,7 @@ from worker.pipeline.triage.cascade import Cascade
 from worker.pipeline.triage.dispatch_queue import DispatchQueue
 from worker.pipeline.triage.requests import ModelRequests
 from worker.pipeline.work import Output, Work
-from worker.settings import InferenceSettings, Settings
+from worker.settings import ESCALATION_AUTO, InferenceSettings, Settings
 from worker.telemetry.tracing import tracing_for
 
 # Lines read and not yet written (at the model, at the escalation stage, or waiting for an earlier line to be
@@ -110,7 +110,10 @@ def offline_stages(
         escalation = None
     elif escalation is None:
         choice = choose_escalation(inference, taxonomy, taxonomy_path)
-        if choice.why_off is not None:
+        # "auto" standing aside for a taxonomy its stage was not trained for is the expected quiet case (a
+        # test model, a team's own taxonomy); any other reason is news to the user.
+        quiet = inference.escalation == ESCALATION_AUTO and "intents, not the" in (choice.why_off or "")
+        if choice.why_off is not None and not quiet:
             echo(f"running without the cascade: {choice.why_off}")
         escalation = choice.settings
     with contextlib.ExitStack() as stack:
