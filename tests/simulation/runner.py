@@ -20,50 +20,55 @@ from .schedule import DOORS, Schedule, generate
 
 @dataclass(frozen=True)
 class Known:
-    """A known defect: the door, the property it breaks, a piece of the violation's detail that tells it
-    from others of the property (the code path, say), the seed that shows it and what it is."""
+    """A known defect: the doors it shows on, the property it breaks, a piece of the violation's detail that
+    tells it from others of the property (the code path, say), a seed per door that shows it, and what it
+    is."""
 
     doors: tuple[str, ...]
     prop: str
     detail: str
-    seed: int
+    seeds: tuple[tuple[str, int], ...]
     what: str
 
     def matches(self, door: str, violation: Violation) -> bool:
         return door in self.doors and violation.prop == self.prop and self.detail in violation.detail
 
 
-_CLASSIFYING = ("group-alo", "group-eos", "queue", "lines")
 _ISSUE = "issue 55"
 KNOWN: tuple[Known, ...] = (
     Known(
-        ("queue",), "archived without an outcome", "Engine._shutdown > ShareSource.stop_taking", 0,
+        ("queue",), "archived without an outcome", "Engine._shutdown > ShareSource.stop_taking",
+        (("queue", 1462),),
         f"{_ISSUE}: SIGTERM releases the backlog, last deliveries included (the broker archives them)",
     ),
     Known(
-        ("queue",), "archived without an outcome", "Engine._shutdown > ShareSource.stop >", 0,
-        f"{_ISSUE}: at the end of a shutdown the unfinished records are released, last deliveries included",
+        ("queue",), "archived without an outcome", "Engine._shutdown > ShareSource.stop >",
+        (("queue", 1321),),
+        f"{_ISSUE}: a shutdown that outlasts its timeout releases the unfinished records, last deliveries"
+        " included",
     ),
     Known(
-        ("queue",), "archived without an outcome", "ShareSource._from_backlog", 0,
-        f"{_ISSUE}: a last delivery left in the backlog past the may_answer window (the in-flight bound full)"
-        " is released",
+        ("queue",), "archived without an outcome", "ShareSource._from_backlog", (("queue", 1395),),
+        f"{_ISSUE}: a last delivery still in the backlog once the lock leaves no time to answer it (the"
+        " in-flight bound full, or the registry back late) is released",
     ),
     Known(
-        ("queue",), "archived without an outcome", "Acknowledging._on_delivery", 0,
+        ("queue",), "archived without an outcome", "Acknowledging._on_delivery", (("queue", 1799),),
         f"{_ISSUE}: a last delivery whose output delivery failed is released",
     ),
     Known(
-        ("queue",), "archived without an outcome", "ShareSource.maintain > ShareSource._release_all", 0,
+        ("queue",), "archived without an outcome", "ShareSource.maintain > ShareSource._release_all",
+        (("queue", 1509),),
         f"{_ISSUE}: at the lock's end the batch is released, last deliveries held for the registry included",
     ),
     Known(
-        ("queue",), "model error dead-lettered as a dead model process", "", 0,
+        ("queue",), "model error dead-lettered as a dead model process", "", (("queue", 378),),
         f"{_ISSUE}: a model error in queue mode is released, and dead-lettered delivery_count_exceeded on its"
         " last delivery, instead of answered model_error",
     ),
     Known(
-        _CLASSIFYING, "ticket past its deadline_at classified", "deadline_past_lower", 0,
+        ("group-alo", "group-eos", "queue", "lines"), "ticket past its deadline_at classified",
+        "deadline_past_lower", (("group-alo", 95), ("queue", 1404), ("lines", 95)),
         f"{_ISSUE}: a lower-case RFC 3339 deadline_at is accepted and then ignored",
     ),
 )  # fmt: skip

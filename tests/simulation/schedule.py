@@ -182,7 +182,7 @@ def generate(door: str, seed: int) -> Schedule:
     lines = door == "lines"
     knobs = _knobs(rng, group, queue, replay)
     count = rng.choice((1, 2, 3, 5, 8, 12, 20))
-    horizon = rng.choice((1.0, 3.0, 8.0, 20.0))
+    horizon = rng.choice((0.5, 2.0, 5.0, 12.0))
     inputs = tuple(_input(rng, i, knobs, horizon, door) for i in range(count))
     events: list[Event] = []
     for _ in range(rng.choice((0, 1, 1, 2, 3, 5))):
@@ -196,9 +196,9 @@ def generate(door: str, seed: int) -> Schedule:
             kinds += ["registry_away", "registry_away"]
         kind = rng.choice(kinds)
         partition = rng.randrange(knobs.partitions)
-        for_s = round(rng.choice((0.0, 0.05, 0.5, 2.0, 10.0)) * rng.random(), 3)
+        for_s = round(rng.choice((0.0, 0.05, 0.5, 2.0, 6.0)) * rng.random(), 3)
         if kind == "registry_away":
-            for_s = round(rng.choice((0.5, 3.0, 12.0, 40.0)) * rng.random(), 3)
+            for_s = round(rng.choice((0.5, 3.0, 12.0, 30.0)) * rng.random(), 3)
         events.append(Event(at, kind, partition, for_s))
     return Schedule(door, seed, knobs, inputs, tuple(sorted(events, key=lambda e: e.at)))
 
@@ -214,7 +214,7 @@ def _knobs(rng: random.Random, group: bool, queue: bool, replay: bool) -> Knobs:
         shutdown_timeout_ms=rng.choice((50, 500, 3000)),
         revoke_timeout_ms=rng.choice((100, 1000, 5000)),
         commit_interval_ms=rng.choice((20, 200, 1000)),
-        poll_timeout_ms=rng.choice((50, 100, 500)),
+        poll_timeout_ms=rng.choice((100, 250, 500)),
         commit_lag=rng.choice((0, 0, 1, 3)),
         partitions=rng.choice((1, 2, 3)) if group else 1,
         registry=(group or queue) and rng.random() < 0.25,
