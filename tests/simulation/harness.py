@@ -424,6 +424,8 @@ class QueueHarness(Harness):
     def arrive(self, each: Input) -> None:
         offset = self.kafka.append(INPUT, 0, value_of(each), key_of(each), headers_of(each))
         self.offsets[each.index] = offset
+        if self.knobs.producer_batch and each.at <= 0:
+            self.kafka.logs[INPUT][0][offset].batch = -1  # one producer batch, handed out whole
         if each.prior_deliveries:
             self.share.delivery(INPUT, 0, offset).count = each.prior_deliveries
 
@@ -543,9 +545,6 @@ class ReplayHarness(Harness):
             Failure(), clock=self.clock, committer=loop_committer(self.knobs.commit_lag),
         )  # fmt: skip
 
-    def end_s(self) -> float:
-        return super().end_s()
-
     def may_fail(self) -> bool:
         return "refused" in self.happened  # a publish that failed for good ends the run with exit 1
 
@@ -556,7 +555,12 @@ class ReplayHarness(Harness):
         if group != "replay" or self.exactly_once:
             return  # exactly once, a record is reported once its transaction committed: checked at the end
         for index, offset in self.offsets.items():
-            if offset < positions.get((DEAD, 0), -1) and not self.reports.by_offset.get(offset):
+            if offset >= positions.get((DEAD, 0), -1):
+                continue
+            reports = self.reports.by_offset.get(offset)
+            if reports and reports[-1].outcome is ReplayOutcome.PUBLISH_FAILED:
+                self.violate("committed past a failed publish", index, f"at t={self.clock.elapsed:.3f}s")
+            if not reports:
                 self.violate(
                     "committed past a record without an outcome", index, f"at t={self.clock.elapsed:.3f}s"
                 )

@@ -16,9 +16,15 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
+from worker.pipeline.settlements.guarantees import AtLeastOnce, ExactlyOnce
+from worker.pipeline.settlements.in_order import InOrder
+from worker.pipeline.settlements.offsets import PartitionOffsets
+from worker.pipeline.sources.share import Acknowledgement, ShareSource
+from worker.pipeline.work import Output, Work
+
 from .harness import HARNESSES, simulate
 from .runner import KNOWN, Known, failure_report, shrink, sweep
-from .schedule import DOORS, generate
+from .schedule import DOORS, Event, Input, Knobs, Schedule, generate
 
 # Seeds per door in the fast tier, in proportion to what a schedule of the door costs (about 20-40 s for
 # all of them on two shared cores).
@@ -79,3 +85,96 @@ def test_known_defect_is_fixed(defect: Known, door: str, seed: int) -> None:
     failure: then the defect's entry in `runner.KNOWN` goes, and the sweep above holds the door to it."""
     violations = [v for v in simulate(generate(door, seed)) if defect.matches(door, v)]
     assert not violations, "; ".join(v.describe() for v in violations)
+
+
+# -- the simulator is not blind: defects planted in the engine's parts are found ---------------------------
+
+
+def _commit_out_of_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug peers shipped: an offset counts as committable as soon as it finishes, before the ones
+    below it."""
+
+    def done(self: PartitionOffsets, offset: int) -> None:
+        if offset in self._waiting:
+            self._waiting.remove(offset)
+            self._ready.append(offset)
+
+    monkeypatch.setattr(PartitionOffsets, "done", done)
+
+
+def _lost_without_abort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly once: a lost partition's outputs stay in the open transaction, which commits."""
+    monkeypatch.setattr(ExactlyOnce, "lost", lambda self, keys: None)
+
+
+def _release_as_accept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queue mode: a record given another try is acknowledged ACCEPT instead of RELEASE."""
+    acknowledge = ShareSource.acknowledge
+
+    def accept(self: ShareSource, work: Work, outcome: Acknowledgement) -> None:
+        release = outcome is Acknowledgement.RELEASE
+        acknowledge(self, work, Acknowledgement.ACCEPT if release else outcome)
+
+    monkeypatch.setattr(ShareSource, "acknowledge", accept)
+
+
+def _lines_as_answered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline: each line's outcome handed over as it comes, not in input order."""
+
+    def write(self: InOrder, work: Work, output: Output) -> None:
+        del self._order[work]
+        work.state.done(work.offset)
+        self._deliver(work, output)
+
+    monkeypatch.setattr(InOrder, "write", write)
+
+
+def _replay_reports_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replay: a dead letter counts as done when it is republished, before the broker acknowledged it."""
+    write = AtLeastOnce.write
+
+    def early(self: AtLeastOnce, work: Work, output: Output) -> None:
+        write(self, work, output)
+        AtLeastOnce.done(self, work)
+
+    monkeypatch.setattr(AtLeastOnce, "write", early)
+
+
+MUTANTS = {
+    "group-alo: commits past an unfinished offset": (
+        "group-alo", _commit_out_of_order, "committed past a record without an outcome"
+    ),
+    "group-eos: a lost partition's transaction commits": (
+        "group-eos", _lost_without_abort, "duplicate in exactly-once"
+    ),
+    "queue: RELEASE sent as ACCEPT": ("queue", _release_as_accept, "accepted without a triage record"),
+    "lines: outcomes as they come": ("lines", _lines_as_answered, "lines out of input order or repeated"),
+    "replay-alo: done before acknowledged": (
+        "replay-alo", _replay_reports_early, "committed past a failed publish"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_a_planted_defect_is_found(mutant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    door, plant, prop = MUTANTS[mutant]
+    plant(monkeypatch)
+    for seed in range(400):
+        if any(v.prop == prop for v in simulate(generate(door, seed))):
+            return
+    pytest.fail(f"{mutant}: no schedule of 400 broke {prop!r}")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 55: SIGTERM releases the backlog, last deliveries included")
+def test_issue_55_rolling_restart_leaves_no_record_without_an_outcome() -> None:
+    """The scenario of issue 55, written out: delivery limit 2, a worker killed with a batch (one producer
+    batch, handed out whole), its replacement takes the records on their last delivery and gets SIGTERM (a
+    rolling deploy): every record must still end as a triage record or a dead letter. Today 24 of the 30
+    are archived with neither (`ShareSource.stop_taking` releases them)."""
+    knobs = Knobs(deadline_ms=1000, max_in_flight=4, dispatch_window=2, lock_ms=4000, delivery_count_limit=2,
+                  delivery_timeout_ms=1000, shutdown_timeout_ms=500, producer_batch=True)  # fmt: skip
+    inputs = tuple(Input(i, "ticket", latency_s=0.2) for i in range(30))
+    # Killed with the whole batch; its lock ends at 4 s, the replacement takes it, SIGTERM at 4.3 s.
+    events = (Event(0.3, "kill", for_s=0.0), Event(4.3, "stop", for_s=0.1))
+    violations = simulate(Schedule("queue", -1, knobs, inputs, events))
+    assert not violations, [v.describe() for v in violations]
