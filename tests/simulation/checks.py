@@ -20,7 +20,7 @@ The properties, per door (a door's harness adds its own settlement checks):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from worker.kafka.dead_letters import DELIVERY_COUNT_EXCEEDED, RESULT_REFUSED
@@ -58,8 +58,9 @@ class Violation:
         return f"{self.prop}: {where}{self.detail}"
 
 
-def outcome_checks(each: Input, outs: Sequence[Outcome]) -> list[Violation]:
-    """What the outcomes of `each` must be, whatever the door (those it has; none is checked elsewhere)."""
+def outcome_checks(each: Input, outs: Sequence[Outcome], died: Collection[int] = ()) -> list[Violation]:
+    """What the outcomes of `each` must be, whatever the door (those it has; none is checked elsewhere);
+    `died`: the inputs a model process died under at least once."""
     found: list[Violation] = []
     said = "; ".join(out.describe() for out in outs)
     results = [out for out in outs if not out.dead]
@@ -76,7 +77,7 @@ def outcome_checks(each: Input, outs: Sequence[Outcome]) -> list[Violation]:
             found.append(
                 Violation("ticket past its deadline_at classified", each.index, f"{each.shape}: {said}")
             )
-    if each.raises and any(_DEATH in out.message for out in letters):
+    if each.raises and each.index not in died and any(_DEATH in out.message for out in letters):
         found.append(
             Violation(
                 "model error dead-lettered as a dead model process",

@@ -403,7 +403,7 @@ class GroupHarness(Harness):
             elif len(outs) > 1 and not excused:
                 said = "; ".join(out.describe() for out in outs)
                 self.violate("duplicate without a crash, a loss, a stop or a refusal", each.index, said)
-            for violation in outcome_checks(each, outs):
+            for violation in outcome_checks(each, outs, self.model.died):
                 self.violate(violation.prop, violation.index, violation.detail)
 
 
@@ -480,7 +480,7 @@ class QueueHarness(Harness):
             redelivered = delivery.count - each.prior_deliveries > 1
             if len(outs) > 1 and not redelivered:
                 self.violate("duplicate without a redelivery", each.index, said)
-            for violation in outcome_checks(each, outs):
+            for violation in outcome_checks(each, outs, self.model.died):
                 self.violate(violation.prop, violation.index, violation.detail)
 
 
@@ -668,7 +668,7 @@ class LinesHarness(Harness):
         for position, outcome in self.delivered:
             by_position[position].append(outcome)
         for position, each in enumerate(self.schedule.inputs):
-            for violation in outcome_checks(each, by_position.get(position, [])):
+            for violation in outcome_checks(each, by_position.get(position, []), self.model.died):
                 self.violate(violation.prop, violation.index, violation.detail)
 
 

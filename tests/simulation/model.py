@@ -2,10 +2,10 @@
 
 `SimModel` is a `Classifier` answering at virtual times: each try of a ticket does what the input's `fates`
 say (answer after its latency, answer slowly — past the deadline the pool answers `deadline_exceeded` at the
-deadline —, raise in the engine, or have its process die under it). The real pool answers both of the last
-two with a `model_error` fallback; the model remembers which it was (`raised`, `died`), so that the checker
-can hold each door to what each means: an engine error is the ticket's answer, a death is a reason to try
-again.
+deadline —, raise in the engine, or have its process die under it, and with it every request it had not
+answered yet). The real pool answers both of the last two with a `model_error` fallback; the model
+remembers which it was (`raised`, `died`), so that the checker can hold each door to what each means: an
+engine error is the ticket's answer, a death is a reason to try again.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class SimModel:
     def __init__(self, clock: VirtualClock, inputs: Sequence[Input]) -> None:
         self._clock = clock
         self._inputs = {each.index: each for each in inputs}
-        self._due: list[tuple[float, int, int, Classification]] = []
+        self._due: list[tuple[float, int, int, int | None, Classification]] = []
         self._order = itertools.count()
         self.tries: Counter[int] = Counter()
         self.raised: set[int] = set()
@@ -115,22 +115,35 @@ class SimModel:
         if fate == RAISE:
             assert index is not None
             self.raised.add(index)
-            self._answer(now + latency, request, _fallback("model_error", latency))
+            self._answer(now + latency, request.request_id, index, _fallback("model_error", latency))
         elif fate == DIE:
-            assert index is not None
-            self.died.add(index)
-            self._answer(now + DEATH_NOTICED_S, request, _fallback("model_error", DEATH_NOTICED_S))
+            self._die(now, request.request_id, index)
         else:
             if fate.startswith("slow:"):
                 latency = float(fate.removeprefix("slow:"))
             if now + latency >= request.deadline:
                 spent = max(0.0, request.deadline - now)
-                self._answer(request.deadline, request, _fallback("deadline_exceeded", spent))
+                self._answer(
+                    request.deadline, request.request_id, index, _fallback("deadline_exceeded", spent)
+                )
             else:
-                self._answer(now + latency, request, _answered(latency))
+                self._answer(now + latency, request.request_id, index, _answered(latency))
 
-    def _answer(self, at: float, request: ClassifyRequest, answer: Classification) -> None:
-        heapq.heappush(self._due, (at, next(self._order), request.request_id, answer))
+    def _die(self, now: float, request_id: int, index: int | None) -> None:
+        """The process dies under this request: it and every request it had not answered yet are answered
+        `model_error` once the pool notices (as `pool.py` answers a dead worker's requests)."""
+        at = now + DEATH_NOTICED_S
+        died = _fallback("model_error", DEATH_NOTICED_S)
+        pending = [entry for entry in self._due if entry[0] > at]
+        self._due = [entry for entry in self._due if entry[0] <= at]
+        heapq.heapify(self._due)
+        for _, _, other, other_index, _ in [*pending, (at, 0, request_id, index, died)]:
+            self._answer(at, other, other_index, died)
+            if other_index is not None:
+                self.died.add(other_index)
+
+    def _answer(self, at: float, request_id: int, index: int | None, answer: Classification) -> None:
+        heapq.heappush(self._due, (at, next(self._order), request_id, index, answer))
 
     def poll(self, timeout: float) -> Sequence[tuple[int, Classification]]:
         if not self._ready():
@@ -138,7 +151,7 @@ class SimModel:
             self._clock.wait(min(timeout, max(0.0, next_due - self._clock.peek())))
         answers = []
         while self._ready():
-            _, _, request_id, answer = heapq.heappop(self._due)
+            _, _, request_id, _, answer = heapq.heappop(self._due)
             answers.append((request_id, answer))
         return answers
 

@@ -110,6 +110,10 @@ def failure_report(schedule: Schedule, violations: list[Violation], shrunk: Sche
     lines.append(("minimal schedule" if shrunk is not None else "schedule") + ":")
     lines.append(shown.describe())
     lines.append(f"replay: {replay_command(schedule.door, schedule.seed)}")
+    if shrunk is not None and shrunk != schedule:
+        lines.append(
+            f"replay the minimal schedule: python -m tests.simulation -v --schedule '{shrunk.to_json()}'"
+        )
     return "\n".join(lines)
 
 

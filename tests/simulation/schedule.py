@@ -19,6 +19,7 @@ number. It holds
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -161,6 +162,24 @@ class Schedule:
         lines.append(f"  events ({len(self.events)}):")
         lines += [f"    {each.describe()}" for each in sorted(self.events, key=lambda e: e.at)]
         return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """One line that `from_json` (and `python -m tests.simulation --schedule`) reads back."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        data = json.loads(text)
+        return cls(
+            door=data["door"],
+            seed=data["seed"],
+            knobs=Knobs(**data["knobs"]),
+            inputs=tuple(
+                Input(**{**each, "fates": tuple(each["fates"]), "refusals": tuple(each["refusals"])})
+                for each in data["inputs"]
+            ),
+            events=tuple(Event(**each) for each in data["events"]),
+        )
 
     def smaller(self) -> Iterator[Schedule]:
         """Schedules one step simpler: an event left out, an input left out, an input's faults left out."""
