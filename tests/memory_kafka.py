@@ -131,6 +131,10 @@ class Hooks:
     consumer_call: Callable[[MemoryConsumer], None] = lambda _consumer: None
 
 
+def _short_sleep(timeout: float) -> None:
+    time.sleep(min(timeout, 0.002))
+
+
 class MemoryKafka:
     """Topics, one consumer group and transactional ids, shared by the clients it makes (thread-safe)."""
 
@@ -149,6 +153,9 @@ class MemoryKafka:
         self._epochs: dict[str, MemoryProducer] = {}
         self._open: dict[str, Transaction] = {}
         self.batches = itertools.count()
+        # What a client's call does while it waits for nothing (`timeout` seconds at most): a short real
+        # sleep; the fault simulator (tests/simulation) advances its virtual clock instead.
+        self.idle: Callable[[float], None] = _short_sleep
 
     # -- topics -------------------------------------------------------------------------------------------
 
@@ -414,7 +421,7 @@ class MemoryConsumer:
             versions.append(version)
         self._taken(batch)
         if not batch and timeout:
-            time.sleep(min(timeout, 0.002))
+            self.kafka.idle(timeout)
         return batch
 
     def poll(self, timeout: float = -1) -> Message | None:
@@ -427,7 +434,7 @@ class MemoryConsumer:
                 self._taken([message])
                 return message
         if timeout:
-            time.sleep(min(timeout, 0.002))
+            self.kafka.idle(timeout)
         return None
 
     def _taken(self, messages: list[Message]) -> None:
@@ -495,7 +502,7 @@ class ReplayConsumer(MemoryConsumer):
                 self._at_end.add(key)
                 eof = confluent_kafka.KafkaError(confluent_kafka.KafkaError._PARTITION_EOF)
                 return Message(key[0], key[1], None, eof)
-        time.sleep(min(timeout, 0.002))
+        self.kafka.idle(timeout)
         return None
 
     def close(self) -> None:
@@ -558,7 +565,7 @@ class MemoryProducer:
                     self._transaction.failed = error
                 on_delivery(error, Message(topic, partition, None, error))
         if not queue and timeout:
-            time.sleep(min(timeout, 0.002))
+            self.kafka.idle(timeout)
         return len(queue)
 
     def flush(self, timeout: float = -1) -> int:
@@ -852,7 +859,7 @@ class MemoryShareConsumer:
         self._handed = {_share_key(message): message for message in batch}
         self._acknowledged = {}
         if not batch and timeout:
-            time.sleep(min(timeout, 0.002))
+            self.group.kafka.idle(timeout)
         return batch
 
     def acknowledge(self, message: ShareMessage, outcome: confluent_kafka.AcknowledgeType) -> None:

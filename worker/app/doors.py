@@ -25,6 +25,7 @@ from worker.pipeline.metrics import PipelineMetrics, RegistryState
 from worker.pipeline.registry_wait import RegistryWait
 from worker.pipeline.seams import HandBack, Settlement, Source
 from worker.pipeline.settlements.acknowledgements import Acknowledging
+from worker.pipeline.settlements.committer import Committer, CommitterFactory
 from worker.pipeline.settlements.delivery import DeliveryRules
 from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_for
 from worker.pipeline.settlements.offsets import OffsetTracker
@@ -192,8 +193,10 @@ def group_pipeline(
     clients: ClientFactory | None = None,
     metrics_interval_s: float = 10.0,
     clock: Callable[[], float] = time.monotonic,
+    committer: CommitterFactory = Committer,
 ) -> Engine:
-    """`run` in group mode: a consumer group's partitions, the delivery guarantee `pipeline.guarantee`."""
+    """`run` in group mode: a consumer group's partitions, the delivery guarantee `pipeline.guarantee`;
+    `committer` makes the guarantee's committer (`GuaranteeWiring.committer`: the threaded one)."""
     pipeline = settings.pipeline
     clients = clients or KafkaClients(settings.kafka, settings.pipeline)
     metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
@@ -210,7 +213,7 @@ def group_pipeline(
     guarantee = guarantee_for(
         GuaranteeWiring(
             pipeline, _dead_letter_rules(settings, parts, metrics, clock), clients, consumer, tracker,
-            metrics, clock, paused.pause, failure, Redone(queue, requests), give_up.get,
+            metrics, clock, paused.pause, failure, Redone(queue, requests), give_up.get, committer,
             max_in_flight=numbers.max_in_flight,
         )
     )  # fmt: skip

@@ -157,8 +157,15 @@ def _offline_cascade(
     return Cascade(stage, threshold, HELD_LINES, 0.0, first_contexts, taxonomy.labels)
 
 
-def lines_pipeline(settings: Settings, offline: Offline, reader: LineReader, deliver: Deliver) -> Engine:
-    """The loop over `reader`'s lines, each line's outcome handed to `deliver` in input order."""
+def lines_pipeline(
+    settings: Settings,
+    offline: Offline,
+    reader: LineReader,
+    deliver: Deliver,
+    clock: Callable[[], float] = time.monotonic,
+) -> Engine:
+    """The loop over `reader`'s lines, each line's outcome handed to `deliver` in input order; `clock` is the
+    loop's and the stage's (a virtual one in tests/simulation)."""
     pipeline = settings.pipeline
     parts = TriageParts(
         offline.pool,
@@ -173,9 +180,7 @@ def lines_pipeline(settings: Settings, offline: Offline, reader: LineReader, del
     source = LinesSource(reader, lambda: settlement.held)
     # Arrival order: offline every ticket has the same deadline, and results are written in input order.
     queue, requests = DispatchQueue("fifo"), ModelRequests()
-    stage = triage_stage(
-        settings, parts, queue, requests, settlement, source.hand_back, metrics, time.monotonic
-    )
+    stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
     limits = Limits(
         max_in_flight=HELD_LINES,
         resume_below=HELD_LINES // 2,
@@ -192,6 +197,7 @@ def lines_pipeline(settings: Settings, offline: Offline, reader: LineReader, del
         metrics,
         failure,
         give_up,
+        clock=clock,
         lifecycle_log=False,
         tracing=parts.tracing,
     )

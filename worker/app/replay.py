@@ -36,6 +36,7 @@ from worker.pipeline.engine import Engine, GiveUpAt
 from worker.pipeline.failure import Failure
 from worker.pipeline.metrics import PipelineMetrics
 from worker.pipeline.seams import Settlement
+from worker.pipeline.settlements.committer import Committer, CommitterFactory
 from worker.pipeline.settlements.delivery import DeliveryRules
 from worker.pipeline.settlements.guarantees import GuaranteeWiring, guarantee_for
 from worker.pipeline.settlements.in_order import InOrder
@@ -118,11 +119,15 @@ def replay_pipeline(
     summary: ReplaySummary,
     observer: ReplayObserver | None,
     failure: Failure,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    committer: CommitterFactory = Committer,
 ) -> Engine:
     """The loop over what `options` select, read with `consumer`, its outcomes into `summary` and on to
-    `observer`; why it had to end into `failure`."""
+    `observer`; why it had to end into `failure`. `clock` and `committer` are the loop's clock and the
+    guarantee's committer (a virtual clock and a committer on the loop's thread in tests/simulation)."""
     tracker, give_up, metrics = OffsetTracker(), GiveUpAt(), PipelineMetrics()
-    source = ReplaySource(consumer, options, tracker, _planned(summary, observer))
+    source = ReplaySource(consumer, options, tracker, _planned(summary, observer), clock=clock)
     reports = Reports(summary, observer, source, exactly_once(settings.pipeline) and not options.dry_run)
     # The run's numbers, its own in-flight bound among them: the loop and the guarantee take it from here.
     numbers = dataclasses.replace(
@@ -146,25 +151,27 @@ def replay_pipeline(
                     None,
                     DeadLetterRedaction.configured(settings.privacy, settings.dead_letter),
                     metrics,
-                    time.monotonic,
+                    clock,
                 ),
                 _ReplayClients(settings, options.group),
                 consumer,
                 tracker,
                 metrics,
-                time.monotonic,
+                clock,
                 reports.stopped,
                 failure,
                 reports,
                 give_up.get,
+                committer,
                 max_in_flight=numbers.max_in_flight,
             )
         )
     stage = ReplayStage(options, source, settlement, reports)
     tracing = tracing_for(settings.tracing, options.group, replay=True)
     return Engine(
-        source, stage, settlement, numbers, metrics, failure, give_up, lifecycle_log=False, tracing=tracing
-    )
+        source, stage, settlement, numbers, metrics, failure, give_up, clock=clock, lifecycle_log=False,
+        tracing=tracing,
+    )  # fmt: skip
 
 
 def _consumer(settings: Settings, group: str) -> confluent_kafka.Consumer:

@@ -21,8 +21,30 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
+from typing import Protocol
 
 from worker.kafka.commits import CommitCall, CommitOutcome, TopicPartitionKey
+
+
+class Committing(Protocol):
+    """What a guarantee asks of its committer (`Committer` below; a deterministic test may give one that
+    commits on the loop's thread, `GuaranteeWiring.committer`)."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def submit(self, positions: dict[TopicPartitionKey, int]) -> None: ...
+
+    def results(self) -> list[CommitOutcome]: ...
+
+    def wait_idle(self, timeout: float) -> bool: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
+
+
+# Makes a guarantee's committer for its commit call (`Committer`: a thread of its own).
+CommitterFactory = Callable[[CommitCall], Committing]
 
 
 class Committer:

@@ -57,7 +57,7 @@ from worker.kafka.commits import (
 )
 from worker.pipeline.failure import Failure, names, positions_by_name
 from worker.pipeline.metrics import PipelineMetrics
-from worker.pipeline.settlements.committer import Committer
+from worker.pipeline.settlements.committer import Committer, CommitterFactory
 from worker.pipeline.settlements.deliveries import Deliveries
 from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send_tracked, smaller
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
@@ -114,6 +114,9 @@ class GuaranteeWiring:
     `DeliveryRules.left_out`). `max_in_flight`: the door's in-flight bound, its loop's
     `Limits.max_in_flight` (the one owner of that number: a replay's is its own, not
     `pipeline.max_in_flight`); done work filling half of it brings a commit forward.
+    `committer` makes the committer of each producer (the threaded `Committer`; the fault simulator,
+    tests/simulation, gives one that commits on the loop's thread, so that a schedule replays
+    deterministically).
     """
 
     pipeline: PipelineSettings
@@ -127,6 +130,7 @@ class GuaranteeWiring:
     failure: Failure
     observer: Observer = field(default_factory=Observer)
     give_up_at: Callable[[], float | None] = lambda: None
+    committer: CommitterFactory = Committer
     max_in_flight: int = field(kw_only=True)
 
 
@@ -158,7 +162,8 @@ class _Base:
         self._observer = wiring.observer
         self._give_up_at = wiring.give_up_at
         self._producer = wiring.clients.producer(self._on_producer_error)
-        self._committer = Committer(self._commit_call())
+        self._make_committer = wiring.committer
+        self._committer = self._make_committer(self._commit_call())
         now = clock()
         self._last_commit = now
         # A failed commit is retried after a commit interval, not at once (a broker outage fails them all).
@@ -678,7 +683,7 @@ class ExactlyOnce(_Base):
         self._replace_reason = None
         self._abandoned.append((self._producer, self._committer))
         self._producer = self._clients.producer(self._on_producer_error)
-        self._committer = Committer(self._commit_call())
+        self._committer = self._make_committer(self._commit_call())
         self.deliveries.forget_produced()
         self._closing = True  # nothing is produced until the new producer owns the transactional id
         self._taken_over = False

@@ -102,11 +102,11 @@ class TriageStage:
         if rejected is not None:
             self._outputs.dead_letter(work, *rejected)
             return
-        if record.answer_now is not None:
-            self._outputs.result(work, self.model.fallback_for(work, record.answer_now))
-            return
         if work.deadline <= now:  # the producer's deadline_at passed already: no model time, not `overloaded`
             self._outputs.result(work, self.model.fallback_for(work, "expired_on_arrival"))
+            return
+        if record.answer_now is not None:
+            self._outputs.result(work, self.model.fallback_for(work, record.answer_now))
             return
         self._queue.wait(work)
 
