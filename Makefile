@@ -202,7 +202,7 @@ fuzz: setup
 SIM_ARGS ?=
 ## Seeded fault schedules through every door on virtual time (SIM_ARGS="--door queue --seed N -v" replays one)
 simulate: setup
-	$(BIN)/python -m tests.simulation $(SIM_ARGS)
+	PYTHONPATH=tests $(BIN)/python -m simulation $(SIM_ARGS)
 
 # Soak: one worker, default settings, embedded model, at 2x the capacity measured at the start, for 10 minutes
 # (RSS flat, never evicted, nothing lost); about 15 minutes. Chaos: 100,000 tickets through 50 kill -9,

@@ -212,7 +212,8 @@ REPO = PACKAGE.parent
 TESTS = {path.stem for path in (REPO / "tests").rglob("*.py")}
 # The test folders: one per room of the package (tests/shared for worker/*.py), and tests/project for the
 # checkout around it (docs, deploy files, the container, packaging, this file).
-TEST_ROOMS = set(ALLOWED) | {"project"}
+# `simulation`: the fault simulator drives every door at once (docs/guarantees.md#simulator).
+TEST_ROOMS = set(ALLOWED) | {"project", "simulation"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -1,10 +1,8 @@
-"""`python -m tests.simulation`: the simulator's command line (see `cli.py`)."""
+"""`PYTHONPATH=tests python -m simulation`: the simulator's command line (see `cli.py`). tests/ goes on
+the path as pytest puts it there, so that the package imports the in-memory fakes (`memory_kafka`)
+as the tests do."""
 
 import sys
-from pathlib import Path
-
-# The package imports the in-memory fakes as pytest does (tests/ on the path), and itself as `simulation`.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulation.cli import main
 

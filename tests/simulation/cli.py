@@ -1,8 +1,8 @@
 """The simulator's command line.
 
-    python -m tests.simulation --door all --seeds 100000      # the soak (make simulate SIM_ARGS=...)
-    python -m tests.simulation --door queue --seed 1234 -v    # replay one seed: its schedule and its log
-    python -m tests.simulation -v --schedule '{"door": ...}'  # replay a schedule a failure printed
+    PYTHONPATH=tests python -m simulation --door all --seeds 100000      # the soak (make simulate)
+    PYTHONPATH=tests python -m simulation --door queue --seed 1234 -v    # one seed: schedule and log
+    PYTHONPATH=tests python -m simulation -v --schedule '{"door": ...}'  # a schedule a failure printed
 
 A sweep prints each new failure (door, seed, the violations, a shrunk schedule, the replay command) and a
 line per door; it exits 1 when it found a failure that is not a known defect (`runner.KNOWN`).
@@ -25,7 +25,8 @@ from .schedule import DOORS, Schedule, generate
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.simulation", description=__doc__.split("\n")[0])
+    prog = "PYTHONPATH=tests python -m simulation"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--door", default="all", choices=("all", *DOORS))
     parser.add_argument("--seeds", type=int, default=1000, help="how many seeds per door (from --start)")
     parser.add_argument("--start", type=int, default=0, help="the first seed of a sweep")

@@ -53,7 +53,7 @@ def unknown(door: str, violations: Iterable[Violation]) -> list[Violation]:
 
 
 def replay_command(door: str, seed: int) -> str:
-    return f"python -m tests.simulation --door {door} --seed {seed} -v"
+    return f"PYTHONPATH=tests python -m simulation --door {door} --seed {seed} -v"
 
 
 def shrink(schedule: Schedule, prop: str, budget: int = 300) -> Schedule:
@@ -82,7 +82,8 @@ def failure_report(schedule: Schedule, violations: list[Violation], shrunk: Sche
     lines.append(f"replay: {replay_command(schedule.door, schedule.seed)}")
     if shrunk is not None and shrunk != schedule:
         lines.append(
-            f"replay the minimal schedule: python -m tests.simulation -v --schedule '{shrunk.to_json()}'"
+            "replay the minimal schedule: PYTHONPATH=tests python -m simulation -v --schedule "
+            f"'{shrunk.to_json()}'"
         )
     return "\n".join(lines)
 

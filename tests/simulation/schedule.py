@@ -164,7 +164,7 @@ class Schedule:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        """One line that `from_json` (and `python -m tests.simulation --schedule`) reads back."""
+        """One line that `from_json` (and `PYTHONPATH=tests python -m simulation --schedule`) reads back."""
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
 
     @classmethod
