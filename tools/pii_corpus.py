@@ -95,7 +95,7 @@ class CorpusTicket:
     near_misses: list[str] = field(default_factory=list)
 
 
-def _luhn_digit(partial: str) -> str:
+def luhn_check_digit(partial: str) -> str:
     """The check digit that makes `partial` + it pass Luhn."""
     total = 0
     for position, char in enumerate(reversed(partial)):
@@ -117,14 +117,14 @@ def _grouped(digits: str, groups: tuple[int, ...], separator: str) -> str:
 def card_number(rng: random.Random) -> str:
     prefix, length, groups = rng.choice(_CARD_BRANDS)
     body = prefix + "".join(rng.choice("0123456789") for _ in range(length - len(prefix) - 1))
-    digits = body + _luhn_digit(body)
+    digits = body + luhn_check_digit(body)
     return _grouped(digits, groups, rng.choice(["", " ", "-", " ", *_PASTED_SEPARATORS]))
 
 
 def failing_order_number(rng: random.Random) -> str:
     """A 16-digit number in a card's range whose last digit fails Luhn: an order number, not a card."""
     body = "4" + "".join(rng.choice("0123456789") for _ in range(14))
-    wrong = (int(_luhn_digit(body)) + rng.randint(1, 9)) % 10
+    wrong = (int(luhn_check_digit(body)) + rng.randint(1, 9)) % 10
     return body + str(wrong)
 
 

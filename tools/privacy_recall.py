@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tools import REPO
+from tools.pii_corpus import luhn_check_digit
 from tools.pii_corpus import phone as _corpus_phone
 from worker.privacy.detector import Finding, find
 
@@ -82,17 +83,6 @@ SEPARATORS = (
     "\r\n", "\u2013", " \u2013 ", "\u2014",
 )  # fmt: skip
 _POOLS = {"a": string.ascii_uppercase, "n": string.digits, "c": string.ascii_uppercase + string.digits}
-
-
-def luhn_check_digit(partial: str) -> str:
-    """The digit that makes `partial` + it pass Luhn."""
-    total = 0
-    for position, char in enumerate(reversed(partial)):
-        digit = int(char)
-        if position % 2 == 0:  # doubled once the check digit is appended
-            digit = digit * 2 - 9 if digit > 4 else digit * 2
-        total += digit
-    return str((10 - total % 10) % 10)
 
 
 def card_digits(rng: random.Random, brand: str | None = None) -> str:
