@@ -32,6 +32,7 @@ from worker.app import replay as replay_door
 from worker.app.doors import TriageParts, group_pipeline, queue_pipeline
 from worker.app.offline import Offline, lines_pipeline
 from worker.inference.pool import ClassifierPool
+from worker.inference.switch import SwitchingClassifier
 from worker.kafka import dead_letters
 from worker.kafka.clients import ClientFactory
 from worker.kafka.share_groups import ShareGroup
@@ -121,6 +122,10 @@ class Harness:
         # What happened, for the duplicate rules: kill, lose, revoke, stop, refused.
         self.happened: set[str] = set()
         self._outputs_tried: defaultdict[int, int] = defaultdict(int)
+        # Hot reloads: the model ids they switched to, and the running worker's switch and parts.
+        self.happened_reloads: list[str] = []
+        self.switch: SwitchingClassifier | None = None
+        self.running_parts: TriageParts | None = None
 
     # -- the run ----------------------------------------------------------------------------------------
 
@@ -151,6 +156,8 @@ class Harness:
                     self.healthy_run()
         except Hung as hung:
             self.violate("the loop did not end", None, str(hung))
+        for broken in self.model.broken:
+            self.violate("a pool's contract broken across a reload", None, broken)
         self.check()
         return self.violations
 
@@ -222,7 +229,9 @@ class Harness:
             return
         if engine is None:
             return
-        if event.kind == "stop":
+        if event.kind == "reload":
+            self.reload()
+        elif event.kind == "stop":
             self.happened.add("stop")
             self.restart_at = self.clock.now + event.for_s
             engine.request_stop()
@@ -283,8 +292,26 @@ class Harness:
     def check(self) -> None:
         raise NotImplementedError
 
+    def reload(self) -> None:
+        """A hot reload as `worker.app.reload` does one: the new pool (loaded and checked off the loop) is
+        staged on the running worker's switch, and the running parts get the settings applied live."""
+        self.happened.add("reload")
+        self.happened_reloads.append(f"sim@reload{len(self.happened_reloads) + 1}")
+        self.model = self.model.successor(self.happened_reloads[-1])
+        if self.switch is not None and self.running_parts is not None:
+            self.switch.stage(cast(ClassifierPool, self.model))
+            self.running_parts.reloaded(self.settings)
+
     def parts(self) -> TriageParts:
-        return TriageParts(self.model, FALLBACK, self.knobs.dispatch_window, decoder=self.registry)
+        """A worker's parts: its model a `SwitchingClassifier` over the pool configured now (a worker
+        started after a reload loads the reloaded model) of its own (the answers its predecessor's pool
+        owed died with that worker), retired pools closed at once on the loop."""
+        self.model = self.model.successor(self.model.model_id)
+        self.switch = SwitchingClassifier(cast(ClassifierPool, self.model), closer=lambda pool: pool.close())
+        self.running_parts = TriageParts(
+            self.switch, FALLBACK, self.knobs.dispatch_window, decoder=self.registry
+        )
+        return self.running_parts
 
 
 def _outcomes_from(kafka: SimKafka, committed_only: bool) -> dict[tuple[int, int], list[Outcome]]:

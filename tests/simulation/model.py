@@ -81,23 +81,61 @@ def headers_of(each: Input) -> list[tuple[str, bytes | None]]:
     return [("source", b"sim")]
 
 
+class _World:
+    """What every pool of one run shares: each ticket's tries (its fates go on across a hot reload: the
+    same ticket makes the new model raise too), what happened to each, and whether the faults healed."""
+
+    def __init__(self) -> None:
+        self.tries: Counter[int] = Counter()
+        self.raised: set[int] = set()
+        self.died: set[int] = set()
+        self.healed = False
+        # Broken pool contracts: a request given to a pool after it was closed, a pool closed with
+        # answers it still owed (`SwitchingClassifier` must retire a pool only once it has answered all).
+        self.broken: list[str] = []
+
+
 class SimModel:
-    """A `Classifier` at virtual times (see the module docstring)."""
+    """A `Classifier` at virtual times (see the module docstring); `successor` is the pool a hot reload
+    loads beside it."""
 
-    model_id = MODEL_ID
-
-    def __init__(self, clock: VirtualClock, inputs: Sequence[Input]) -> None:
+    def __init__(
+        self,
+        clock: VirtualClock,
+        inputs: Sequence[Input],
+        model_id: str = MODEL_ID,
+        world: _World | None = None,
+    ) -> None:
         self._clock = clock
         self._inputs = {each.index: each for each in inputs}
         self._due: list[tuple[float, int, int, int | None, Classification]] = []
         self._order = itertools.count()
-        self.tries: Counter[int] = Counter()
-        self.raised: set[int] = set()
-        self.died: set[int] = set()
-        # Once healed, every try is answered at once (the run after the schedule).
-        self.healed = False
+        self.model_id = model_id
+        self._world = world or _World()
+        self.tries, self.raised, self.died = self._world.tries, self._world.raised, self._world.died
+        self.closed = False
+
+    @property
+    def healed(self) -> bool:
+        """Once healed, every try is answered at once (the run after the schedule), by every pool."""
+        return self._world.healed
+
+    @healed.setter
+    def healed(self, value: bool) -> None:
+        self._world.healed = value
+
+    @property
+    def broken(self) -> list[str]:
+        return self._world.broken
+
+    def successor(self, model_id: str) -> SimModel:
+        """A new pool of `model_id` over the same tickets and the same world, as a worker's start or a hot
+        reload opens one (what the pool before it still owed dies with it, or stays with it)."""
+        return SimModel(self._clock, list(self._inputs.values()), model_id, self._world)
 
     def submit(self, request: ClassifyRequest) -> None:
+        if self.closed:
+            self.broken.append(f"{self.model_id} was given request {request.request_id} after it was closed")
         now = self._clock.peek()
         index = _index(request.text)
         each = self._inputs.get(index) if index is not None else None
@@ -115,7 +153,7 @@ class SimModel:
         if fate == RAISE:
             assert index is not None
             self.raised.add(index)
-            self._answer(now + latency, request.request_id, index, _fallback("model_error", latency))
+            self._answer(now + latency, request.request_id, index, self._fallback("model_error", latency))
         elif fate == DIE:
             self._die(now, request.request_id, index)
         else:
@@ -124,16 +162,16 @@ class SimModel:
             if now + latency >= request.deadline:
                 spent = max(0.0, request.deadline - now)
                 self._answer(
-                    request.deadline, request.request_id, index, _fallback("deadline_exceeded", spent)
+                    request.deadline, request.request_id, index, self._fallback("deadline_exceeded", spent)
                 )
             else:
-                self._answer(now + latency, request.request_id, index, _answered(latency))
+                self._answer(now + latency, request.request_id, index, _answered(self.model_id, latency))
 
     def _die(self, now: float, request_id: int, index: int | None) -> None:
         """The process dies under this request: it and every request it had not answered yet are answered
         `model_error` once the pool notices (as `pool.py` answers a dead worker's requests)."""
         at = now + DEATH_NOTICED_S
-        died = _fallback("model_error", DEATH_NOTICED_S)
+        died = self._fallback("model_error", DEATH_NOTICED_S)
         pending = [entry for entry in self._due if entry[0] > at]
         self._due = [entry for entry in self._due if entry[0] <= at]
         heapq.heapify(self._due)
@@ -159,7 +197,13 @@ class SimModel:
         return bool(self._due) and self._due[0][0] <= self._clock.peek()
 
     def close(self) -> None:
-        pass
+        if self._due and not self.closed:
+            owed = ", ".join(str(entry[2]) for entry in sorted(self._due))
+            self.broken.append(f"{self.model_id} was closed owing answers to requests {owed}")
+        self.closed = True
+
+    def _fallback(self, reason: str, latency_s: float) -> Classification:
+        return fallback_answer(reason, FALLBACK, self.model_id, latency_s * 1000.0)  # type: ignore[arg-type]
 
 
 class SimRegistry:
@@ -181,17 +225,13 @@ def _index(text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _fallback(reason: str, latency_s: float) -> Classification:
-    return fallback_answer(reason, FALLBACK, MODEL_ID, latency_s * 1000.0)  # type: ignore[arg-type]
-
-
-def _answered(latency_s: float) -> Classification:
+def _answered(model_id: str, latency_s: float) -> Classification:
     return Classification(
         intent="card_arrival",
         priority="Low",
         confidence=0.9,
         scores={"card_arrival": 0.9},
-        model=MODEL_ID,
+        model=model_id,
         latency_ms=latency_s * 1000.0,
         truncated=False,
     )

@@ -13,7 +13,8 @@ number. It holds
   deliveries were spent before the run;
 - the events (`Event`), each at a virtual instant: SIGTERM (`stop`), kill -9 (`kill`), each followed by a
   replacement worker `restart_s` later; a partition revoked or lost and given back; the Schema Registry
-  away and back.
+  away and back; a hot reload (`reload`: `run`'s doors only), which switches new tickets to a new pool while
+  the old one still owes answers, and hands the running parts the settings a reload applies live.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Input:
 @dataclass(frozen=True)
 class Event:
     at: float
-    kind: str  # stop | kill | revoke | lose | registry_away
+    kind: str  # stop | kill | revoke | lose | registry_away | reload
     partition: int = 0
     # revoke / lose: the partition comes back after `for_s`; registry_away: it answers again after it;
     # stop / kill: the replacement worker starts `for_s` later.
@@ -114,6 +115,7 @@ class Event:
             "revoke": f"partition {self.partition} revoked, assigned back after {self.for_s:.2f}s",
             "lose": f"partition {self.partition} lost, assigned back after {self.for_s:.2f}s",
             "registry_away": f"Schema Registry away for {self.for_s:.2f}s",
+            "reload": "hot reload: a new pool for new tickets, the live settings applied",
         }[self.kind]
         return f"t={self.at:7.3f}s  {what}"
 
@@ -225,6 +227,10 @@ def generate(door: str, seed: int) -> Schedule:
         events.append(Event(at, kind, partition, for_s))
     # Drawn last, so that adding a draw keeps every earlier seed's schedule as it was.
     knobs = dataclasses.replace(knobs, producer_batch=queue and rng.random() < 0.3)
+    if (group or queue) and rng.random() < 0.3:
+        events += [
+            Event(round(rng.uniform(0.0, horizon), 3), "reload") for _ in range(rng.choice((1, 1, 2, 3)))
+        ]
     return Schedule(door, seed, knobs, inputs, tuple(sorted(events, key=lambda e: e.at)))
 
 

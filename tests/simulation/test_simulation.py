@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
+from worker.inference.switch import SwitchingClassifier
 from worker.pipeline.settlements.guarantees import AtLeastOnce, ExactlyOnce
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.settlements.offsets import PartitionOffsets
@@ -140,6 +141,17 @@ def _replay_reports_early(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(AtLeastOnce, "write", early)
 
 
+def _retire_busy_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hot reload: the old pool is closed at the switch, though tickets at it still owe their answers."""
+
+    def close_all(self: SwitchingClassifier) -> None:
+        for pool in list(self._retired):
+            self._retired.remove(pool)
+            self._closer(pool)
+
+    monkeypatch.setattr(SwitchingClassifier, "_close_finished", close_all)
+
+
 MUTANTS = {
     "group-alo: commits past an unfinished offset": (
         "group-alo", _commit_out_of_order, "committed past a record without an outcome"
@@ -151,6 +163,9 @@ MUTANTS = {
     "lines: outcomes as they come": ("lines", _lines_as_answered, "lines out of input order or repeated"),
     "replay-alo: done before acknowledged": (
         "replay-alo", _replay_reports_early, "committed past a failed publish"
+    ),
+    "group-alo: a reload closes the pool still answering": (
+        "group-alo", _retire_busy_pool, "a pool's contract broken across a reload"
     ),
 }  # fmt: skip
 
