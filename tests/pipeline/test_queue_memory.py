@@ -142,10 +142,12 @@ def test_a_record_on_its_last_delivery_is_tried_first_and_its_model_death_dead_l
     assert b"the model process died under it on its last delivery" in (headers["triage.error.message"] or b"")
 
 
-def test_a_last_delivery_the_lock_leaves_no_model_time_for_is_answered_overloaded_not_released() -> None:
-    """Once the lock allows no more model time, records on their last delivery are answered at once with the
-    `overloaded` fallback (as group mode answers a ticket that waited past its deadline); the others are
-    released untried."""
+def _backlog_behind_a_full_bound() -> tuple[
+    MemoryKafka, ScriptedShareConsumer, list[float], HoldingClassifier, Engine
+]:
+    """A batch of three on an in-flight bound of one: the first (on its last delivery, 5) held at the model,
+    the second (last delivery too) and the third (first delivery) waiting in the backlog; the clock is
+    the returned list's one value, moved by the test."""
     kafka = _kafka()
     consumer = ScriptedShareConsumer([_batch(kafka, ["hold", "ok", "ok"], deliveries=[5, 5, 1])])
     now = [1000.0]
@@ -154,6 +156,14 @@ def test_a_last_delivery_the_lock_leaves_no_model_time_for_is_answered_overloade
         _settings(**{"pipeline.max_in_flight": "1"}), TriageParts(classifier, FALLBACK, 4), LOCK,
         clients=share_clients(kafka, consumer), clock=lambda: now[0],
     )  # fmt: skip
+    return kafka, consumer, now, classifier, pipeline
+
+
+def test_a_last_delivery_the_lock_leaves_no_model_time_for_is_answered_overloaded_not_released() -> None:
+    """Once the lock allows no more model time, records on their last delivery are answered at once with the
+    `overloaded` fallback (as group mode answers a ticket that waited past its deadline); the others are
+    released untried."""
+    kafka, consumer, now, classifier, pipeline = _backlog_behind_a_full_bound()
     thread, codes = _run(pipeline)
     _wait(lambda: len(classifier.held) == 1)  # the bound: the other two wait in the backlog
     now[0] += 7.5  # past the last instant a record may still go to the model (7 s into the 15 s lock)
@@ -323,14 +333,7 @@ def test_a_last_delivery_the_loop_reaches_past_its_answer_window_is_answered_lat
     here: a slow turn), is answered (`overloaded`, it needs no model time) rather than released: the broker
     archives it at its lock's end whatever becomes of it, so a late answer can only add its outcome. The
     others are released at the lock's end as before."""
-    kafka = _kafka()
-    consumer = ScriptedShareConsumer([_batch(kafka, ["hold", "ok", "ok"], deliveries=[5, 5, 1])])
-    now = [1000.0]
-    classifier = HoldingClassifier()
-    pipeline = queue_pipeline(
-        _settings(**{"pipeline.max_in_flight": "1"}), TriageParts(classifier, FALLBACK, 4), LOCK,
-        clients=share_clients(kafka, consumer), clock=lambda: now[0],
-    )  # fmt: skip
+    kafka, consumer, now, classifier, pipeline = _backlog_behind_a_full_bound()
     thread, codes = _run(pipeline)
     _wait(lambda: len(classifier.held) == 1)  # the bound is full: the other two wait in the backlog
     now[0] += 9.5
