@@ -24,7 +24,7 @@ BENCH_ARGS ?=
 .PHONY: setup kafka-jars broker-start broker-stop broker-status run test lint docs bench bench-train bench-open-intent \
 	bench-encoder-tuning bench-llm-topk \
 	bench-inference eval model published-model \
-	fuzz simulate soak chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
+	fuzz simulate soak chaos queue-chaos reader-wait image broker-image base-images base-image-python base-image-java image-check compose-check \
 	test-containers
 .PHONY: help format test-fast test-slow test-release test-brokers
 
@@ -219,6 +219,13 @@ soak: setup kafka-jars
 ## 100,000 tickets through kill -9, broker restarts and rebalances (CHAOS_ARGS=--quick)
 chaos: setup kafka-jars
 	$(BIN)/python -m tools.chaos --out results $(CHAOS_ARGS)
+
+# Queue mode: 30,000 tickets to a share group of three workers (delivery limit 2) through 30 kill -9, 15 rolling
+# restarts (SIGTERM) and 2 broker restarts; every input a triage record or a dead letter (results/queue-chaos.*,
+# tools/queue_chaos.py; about 10 minutes on 2 idle cores; CHAOS_ARGS=--quick for 3).
+## Queue mode's chaos: kill -9, rolling restarts on last deliveries, broker restarts (CHAOS_ARGS=--quick)
+queue-chaos: setup kafka-jars
+	$(BIN)/python -m tools.queue_chaos --out results $(CHAOS_ARGS)
 
 # Exactly-once: what a read_committed reader waits after a worker is killed, with a new and with the same
 # transactional id (about 12 minutes); results/reader-wait.json and .md.
