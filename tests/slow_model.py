@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 
 from worker.classification import Classification, ClassifyRequest
-from worker.inference.engine import Context, Engine
+from worker.inference.engine import Context, GenAIEngine
 
 # Waits are cut into slices so that a deadline interrupts them promptly.
 _SLICE_S = 0.005
@@ -54,14 +54,14 @@ def install_for_good(seconds: float) -> None:
 def raise_for_good(word: str) -> None:
     """For the life of this process, the model raises on every ticket whose text holds `word` (its process
     lives on): a pool's `initializer`, as `install_for_good`."""
-    original = Engine.prepare
+    original = GenAIEngine.prepare
 
-    def prepare(self: Engine, text: str) -> tuple[list[int], bool]:
+    def prepare(self: GenAIEngine, text: str) -> tuple[list[int], bool]:
         if word in text:
             raise RuntimeError(f"the model raised on a ticket with {word!r}")
         return original(self, text)
 
-    Engine.prepare = prepare  # type: ignore[method-assign]
+    GenAIEngine.prepare = prepare  # type: ignore[method-assign]
 
 
 if __name__ in ("__main__", "__mp_main__"):  # the worker and, re-imported, its pool's processes

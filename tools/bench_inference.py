@@ -24,7 +24,7 @@ import msgspec
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.inference.batch import BatchRunner
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pool import open_pool
@@ -46,9 +46,9 @@ def _rate(count: int, seconds: float) -> float:
     return round(count / seconds, 1)
 
 
-def _engine(settings: InferenceSettings) -> Engine:
+def _engine(settings: InferenceSettings) -> GenAIEngine:
     """The engine as a pool assembles it: its taxonomy resolved, then the model loaded."""
-    return Engine(settings, *resolve_taxonomy(settings))
+    return GenAIEngine(settings, *resolve_taxonomy(settings))
 
 
 def prefix_reuse(settings: InferenceSettings, requests: int) -> dict[str, float]:

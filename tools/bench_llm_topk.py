@@ -42,7 +42,7 @@ from tools.bench_train import Row, _per_intent, _regrouped
 from worker.classification import Classification, ClassifyRequest
 from worker.inference.candidates import CandidatesEngine
 from worker.inference.encoder import EncoderEngine
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import model_id, resolve_taxonomy
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
 from worker.learning import compose, encoder_stage
@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [(e.text, e.intent) for e in read_examples(BANKING77 / "test.csv", banking77)], args.tickets
     )
     first_settings = InferenceSettings(model=str(DEFAULT_MODEL_DIR), escalation=None)
-    first_context = Engine(first_settings, *resolve_taxonomy(first_settings)).new_context("score")
+    first_context = GenAIEngine(first_settings, *resolve_taxonomy(first_settings)).new_context("score")
     first = _served(first_context.classify, [text for text, _ in test77])
     plans: list[tuple[Path, Sequence[Row], Sequence[Row], int | str, bool]] = [
         (banking77_path, train77, test77, "zero-shot", True),

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from tools.pii_corpus import card_number, iban, phone, us_ssn
 from worker.classification import ClassifyRequest
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.learning.evaluation import Example, read_examples, resolve_taxonomy
 from worker.privacy.redaction import Redactor
 from worker.privacy.values import CarriedMetadata
@@ -46,7 +46,7 @@ _SENTENCES = (
 )
 
 
-def _accuracy(engine: Engine, texts: list[str], examples: list[Example]) -> float:
+def _accuracy(engine: GenAIEngine, texts: list[str], examples: list[Example]) -> float:
     context = engine.new_context()
     right = 0
     for index, (text, example) in enumerate(zip(texts, examples, strict=True)):
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         kind not in redactor.scan(None, text).kinds for kind, text in zip(kinds, with_pii, strict=True)
     )
 
-    engine = Engine(settings, taxonomy, taxonomy_path)
+    engine = GenAIEngine(settings, taxonomy, taxonomy_path)
     plain = [e.text for e in examples]
     accuracy = {
         "original": _accuracy(engine, plain, examples),

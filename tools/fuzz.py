@@ -325,7 +325,7 @@ class ModelPath:
 
     def __init__(self, model: Path) -> None:
         from worker.classification import ClassifyRequest, ticket_text
-        from worker.inference.engine import Engine
+        from worker.inference.engine import GenAIEngine
         from worker.inference.loading import resolve_taxonomy
         from worker.messages import SourcePosition
         from worker.pipeline.triage.records import encode_result, triage_result
@@ -335,7 +335,7 @@ class ModelPath:
         self.validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
         modes = {mode: InferenceSettings(model=str(model), mode=mode) for mode in ("score", "generate")}
         self.contexts = {
-            mode: Engine(settings, *resolve_taxonomy(settings)).new_context()
+            mode: GenAIEngine(settings, *resolve_taxonomy(settings)).new_context()
             for mode, settings in modes.items()
         }
         self.request, self.ticket_text, self.source = ClassifyRequest, ticket_text, SourcePosition

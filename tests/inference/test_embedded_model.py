@@ -17,7 +17,7 @@ import pytest
 from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.cli.cli import main
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
 from worker.learning.evaluation import canonical_label
@@ -41,9 +41,9 @@ def _sample(size: int) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
+def engine() -> GenAIEngine:
     settings = InferenceSettings()
-    return Engine(settings, *resolve_taxonomy(settings))
+    return GenAIEngine(settings, *resolve_taxonomy(settings))
 
 
 def test_the_default_model_is_the_embedded_one_and_fits_the_size_budget() -> None:
@@ -53,13 +53,13 @@ def test_the_default_model_is_the_embedded_one_and_fits_the_size_budget() -> Non
     assert sum(path.stat().st_size for path in DEFAULT_MODEL_DIR.iterdir()) <= 30_000_000
 
 
-def test_every_intent_is_one_token_so_score_mode_is_one_step(engine: Engine) -> None:
+def test_every_intent_is_one_token_so_score_mode_is_one_step(engine: GenAIEngine) -> None:
     assert len(engine.labels) == 77
     assert all(len(ids) == 1 for ids in engine.label_ids)
     assert len({ids[0] for ids in engine.label_ids}) == 77
 
 
-def test_score_mode_is_accurate_on_a_fixed_test_sample(engine: Engine) -> None:
+def test_score_mode_is_accurate_on_a_fixed_test_sample(engine: GenAIEngine) -> None:
     context = engine.new_context("score")
     sample = _sample(SAMPLE_SIZE)
     correct = 0
@@ -72,7 +72,7 @@ def test_score_mode_is_accurate_on_a_fixed_test_sample(engine: Engine) -> None:
     assert correct / len(sample) >= SCORE_ACCURACY_FLOOR
 
 
-def test_generate_mode_answers_valid_json_and_agrees_with_the_labels(engine: Engine) -> None:
+def test_generate_mode_answers_valid_json_and_agrees_with_the_labels(engine: GenAIEngine) -> None:
     context = engine.new_context("generate")
     sample = _sample(GENERATE_SAMPLE_SIZE)
     correct = 0
@@ -95,7 +95,7 @@ def test_classify_with_no_flags_escalates_a_stolen_card(capsys: pytest.CaptureFi
     assert not result.fallback and result.confidence > 0.5
 
 
-def test_ort_genai_encodes_every_test_prompt_as_the_trainer_did(engine: Engine) -> None:
+def test_ort_genai_encodes_every_test_prompt_as_the_trainer_did(engine: GenAIEngine) -> None:
     """Training tokenised with HF `tokenizers`, serving with ORT GenAI, which ignores some tokenizer.json
     settings: every rendered test prompt must give the same ids in both (the ticket normalisation lives in
     the taxonomy for this reason)."""

@@ -19,7 +19,7 @@ from worker.classification import ClassifyRequest
 from worker.cli.cli import main
 from worker.errors import UserError
 from worker.inference.answer_trie import log_softmax
-from worker.inference.engine import Context, Engine
+from worker.inference.engine import Context, GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
 from worker.messages import FallbackReason, SourcePosition, TicketEvent, TriageResult
@@ -66,17 +66,17 @@ ADVERSARIAL = [
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[str, Engine]:
+def engines() -> dict[str, GenAIEngine]:
     return {mode: _engine(InferenceSettings(model=str(TINY), mode=mode)) for mode in ("score", "generate")}
 
 
-def _engine(settings: InferenceSettings) -> Engine:
+def _engine(settings: InferenceSettings) -> GenAIEngine:
     """The engine as a pool assembles it: its taxonomy resolved, then the model loaded."""
-    return Engine(settings, *resolve_taxonomy(settings))
+    return GenAIEngine(settings, *resolve_taxonomy(settings))
 
 
 @pytest.fixture(scope="module")
-def contexts(engines: dict[str, Engine]) -> dict[str, Context]:
+def contexts(engines: dict[str, GenAIEngine]) -> dict[str, Context]:
     return {mode: engine.new_context() for mode, engine in engines.items()}
 
 
@@ -86,7 +86,7 @@ def _request(text: str, seconds: float = 30.0, request_id: int = 0) -> ClassifyR
 
 @pytest.mark.parametrize("mode", ["score", "generate"])
 def test_every_result_is_a_valid_triage_result_even_for_adversarial_tickets(
-    contexts: dict[str, Context], engines: dict[str, Engine], mode: str
+    contexts: dict[str, Context], engines: dict[str, GenAIEngine], mode: str
 ) -> None:
     taxonomy = engines[mode].taxonomy
     for offset, text in enumerate(ADVERSARIAL):
@@ -105,7 +105,7 @@ def test_every_result_is_a_valid_triage_result_even_for_adversarial_tickets(
 
 
 def test_score_probabilities_sum_to_one_and_match_brute_force(
-    engines: dict[str, Engine], contexts: dict[str, Context]
+    engines: dict[str, GenAIEngine], contexts: dict[str, Context]
 ) -> None:
     engine = engines["score"]
     for text in ["Where is my card?", "I want a refund for this purchase", "日本語 🙂 pin"]:
@@ -129,7 +129,7 @@ def test_score_probabilities_sum_to_one_and_match_brute_force(
 
 
 def test_prefix_reuse_reads_the_same_logits_and_answers_as_a_fresh_generator(
-    engines: dict[str, Engine], contexts: dict[str, Context]
+    engines: dict[str, GenAIEngine], contexts: dict[str, Context]
 ) -> None:
     engine, context = engines["generate"], contexts["generate"]
     for text in ["Where is my card?", "refund please", "x" * 5000, ""]:
@@ -145,7 +145,7 @@ def test_prefix_reuse_reads_the_same_logits_and_answers_as_a_fresh_generator(
         assert (again.intent, again.scores) == (first_time.intent, first_time.scores)
 
 
-def _trie_shares(engine: Engine, text: str) -> dict[str, float]:
+def _trie_shares(engine: GenAIEngine, text: str) -> dict[str, float]:
     """Brute force, from scratch for each label: its tokens appended one at a time to a new Generator, each
     token's probability renormalised over the tokens that continue some label there."""
     ids, _ = engine.prepare(text)
@@ -168,7 +168,7 @@ def _trie_shares(engine: Engine, text: str) -> dict[str, float]:
 
 
 def test_generate_mode_confidence_is_the_labels_probability_among_the_labels(
-    engines: dict[str, Engine], contexts: dict[str, Context]
+    engines: dict[str, GenAIEngine], contexts: dict[str, Context]
 ) -> None:
     """Each label's probability along its own path: together a distribution over the taxonomy's labels (the
     test taxonomy mixes one-token and several-token labels), and the answer's confidence is its label's
@@ -189,7 +189,7 @@ def test_generate_mode_confidence_is_the_labels_probability_among_the_labels(
             assert math.isclose(probability, shares[label], rel_tol=0.05)
 
 
-def test_generate_mode_writes_each_label_as_the_tokenizer_spells_it(engines: dict[str, Engine]) -> None:
+def test_generate_mode_writes_each_label_as_the_tokenizer_spells_it(engines: dict[str, GenAIEngine]) -> None:
     """The walk appends exactly the tokens the tokenizer gives the chosen label after the answer's opening
     (what forced, unnatural splits got wrong under the runtime's JSON guidance)."""
     engine = engines["generate"]
@@ -206,7 +206,7 @@ def test_generate_mode_writes_each_label_as_the_tokenizer_spells_it(engines: dic
 
 @pytest.mark.parametrize("mode", ["score", "generate"])
 def test_deadline_shorter_than_one_inference_stops_within_a_step_and_leaves_the_context_clean(
-    engines: dict[str, Engine], contexts: dict[str, Context], mode: str
+    engines: dict[str, GenAIEngine], contexts: dict[str, Context], mode: str
 ) -> None:
     context = contexts[mode]
     ticket = "My card has not arrived and I need it for travel. " * 20
@@ -261,7 +261,7 @@ def test_a_thousand_requests_with_random_deadlines_do_not_leak(contexts: dict[st
 
 
 def test_truncation_keeps_the_ticket_within_budget_at_a_whitespace_boundary(
-    engines: dict[str, Engine],
+    engines: dict[str, GenAIEngine],
 ) -> None:
     engine = engines["score"]
     text = "héllo wörld 日本語 🙂 " * 400

@@ -29,7 +29,7 @@ import pytest
 
 from tools import REPO
 from worker.classification import Classification, ClassifyRequest
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.messages import SourcePosition, TicketEvent
 from worker.pipeline.triage.records import encode_result, triage_result
@@ -43,13 +43,13 @@ def _corpus() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def answers() -> dict[str, tuple[Engine, dict[str, Classification]]]:
+def answers() -> dict[str, tuple[GenAIEngine, dict[str, Classification]]]:
     """Mode → (engine, text → answer) for every ticket and every benign base, on the embedded model."""
     texts = {text for row in _corpus() for text in (row["body"], row["base"]) if text is not None}
     result = {}
     for mode in ("score", "generate"):
         settings = InferenceSettings(mode=mode)
-        engine = Engine(settings, *resolve_taxonomy(settings))
+        engine = GenAIEngine(settings, *resolve_taxonomy(settings))
         context = engine.new_context()
         result[mode] = (
             engine,
@@ -77,7 +77,7 @@ def test_the_corpus_has_200_attacks_in_every_category() -> None:
 
 @pytest.mark.parametrize("mode", ["score", "generate"])
 def test_every_attack_gives_a_schema_valid_record_in_the_taxonomy(
-    mode: str, answers: dict[str, tuple[Engine, dict[str, Classification]]]
+    mode: str, answers: dict[str, tuple[GenAIEngine, dict[str, Classification]]]
 ) -> None:
     engine, by_text = answers[mode]
     schema = json.loads((REPO / "schemas" / "triage_result.schema.json").read_text(encoding="utf-8"))
@@ -98,7 +98,7 @@ def test_every_attack_gives_a_schema_valid_record_in_the_taxonomy(
 
 
 def test_score_mode_priority_is_the_intents_policy_so_words_alone_never_raise_it(
-    answers: dict[str, tuple[Engine, dict[str, Classification]]],
+    answers: dict[str, tuple[GenAIEngine, dict[str, Classification]]],
 ) -> None:
     engine, by_text = answers["score"]
     taxonomy = engine.taxonomy
@@ -116,7 +116,7 @@ def test_score_mode_priority_is_the_intents_policy_so_words_alone_never_raise_it
 
 
 def test_generate_mode_priority_is_the_intents_policy_too(
-    answers: dict[str, tuple[Engine, dict[str, Classification]]],
+    answers: dict[str, tuple[GenAIEngine, dict[str, Classification]]],
 ) -> None:
     engine, by_text = answers["generate"]
     for row in _corpus():

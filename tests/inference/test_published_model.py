@@ -18,7 +18,7 @@ from tools import REPO
 from tools.published_model import published_model
 from worker.classification import ClassifyRequest
 from worker.cli.cli import main
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.learning.evaluation import expected_calibration_error
 from worker.settings import InferenceSettings
@@ -57,7 +57,7 @@ def test_calibrated_generate_mode_confidence_matches_how_often_it_is_right(
     assert temperature > 1.0  # the published model is overconfident on these labels
 
     settings = InferenceSettings(model=str(folder), mode="generate", taxonomy=str(TAXONOMY))
-    context = Engine(settings, *resolve_taxonomy(settings)).new_context()
+    context = GenAIEngine(settings, *resolve_taxonomy(settings)).new_context()
     confidences, correct = [], []
     for row in _rows("test.csv")[::50][:60]:  # held out: other tickets than the fit's
         answer = context.classify(ClassifyRequest(0, row["text"], time.monotonic() + 60))

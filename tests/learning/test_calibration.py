@@ -18,7 +18,7 @@ from tools import REPO
 from worker.classification import ClassifyRequest
 from worker.cli.cli import main
 from worker.inference.answer_trie import weigh
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.settings import InferenceSettings
 
@@ -52,11 +52,11 @@ def labelled(tmp_path: Path) -> Path:
     return path
 
 
-def _engine(folder: Path, taxonomy: Path | None = None) -> Engine:
+def _engine(folder: Path, taxonomy: Path | None = None) -> GenAIEngine:
     settings = InferenceSettings(
         model=str(folder), mode="generate", taxonomy=str(taxonomy) if taxonomy else None
     )
-    return Engine(settings, *resolve_taxonomy(settings))
+    return GenAIEngine(settings, *resolve_taxonomy(settings))
 
 
 def test_calibrate_writes_a_temperature_that_the_engine_then_answers_with(

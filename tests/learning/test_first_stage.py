@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from worker.classification import ClassifyRequest
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.pairing import read_trained_labels
 from worker.inference.taxonomy import load_taxonomy
@@ -129,7 +129,7 @@ def test_a_tiny_first_stage_trains_in_its_budget_and_serves_the_taxonomy(tmp_pat
     assert record is not None and record.labels == taxonomy.labels
 
     settings = InferenceSettings(model=str(out), mode="score", escalation="off")
-    context = Engine(settings, *resolve_taxonomy(settings)).new_context("score")
+    context = GenAIEngine(settings, *resolve_taxonomy(settings)).new_context("score")
     answers = [context.classify(ClassifyRequest(i, text, time.monotonic() + 10)) for i, (text, _) in
                enumerate(held_out)]  # fmt: skip
     assert all(answer.intent in taxonomy.labels for answer in answers)
@@ -158,7 +158,7 @@ def test_zero_shot_from_the_taxonomy_texts_gives_a_valid_folder_quickly(tmp_path
     assert any("few-shot" in note for note in report.notes)
     assert any("teacher's probabilities" in note for note in report.notes)
     settings = InferenceSettings(model=str(out), mode="score", escalation="off")
-    context = Engine(settings, *resolve_taxonomy(settings)).new_context("score")
+    context = GenAIEngine(settings, *resolve_taxonomy(settings)).new_context("score")
     held_out = _tickets(50, 5)
     predicted = [max((d := context.label_distribution(text)), key=d.__getitem__) for text, _ in held_out]
     assert sum(p == intent for p, (_, intent) in zip(predicted, held_out, strict=True)) / len(held_out) > 0.4

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tools import REPO
 from worker.classification import ClassifyRequest, ticket_text
 from worker.decoding import DecodeError, decode_ticket
-from worker.inference.engine import Context, Engine
+from worker.inference.engine import Context, GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.kafka.dead_letters import Headers, dead_letter_headers, read_dead_letter
 from worker.messages import SourcePosition
@@ -42,7 +42,7 @@ def contexts() -> dict[str, Context]:
 
 def _context(mode: InferenceMode) -> Context:
     settings = InferenceSettings(model=str(TINY), mode=mode)
-    return Engine(settings, *resolve_taxonomy(settings)).new_context()
+    return GenAIEngine(settings, *resolve_taxonomy(settings)).new_context()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import msgspec
 
 from tools.bench.measure import progress
 from tools.load import Tickets, cpu_seconds
-from worker.inference.engine import RANDOM_SEED, Engine
+from worker.inference.engine import RANDOM_SEED, GenAIEngine
 from worker.inference.genai import og  # with its telemetry off (worker/inference/__init__.py)
 from worker.inference.loading import resolve_taxonomy
 from worker.inference.prompt import INTENT_OPENING
@@ -26,7 +26,7 @@ def measure(tickets: Tickets, count: int) -> dict[str, Any]:
     """One ticket at a time: a new Generator, the whole prompt, schema-guided generation, batch 1."""
     progress(f"P3 seed design: {count} tickets, a new Generator each, guided generation")
     settings = InferenceSettings(mode="generate")
-    engine = Engine(settings, *resolve_taxonomy(settings))
+    engine = GenAIEngine(settings, *resolve_taxonomy(settings))
 
     schema = json.dumps(engine.taxonomy.json_schema())
 

@@ -17,7 +17,7 @@ import structlog
 
 from worker.classification import Classification, ClassifyRequest
 from worker.inference.answer_trie import Decision, TrieNode
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.genai import og
 
 log = structlog.get_logger(__name__)
@@ -26,7 +26,7 @@ log = structlog.get_logger(__name__)
 class BatchRunner:
     """Runs a list of requests as one static batch (generate mode) or through one context (score mode)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: GenAIEngine) -> None:
         self.engine = engine
         self.context = engine.new_context()
         self.context.classify(ClassifyRequest(-1, "Warm-up: where is my card?", time.monotonic() + 60.0))

@@ -41,7 +41,7 @@ import structlog
 from worker.classification import Classification, ClassifyRequest
 from worker.errors import UserError
 from worker.inference.encoder import EncoderEngine
-from worker.inference.engine import DeadlineExceeded, Engine, FloatArray
+from worker.inference.engine import DeadlineExceeded, FloatArray, GenAIEngine
 from worker.inference.escalation import check_candidates_llm
 from worker.inference.prompt import normalize, truncate_ticket
 from worker.inference.taxonomy import Intent, Taxonomy
@@ -127,7 +127,7 @@ class CandidatesEngine:
         turn_tokens = self.ticket_tokens + _candidates_budget(taxonomy, self.top_k)
         llm_settings = msgspec.structs.replace(llm_settings, max_ticket_tokens=turn_tokens)
         prompt = msgspec.structs.replace(taxonomy.prompt, list_intents=False, max_ticket_tokens=turn_tokens)
-        self.llm = Engine(llm_settings, msgspec.structs.replace(taxonomy, prompt=prompt), taxonomy_path)
+        self.llm = GenAIEngine(llm_settings, msgspec.structs.replace(taxonomy, prompt=prompt), taxonomy_path)
         self.model_id = self.llm.model_id
         self._intents = {intent.name: intent for intent in taxonomy.intents}
 

@@ -207,7 +207,7 @@ class SentenceEmbedder:
 
 
 class EncoderEngine:
-    """A loaded encoder stage: embedder, head and taxonomy; `new_context` as the ORT GenAI `Engine` has.
+    """A loaded encoder stage: embedder, head and taxonomy; `new_context` as the ORT GenAI `GenAIEngine` has.
     `taxonomy` from `taxonomy_path` is the stage's, as resolved where it is assembled (for a cascade's stage,
     the first stage's); a UserError when the head was not trained for all of its labels."""
 

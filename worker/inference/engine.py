@@ -1,4 +1,4 @@
-"""The classifier: one loaded model (`Engine`) and its reusable generator contexts (`Context`).
+"""The classifier: one loaded model (`GenAIEngine`) and its reusable generator contexts (`Context`).
 
 A context is one long-lived ORT GenAI Generator whose KV cache already holds the shared prefix (the system
 prompt with the taxonomy). Each request appends only its own tokens and is rewound to the prefix afterwards
@@ -65,7 +65,7 @@ class DeadlineExceeded(Exception):
     """Raised between model steps when the request's deadline has passed."""
 
 
-class Engine:
+class GenAIEngine:
     """A loaded model with everything derived from the taxonomy; creates contexts that share the model.
 
     Construction checks, once, what the per-request code relies on: that the prompt splits into prefix and
@@ -258,7 +258,7 @@ def _cache_length(folder: Path, needed: int) -> tuple[int, int]:
 class Context:
     """One prefix-prefilled Generator serving requests one at a time (not thread-safe: one per thread)."""
 
-    def __init__(self, engine: Engine, mode: Mode) -> None:
+    def __init__(self, engine: GenAIEngine, mode: Mode) -> None:
         self.engine = engine
         self.mode: Mode = mode
         self.temperature = engine.temperatures[mode]

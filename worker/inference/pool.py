@@ -42,7 +42,7 @@ from worker.classification import Classification, ClassifyRequest, fallback_answ
 from worker.errors import UserError
 from worker.inference.candidates import CandidatesContext, CandidatesEngine
 from worker.inference.encoder import EncoderContext, EncoderEngine, serves_encoder_stage
-from worker.inference.engine import Context, Engine
+from worker.inference.engine import Context, GenAIEngine
 from worker.inference.genai import require_runtime
 from worker.inference.pairing import warn_once_if_unpaired
 from worker.inference.prompt import max_ticket_chars
@@ -78,7 +78,7 @@ _REQUEST_DECODER = msgspec.msgpack.Decoder(ClassifyRequest)
 
 def open_engine(
     settings: InferenceSettings, taxonomy: Taxonomy, taxonomy_path: Path
-) -> Engine | EncoderEngine | CandidatesEngine:
+) -> GenAIEngine | EncoderEngine | CandidatesEngine:
     """The engine for the folder in `settings.model`: an encoder stage (it has `encoder.json`, see
     worker/inference/encoder.py; or a `model train` folder with only its encoder stage, `encoder_stage_only`),
     with an LLM deciding among its top candidates when the settings are a stage's with one
@@ -88,7 +88,7 @@ def open_engine(
         return CandidatesEngine(settings, taxonomy, taxonomy_path)
     if serves_encoder_stage(Path(settings.model).expanduser()):
         return EncoderEngine(settings, taxonomy, taxonomy_path)
-    return Engine(settings, taxonomy, taxonomy_path)
+    return GenAIEngine(settings, taxonomy, taxonomy_path)
 
 
 def default_pool_kind(settings: InferenceSettings) -> PoolKind:
@@ -507,7 +507,7 @@ def _worker_main(
             _warm(engine.new_context())
             serve = engine.classify_batch
             max_batch = engine.settings.batch_size
-        elif batch and isinstance(engine, Engine):
+        elif batch and isinstance(engine, GenAIEngine):
             from worker.inference.batch import BatchRunner
 
             runner = BatchRunner(engine)

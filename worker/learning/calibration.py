@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from worker.inference.answer_trie import Decision, weigh
 from worker.inference.calibration import Mode, ModeCalibration
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.learning.evaluation import expected_calibration_error
 from worker.settings import InferenceSettings
@@ -44,12 +44,12 @@ def calibrate_folder(
     reporter: Callable[[str], Callable[[int, int], None]],
 ) -> dict[Mode, ModeCalibration]:
     """Open the model of `settings` once and fit each mode on `examples` (`reporter(mode)` shows progress)."""
-    engine = Engine(settings, *resolve_taxonomy(settings))
+    engine = GenAIEngine(settings, *resolve_taxonomy(settings))
     return {mode: calibrate_mode(engine, mode, examples, reporter(mode)) for mode in modes}
 
 
 def calibrate_mode(
-    engine: Engine,
+    engine: GenAIEngine,
     mode: Mode,
     examples: Sequence[tuple[str, str]],
     progress: Callable[[int, int], None] | None = None,

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from worker.errors import UserError
-from worker.inference.engine import Engine
+from worker.inference.engine import GenAIEngine
 from worker.inference.loading import resolve_taxonomy
 from worker.learning.feedback import Correction
 from worker.learning.folders import writing
@@ -258,7 +258,7 @@ class Featurizer:
 
     def __init__(self, folder: Path, threads: int = 1) -> None:
         settings = InferenceSettings(model=str(folder), mode="score", intra_op_num_threads=threads)
-        self.engine = Engine(settings, *resolve_taxonomy(settings))
+        self.engine = GenAIEngine(settings, *resolve_taxonomy(settings))
         if any(len(ids) != 1 for ids in self.engine.label_ids):
             raise UserError(f"{folder}: fine-tuning needs one token per intent, as the project's models have")
         self.label_ids = [ids[0] for ids in self.engine.label_ids]

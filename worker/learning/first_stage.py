@@ -26,7 +26,7 @@ choosing how much work to do from measured speeds, never by stopping a phase hal
    probabilities on fresh augmented copies), folded into the intent tokens' output weights, so that `score`
    mode's `confidence` is a probability of being right with no change to the engine.
 6. Export (int4 by default), tokenizer parity with ORT GenAI, and the validation figures of the folder as
-   the engine serves it (`worker.inference.engine.Engine`, score mode).
+   the engine serves it (`worker.inference.engine.GenAIEngine`, score mode).
 
 Few examples (fewer than `Recipe.few_shot_rows` rows per intent on average, zero-shot included) change
 three things: more augmented copies per ticket (up to `Recipe.few_shot_copies`, so that an epoch has at
@@ -484,14 +484,14 @@ def check_parity(model_dir: Path, builder: PromptBuilder, hf_tokenizer: Any, tex
 def served_answers(model_dir: Path, texts: Sequence[str]) -> list[tuple[str, float]]:
     """(intent, confidence) for each of `texts`, as the engine serves an exported folder in `score` mode
     (one thread): the chosen intent and its renormalised probability."""
-    from worker.inference.engine import Engine
+    from worker.inference.engine import GenAIEngine
     from worker.inference.loading import resolve_taxonomy
     from worker.settings import InferenceSettings
 
     settings = InferenceSettings(
         model=str(model_dir), taxonomy=str(model_dir / "taxonomy.toml"), mode="score", escalation="off"
     )
-    context = Engine(settings, *resolve_taxonomy(settings)).new_context("score")
+    context = GenAIEngine(settings, *resolve_taxonomy(settings)).new_context("score")
     answers = []
     for text in texts:
         distribution = context.label_distribution(text)
