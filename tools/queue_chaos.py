@@ -82,8 +82,19 @@ class Queue:
             worker.kill()
             self.start("replaces-dead")
 
+    def started(self, timeout: float = STARTED_S) -> list[harness.Worker]:
+        """Live workers past their start (signal handlers installed, subscribed), waiting up to `timeout`
+        for one: a SIGTERM before that ends a process by the signal's default, as for any program, with
+        nothing taken yet (on a loaded machine a start takes tens of seconds)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = [w for w in self.live if w.events("pipeline_started")]
+            if ready or time.monotonic() > deadline:
+                return ready or list(self.live)
+            time.sleep(0.5)
+
     def kill(self) -> str:
-        victim = self.rng.choice(self.live)
+        victim = self.rng.choice(self.started())
         self.live.remove(victim)
         victim.kill()
         self.start("restart")
@@ -91,7 +102,7 @@ class Queue:
 
     def roll(self) -> str:
         """A rolling restart's step: one worker gets SIGTERM and must exit 0; its replacement starts."""
-        leaver = self.rng.choice(self.live)
+        leaver = self.rng.choice(self.started())
         self.live.remove(leaver)
         if (code := leaver.stop(90)) != 0:
             self.bad_exits.append(f"{leaver.log_path.name} stopped with {code}:\n{leaver.tail(8)}")
@@ -99,6 +110,7 @@ class Queue:
         return f"SIGTERM {leaver.log_path.name}"
 
     def stop_all(self) -> None:
+        self.started()
         for worker in self.live:
             if (code := worker.stop(90)) != 0:
                 self.bad_exits.append(f"{worker.log_path.name} stopped with {code}:\n{worker.tail(8)}")
