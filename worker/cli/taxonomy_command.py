@@ -350,8 +350,8 @@ def _write_discovery(
     print(
         f"wrote {out}: {len(found.intents)} proposed intents over {labelled} tickets ({unassigned} "
         f"unassigned); read {out / 'report.md'}, keep the proposals you accept in {out / 'taxonomy.toml'}, "
-        f"then `triage-worker model train --data OLD.csv --data {out / 'labelled.csv'} "
-        f"--taxonomy {out / 'taxonomy.toml'}`"
+        f"then train on your labelled tickets plus {out / 'labelled.csv'} with --taxonomy "
+        f"{out / 'taxonomy.toml'} (docs/your-taxonomy.md)"
     )
 
 
