@@ -4,10 +4,11 @@
 tickets answered "none of these" (or of every ticket, on day 0) and their texts, already redacted; it
 returns the proposed intents. numpy only, so an installed worker discovers without the `train` extra:
 
-1. How many groups: spherical K-means (k-means++ seeding) for each K of a geometric grid, scored by the
-   cosine silhouette on a seeded sample (the mean of two seedings, smoothed over neighbouring K); the
-   smallest K within `tolerance` of the best score is chosen (the silhouette of short tickets is flat near
-   its peak, and the smaller K splits fewer intents in two).
+1. How many groups: spherical K-means (greedy k-means++ seeding) for each K of a geometric grid, scored
+   by the cosine silhouette on a seeded sample (the mean of `runs_per_k` seedings); the scores smoothed
+   over log K, the smallest K within `tolerance` of the best smoothed score, then the best unsmoothed
+   score near it (`estimate_k`). One run's silhouette on short tickets moves more from seeding to seeding
+   than from one K to the next: the mean and the smoothing make the choice stable.
 2. The groups: K-means at that K, the best of `restarts` seedings.
 3. What stays unassigned: a group with fewer than `min_size` members or a mean similarity to its centre
    under `min_cohesion` (incoherent leftovers), and a ticket further from its centre than its group's
@@ -66,12 +67,13 @@ EXAMPLES = 5
 
 @dataclasses.dataclass(frozen=True)
 class DiscoverySettings:
-    """The knobs. The K scan's (`grid` .. `tolerance`) were chosen on BANKING77 train subsets (40 tickets
-    per intent, 25/50/75 % and none of the 77 intents known, two seeds): mean |K error| 19 %, where one
-    run per K and no smoothing gave 27-39 % (tools/bench_discover.py reports test.csv)."""
+    """The knobs. The K scan's (`grid` .. `refine`) were chosen on BANKING77 train subsets (40 tickets per
+    intent, 25/50/75 % and none of the 77 intents known, two seeds; scanned with single-draw seeding,
+    before the greedy one): mean |K error| 19 %, where one run per K and no smoothing gave 27-39 %.
+    tools/bench_discover.py measures them on test.csv."""
 
     seed: int = 0
-    # The K grid: from `min_k` to the smaller of `max_k` and the tickets over `min_size`, `grid` values.
+    # The K grid: `grid` values from `min_k` to the smaller of `max_k` and the tickets over `per_group`.
     min_k: int = 2
     max_k: int = 200
     per_group: int = 5
