@@ -165,6 +165,14 @@ bench-train: $(VENV)/.extra-train
 bench-open-intent: $(VENV)/.extra-train
 	$(BIN)/python -m tools.bench_open_intent --out results $(BENCH_ARGS)
 
+# New-intent discovery (`taxonomy discover`'s library) on BANKING77 at 25/50/75 % of the intents known and on
+# day 0, against K-means told the true K on the same embeddings; the 5,000-ticket timing. Reuses
+# bench-open-intent's embedding cache. results/discover.md and .json.
+.PHONY: bench-discover
+## New-intent discovery on BANKING77 against K-means with the true K (results/discover.md)
+bench-discover: $(VENV)/.extra-train
+	$(BIN)/python -m tools.bench_discover --out results $(BENCH_ARGS)
+
 # The encoder fine-tuned on a full folder's tickets before its head (what `model train` does with the train
 # extra) against the shipped encoder, same split, same run: bank-desk and BANKING77 test accuracy, ECE, the
 # out-of-scope detector's flags, one open-intent split; results/encoder-tuning.md and .json

@@ -5,7 +5,10 @@ as an intent, its ticket count as a comment, with a placeholder description and 
 fill in; it never writes a file `taxonomy check` refuses (one over 1 MiB: thousands of labels). `taxonomy
 check FILE` reports every problem of a taxonomy at once, one line each (the loader stops at the first), and
 exits 2 when one of them stops a load; placeholders left from `init` and intents without a description are
-warnings (zero-shot training learns from the descriptions).
+warnings (zero-shot training learns from the descriptions). `taxonomy discover` groups the tickets no intent
+covers into proposed intents (worker/learning/discovery.py) and writes the next step's inputs
+(worker/learning/discovery_report.py): with `--model DIR` it classifies the tickets as `classify` does and
+keeps those answered "none of these"; with `--all` it clusters every ticket (a team without a taxonomy).
 """
 
 from __future__ import annotations
@@ -13,15 +16,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import tomllib
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from worker.app.offline import classify_lines
+from worker.classification import ticket_text
+from worker.decoding import DecodeError, decode_ticket
 from worker.errors import UserError
-from worker.inference.taxonomy import INTENT_NAME, load_taxonomy, parse_taxonomy
+from worker.inference.taxonomy import INTENT_NAME, Taxonomy, load_taxonomy, parse_taxonomy
+from worker.learning import discovery, discovery_report, encoder_stage
 from worker.learning.data import intent_name, iter_label_counts, read_ticket_rows
-from worker.messages import PRIORITIES
+from worker.logs import configure_logging
+from worker.messages import PRIORITIES, TicketEvent, TriageResult
+from worker.pipeline.sources.lines import LineReader, stream_lines
+from worker.settings import Settings, add_config_argument, settings_from_args
 from worker.small_files import MAX_SMALL_FILE_BYTES, read_small_file
 
 PLACEHOLDER = "TODO:"
@@ -194,6 +208,153 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _read_tickets(path: Path, limit: int) -> list[tuple[int, bytes, TicketEvent]]:
+    """(line index, line, ticket) of each line of `path` that is a ticket; the others counted on stderr
+    by reason (their text is never printed: it may hold personal data)."""
+    if not path.is_file():
+        raise UserError(f"taxonomy discover: --input {path} is not a file")
+    tickets, skipped = [], Counter[str]()
+    with path.open("rb") as source:
+        for index, line, unread in stream_lines(source, limit):
+            if unread is not None:
+                skipped[unread[0]] += 1
+                continue
+            try:
+                tickets.append((index, line, decode_ticket(line, limit)))
+            except DecodeError as error:
+                skipped[error.error_type] += 1
+    if skipped:
+        _stderr(f"{path}: {sum(skipped.values())} lines skipped, not tickets ({dict(skipped.most_common())})")
+    if not tickets:
+        raise UserError(f"taxonomy discover: {path} holds no ticket (JSON lines of TicketEvent objects)")
+    return tickets
+
+
+def _out_of_scope(
+    settings: Settings, name: str, tickets: Sequence[tuple[int, bytes, TicketEvent]]
+) -> set[int]:
+    """The line indices of the tickets the model answers "none of these", classified as `classify` does."""
+    flagged: set[int] = set()
+    decoder = msgspec.json.Decoder(TriageResult)
+
+    def result(line: int, value: bytes) -> None:
+        if decoder.decode(value).out_of_scope:
+            flagged.add(line)
+
+    reader = LineReader(iter([(index, line, None) for index, line, _ in tickets]), name)
+    _stderr(f"classifying {len(tickets)} tickets with {settings.inference.model} ...")
+    run = classify_lines(settings, reader, result, lambda _line, _kind, _message: None, announce=False)
+    _stderr(f"classified {run.written} tickets in {run.seconds:.1f} s: {len(flagged)} answered none of these")
+    return flagged
+
+
+def _known_centres(taxonomy: Taxonomy | None, embedder: Any) -> dict[str, Any]:
+    """Each existing intent's centre: the mean embedding of its name, description and examples."""
+    if taxonomy is None:
+        return {}
+    texts = encoder_stage.intent_texts(taxonomy)
+    return {
+        intent.name: encoder_stage.embed(embedder, own).mean(axis=0)
+        for intent, own in zip(taxonomy.intents, texts, strict=True)
+    }
+
+
+def _discover(args: argparse.Namespace) -> int:
+    if (args.model is None) == (not args.all):
+        raise UserError("taxonomy discover: give either --model DIR (its out-of-scope tickets) or --all")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"taxonomy discover: --out {out} exists and is not an empty folder (choose another)")
+    settings = settings_from_args(args, {"inference.model": args.model, "inference.taxonomy": args.taxonomy})
+    configure_logging(settings.log, settings.privacy)
+    source = Path(args.input)
+    tickets = _read_tickets(source, settings.pipeline.max_value_bytes)
+    taxonomy_path = Path(args.taxonomy) if args.taxonomy else None
+    if args.model is not None:
+        flagged = _out_of_scope(settings, str(source), tickets)
+        tickets = [ticket for ticket in tickets if ticket[0] in flagged]
+        if not tickets:
+            raise UserError(
+                f"taxonomy discover: {args.model} answers none of the tickets of {source} out of scope: "
+                "nothing to discover (--all clusters every ticket)"
+            )
+        taxonomy_path = taxonomy_path or Path(args.model) / "taxonomy.toml"
+    taxonomy = load_taxonomy(taxonomy_path) if taxonomy_path is not None else None
+    redactor = settings.privacy.copy_redactor()
+    texts = [ticket_text(event.subject, event.body) for _, _, event in tickets]
+    embedder = encoder_stage.open_embedder(echo=_stderr)
+    started = time.monotonic()
+    vectors = encoder_stage.embed(embedder, texts, _progress("embedding"))
+    _stderr(f"embedded {len(texts)} tickets in {time.monotonic() - started:.0f} s")
+    redacted = [redactor.redact(text) for text in texts]
+    found = discovery.discover(
+        vectors,
+        redacted,
+        _known_centres(taxonomy, embedder),
+        discovery.DiscoverySettings(seed=args.seed),
+        _progress("estimating the number of intents"),
+    )
+    rows = [
+        discovery_report.DiscoveredTicket(event.ticket_id, text, event.created_at)
+        for (_, _, event), text in zip(tickets, redacted, strict=True)
+    ]
+    _write_discovery(out, rows, found, taxonomy, taxonomy_path, str(source))
+    return 0
+
+
+def _progress(what: str) -> discovery.Progress:
+    """A progress line on stderr at most every 10 s (the K scan and the embedding take minutes)."""
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 10.0 or done == total:
+            last[0] = now
+            _stderr(f"{what}: {done}/{total}")
+
+    return report
+
+
+def _write_discovery(
+    out: Path,
+    rows: Sequence[discovery_report.DiscoveredTicket],
+    found: discovery.Discovery,
+    taxonomy: Taxonomy | None,
+    taxonomy_path: Path | None,
+    source: str,
+) -> None:
+    """The four outputs (worker/learning/discovery_report.py), the taxonomy checked before it is written."""
+    if taxonomy is None or taxonomy_path is None:
+        current = discovery_report.new_taxonomy_header("discovered", "unclassified", PRIORITIES)
+        priority = "Medium"
+    else:
+        current = read_small_file(taxonomy_path, "a taxonomy").decode("utf-8")
+        priority = taxonomy.fallback_priority
+    if not found.intents:
+        _stderr("no coherent group found: nothing proposed")
+    text = discovery_report.proposed_taxonomy(current, found, priority, Path(source).name)
+    errors, _ = check_taxonomy_text(text, "the proposed taxonomy")
+    if errors:
+        raise UserError(f"{errors[0]} (nothing written)")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "taxonomy.toml").write_text(text, encoding="utf-8")
+    discovery_report.write_assignments(out / "assignments.jsonl", rows, found)
+    labelled = discovery_report.write_labelled(out / "labelled.csv", rows, found)
+    (out / "groups.svg").write_text(discovery_report.size_chart_svg(found.intents), encoding="utf-8")
+    (out / "report.md").write_text(discovery_report.report(rows, found, Path(source).name), encoding="utf-8")
+    unassigned = int((found.assignment == discovery.UNASSIGNED).sum())
+    print(
+        f"wrote {out}: {len(found.intents)} proposed intents over {labelled} tickets ({unassigned} "
+        f"unassigned); read {out / 'report.md'}, keep the proposals you accept in {out / 'taxonomy.toml'}, "
+        f"then train on your labelled tickets plus {out / 'labelled.csv'} with --taxonomy "
+        f"{out / 'taxonomy.toml'} (docs/your-taxonomy.md)"
+    )
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     taxonomy = subparsers.add_parser("taxonomy", help="write a taxonomy from your tickets, and check one")
     commands = taxonomy.add_subparsers(title="taxonomy commands", metavar="COMMAND", required=True)
@@ -213,3 +374,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     init.add_argument("--text-column", metavar="NAME", help="the tickets' text column")
     init.add_argument("--label-column", metavar="NAME", help="the labels' column")
     init.set_defaults(handler=_init)
+
+    discover = commands.add_parser(
+        "discover",
+        help="group the tickets no intent covers into proposed intents (names, examples, training rows)",
+    )
+    discover.add_argument("--input", required=True, metavar="FILE", help="JSON lines of TicketEvent objects")
+    which = discover.add_mutually_exclusive_group()
+    which.add_argument("--model", metavar="DIR", help="classify with it; cluster those answered out of scope")
+    which.add_argument("--all", action="store_true", help="cluster every ticket (no taxonomy yet: day 0)")
+    discover.add_argument("--taxonomy", metavar="FILE", help="the current taxonomy (default: the model's)")
+    discover.add_argument("--out", required=True, metavar="DIR", help="new folder for the outputs")
+    discover.add_argument(
+        "--seed", type=int, default=0, help="seed of the clustering (same seed, same result)"
+    )
+    add_config_argument(discover)
+    discover.set_defaults(handler=_discover)
