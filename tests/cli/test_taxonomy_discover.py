@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from encoder_stages import banking77_rows
 
-from tests.encoder_stages import banking77_rows
 from worker.cli.cli import main
 from worker.inference.taxonomy import load_taxonomy
 from worker.learning.data import match_taxonomy, read_ticket_rows
