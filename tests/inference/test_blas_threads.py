@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 # One escalated ticket at a time against BANKING77's 9,077 reference rows, a pause the size of the encoder's
@@ -45,7 +46,11 @@ def _products(worker: bool, **env: str) -> dict[str, float | str]:
     return result
 
 
+_BLAS = str(np.__config__.CONFIG["Build Dependencies"]["blas"]["name"])
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="OpenBLAS runs one thread on one core")
+@pytest.mark.skipif("openblas" not in _BLAS, reason=f"numpy's BLAS is {_BLAS}, not OpenBLAS")
 def test_escalation_sized_products_cost_no_spinning_threads_and_keep_their_values() -> None:
     alone = _products(worker=False)
     served = _products(worker=True)
