@@ -141,9 +141,10 @@ $(VENV)/.extra-%: $(STAMP)
 	$(BIN)/pip install --disable-pip-version-check -e '.[$*]'
 	touch $@
 
-# End-to-end figures P1-P6 (each a ratio against a baseline of the same run) against a real broker (its own on
-# a free port, or KAFKA_BOOTSTRAP_SERVERS): results/bench.md, bench.json and PNG plots. `BENCH_ARGS=--quick`
-# for a run under 5 minutes on 2 cores.
+# End-to-end figures P1-P7 (each against a baseline of the same run; P2's default `classify` also in tickets/s
+# and CPU-ms per ticket beside a pinned older commit's, BENCH_ARGS=--baseline-commit REV) against a real broker
+# (its own on a free port, or KAFKA_BOOTSTRAP_SERVERS): results/bench.md, bench.json and PNG plots.
+# `BENCH_ARGS=--quick` for a run under 5 minutes on 2 cores.
 ## End-to-end figures against a real broker into results/ (BENCH_ARGS=--quick: under 5 minutes)
 bench: $(VENV)/.extra-bench kafka-jars
 	$(BIN)/python -m tools.bench --out results $(BENCH_ARGS)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from tools import REPO
+from worker.app.doors import limits
 from worker.cli.classify_command import EXIT_LINES_SKIPPED
 from worker.cli.cli import main
 from worker.cli.replay_command import _print_report
@@ -83,6 +84,7 @@ class _HandFed:
         metrics = PipelineMetrics()
         redaction = DeadLetterRedaction.configured(settings.privacy, settings.dead_letter)
         tracker = OffsetTracker()
+        numbers = limits(settings)
         self.state = tracker.assign((_DLQ, 0))
         self.source = ReplaySource(self.consumer, self.options, tracker, lambda plan: None)
         reports = Reports(self.summary, None, self.source, exactly_once=False)
@@ -91,10 +93,10 @@ class _HandFed:
             if dry_run
             else AtLeastOnce(
                 GuaranteeWiring(
-                    settings.pipeline, DeliveryRules(None, redaction, metrics, time.monotonic),
+                    settings.pipeline.guarantee, DeliveryRules(None, redaction, metrics, time.monotonic),
                     KafkaClients(settings.kafka, settings.pipeline), self.consumer, tracker, metrics,
                     time.monotonic, reports.stopped, Failure(), reports,
-                    max_in_flight=settings.pipeline.max_in_flight,
+                    max_in_flight=numbers.max_in_flight, commit_interval_s=numbers.commit_interval_s,
                 )
             )
         )  # fmt: skip

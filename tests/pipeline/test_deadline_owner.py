@@ -4,6 +4,7 @@ its own copy of `pipeline.deadline_ms`, so a door whose `Limits` say otherwise i
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Sequence
@@ -11,8 +12,9 @@ from collections.abc import Sequence
 from doubles import InstantClassifier
 
 from worker.app.doors import TriageParts, triage_stage
+from worker.app.doors import limits as door_limits
 from worker.classification import ClassifyRequest, FallbackLabel
-from worker.pipeline.engine import Engine, GiveUpAt, Limits
+from worker.pipeline.engine import Engine, GiveUpAt
 from worker.pipeline.failure import Failure
 from worker.pipeline.settlements.in_order import InOrder
 from worker.pipeline.sources.lines import Line, LineReader, LinesSource
@@ -65,7 +67,8 @@ def _run(lines: Sequence[Line], classifier: _Timed) -> list[Output]:
     stage = triage_stage(
         settings, parts, queue, requests, settlement, source.hand_back, metrics, time.monotonic
     )
-    limits = Limits(
+    limits = dataclasses.replace(
+        door_limits(settings),
         max_in_flight=8,
         resume_below=4,
         deadline_s=LIMITS_S,

@@ -1,4 +1,4 @@
-"""End-to-end benchmark of the worker (`make bench`): every figure a ratio against a baseline of the same run.
+"""End-to-end benchmark of the worker (`make bench`): every figure against a baseline of the same run.
 
     .venv/bin/python -m tools.bench [--quick] [--out results]
 
@@ -7,7 +7,10 @@ tickets `{"ticket_id", "body"}` everywhere and an input topic of 3 partitions:
 
 - P1 Kafka overhead: the real `Pipeline`, built here with a classifier that answers at once, vs a bare
   confluent-kafka loop (consume → JSON decode → produce a result-sized record → async commit), same records;
-- P2 inference overhead: `triage-worker run` with default settings vs the raw classifier pool;
+- P2 inference overhead: `triage-worker run` with default settings vs the raw classifier pool; and the
+  default path in absolute figures: `triage-worker classify --input` with default settings, tickets/s and
+  CPU-ms per ticket of the whole command, beside the same from a pinned older commit (`--baseline-commit`,
+  a git worktree in a temporary folder) in the same run, and whether their answers differ;
 - P3 beyond the seed design: the worker vs one ticket at a time, a new Generator with the whole prompt per
   ticket, schema-guided generation, batch 1, same model;
 - P4 latency under load: 25..200 % of P2's capacity, each for a fixed time, against one worker;
@@ -38,6 +41,7 @@ from typing import Any
 
 from tools.bench import (
     p1_kafka_overhead,
+    p2_classify,
     p2_inference_overhead,
     p3_seed_design,
     p4_latency,
@@ -47,9 +51,13 @@ from tools.bench import (
     report,
 )
 from tools.bench.measure import bracket, progress
-from tools.load import Tickets, kafka
+from tools.load import LabelledTickets, Tickets, kafka
 from worker.logs import configure_logging
 from worker.settings import LogSettings, PrivacySettings
+
+# Issue #58: the code before the wave that slowed the default path (82-84 tickets/s, 24 ms CPU per ticket
+# then, on 2 cores), the pin that P2's absolute figures are compared with unless --baseline-commit says other.
+BASELINE_COMMIT = "b55fcb5"
 
 
 @contextlib.contextmanager
@@ -66,14 +74,23 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _p2(bootstrap: str, tickets: Tickets, sizes: dict[str, int], logs: Path) -> dict[str, Any]:
-    """The worker between two runs of the raw pool (the baseline is their mean)."""
+def _p2(
+    bootstrap: str, tickets: Tickets, sizes: dict[str, int], logs: Path, baseline_commit: str | None
+) -> dict[str, Any]:
+    """The worker between two runs of the raw pool (the baseline is their mean); then default `classify`
+    from this checkout and `baseline_commit`, in absolute figures."""
     pool_before = p2_inference_overhead.measure_pool(tickets, sizes["p2"])
     worker = p2_inference_overhead.measure_worker(bootstrap, tickets, sizes["p2"], sizes["p2_budget_s"], logs)
     pool = bracket(pool_before, p2_inference_overhead.measure_pool(tickets, sizes["p2"]))
     ratio = round(worker["rate"] / pool["rate"], 3)
     progress(f"P2 ratio {ratio}")
-    return {"pool": pool, "worker": worker, "ratio": ratio}
+    classify = p2_classify.measure(
+        LabelledTickets(), sizes["p2_classify"], sizes["p2_classify_rounds"], baseline_commit
+    )
+    progress(
+        f"P2 classify: {classify['current']['rate']} tickets/s, {classify['current']['cpu_ms_per_ticket']} ms"
+    )
+    return {"pool": pool, "worker": worker, "ratio": ratio, "classify": classify}
 
 
 def _p7(bootstrap: str, sizes: dict[str, int], logs: Path) -> dict[str, Any]:
@@ -93,13 +110,22 @@ def main() -> int:
         "--out", type=Path, default=Path("results"), help="folder for bench.* (default results)"
     )
     parser.add_argument("--only", choices=["p2", "p7"], help="run one figure alone (writes bench-<figure>.*)")
+    parser.add_argument(
+        "--baseline-commit",
+        default=BASELINE_COMMIT,
+        help="the commit P2's default `classify` is compared with in the same run (default "
+        f"{BASELINE_COMMIT}, the code before the wave that slowed it); 'none': this checkout alone",
+    )
     args = parser.parse_args()
+    baseline_commit = None if args.baseline_commit == "none" else args.baseline_commit
     sizes = (
         {
             "p1": 100_000,
             "p1_budget_s": 20,
             "p2": 3_000,
             "p2_budget_s": 60,
+            "p2_classify": 500,
+            "p2_classify_rounds": 1,
             "p3": 300,
             "p4_level_s": 8,
             "p5_level_s": 6,
@@ -115,6 +141,8 @@ def main() -> int:
             "p1_budget_s": 120,
             "p2": 20_000,
             "p2_budget_s": 600,
+            "p2_classify": 2_000,
+            "p2_classify_rounds": 2,
             "p3": 1000,
             "p4_level_s": 60,
             "p5_level_s": 15,
@@ -144,14 +172,16 @@ def main() -> int:
         try:
             if args.only is not None:
                 figures[args.only] = (
-                    _p2(bootstrap, tickets, sizes, logs) if args.only == "p2" else _p7(bootstrap, sizes, logs)
+                    _p2(bootstrap, tickets, sizes, logs, baseline_commit)
+                    if args.only == "p2"
+                    else _p7(bootstrap, sizes, logs)
                 )
                 report.write_only(figures, args.out, args.only)
                 print((args.out / f"bench-{args.only}.md").read_text())
                 return 0
             figures["p1"] = p1_kafka_overhead.measure(bootstrap, tickets, sizes["p1"], sizes["p1_budget_s"])
             progress(f"P1 ratio {figures['p1']['ratio']}")
-            p2 = figures["p2"] = _p2(bootstrap, tickets, sizes, logs)
+            p2 = figures["p2"] = _p2(bootstrap, tickets, sizes, logs, baseline_commit)
             figures["p3"] = {"seed": p3_seed_design.measure(tickets, sizes["p3"])}
             figures["p3"]["ratio"] = round(p2["worker"]["rate"] / figures["p3"]["seed"]["rate"], 2)
             progress(f"P3 ratio {figures['p3']['ratio']}")

@@ -19,7 +19,10 @@ assigned) until the group's committed offsets equal the input's end offsets, or 
 out (then the rate is over what was committed). P1 runs the real `Pipeline` in-process with a classifier
 that answers at once; its baseline is a bare consume/decode/produce/commit loop with the same client
 options. P2's worker runs the first stage alone (`--escalation off`; P7 measures the cascade); its baseline
-is `open_pool` with default inference settings, every text submitted at once and drained with poll. P3's
+is `open_pool` with default inference settings, every text submitted at once and drained with poll. P2's
+default path is `triage-worker classify --input FILE` with default settings, timed as a whole command
+(start-up included; CPU of its whole tree, every process reaped) and alternated with the same command from
+the pinned commit's worktree, the medians quoted; answers are compared with this checkout's first run. P3's
 baseline is one process, a new Generator with the whole prompt per ticket, schema-guided generation, batch
 1. CPU is user+system time of the process tree (/proc) over the same
 window. P4 offers each load for a fixed time against one worker with default settings and lets the backlog
@@ -215,6 +218,53 @@ def _p2_row(p2: dict[str, Any]) -> tuple[str, str, str, str, str, str]:
     )
 
 
+def _classify_side(side: dict[str, Any]) -> str:
+    return f"{side['rate']:,.1f} tickets/s, {side['cpu_ms_per_ticket']:.2f} ms CPU per ticket"
+
+
+def _classify_rows(p2: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """P2's default path in absolute figures (tools/bench/p2_classify.py), against the pinned commit when the
+    run had one: the rate and the CPU per ticket, each with its goal, and whether the answers moved."""
+    classify = p2.get("classify")
+    if classify is None:
+        return []
+    current, baseline = classify["current"], classify.get("baseline")
+    what = (
+        "P2 default path: `triage-worker classify --input` (defaults), "
+        f"{classify['tickets']:,} BANKING77 tickets"
+    )
+    stages = ", ".join(f"{stage} {count:,}" for stage, count in sorted(current["stages"].items()))
+    if baseline is None:
+        return [(what, "-", _classify_side(current), "-", "reported", "-")]
+    pin = classify["baseline_commit"]
+    return [
+        (
+            f"{what}: rate vs {pin}",
+            f"{baseline['rate']:,.1f} tickets/s",
+            f"{current['rate']:,.1f} tickets/s",
+            f"{classify['rate_ratio']:.2f}x",
+            "≥ 1x",
+            _met(classify["rate_ratio"] >= 1.0),
+        ),
+        (
+            f"{what}: CPU per ticket (whole process tree) vs {pin}",
+            f"{baseline['cpu_ms_per_ticket']:.2f} ms",
+            f"{current['cpu_ms_per_ticket']:.2f} ms",
+            f"{classify['cpu_ratio']:.2f}x",
+            "≤ 1x",
+            _met(classify["cpu_ratio"] <= 1.0),
+        ),
+        (
+            f"P2 default path: answers (intent, priority, confidence, out of scope) vs {pin}; stages",
+            f"{classify['tickets']:,} tickets",
+            f"{baseline['answers_differing']:,} differ; {stages}",
+            "-",
+            "reported",
+            "-",
+        ),
+    ]
+
+
 def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
     """(figure, baseline, measured, ratio, goal, met?) for the table."""
     p1, p2, p3, p4 = figures["p1"], figures["p2"], figures["p3"], figures["p4"]
@@ -242,6 +292,7 @@ def rows(figures: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             _met(p1["lifted_ratio"] >= 0.8),
         ),
         _p2_row(p2),
+        *_classify_rows(p2),
         (
             "P3 beyond the seed design: worker vs new Generator + guided generation per ticket",
             f"{p3['seed']['rate']:,.1f} tickets/s",
@@ -448,7 +499,9 @@ def write_only(figures: dict[str, Any], out: Path, figure: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"bench-{figure}.json").write_text(json.dumps(figures, indent=1) + "\n")
     figure_rows, how = (
-        ([_p2_row(figures["p2"])], HOW) if figure == "p2" else (_p7_rows(figures["p7"]), P7_HOW)
+        ([_p2_row(figures["p2"]), *_classify_rows(figures["p2"])], HOW)
+        if figure == "p2"
+        else (_p7_rows(figures["p7"]), P7_HOW)
     )
     table = ["| " + " | ".join(row) + " |" for row in figure_rows]
     (out / f"bench-{figure}.md").write_text("\n".join([*_header(figures), *table, "", how, ""]))

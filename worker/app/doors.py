@@ -140,7 +140,8 @@ def triage_stage(
 
 
 def limits(settings: Settings) -> Limits:
-    """The loop's numbers as `pipeline` sets them."""
+    """Every door's numbers as `pipeline` sets them, its milliseconds in seconds: the one place they are
+    converted (a door with numbers of its own replaces those on these)."""
     pipeline = settings.pipeline
     return Limits(
         max_in_flight=pipeline.max_in_flight,
@@ -148,6 +149,7 @@ def limits(settings: Settings) -> Limits:
         deadline_s=pipeline.deadline_ms / 1000.0,
         poll_timeout_s=pipeline.poll_timeout_ms / 1000.0,
         shutdown_timeout_s=pipeline.shutdown_timeout_ms / 1000.0,
+        commit_interval_s=pipeline.commit_interval_ms / 1000.0,
         read_batch=pipeline.poll_batch_size,
     )
 
@@ -199,7 +201,8 @@ def group_pipeline(
     `committer` makes the guarantee's committer (`GuaranteeWiring.committer`: the threaded one)."""
     pipeline = settings.pipeline
     clients = clients or KafkaClients(settings.kafka, settings.pipeline)
-    metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
+    numbers = limits(settings)
+    metrics = parts.metrics(numbers.deadline_s)
     failure, give_up = Failure(), GiveUpAt()
     consumer = clients.consumer(failure.client_error)
     tracker = OffsetTracker()
@@ -209,12 +212,11 @@ def group_pipeline(
         pipeline.revoke_timeout_ms / 1000.0, tracker, paused, metrics, failure, clock,
     )  # fmt: skip
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
-    numbers = limits(settings)
     guarantee = guarantee_for(
         GuaranteeWiring(
-            pipeline, _dead_letter_rules(settings, parts, metrics, clock), clients, consumer, tracker,
-            metrics, clock, paused.pause, failure, Redone(queue, requests), give_up.get, committer,
-            max_in_flight=numbers.max_in_flight,
+            pipeline.guarantee, _dead_letter_rules(settings, parts, metrics, clock), clients, consumer,
+            tracker, metrics, clock, paused.pause, failure, Redone(queue, requests), give_up.get, committer,
+            max_in_flight=numbers.max_in_flight, commit_interval_s=numbers.commit_interval_s,
         )
     )  # fmt: skip
     return _triage_loop(
@@ -240,16 +242,17 @@ def queue_pipeline(
     budget = lock_budget(settings, group)
     budget.check()
     factory = clients or ShareClients(settings.kafka, settings.pipeline)
-    metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
+    numbers = limits(settings)
+    metrics = parts.metrics(numbers.deadline_s)
     failure, give_up = Failure(), GiveUpAt()
     given = settings.kafka.get("max.poll.records")
     fetch = FetchSize.starting(
-        parts.dispatch_window, pipeline.max_in_flight, pipeline.deadline_ms / 1000.0,
+        parts.dispatch_window, numbers.max_in_flight, numbers.deadline_s,
         int(given) if given is not None else None,
     )  # fmt: skip
     source = ShareSource(
         factory.share_consumer, settings.topics.input, pipeline.group_id, group, budget, fetch,
-        pipeline.poll_timeout_ms / 1000.0, metrics, failure, clock,
+        numbers.poll_timeout_s, metrics, failure, clock,
     )  # fmt: skip
     rules = _dead_letter_rules(settings, parts, metrics, clock)
     settlement = Acknowledging(
@@ -258,7 +261,7 @@ def queue_pipeline(
     queue, requests = DispatchQueue(pipeline.scheduling), ModelRequests()
     return _triage_loop(
         settings, parts, source, settlement, queue, requests, metrics, failure, give_up, clock,
-        metrics_interval_s, limits(settings),
+        metrics_interval_s, numbers,
     )  # fmt: skip
 
 
@@ -286,6 +289,6 @@ def lock_budget(settings: Settings, group: ShareGroup) -> LockBudget:
     """The lock arithmetic for `settings` (the producer's delivery timeout as the clients will have it)."""
     return LockBudget(
         lock_s=group.lock_ms / 1000.0,
-        deadline_s=settings.pipeline.deadline_ms / 1000.0,
+        deadline_s=limits(settings).deadline_s,
         delivery_s=delivery_timeout_ms(settings.kafka) / 1000.0,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from worker.app.doors import TriageParts, triage_stage
+from worker.app.doors import TriageParts, limits, triage_stage
 from worker.app.stages import dispatch_window
 from worker.classification import Classification, ClassifyRequest, FallbackLabel
 from worker.errors import UserError
@@ -29,7 +30,7 @@ from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.taxonomy import Taxonomy
 from worker.kafka.dead_letters import read_dead_letter
 from worker.messages import TicketEvent, TriageResult
-from worker.pipeline.engine import Engine, GiveUpAt, Limits
+from worker.pipeline.engine import Engine, GiveUpAt
 from worker.pipeline.failure import Failure
 from worker.pipeline.settlements.in_order import Deliver, InOrder
 from worker.pipeline.sources.lines import LineReader, LinesSource
@@ -166,7 +167,6 @@ def lines_pipeline(
 ) -> Engine:
     """The loop over `reader`'s lines, each line's outcome handed to `deliver` in input order; `clock` is the
     loop's and the stage's (a virtual one in tests/simulation)."""
-    pipeline = settings.pipeline
     parts = TriageParts(
         offline.pool,
         offline.fallback,
@@ -174,26 +174,27 @@ def lines_pipeline(
         cascade=offline.cascade,
         tracing=tracing_for(settings.tracing, None),
     )
-    metrics = parts.metrics(pipeline.deadline_ms / 1000.0)
+    # Offline the loop holds at most HELD_LINES lines, reads only when the model has room, and waits half a
+    # second at most for a line; the rest is the settings' (`limits`).
+    numbers = dataclasses.replace(
+        limits(settings),
+        max_in_flight=HELD_LINES,
+        resume_below=HELD_LINES // 2,
+        poll_timeout_s=0.5,
+        paced_by_model=True,
+    )
+    metrics = parts.metrics(numbers.deadline_s)
     failure, give_up = Failure(), GiveUpAt()
     settlement = InOrder(deliver)
     source = LinesSource(reader, lambda: settlement.held)
     # Arrival order: offline every ticket has the same deadline, and results are written in input order.
     queue, requests = DispatchQueue("fifo"), ModelRequests()
     stage = triage_stage(settings, parts, queue, requests, settlement, source.hand_back, metrics, clock)
-    limits = Limits(
-        max_in_flight=HELD_LINES,
-        resume_below=HELD_LINES // 2,
-        deadline_s=pipeline.deadline_ms / 1000.0,
-        poll_timeout_s=0.5,
-        shutdown_timeout_s=pipeline.shutdown_timeout_ms / 1000.0,
-        paced_by_model=True,
-    )
     return Engine(
         source,
         stage,
         settlement,
-        limits,
+        numbers,
         metrics,
         failure,
         give_up,

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import confluent_kafka
-import msgspec
 
 from worker.app.doors import limits
 from worker.kafka.clients import create_consumer, create_producer, exactly_once, kafka_call
@@ -47,7 +46,7 @@ from worker.replay.reports import Reports
 from worker.replay.selection import METADATA_TIMEOUT_S, ReplayOptions, check_source, replay_transactional_id
 from worker.replay.source import ReplaySource
 from worker.replay.stage import ReplayStage
-from worker.settings import PipelineSettings, Settings
+from worker.settings import Settings
 from worker.telemetry.tracing import tracing_for
 
 # Commit confirmed progress at most this often, so a kill re-sends little without a commit per record.
@@ -136,6 +135,8 @@ def replay_pipeline(
         resume_below=_IN_FLIGHT // 2,
         poll_timeout_s=_POLL_S,
         shutdown_timeout_s=INTERRUPT_DRAIN_S,
+        # Progress committed every COMMIT_INTERVAL_MS, so a kill re-sends little.
+        commit_interval_s=COMMIT_INTERVAL_MS / 1000.0,
     )
     settlement: Settlement
     if options.dry_run:  # nothing published, nothing committed: each output is as good as acknowledged
@@ -143,7 +144,7 @@ def replay_pipeline(
     else:
         settlement = guarantee_for(
             GuaranteeWiring(
-                _committing_often(settings.pipeline),
+                settings.pipeline.guarantee,
                 # A replay's targets are the original topics: nothing goes to the dead-letter topic from
                 # here (nothing written smaller; a record refused for its content is left out, `refused` in
                 # the report, and stays where it is).
@@ -164,6 +165,7 @@ def replay_pipeline(
                 give_up.get,
                 committer,
                 max_in_flight=numbers.max_in_flight,
+                commit_interval_s=numbers.commit_interval_s,
             )
         )
     stage = ReplayStage(options, source, settlement, reports)
@@ -205,11 +207,6 @@ def _planned(
             observer.planned(plan)
 
     return planned
-
-
-def _committing_often(pipeline: PipelineSettings) -> PipelineSettings:
-    """`pipeline` with progress committed every COMMIT_INTERVAL_MS, so a kill re-sends little."""
-    return msgspec.structs.replace(pipeline, commit_interval_ms=COMMIT_INTERVAL_MS)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import cast
 import msgspec
 import structlog
 
+from worker.app.doors import limits
 from worker.inference.escalation import escalation_threshold
 from worker.inference.pool import (
     ClassifierPool,
@@ -114,7 +115,7 @@ def start_shadow(settings: Settings, shadow_settings: InferenceSettings, pool: C
     window = dispatch_window(msgspec.structs.replace(settings, inference=shadow_settings))
     producer = create_producer(settings.kafka, ClientErrorLog("shadow-producer"), librdkafka_logger())
     _log.info("shadow_started", model=pool.model_id, topic=settings.topics.shadow, window=window)
-    return Shadow(pool, window, producer, settings.topics.shadow, settings.pipeline.deadline_ms / 1000.0)
+    return Shadow(pool, window, producer, settings.topics.shadow, limits(settings).deadline_s)
 
 
 def start_review(settings: Settings) -> Review:

@@ -75,13 +75,16 @@ class GiveUpAt:
 class Limits:
     """The loop's numbers: the in-flight bound and its low-water mark, each record's deadline, how long the
     first read waits when nothing is in flight, how long a shutdown may take, and whether reading waits for
-    room at the model."""
+    room at the model; and the longest time between commits, which the loop's settlement keeps (a door with
+    nothing to commit ignores it). `worker.app.doors.limits` builds them from the settings, units converted
+    there once; a door changes what is its own with `dataclasses.replace`."""
 
     max_in_flight: int
     resume_below: int
     deadline_s: float
     poll_timeout_s: float
     shutdown_timeout_s: float
+    commit_interval_s: float
     # The most records read in one turn of the loop (`pipeline.poll_batch_size`), before it serves answers.
     read_batch: int = 100
     # Read a record only when the stage has room for it at once (offline doors: each ticket's deadline

@@ -63,7 +63,7 @@ from worker.pipeline.settlements.delivery import TOO_LARGE, DeliveryRules, send_
 from worker.pipeline.settlements.offsets import OffsetTracker, PartitionOffsets
 from worker.pipeline.settlements.settling import AwaitingCommit
 from worker.pipeline.work import Output, Work
-from worker.settings import PipelineSettings
+from worker.settings import GuaranteeName
 
 _log = structlog.get_logger("worker.pipeline")
 _T = TypeVar("_T")
@@ -108,18 +108,19 @@ class GuaranteeWiring:
     `consumer` is the caller's: a guarantee commits through it and seeks it back on a redo; `tracker` holds
     the taken offsets; `pause` stops a partition a guarantee cannot go on with; `give_up_at()` is the
     caller's instant (a `clock()` value, None: none) after which a produce stops waiting for room in the
-    client's queue: set while revoking or stopping. `pipeline`: the guarantee and the commit cadence;
+    client's queue: set while revoking or stopping. `guarantee`: which one (`pipeline.guarantee`);
     `rules`: the delivery-error rules, with the dead-letter topic (None for a replay, whose outputs go back
     where they came from: none is written smaller, and one refused for its content is left out,
-    `DeliveryRules.left_out`). `max_in_flight`: the door's in-flight bound, its loop's
-    `Limits.max_in_flight` (the one owner of that number: a replay's is its own, not
-    `pipeline.max_in_flight`); done work filling half of it brings a commit forward.
+    `DeliveryRules.left_out`). `max_in_flight` and `commit_interval_s` are the door's, from its loop's
+    `Limits` (`worker.app.doors.limits`, the one owner of those numbers and of their units: a replay's are
+    its own, not `pipeline`'s): the longest time between commits, and the in-flight bound whose half, filled
+    with done work, brings a commit forward.
     `committer` makes the committer of each producer (the threaded `Committer`; the fault simulator,
     tests/simulation, gives one that commits on the loop's thread, so that a schedule replays
     deterministically).
     """
 
-    pipeline: PipelineSettings
+    guarantee: GuaranteeName
     rules: DeliveryRules
     clients: ProducerFactory
     consumer: confluent_kafka.Consumer
@@ -132,11 +133,12 @@ class GuaranteeWiring:
     give_up_at: Callable[[], float | None] = lambda: None
     committer: CommitterFactory = Committer
     max_in_flight: int = field(kw_only=True)
+    commit_interval_s: float = field(kw_only=True)
 
 
 def guarantee_for(wiring: GuaranteeWiring) -> AtLeastOnce | ExactlyOnce:
-    """The guarantee `pipeline.guarantee` names."""
-    kind = ExactlyOnce if wiring.pipeline.guarantee == "exactly_once" else AtLeastOnce
+    """The guarantee `wiring.guarantee` names."""
+    kind = ExactlyOnce if wiring.guarantee == "exactly_once" else AtLeastOnce
     return kind(wiring)
 
 
@@ -146,8 +148,8 @@ class _Base:
     in_order: ClassVar[bool] = False
 
     def __init__(self, wiring: GuaranteeWiring) -> None:
-        self._pipeline = wiring.pipeline
         self._max_in_flight = wiring.max_in_flight
+        self._commit_interval_s = wiring.commit_interval_s
         self._rules = wiring.rules
         self._dead_letter_topic = wiring.rules.dead_letter_topic
         self._clients = wiring.clients
@@ -326,7 +328,7 @@ class _Base:
         now = self._clock()
         if self._committer.busy or now < self._retry_commit_at:
             return  # one commit at a time: that also caps the rate at one per broker round trip
-        due = now - self._last_commit >= self._pipeline.commit_interval_ms / 1000.0
+        due = now - self._last_commit >= self._commit_interval_s
         # Done but uncommitted work holds in-flight slots: commit early when it fills half of them.
         crowded = self._tracker.uncommitted_done() * 2 >= self._max_in_flight
         if not self._may_commit(due or crowded):
@@ -361,7 +363,7 @@ class _Base:
             if (state := self._tracker.get(key)) is not None:
                 state.commit_failed(position)
         if outcome.failed:
-            self._retry_commit_at = self._clock() + self._pipeline.commit_interval_ms / 1000.0
+            self._retry_commit_at = self._clock() + self._commit_interval_s
             self._log_commit_failed(outcome)
 
     def _log_commit_failed(self, outcome: CommitOutcome) -> None:
