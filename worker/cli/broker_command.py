@@ -15,6 +15,7 @@ from typing import Any
 
 from worker.cache import cache_root
 from worker.dev import local_broker
+from worker.errors import UserError
 from worker.kafka.admin import create_topics, worker_topics
 from worker.settings import add_config_argument, settings_from_args
 
@@ -52,6 +53,17 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--fresh",
         action="store_true",
         help="wipe topics and messages of earlier runs first (only a state folder the broker made)",
+    )
+    start.add_argument(
+        "--brokers",
+        type=int,
+        choices=(1, local_broker.CLUSTER_SIZE),
+        default=1,
+        help=(
+            f"1 (default): one combined node; {local_broker.CLUSTER_SIZE}: a local cluster of three combined "
+            "broker+controller nodes on ports PORT..PORT+2, replication factor 3 and min.insync.replicas 2 "
+            "for internal and new topics"
+        ),
     )
     _add_kafka_version(start)
     _add_state_dir(start)
@@ -131,6 +143,8 @@ def _write_client_file(path: Path, options: dict[str, str]) -> None:
 
 def _start(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if args.brokers != 1:
+        return _start_cluster(args, state_dir)
     client_file = state_dir / SASL_CLIENT_FILE
     sasl_ssl = None
     if args.sasl_ssl_port is not None:
@@ -152,13 +166,45 @@ def _start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_cluster(args: argparse.Namespace, state_dir: Path) -> int:
+    """`broker start --brokers 3`: the three-node cluster in `state_dir` (no SASL_SSL listener)."""
+    if args.sasl_ssl_port is not None:
+        raise UserError("--sasl-ssl-port is for the single broker; leave it out with --brokers 3")
+    cluster = local_broker.LocalCluster(state_dir, args.port, kafka_version=_kafka_version(args))
+    cluster.start(fresh=args.fresh)
+    print(f"bootstrap: {cluster.bootstrap}")
+    for node in cluster.nodes:
+        print(f"node {node.node_id}:    {node.bootstrap}, log file {node.log_file}")
+    return 0
+
+
 def _stop(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if local_broker.LocalCluster.exists(state_dir):
+        print("stopped" if local_broker.LocalCluster(state_dir).stop() else "not running")
+        return 0
     broker = local_broker.LocalBroker(args.state_dir)
     print("stopped" if broker.stop() else "not running")
     return 0
 
 
+def _cluster_status(state_dir: Path) -> int:
+    """Each node's state; exit code 3 unless every node runs."""
+    cluster = local_broker.LocalCluster(state_dir)
+    running = cluster.running()
+    print(f"cluster:   {len(running)} of {len(cluster.nodes)} nodes running")
+    print(f"bootstrap: {cluster.bootstrap}")
+    for node in cluster.nodes:
+        status = node.status()
+        state = f"running (pid {status.pid})" if status.running else "stopped"
+        print(f"node {node.node_id}:    {state}, log file {status.log_file}")
+    return 0 if len(running) == len(cluster.nodes) else 3
+
+
 def _status(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if local_broker.LocalCluster.exists(state_dir):
+        return _cluster_status(state_dir)
     status = local_broker.LocalBroker(args.state_dir).status()
     if status.running:
         print(f"running (pid {status.pid})")
