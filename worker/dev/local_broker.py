@@ -1089,6 +1089,21 @@ class LocalCluster:
             raise UserError(f"{topic}[{partition}] has no leader now")
         return int(found.partitions[partition].leader)
 
+    def wait_fully_replicated(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every partition's in-sync replicas are all its replicas (what a rolling restart
+        waits for before the next node); False if some are still behind after `timeout_s`."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # metadata not served yet: ask again
+                topics = admin.list_topics(timeout=10).topics.values()
+                if all(len(p.isrs) == len(p.replicas) for t in topics for p in t.partitions.values()):
+                    return True
+            time.sleep(1.0)
+        return False
+
     def coordinator_of(self, transactional_id: str, timeout_s: float = 10.0) -> int:
         """The node that is the transaction coordinator for `transactional_id`: the leader of its
         __transaction_state partition (librdkafka offers no FindCoordinator call of its own)."""
