@@ -1,4 +1,4 @@
-"""`triage-worker broker start|stop|status|fetch` and `triage-worker topics create`.
+"""`triage-worker broker start|stop|status|transactions|fetch` and `triage-worker topics create`.
 
 The broker commands drive the local development broker (real Apache Kafka from Maven Central jars, see
 `worker/dev/local_broker.py`); `topics create` works against any cluster the settings point at.
@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from worker.cache import cache_root
-from worker.dev import local_broker
+from worker.dev import kafka_tools, local_broker
 from worker.errors import UserError
 from worker.kafka.admin import create_topics, worker_topics
 from worker.settings import add_config_argument, settings_from_args
@@ -78,6 +79,28 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     _add_state_dir(status)
     status.set_defaults(handler=_status)
+
+    transactions = actions.add_parser(
+        "transactions",
+        help="list, describe, find hanging and abort transactions with Kafka's own tool (Java + Maven)",
+        description=(
+            "Runs Kafka's TransactionsCommand (what kafka-transactions.sh runs; org.apache.kafka:kafka-tools "
+            "from Maven Central, fetched once, so Java 17+ and mvn are needed) against any cluster: "
+            "find-hanging --topic T [--partitions P ...] [--max-transaction-timeout MINUTES], "
+            "describe-producers --topic T --partition P, abort --topic T --partition P --start-offset O, "
+            "list, describe --transactional-id ID. A worker in exactly-once mode names the partitions "
+            "(hanging_transaction_suspected) to give it."
+        ),
+    )
+    transactions.add_argument(
+        "--bootstrap-servers",
+        metavar="SERVERS",
+        help="the cluster (default $KAFKA_BOOTSTRAP_SERVERS, else the local broker or cluster)",
+    )
+    _add_kafka_version(transactions)
+    _add_state_dir(transactions)
+    transactions.add_argument("tool_arguments", nargs=argparse.REMAINDER, metavar="ACTION ...")
+    transactions.set_defaults(handler=_transactions)
 
     fetch = actions.add_parser("fetch", help="resolve the broker's jars from Maven Central (once)")
     _add_kafka_version(fetch)
@@ -215,6 +238,22 @@ def _status(args: argparse.Namespace) -> int:
         print("not running")
     print(f"log file:  {status.log_file}")
     return 0 if status.running else 3
+
+
+def _transactions(args: argparse.Namespace) -> int:
+    """`broker transactions ACTION ...`: Kafka's TransactionsCommand against the named or local cluster."""
+    bootstrap = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or _local_bootstrap(args)
+    return kafka_tools.run_transactions(bootstrap, args.tool_arguments, _kafka_version(args))
+
+
+def _local_bootstrap(args: argparse.Namespace) -> str:
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if local_broker.LocalCluster.exists(state_dir):
+        return local_broker.LocalCluster(state_dir).bootstrap
+    status = local_broker.LocalBroker(state_dir).status()
+    if status.bootstrap is None:
+        raise UserError("no local broker runs; name the cluster with --bootstrap-servers")
+    return status.bootstrap
 
 
 def _fetch(args: argparse.Namespace) -> int:
