@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.pipeline.hanging import (
-    COMMITTED_OFFSET_UNREADABLE,
     STABLE_OFFSET_STUCK,
     WATCH_INTERVAL_S,
     HangDetector,
@@ -82,17 +81,6 @@ def test_a_suspect_is_cleared_when_its_stable_offset_moves(
     new, cleared = detector.observe(held_for + 1, {KEY: after})
     assert (new, cleared) == ([], [KEY])
     assert detector.suspected == frozenset()
-
-
-def test_an_assigned_partition_whose_position_stays_unknown_is_named() -> None:
-    """A new owner that cannot read its committed offset (a transaction holds it on __consumer_offsets)."""
-    detector = HangDetector(LIMIT)
-    key = ("triage.in", 0)
-    assert detector.observe(0.0, {key: Reading(40, 40, position_known=False)}) == ([], [])
-    new, _ = detector.observe(LIMIT, {key: Reading(40, 40, position_known=False)})
-    assert [(s.key, s.reason) for s in new] == [(key, COMMITTED_OFFSET_UNREADABLE)]
-    # The position becomes known: no longer held.
-    assert detector.observe(LIMIT + 5, {key: Reading(40, 40)}) == ([], [key])
 
 
 def test_a_partition_no_longer_read_is_forgotten() -> None:
