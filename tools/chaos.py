@@ -51,6 +51,7 @@ from worker.dev.local_broker import (
     LocalCluster,
     configured_kafka_version,
     free_port,
+    free_port_block,
 )
 from worker.kafka.admin import TopicSpec, create_topics
 
@@ -311,7 +312,7 @@ def chaos(args: argparse.Namespace) -> bool:
         state = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="triage-chaos-")))
         release = broker_release(args.guarantee)
         broker: LocalBroker | LocalCluster = (
-            LocalCluster(state / "cluster", port=free_port(), kafka_version=release)
+            LocalCluster(state / "cluster", port=free_port_block(CLUSTER_SIZE), kafka_version=release)
             if clustered
             else LocalBroker(state / "broker", port=free_port(), kafka_version=release)
         )

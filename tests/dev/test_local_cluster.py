@@ -44,7 +44,9 @@ def _read(bootstrap: str, topic: str, count: int, timeout_s: float = 60.0) -> li
 @pytest.mark.kafka
 @pytest.mark.slow
 def test_a_killed_node_leaves_the_cluster_writing_and_reading(tmp_path: Path) -> None:
-    cluster = local_broker.LocalCluster(tmp_path / "cluster", port=local_broker.free_port())
+    cluster = local_broker.LocalCluster(
+        tmp_path / "cluster", port=local_broker.free_port_block(local_broker.CLUSTER_SIZE)
+    )
     cluster.start(echo=_quiet)
     try:
         topic = f"test.cluster.{uuid.uuid4().hex[:8]}"
