@@ -14,6 +14,11 @@ In exactly-once mode the broker runs Kafka 4.1.1, the release docs/deployment.md
 (`$TRIAGE_KAFKA_VERSION` chooses another, `$TRIAGE_KAFKA_TRANSACTION_VERSION` its transaction.version); the
 report's settings name the release and the level.
 
+With `--brokers 3` the broker is a local three-node cluster (replication factor 3, min.insync.replicas 2)
+and its faults are a cluster's: a rolling restart, a node's kill -9, the transaction coordinator's node
+killed -9 and a whole-cluster restart, once each (`CLUSTER_FAULTS`). `--keep-logs` keeps the workers' and
+brokers' logs; `TRIAGE_KAFKA_DEBUG_TRANSACTIONS=1` has the brokers log their transactions at DEBUG.
+
 Prints a progress line to stderr and exits 1 when a promise is broken.
 """
 
@@ -38,7 +43,16 @@ import confluent_kafka
 
 from tools import harness, load, promises
 from tools.promises import progress, promise
-from worker.dev.local_broker import KAFKA_VERSION_ENV, LocalBroker, configured_kafka_version, free_port
+from worker.dev.local_broker import (
+    CLUSTER_SIZE,
+    DEBUG_TRANSACTIONS_ENV,
+    KAFKA_VERSION_ENV,
+    LocalBroker,
+    LocalCluster,
+    configured_kafka_version,
+    free_port,
+    free_port_block,
+)
 from worker.kafka.admin import TopicSpec, create_topics
 
 MAX_IN_FLIGHT = 64  # the default, stated so that the bound does not depend on it silently
@@ -60,6 +74,7 @@ class Chaos:
         self.bad_exits: list[str] = []
         self.serial = 0
         self.killed: list[tuple[str, str]] = []  # (UTC timestamp, worker log name) of each kill -9
+        self.transactional_ids: dict[str, str] = {}  # worker log name → its transactional id
 
     def start(self, role: str) -> harness.Worker:
         self.serial += 1
@@ -76,6 +91,8 @@ class Chaos:
         worker = harness.Worker(
             self.bootstrap, self.topics, self.group, self.logs, f"{self.serial:03d}-{role}", settings
         )
+        if "pipeline.transactional_id" in settings:
+            self.transactional_ids[worker.log_path.name] = settings["pipeline.transactional_id"]
         self.live.append(worker)
         self.all.append(worker)
         return worker
@@ -205,6 +222,74 @@ class Chaos:
         return found
 
 
+# The cluster faults of `--brokers 3`, each once per run in a seeded order: one node at a time cleanly
+# stopped and started again (each waits until every partition is fully replicated, as an operator's rolling
+# restart does), one node killed -9 (back after an outage), the node that is transaction coordinator for a
+# working worker's transactional id killed -9 (in at-least-once mode the leader of the input's partition 0),
+# and the whole cluster stopped and started again (the single broker's only fault).
+CLUSTER_FAULTS = ("rolling", "kill-node", "kill-coordinator", "restart-all")
+OUTAGES_S = (3.0, 12.0, 20.0)  # below and above session.timeout.ms (6 s)
+
+
+def settled_ends(offsets: load.Offsets, within_s: float = 60.0) -> dict[int, int]:
+    """The input's end offsets, asked again while leaders still move after a node fault (the client's
+    metadata names a node that led a partition before: NOT_LEADER_FOR_PARTITION until it refreshes)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return offsets.ends()
+        except confluent_kafka.KafkaException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _quiet(_line: str) -> None:
+    """Drops a node's ready line: three per fault would drown the progress lines."""
+
+
+def single_broker_fault(broker: LocalBroker, rng: random.Random) -> tuple[str, float]:
+    """The single broker stopped for a seeded outage and started on its data: a whole-cluster outage."""
+    outage = rng.choice(OUTAGES_S)
+    broker.stop()
+    time.sleep(outage)
+    broker.start(fresh=False, echo=lambda _line: None)
+    return f"broker down {outage:.0f}s", outage
+
+
+def cluster_fault(cluster: LocalCluster, kind: str, rng: random.Random, group: Chaos) -> tuple[str, float]:
+    """One of `CLUSTER_FAULTS` on the cluster; what was done (naming the node) and the outage it caused
+    (the longest time a node was away; 0 for a rolling restart's clean steps)."""
+    if kind == "rolling":
+        for node in cluster.nodes:
+            cluster.stop_node(node.node_id)
+            cluster.start_node(node.node_id, echo=_quiet)
+            cluster.wait_fully_replicated()
+        return f"rolling restart of nodes 1-{CLUSTER_SIZE}", 0.0
+    outage = rng.choice(OUTAGES_S)
+    if kind == "restart-all":
+        cluster.restart_all(outage, echo=_quiet)
+        return f"whole cluster down {outage:.0f}s", outage
+    if kind == "kill-coordinator":
+        target, whom = _coordinator_target(cluster, group)
+    else:
+        target, whom = rng.choice(cluster.running()), "a node"
+    cluster.kill_node(target)
+    time.sleep(outage)
+    cluster.start_node(target, echo=_quiet)
+    return f"kill -9 node {target} ({whom}), back after {outage:.0f}s", outage
+
+
+def _coordinator_target(cluster: LocalCluster, group: Chaos) -> tuple[int, str]:
+    """The node to hit for "kill-coordinator": the transaction coordinator of a working worker's
+    transactional id (exactly-once), else the leader of the input's partition 0."""
+    working = [w for w in group.working() if w.log_path.name in group.transactional_ids]
+    if working:
+        transactional_id = group.transactional_ids[working[0].log_path.name]
+        return cluster.coordinator_of(transactional_id), f"coordinator of {transactional_id}"
+    return cluster.leader_of(group.topics.input, 0), "leader of the input's partition 0"
+
+
 def chaos(args: argparse.Namespace) -> bool:
     figures = promises.header("chaos", args)
     if args.quick:
@@ -212,25 +297,36 @@ def chaos(args: argparse.Namespace) -> bool:
     else:
         count, kills, brokers, rebalances, rate = 100_000, 50, 3, 10, 150.0
     rng = random.Random(args.seed)
-    plan = ["kill"] * kills + ["broker"] * brokers + ["rebalance"] * rebalances
+    clustered = args.brokers > 1
+    faults = [f"broker:{kind}" for kind in CLUSTER_FAULTS] if clustered else ["broker"] * brokers
+    plan = ["kill"] * kills + faults + ["rebalance"] * rebalances
     rng.shuffle(plan)
+    replicas = CLUSTER_SIZE if clustered else 1
     produce_s = count / rate
     tag = f"chaos.{uuid.uuid4().hex[:8]}"
     topics = harness.Topics(f"{tag}.raw", f"{tag}.out", f"{tag}.dlq")
     done: dict[str, int] = {"kill": 0, "broker": 0, "rebalance": 0}
+    faults_done: list[str] = []  # what each broker fault did, in order
     outages: list[tuple[str, float]] = []  # (UTC time the broker came back, seconds down)
     with contextlib.ExitStack() as cleanup:
         state = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="triage-chaos-")))
-        broker = LocalBroker(state / "broker", port=free_port(), kafka_version=broker_release(args.guarantee))
+        release = broker_release(args.guarantee)
+        broker: LocalBroker | LocalCluster = (
+            LocalCluster(state / "cluster", port=free_port_block(CLUSTER_SIZE), kafka_version=release)
+            if clustered
+            else LocalBroker(state / "broker", port=free_port(), kafka_version=release)
+        )
         broker.start(fresh=True, echo=progress)
         cleanup.callback(broker.stop)
+        if args.keep_logs:
+            cleanup.callback(keep_logs, state, args.out)
         bootstrap = broker.bootstrap
         create_topics(
             {"bootstrap.servers": bootstrap},
             [
-                TopicSpec(topics.input, 6, 1),
-                TopicSpec(topics.output, 6, 1),
-                TopicSpec(topics.dead_letter, 1, 1),
+                TopicSpec(topics.input, 6, replicas),
+                TopicSpec(topics.output, 6, replicas),
+                TopicSpec(topics.dead_letter, 1, replicas),
             ],
         )
         (state / "logs").mkdir()
@@ -256,12 +352,13 @@ def chaos(args: argparse.Namespace) -> bool:
             elif action == "rebalance":
                 what = group.rebalance()
             else:
-                outage = rng.choice([3.0, 12.0, 20.0])  # below and above session.timeout.ms (6 s)
-                broker.stop()
-                time.sleep(outage)
-                broker.start(fresh=False, echo=lambda _line: None)
+                if isinstance(broker, LocalCluster):
+                    what, outage = cluster_fault(broker, action.partition(":")[2], rng, group)
+                else:
+                    what, outage = single_broker_fault(broker, rng)
                 outages.append((datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), outage))
-                what = f"broker down {outage:.0f}s"
+                faults_done.append(what)
+                action = "broker"
             done[action] += 1
             try:
                 committed = offsets.committed()
@@ -284,7 +381,7 @@ def chaos(args: argparse.Namespace) -> bool:
         final = group.start("final")
         drain_started = time.monotonic()
         final.wait_for("pipeline_started", timeout=90)
-        ends = offsets.ends()
+        ends = settled_ends(offsets)
         while not (now := offsets.follow(ends, 10, lambda: None)).complete:
             if final.process.poll() is not None or now.at - drain_started > args.drain_timeout:
                 break
@@ -334,6 +431,8 @@ def chaos(args: argparse.Namespace) -> bool:
             **harness.FAST_GROUP_OPTIONS,
             "kafka": f"{broker.kafka_version}, transaction.version "
             f"{broker.transaction_version or 'the release default'}",
+            "brokers": args.brokers,
+            "replication_factor": replicas,
         },
         tickets=count,
         rate_tickets_per_s=rate,
@@ -344,6 +443,7 @@ def chaos(args: argparse.Namespace) -> bool:
         kills=done["kill"],
         broker_restarts=done["broker"],
         broker_outages_s=outages,
+        broker_faults=faults_done,
         rebalances=done["rebalance"],
         workers_started=workers_started,
         producer_still_running_at_last_event=still_producing,
@@ -406,6 +506,7 @@ def chaos(args: argparse.Namespace) -> bool:
             "kill -9 / broker restarts (outage s) / rebalances",
             f"{done['kill']} / {done['broker']} {[s for _, s in outages]} / {done['rebalance']}",
         ),
+        ("brokers, broker faults", f"{args.brokers}: {'; '.join(faults_done) or 'none'}"),
         ("workers started", str(workers_started)),
         (
             "partitions lost events / revoked events / unfinished at revoke",
@@ -436,9 +537,36 @@ def broker_release(guarantee: str) -> str:
     return EXACTLY_ONCE_KAFKA_VERSION
 
 
+def keep_logs(state: Path, out: Path) -> None:
+    """Copies the workers' and the brokers' logs (server.log of each node) to `out`/chaos-kept-logs/."""
+    kept = out / "chaos-kept-logs"
+    shutil.rmtree(kept, ignore_errors=True)
+    for log_dir in [state / "logs", *state.glob("*/logs"), *state.glob("cluster/node-*/logs")]:
+        if log_dir.is_dir():
+            shutil.copytree(log_dir, kept / log_dir.relative_to(state))
+    progress(f"chaos: the workers' and brokers' logs are kept in {kept}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = promises.arguments(__doc__)
     parser.add_argument("--drain-timeout", type=float, default=1200.0, help="final drain limit, s")
+    parser.add_argument(
+        "--brokers",
+        type=int,
+        choices=(1, CLUSTER_SIZE),
+        default=1,
+        help=(
+            "1: one broker, whose restart is a whole-cluster outage; 3: a local three-node cluster "
+            "(replication factor 3, min.insync.replicas 2) with a rolling restart, a node's kill -9, the "
+            "coordinator's node killed -9 and a whole-cluster restart, once each"
+        ),
+    )
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the workers' and brokers' logs in OUT/chaos-kept-logs/ whatever the outcome "
+        f"(with {DEBUG_TRANSACTIONS_ENV}=1 the brokers log their transactions at DEBUG)",
+    )
     parser.add_argument(
         "--guarantee",
         choices=("at_least_once", "exactly_once"),

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from worker.errors import UserError
-from worker.kafka.admin import check_cluster, existing_topics
+from worker.kafka.admin import check_cluster, existing_topics, record_size_limits
 
 
 @pytest.fixture
@@ -48,3 +48,10 @@ def test_a_refused_connection_is_announced_too(capsys: pytest.CaptureFixture[str
         with pytest.raises(UserError, match="Connection refused"):
             check_cluster({"bootstrap.servers": address}, 2.0)
     assert capsys.readouterr().err == f"waiting for Kafka at {address} (gives up after 2 s) ...\n"
+
+
+def test_record_size_limits_left_out_when_the_broker_gives_no_answer(silent_address: str) -> None:
+    """A worker starting while a cluster node is down (chaos --brokers 3) asks a broker that does not answer:
+    the limits it cannot learn are left out, as for a refused DescribeConfigs, not a TimeoutError traceback
+    that ends the start (seen in the first cluster chaos run)."""
+    assert record_size_limits({"bootstrap.servers": silent_address}, ["triage.out"], timeout_s=1.0) == {}

@@ -51,10 +51,18 @@ from worker.inference.loading import resolve_taxonomy, zero_shot_review
 from worker.inference.pool import ClassifierPool, open_pool
 from worker.inference.switch import SwitchingClassifier
 from worker.kafka.admin import existing_topics, record_size_limits
-from worker.kafka.clients import KafkaClients, consumer_config, producer_config, producer_record_limit
+from worker.kafka.clients import (
+    KafkaClients,
+    consumer_config,
+    exactly_once,
+    producer_config,
+    producer_record_limit,
+    transaction_timeout_ms,
+)
 from worker.kafka.share_groups import ShareClients, prepare_share_group, queue_kafka_options
 from worker.logs import configure_logging, librdkafka_logger
 from worker.pipeline.engine import Engine
+from worker.pipeline.hanging import TransactionWatch
 from worker.settings import Settings, masked_kafka_config
 from worker.telemetry.access import ReloadAccess
 from worker.telemetry.tracing import tracing_for
@@ -86,6 +94,7 @@ class WorkerApp:
         self._classifier: SwitchingClassifier | None = None
         self._escalation_pool: ClassifierPool | None = None
         self._shadow_pool: ClassifierPool | None = None
+        self._transaction_watch: TransactionWatch | None = None
 
     def run(self) -> int:
         """Start (unless started), run until stopped, close; the pipeline's exit code."""
@@ -203,6 +212,14 @@ class WorkerApp:
                 clients=KafkaClients(settings.kafka, settings.pipeline, librdkafka_logger()),
                 metrics_interval_s=self._metrics_interval_s,
             )
+        if share_group is None and exactly_once(settings.pipeline):
+            self._transaction_watch = TransactionWatch(
+                consumer_config(settings.kafka, settings.pipeline),
+                settings.topics.input,
+                [settings.topics.output, settings.topics.dead_letter],
+                pipeline.metrics,
+                transaction_timeout_ms(settings.kafka),
+            ).start()
         telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
         if self._shadow_pool is not None:
@@ -217,7 +234,10 @@ class WorkerApp:
         return pipeline
 
     def close(self) -> None:
-        """Stop the reloader and close the pools and the telemetry port (what was started of them)."""
+        """Stop the reloader and the transaction watch, close the pools and the telemetry port (what was
+        started of them)."""
+        if self._transaction_watch is not None:
+            self._transaction_watch.close()
         if self._reloader is not None:
             self._reloader.close()
         if self._classifier is not None:

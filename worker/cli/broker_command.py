@@ -1,4 +1,4 @@
-"""`triage-worker broker start|stop|status|fetch` and `triage-worker topics create`.
+"""`triage-worker broker start|stop|status|transactions|fetch` and `triage-worker topics create`.
 
 The broker commands drive the local development broker (real Apache Kafka from Maven Central jars, see
 `worker/dev/local_broker.py`); `topics create` works against any cluster the settings point at.
@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from worker.cache import cache_root
-from worker.dev import local_broker
+from worker.dev import kafka_tools, local_broker
+from worker.errors import UserError
 from worker.kafka.admin import create_topics, worker_topics
 from worker.settings import add_config_argument, settings_from_args
 
@@ -53,6 +55,17 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         action="store_true",
         help="wipe topics and messages of earlier runs first (only a state folder the broker made)",
     )
+    start.add_argument(
+        "--brokers",
+        type=int,
+        choices=(1, local_broker.CLUSTER_SIZE),
+        default=1,
+        help=(
+            f"1 (default): one combined node; {local_broker.CLUSTER_SIZE}: a local cluster of three combined "
+            "broker+controller nodes on ports PORT..PORT+2, replication factor 3 and min.insync.replicas 2 "
+            "for internal and new topics"
+        ),
+    )
     _add_kafka_version(start)
     _add_state_dir(start)
     start.set_defaults(handler=_start)
@@ -66,6 +79,28 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     _add_state_dir(status)
     status.set_defaults(handler=_status)
+
+    transactions = actions.add_parser(
+        "transactions",
+        help="list, describe, find hanging and abort transactions with Kafka's own tool (Java + Maven)",
+        description=(
+            "Runs Kafka's TransactionsCommand (what kafka-transactions.sh runs; org.apache.kafka:kafka-tools "
+            "from Maven Central, fetched once, so Java 17+ and mvn are needed) against any cluster: "
+            "find-hanging --topic T [--partitions P ...] [--max-transaction-timeout MINUTES], "
+            "describe-producers --topic T --partition P, abort --topic T --partition P --start-offset O, "
+            "list, describe --transactional-id ID. A worker in exactly-once mode names the partitions "
+            "(hanging_transaction_suspected) to give it."
+        ),
+    )
+    transactions.add_argument(
+        "--bootstrap-servers",
+        metavar="SERVERS",
+        help="the cluster (default $KAFKA_BOOTSTRAP_SERVERS, else the local broker or cluster)",
+    )
+    _add_kafka_version(transactions)
+    _add_state_dir(transactions)
+    transactions.add_argument("tool_arguments", nargs=argparse.REMAINDER, metavar="ACTION ...")
+    transactions.set_defaults(handler=_transactions)
 
     fetch = actions.add_parser("fetch", help="resolve the broker's jars from Maven Central (once)")
     _add_kafka_version(fetch)
@@ -131,6 +166,8 @@ def _write_client_file(path: Path, options: dict[str, str]) -> None:
 
 def _start(args: argparse.Namespace) -> int:
     state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if args.brokers != 1:
+        return _start_cluster(args, state_dir)
     client_file = state_dir / SASL_CLIENT_FILE
     sasl_ssl = None
     if args.sasl_ssl_port is not None:
@@ -152,13 +189,45 @@ def _start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_cluster(args: argparse.Namespace, state_dir: Path) -> int:
+    """`broker start --brokers 3`: the three-node cluster in `state_dir` (no SASL_SSL listener)."""
+    if args.sasl_ssl_port is not None:
+        raise UserError("--sasl-ssl-port is for the single broker; leave it out with --brokers 3")
+    cluster = local_broker.LocalCluster(state_dir, args.port, kafka_version=_kafka_version(args))
+    cluster.start(fresh=args.fresh)
+    print(f"bootstrap: {cluster.bootstrap}")
+    for node in cluster.nodes:
+        print(f"node {node.node_id}:    {node.bootstrap}, log file {node.log_file}")
+    return 0
+
+
 def _stop(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if local_broker.LocalCluster.exists(state_dir):
+        print("stopped" if local_broker.LocalCluster(state_dir).stop() else "not running")
+        return 0
     broker = local_broker.LocalBroker(args.state_dir)
     print("stopped" if broker.stop() else "not running")
     return 0
 
 
+def _cluster_status(state_dir: Path) -> int:
+    """Each node's state; exit code 3 unless every node runs."""
+    cluster = local_broker.LocalCluster(state_dir)
+    running = cluster.running()
+    print(f"cluster:   {len(running)} of {len(cluster.nodes)} nodes running")
+    print(f"bootstrap: {cluster.bootstrap}")
+    for node in cluster.nodes:
+        status = node.status()
+        state = f"running (pid {status.pid})" if status.running else "stopped"
+        print(f"node {node.node_id}:    {state}, log file {status.log_file}")
+    return 0 if len(running) == len(cluster.nodes) else 3
+
+
 def _status(args: argparse.Namespace) -> int:
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if local_broker.LocalCluster.exists(state_dir):
+        return _cluster_status(state_dir)
     status = local_broker.LocalBroker(args.state_dir).status()
     if status.running:
         print(f"running (pid {status.pid})")
@@ -169,6 +238,22 @@ def _status(args: argparse.Namespace) -> int:
         print("not running")
     print(f"log file:  {status.log_file}")
     return 0 if status.running else 3
+
+
+def _transactions(args: argparse.Namespace) -> int:
+    """`broker transactions ACTION ...`: Kafka's TransactionsCommand against the named or local cluster."""
+    bootstrap = args.bootstrap_servers or os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or _local_bootstrap(args)
+    return kafka_tools.run_transactions(bootstrap, args.tool_arguments, _kafka_version(args))
+
+
+def _local_bootstrap(args: argparse.Namespace) -> str:
+    state_dir: Path = args.state_dir or local_broker.default_state_dir()
+    if local_broker.LocalCluster.exists(state_dir):
+        return local_broker.LocalCluster(state_dir).bootstrap
+    status = local_broker.LocalBroker(state_dir).status()
+    if status.bootstrap is None:
+        raise UserError("no local broker runs; name the cluster with --bootstrap-servers")
+    return status.bootstrap
 
 
 def _fetch(args: argparse.Namespace) -> int:

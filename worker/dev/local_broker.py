@@ -31,6 +31,7 @@ The PLAINTEXT listener stays for the controller, inter-broker traffic and tools 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -67,6 +68,10 @@ _STOP_TIMEOUT_S = 30.0
 
 POM_FILE = "deploy/kafka/pom.xml"
 LOG4J_CONFIG = "deploy/kafka/log4j2.properties"
+# With this variable at 1 the broker logs its transaction coordinator, marker channel and partition
+# verification at DEBUG (deploy/kafka/log4j2-transactions.properties): a hanging transaction's evidence.
+DEBUG_TRANSACTIONS_ENV = "TRIAGE_KAFKA_DEBUG_TRANSACTIONS"
+LOG4J_TRANSACTIONS_CONFIG = "deploy/kafka/log4j2-transactions.properties"
 _CHECKOUT_ONLY = "the local Kafka broker"
 _INSTEAD = "name a Kafka with --bootstrap-servers or KAFKA_BOOTSTRAP_SERVERS"
 
@@ -134,6 +139,13 @@ def configured_transaction_version(environ: Mapping[str, str] = os.environ) -> i
     if not given.isdigit():
         raise UserError(f"{TRANSACTION_VERSION_ENV} {given!r}: expected a feature level such as 1 or 2")
     return int(given)
+
+
+def log4j_config(environ: Mapping[str, str] = os.environ) -> str:
+    """The broker's log4j2 file: the transaction DEBUG one when `$TRIAGE_KAFKA_DEBUG_TRANSACTIONS` is 1."""
+    return (
+        LOG4J_TRANSACTIONS_CONFIG if environ.get(DEBUG_TRANSACTIONS_ENV, "").strip() == "1" else LOG4J_CONFIG
+    )
 
 
 def kafka_home(version: str | None = None) -> Path:
@@ -411,6 +423,16 @@ class BrokerStatus:
         return f"127.0.0.1:{self.port}" if self.port is not None else None
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A broker JVM just started: its process, where its log stood before it (readiness is read from there
+    on) and when it was started."""
+
+    process: subprocess.Popen[bytes]
+    log_offset: int
+    started: float
+
+
 class LocalBroker:
     """One single-node KRaft broker of release `kafka_version` (default `configured_kafka_version()`) whose
     whole state lives in `state_dir`. `transaction_version` (default `configured_transaction_version()`)
@@ -571,7 +593,7 @@ class LocalBroker:
             *HEAP_OPTS,
             "-Djava.awt.headless=true",
             f"-Dkafka.logs.dir={self.log_dir}",
-            f"-Dlog4j2.configurationFile={checkout_file(LOG4J_CONFIG, _CHECKOUT_ONLY, _INSTEAD)}",
+            f"-Dlog4j2.configurationFile={checkout_file(log4j_config(), _CHECKOUT_ONLY, _INSTEAD)}",
             "-cp",
             self._classpath(),
             main_class,
@@ -587,6 +609,13 @@ class LocalBroker:
         return free_port()
 
     def _write_properties(self, controller_port: int) -> None:
+        text = _PROPERTIES_HEADER
+        text += "".join(f"{key}={value}\n" for key, value in self._properties(controller_port).items())
+        self.properties_file.write_text(text)
+
+    def _properties(self, controller_port: int) -> dict[str, str]:
+        """server.properties of the single combined node (a cluster's node changes the quorum and the
+        replication of the internal topics)."""
         listeners = f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{controller_port}"
         protocols = "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT"
         secure: dict[str, str] = {}
@@ -603,7 +632,7 @@ class LocalBroker:
                 f"{prefix}ssl.keystore.type": "PEM",
                 f"{prefix}ssl.keystore.location": str(self.tls_dir / "broker.pem"),
             }
-        properties = {
+        properties: dict[str, str] = {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{controller_port}",
@@ -623,18 +652,24 @@ class LocalBroker:
             "group.initial.rebalance.delay.ms": "0",
             **secure,
         }
-        text = _PROPERTIES_HEADER
-        text += "".join(f"{key}={value}\n" for key, value in properties.items())
-        self.properties_file.write_text(text)
+        return properties
+
+    def _quorum_format_args(self) -> tuple[str, ...]:
+        """How format learns the controller quorum: the single node is its own (KIP-853 `--standalone`)."""
+        return ("--standalone",)
+
+    def _format_cluster_id(self) -> str:
+        """The cluster id a fresh log dir is formatted with: a new one (a cluster's nodes share one)."""
+        return _cluster_id()
 
     def _format(self, java: str) -> None:
         command = self._java_command(
             java,
             "kafka.tools.StorageTool",
             "format",
-            "--standalone",
+            *self._quorum_format_args(),
             "-t",
-            _cluster_id(),
+            self._format_cluster_id(),
             "-c",
             str(self.properties_file),
             *(
@@ -660,6 +695,16 @@ class LocalBroker:
         `fresh=True` wipes the state directory first; `fresh=False` keeps topics, messages and committed
         offsets of an earlier run (formatting only if the log dir was never formatted).
         """
+        launched = self.launch(fresh, echo)
+        if isinstance(launched, BrokerStatus):
+            return launched
+        self.await_ready(launched, timeout_s, echo)
+        return self.status()
+
+    def launch(self, fresh: bool = True, echo: Echo = _print) -> BrokerStatus | Launch:
+        """Everything `start` does before it waits: the running broker's status if one runs already, else
+        the JVM just started (a cluster's nodes are all launched before any can be ready: each waits for a
+        controller quorum)."""
         current = self.status()
         if current.running:
             if fresh:
@@ -716,18 +761,22 @@ class LocalBroker:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Survives the shell (and Ctrl-C) that started it.
             )
+        self._pid_file.write_text(f"{process.pid}\n")
+        self._port_file.write_text(f"{self.port}\n")
+        return Launch(process, log_offset, started)
+
+    def await_ready(self, launched: Launch, timeout_s: float = 90.0, echo: Echo = _print) -> None:
+        """Wait until the launched JVM serves clients; stopped and forgotten if it does not in `timeout_s`."""
+        process = launched.process
         try:
-            self._pid_file.write_text(f"{process.pid}\n")
-            self._port_file.write_text(f"{self.port}\n")
-            self._wait_ready(process, log_offset, started + timeout_s)
+            self._wait_ready(process, launched.log_offset, launched.started + timeout_s)
         except BaseException:  # not ready in time, or Ctrl-C: a half-started broker that nobody would stop
             if process.poll() is None:
                 _terminate(process.pid, _STOP_TIMEOUT_S)
             self._forget()
             raise
-        took = time.monotonic() - started
+        took = time.monotonic() - launched.started
         echo(f"Kafka {self.kafka_version} broker ready in {took:.1f}s (pid {process.pid})")
-        return self.status()
 
     def _wait_ready(self, process: subprocess.Popen[bytes], log_offset: int, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -796,3 +845,313 @@ def _terminate(pid: int, timeout_s: float) -> None:
                 time.sleep(0.05)
             return
         time.sleep(0.1)
+
+
+# The three-node cluster (`LocalCluster`): combined broker+controller nodes, so that one JVM per node keeps
+# the machine's load at three JVMs and a node's kill -9 also takes a controller (a quorum of three survives
+# one lost voter, as a production KRaft quorum does). Static voters (controller.quorum.voters) need no
+# directory ids at format time and let every node be formatted alike.
+CLUSTER_SIZE = 3
+CLUSTER_MIN_INSYNC = 2
+CLUSTER_MARKER = ".triage-worker-cluster"
+_NODE_DIR = re.compile(r"node-\d+")
+# The partitions of __transaction_state (transaction.state.log.num.partitions' default), which decide a
+# transactional id's coordinator.
+TRANSACTION_STATE_PARTITIONS = 50
+
+
+class ClusterNode(LocalBroker):
+    """One node of a `LocalCluster`: a combined broker+controller whose quorum is the cluster's voters, and
+    whose internal topics are replicated to every node with `CLUSTER_MIN_INSYNC` in sync."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        node_id: int,
+        port: int,
+        controller_port: int,
+        voters: str,
+        cluster_id: str,
+        kafka_version: str | None = None,
+        transaction_version: int | None = None,
+    ):
+        super().__init__(
+            state_dir, port, kafka_version=kafka_version, transaction_version=transaction_version
+        )
+        self.node_id, self.controller_port, self.voters, self.cluster_id = (
+            node_id,
+            controller_port,
+            voters,
+            cluster_id,
+        )
+
+    def _controller_port(self) -> int:
+        return self.controller_port
+
+    def _quorum_format_args(self) -> tuple[str, ...]:
+        return ()  # static voters: the quorum is in server.properties
+
+    def _format_cluster_id(self) -> str:
+        return self.cluster_id
+
+    def _properties(self, controller_port: int) -> dict[str, str]:
+        properties = super()._properties(controller_port)
+        del properties["controller.quorum.bootstrap.servers"]
+        replicas, insync = str(CLUSTER_SIZE), str(CLUSTER_MIN_INSYNC)
+        return {
+            **properties,
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": self.voters,
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "offsets.topic.replication.factor": replicas,
+            "transaction.state.log.replication.factor": replicas,
+            "transaction.state.log.min.isr": insync,
+            "share.coordinator.state.topic.replication.factor": replicas,
+            "share.coordinator.state.topic.min.isr": insync,
+            # The worker's topics (created with the broker's default replication) as production has them.
+            "default.replication.factor": replicas,
+            "min.insync.replicas": insync,
+            # A node back from a restart takes its partitions' leadership back within seconds, not 5 min.
+            "leader.imbalance.check.interval.seconds": "10",
+        }
+
+    def kill(self) -> bool:
+        """kill -9: no clean shutdown, no flushed log; False if it was not running."""
+        pid = self._recorded_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while _pid_alive(pid):
+                time.sleep(0.05)
+        self._forget()
+        return pid is not None
+
+
+class LocalCluster:
+    """Three local KRaft nodes (`ClusterNode`) on 127.0.0.1, client ports `port`..`port + 2`, state in
+    `state_dir/node-<id>/`: replication factor 3 and min.insync.replicas 2 for the internal topics (offsets,
+    transaction state, share-group state) and for topics created with the broker's default, so one node may
+    be down while producers with acks=all and transactions go on. Faults: `stop_node` (clean), `kill_node`
+    (kill -9), `start_node`, `restart_all`; `leader_of` and `coordinator_of` name the node a fault should hit.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path | None = None,
+        port: int | None = None,
+        kafka_version: str | None = None,
+        transaction_version: int | None = None,
+    ):
+        self.state_dir = state_dir or default_state_dir()
+        # None: the first client port the cluster in `state_dir` recorded (for stop and status), else 9092.
+        self.port = port if port is not None else int(self._layout().get("port", DEFAULT_PORT))
+        ports = [self.port + index for index in range(CLUSTER_SIZE)]
+        controllers = self._controller_ports()
+        voters = ",".join(f"{n + 1}@127.0.0.1:{c}" for n, c in enumerate(controllers))
+        cluster_id = self._cluster_id()
+        self.nodes = [
+            ClusterNode(
+                self.state_dir / f"node-{n + 1}",
+                n + 1,
+                ports[n],
+                controllers[n],
+                voters,
+                cluster_id,
+                kafka_version,
+                transaction_version,
+            )
+            for n in range(CLUSTER_SIZE)
+        ]
+        self.kafka_version = self.nodes[0].kafka_version
+        self.transaction_version = self.nodes[0].transaction_version
+
+    @staticmethod
+    def exists(state_dir: Path) -> bool:
+        """Whether `state_dir` holds a cluster's nodes (so `broker stop|status` act on all of them)."""
+        return (state_dir / CLUSTER_MARKER).is_file()
+
+    @property
+    def _layout_file(self) -> Path:
+        return self.state_dir / "cluster.properties"
+
+    def _layout(self) -> dict[str, str]:
+        try:
+            lines = self._layout_file.read_text().splitlines()
+        except OSError:
+            return {}
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
+    def _controller_ports(self) -> list[int]:
+        """The controller ports an existing cluster recorded (its voters), else free ones."""
+        recorded = self._layout().get("controller.ports")
+        if recorded:
+            return [int(port) for port in recorded.split(",")]
+        base = free_port_block(CLUSTER_SIZE)
+        return [base + index for index in range(CLUSTER_SIZE)]
+
+    def _cluster_id(self) -> str:
+        return self._layout().get("cluster.id") or _cluster_id()
+
+    @property
+    def bootstrap(self) -> str:
+        """Every node's client address: a client reaches the cluster with any one of them down."""
+        return ",".join(node.bootstrap for node in self.nodes)
+
+    def node(self, node_id: int) -> ClusterNode:
+        return self.nodes[node_id - 1]
+
+    def running(self) -> list[int]:
+        return [node.node_id for node in self.nodes if node.status().running]
+
+    def _check_wipeable(self) -> None:
+        """Refuse to wipe a folder that is not a cluster's own: only its marker, its layout and node folders
+        that each pass the single broker's check."""
+        if not self.state_dir.exists() or not any(self.state_dir.iterdir()):
+            return
+        if not self.exists(self.state_dir):
+            raise UserError(
+                f"broker start --fresh: refusing to wipe {self.state_dir}: it is not a folder the local "
+                f"cluster made (no {CLUSTER_MARKER} in it); pick another --state-dir, or empty it yourself"
+            )
+        own = {CLUSTER_MARKER, self._layout_file.name}
+        foreign = [
+            e.name for e in self.state_dir.iterdir() if e.name not in own and not _NODE_DIR.fullmatch(e.name)
+        ]
+        if foreign:
+            raise UserError(
+                f"broker start --fresh: refusing to wipe {self.state_dir}: it holds "
+                f"{', '.join(foreign[:3])}, which the local cluster did not write; pick another --state-dir, "
+                "or empty it yourself"
+            )
+        for node in self.nodes:
+            node._check_wipeable()
+
+    def start(self, fresh: bool = True, timeout_s: float = 120.0, echo: Echo = _print) -> list[BrokerStatus]:
+        """Launch every node, then wait until each serves clients (none can alone: a quorum needs two)."""
+        if fresh:
+            if self.running():
+                raise UserError("a local cluster is already running; stop it before a fresh start")
+            self._check_wipeable()
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / CLUSTER_MARKER).write_text(
+            "A local Kafka cluster's state (triage-worker broker).\n"
+        )
+        controllers = ",".join(str(node.controller_port) for node in self.nodes)
+        self._layout_file.write_text(
+            f"cluster.id={self.nodes[0].cluster_id}\ncontroller.ports={controllers}\nport={self.port}\n"
+        )
+        self._start_nodes([node.node_id for node in self.nodes], timeout_s, echo)
+        return [node.status() for node in self.nodes]
+
+    def _start_nodes(self, node_ids: list[int], timeout_s: float, echo: Echo) -> None:
+        launched = [(node, node.launch(fresh=False, echo=echo)) for node in map(self.node, node_ids)]
+        try:
+            for node, launch in launched:
+                if isinstance(launch, Launch):
+                    node.await_ready(launch, timeout_s, _prefixed(echo, f"node {node.node_id}: "))
+        except BaseException:
+            for node, _ in launched:
+                node.stop()
+            raise
+
+    def stop(self) -> bool:
+        """Stop every node (cleanly) at once, False if none was running: one by one, the last nodes would
+        wait out their stop timeout for a quorum that left before them."""
+        with concurrent.futures.ThreadPoolExecutor(CLUSTER_SIZE) as pool:
+            return any(list(pool.map(lambda node: node.stop(), self.nodes)))
+
+    def stop_node(self, node_id: int) -> None:
+        """A clean shutdown of one node (a rolling restart's step): its leaderships move first."""
+        self.node(node_id).stop()
+
+    def kill_node(self, node_id: int) -> None:
+        """kill -9 of one node: leaders, coordinators and a controller vanish without a word."""
+        self.node(node_id).kill()
+
+    def start_node(self, node_id: int, timeout_s: float = 120.0, echo: Echo = _print) -> None:
+        """Start one stopped node on its data and wait until it serves clients."""
+        self._start_nodes([node_id], timeout_s, echo)
+
+    def restart_all(self, outage_s: float = 0.0, timeout_s: float = 120.0, echo: Echo = _print) -> None:
+        """The whole-cluster outage: every node stopped, `outage_s` of nothing, every node started again."""
+        self.stop()
+        time.sleep(outage_s)
+        self._start_nodes([node.node_id for node in self.nodes], timeout_s, echo)
+
+    def leader_of(self, topic: str, partition: int, timeout_s: float = 10.0) -> int:
+        """The node that leads `topic`'s `partition` (from the cluster's metadata)."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        topics = admin.list_topics(topic, timeout=timeout_s).topics
+        found = topics.get(topic)
+        if found is None or partition not in found.partitions or found.partitions[partition].leader < 0:
+            raise UserError(f"{topic}[{partition}] has no leader now")
+        return int(found.partitions[partition].leader)
+
+    def wait_fully_replicated(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every partition's in-sync replicas are all its replicas (what a rolling restart
+        waits for before the next node); False if some are still behind after `timeout_s`."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # metadata not served yet: ask again
+                topics = admin.list_topics(timeout=10).topics.values()
+                if all(len(p.isrs) == len(p.replicas) for t in topics for p in t.partitions.values()):
+                    return True
+            time.sleep(1.0)
+        return False
+
+    def coordinator_of(self, transactional_id: str, timeout_s: float = 10.0) -> int:
+        """The node that is the transaction coordinator for `transactional_id`: the leader of its
+        __transaction_state partition (librdkafka offers no FindCoordinator call of its own)."""
+        return self.leader_of("__transaction_state", transaction_state_partition(transactional_id), timeout_s)
+
+
+# Below Linux's ephemeral range (32768-60999): a port there may be taken by any outgoing connection while a
+# killed node is down, and its restart then fails to bind (seen in a cluster chaos run).
+_FIXED_PORTS = range(20000, 32000)
+
+
+def free_port_block(count: int) -> int:
+    """The first of `count` consecutive free ports below the ephemeral range (a cluster's nodes keep their
+    ports across restarts), from a random start so that two clusters rarely race for one block."""
+    start = secrets.randbelow(len(_FIXED_PORTS) - count)
+    for offset in range(len(_FIXED_PORTS) - count):
+        base = _FIXED_PORTS.start + (start + offset) % (len(_FIXED_PORTS) - count)
+        if not any(port_open(base + index) for index in range(count)) and all(
+            _bindable(base + index) for index in range(count)
+        ):
+            return base
+    raise UserError(
+        f"no {count} consecutive free ports on 127.0.0.1 in {_FIXED_PORTS.start}-{_FIXED_PORTS.stop}"
+    )
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _prefixed(echo: Echo, prefix: str) -> Echo:
+    """`echo` with each line starting with `prefix` (which node of a cluster said it)."""
+    return lambda line: echo(prefix + line)
+
+
+def transaction_state_partition(transactional_id: str, partitions: int = TRANSACTION_STATE_PARTITIONS) -> int:
+    """The __transaction_state partition Kafka maps `transactional_id` to (TransactionStateManager's
+    partitionFor): Java's String.hashCode over UTF-16 code units, Utils.abs (|n|, 0 for Integer.MIN_VALUE),
+    modulo the partition count."""
+    code = 0
+    units = transactional_id.encode("utf-16-be")
+    for index in range(0, len(units), 2):
+        code = (31 * code + int.from_bytes(units[index : index + 2], "big")) & 0xFFFFFFFF
+    signed = code - (1 << 32) if code >= 1 << 31 else code
+    return (0 if signed == -(1 << 31) else abs(signed)) % partitions

@@ -163,12 +163,13 @@ def record_size_limits(
 ) -> dict[str, int]:
     """Each topic's `max.message.bytes` (the largest record batch its broker accepts), where the broker
     answers: describing configs needs the DescribeConfigs permission, which a worker may not have, so the
-    topics it could not learn are left out rather than failing the caller."""
+    topics it could not learn are left out rather than failing the caller (so are those whose broker gave no
+    answer in `timeout_s`: a cluster node down while a worker starts)."""
     admin = AdminClient({**kafka_config, **METADATA_ONLY})
     resources = [ConfigResource(ResourceType.TOPIC, topic) for topic in dict.fromkeys(topics)]
     limits: dict[str, int] = {}
     for resource, future in admin.describe_configs(resources, request_timeout=timeout_s).items():
-        with contextlib.suppress(KafkaException, ValueError):
+        with contextlib.suppress(KafkaException, ValueError, TimeoutError):
             entry = future.result(timeout_s).get("max.message.bytes")
             if entry is not None and entry.value is not None:
                 limits[resource.name] = int(entry.value)

@@ -145,6 +145,11 @@ def exactly_once(pipeline: PipelineSettings) -> bool:
     return pipeline.guarantee == "exactly_once"
 
 
+def transaction_timeout_ms(kafka: Mapping[str, str]) -> int:
+    """The transactional producer's transaction.timeout.ms: the `[kafka]` option, else the worker's 10 s."""
+    return int(kafka.get("transaction.timeout.ms", _TRANSACTIONAL_DEFAULTS["transaction.timeout.ms"]))
+
+
 def group_protocol(kafka: Mapping[str, str]) -> str:
     """The consumer-group protocol `kafka` options choose: "classic" or "consumer" (KIP-848)."""
     return kafka.get("group.protocol", _CONSUMER_DEFAULTS["group.protocol"]).strip().lower()

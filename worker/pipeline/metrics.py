@@ -315,6 +315,8 @@ class PipelineMetrics:
     # time.monotonic() of the loop's last turn (None before the first): what /healthz watches.
     loop_turned_at: float | None = None
     partitions: PartitionGauges = field(default_factory=PartitionGauges)
+    # Partitions a hanging transaction is suspected to hold (exactly-once: worker/pipeline/hanging.py).
+    hanging: tuple[TopicPartitionKey, ...] = ()
     # Set when a shadow model runs, when results go to review, and when the cascade runs.
     shadow: ShadowMetrics | None = None
     review: ReviewMetrics | None = None

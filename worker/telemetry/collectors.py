@@ -183,6 +183,15 @@ class PipelineCollector(Collector):
             blocked.add_metric([topic, str(partition)], 1)
         yield blocked
         yield gauge("triage_group_member", "1 once the consumer has joined its group.", int(gauges.member))
+        hanging = GaugeMetricFamily(
+            "triage_hanging_transaction_suspected",
+            "1 for each partition whose last stable offset has stayed behind its end longer than a live "
+            "transaction may stay open (exactly-once; see triage-worker broker transactions).",
+            labels=["topic", "partition"],
+        )
+        for topic, partition in metrics.hanging:
+            hanging.add_metric([topic, str(partition)], 1)
+        yield hanging
         lag = GaugeMetricFamily(
             "triage_consumer_lag",
             "Log end offset (as of the last fetch) minus the next offset this worker reads, per partition.",
