@@ -16,7 +16,7 @@ from encoder_stages import banking77_rows, serve_stage
 from tools import REPO
 from worker.errors import UserError
 from worker.inference.encoder import MANIFEST, SentenceEmbedder, read_manifest
-from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, nearest_distance
 from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
 from worker.learning import compose, encoder_stage
 from worker.learning.out_of_scope import OutOfScopeReport, allowed_flags, fit_out_of_scope, threshold_for
@@ -192,3 +192,28 @@ def test_enough_tickets_reviewers_said_fit_nothing_choose_the_doubt_s_weight() -
     assert enough.doubt_weight > 0.0 and enough.doubt_weight_chosen_on == "reviewed tickets"
     assert enough.reviewed_out_of_scope_flagged is not None
     assert enough.reviewed_out_of_scope_flagged > few.reviewed_out_of_scope_flagged + 0.5
+
+
+def test_the_threshold_is_chosen_on_every_ticket_scored_out_of_fold_and_holds_on_new_ones() -> None:
+    """Issue #59: a full folder's validation tenth was too few rows to judge a 2 % loss by (its threshold
+    one of its few largest scores). The threshold now comes from every training and validation ticket,
+    each scored by statistics fitted without its fold; the card's figure is on all of them, the validation
+    part's own beside it, and tickets drawn afresh from the same intents are flagged within the promise."""
+    rng = np.random.default_rng(59)
+    centres = rng.normal(size=(6, 16)).astype(np.float32)
+
+    def tickets(count: int) -> tuple[np.ndarray, list[int]]:
+        intents = [int(i) for i in rng.integers(0, len(centres), count)]
+        points = centres[intents] + rng.normal(0.0, 0.6, (count, 16)).astype(np.float32)
+        normalised: np.ndarray = points / np.linalg.norm(points, axis=1, keepdims=True)
+        return normalised, intents
+
+    (reference, intents), (held, held_intents) = tickets(1800), tickets(200)
+    detector, report = fit_out_of_scope(
+        reference, intents, [True] * len(intents), held, held_intents, in_scope_loss=0.02, seed=3
+    )
+    assert report.held_out == 2000 and report.held_out_from.startswith("cross-fit (5 folds")
+    assert report.in_scope_flagged <= 0.02 and report.validation_in_scope_flagged is not None
+    fresh, _ = tickets(20000)
+    flagged_fresh = float(detector.flags(nearest_distance(reference, fresh)).mean())
+    assert 0.01 <= flagged_fresh <= 0.02, flagged_fresh
