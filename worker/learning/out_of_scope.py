@@ -73,7 +73,7 @@ class OutOfScopeReport:
     assurance: float  # the confidence that new in-scope tickets are flagged at most the target share
     in_scope_flagged: float  # share of the held-out in-scope tickets flagged at `threshold`
     held_out: int
-    # "cross-fit (k folds of the training and validation tickets)", "validation" (a folder written before
+    # "cross-fit, k folds" (of the training and validation tickets), "validation" (a folder written before
     # the cross-fit), "leave-one-out" or (zero-shot) "leave-one-out examples".
     held_out_from: str
     reference_rows: int
@@ -297,7 +297,7 @@ def fit_out_of_scope(
             fit_doubt=fit_doubt,
             seed=seed,
         )
-        chosen_on_rows = f"cross-fit ({CROSS_FIT_FOLDS} folds of the training and validation tickets)"
+        chosen_on_rows = f"cross-fit, {CROSS_FIT_FOLDS} folds"
     threshold = threshold_for(chosen_from, in_scope_loss)
     detector = OutOfScopeDetector(reference, threshold, in_scope_loss, weight)
     report = OutOfScopeReport(
