@@ -203,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--data", type=Path, default=BANKING77, help="BANKING77 folder (train.csv, test.csv)")
     parser.add_argument("--in-scope-loss", type=float, default=DEFAULT_IN_SCOPE_LOSS)
-    parser.add_argument("--seeds", type=int, default=2, help="seeds per taxonomy (1, 2, ...)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="the seeds of each taxonomy's fit")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--cache", type=Path, default=cache_root() / "open-intent", help="embedding cache")
     args = parser.parse_args(argv)
@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for text, vector in zip(batch, cached_embeddings(batch, args.cache), strict=True)
     }
     embedder = VectorLookup(vectors, len(next(iter(vectors.values()))))
-    seeds = list(range(1, args.seeds + 1))
+    seeds: list[int] = args.seeds
     results: dict[str, Any] = {}
     for case in args.cases:
         fits = []
