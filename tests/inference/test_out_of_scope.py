@@ -235,3 +235,19 @@ def test_the_card_states_the_promise_how_it_was_measured_and_where_the_worker_wa
     assert "each scored out of fold by statistics fitted without it (cross-fit, 5 folds)" in card
     assert f"{report.validation_in_scope_flagged:.1%} of the validation part" in card
     assert "`triage_out_of_scope_expected_ratio`" in card
+
+
+def test_an_encoder_tuned_on_the_training_tickets_leaves_the_threshold_to_the_validation_part() -> None:
+    """A fine-tuned encoder saw the training tickets: their out-of-fold scores would still be too small
+    for a new ticket's, so only the validation part, which it never saw, chooses the threshold."""
+    rng = np.random.default_rng(1)
+    (reference, intents), (held, held_intents) = _clustered_tickets(rng, 1800), _clustered_tickets(rng, 200)
+    _, report = fit_out_of_scope(
+        reference, intents, [True] * len(intents), held, held_intents, in_scope_loss=0.02, seed=3,
+        cross_fit=False,
+    )  # fmt: skip
+    assert (report.held_out, report.held_out_from, report.validation_in_scope_flagged) == (
+        200,
+        "validation",
+        None,
+    )

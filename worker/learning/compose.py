@@ -253,6 +253,7 @@ def train_model_folder(
                 progress=step_reporter(progress, "encoder stage: embedding tickets"),
                 in_scope_loss=in_scope_loss,
                 reviewed_out_of_scope=reviewed_out_of_scope,
+                encoder_saw_training=tuned is not None,
             )
         source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
         return _finish(

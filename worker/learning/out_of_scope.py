@@ -200,6 +200,7 @@ def fit_out_of_scope(
     doubt: Doubt | None = None,
     fit_doubt: DoubtFitter | None = None,
     reviewed: FloatArray | None = None,
+    cross_fit: bool = True,
 ) -> tuple[OutOfScopeDetector, OutOfScopeReport]:
     """The detector over `reference` (normalised embeddings, `reference_intents` each row's intent,
     `reference_tickets` whether it is a ticket: a taxonomy text is never held out), its threshold from the
@@ -212,7 +213,9 @@ def fit_out_of_scope(
     fitted on other rows), the score adds the doubt times the weight of `DOUBT_WEIGHTS` that catches most
     stand-ins at the loss target; otherwise the distance alone (weight 0). `reviewed`: tickets reviewers
     said fit none of the intents (normalised embeddings); at least `REVIEWED_TO_CHOOSE` of them choose the
-    weight instead of the stand-ins, and the report says how many of them the detector flags."""
+    weight instead of the stand-ins, and the report says how many of them the detector flags. Not
+    `cross_fit` (an encoder fine-tuned on the reference tickets: their out-of-fold scores would still be
+    too small), `held` alone chooses the threshold."""
     check_in_scope_loss(in_scope_loss)
     owners = np.asarray(reference_intents)
     is_ticket = np.asarray(reference_tickets, dtype=bool)
@@ -286,7 +289,7 @@ def fit_out_of_scope(
         weight, chosen_on = max(recalls, key=lambda w: (recalls[w][0], -w)), "stand-ins"
     held_scores, reviewed_scores = scored(weight)
     chosen_from, chosen_on_rows = held_scores, held_out_from
-    if len(held):
+    if len(held) and cross_fit:
         pooled = np.concatenate([reference[tickets], held])
         chosen_from = cross_fitted_scores(
             pooled,
@@ -319,7 +322,9 @@ def fit_out_of_scope(
         reviewed_out_of_scope_flagged=float((reviewed_scores > threshold).mean())
         if len(reviewed_x)
         else None,
-        validation_in_scope_flagged=float((held_scores > threshold).mean()) if len(held) else None,
+        validation_in_scope_flagged=float((held_scores > threshold).mean())
+        if chosen_from is not held_scores
+        else None,
     )
     return detector, report
 
