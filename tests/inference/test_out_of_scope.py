@@ -16,7 +16,7 @@ from encoder_stages import banking77_rows, serve_stage
 from tools import REPO
 from worker.errors import UserError
 from worker.inference.encoder import MANIFEST, SentenceEmbedder, read_manifest
-from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector
+from worker.inference.out_of_scope import OUT_OF_SCOPE_FILE, OutOfScopeDetector, nearest_distance
 from worker.inference.taxonomy import load_taxonomy, parse_taxonomy
 from worker.learning import compose, encoder_stage
 from worker.learning.out_of_scope import OutOfScopeReport, allowed_flags, fit_out_of_scope, threshold_for
@@ -192,3 +192,62 @@ def test_enough_tickets_reviewers_said_fit_nothing_choose_the_doubt_s_weight() -
     assert enough.doubt_weight > 0.0 and enough.doubt_weight_chosen_on == "reviewed tickets"
     assert enough.reviewed_out_of_scope_flagged is not None
     assert enough.reviewed_out_of_scope_flagged > few.reviewed_out_of_scope_flagged + 0.5
+
+
+def _clustered_tickets(rng: np.random.Generator, count: int) -> tuple[np.ndarray, list[int]]:
+    """`count` normalised tickets of 6 intents around seeded centres (the same for every call)."""
+    centres = np.random.default_rng(59).normal(size=(6, 16)).astype(np.float32)
+    intents = [int(i) for i in rng.integers(0, len(centres), count)]
+    points = centres[intents] + rng.normal(0.0, 0.6, (count, 16)).astype(np.float32)
+    normalised: np.ndarray = points / np.linalg.norm(points, axis=1, keepdims=True)
+    return normalised, intents
+
+
+@functools.cache
+def _cross_fitted() -> tuple[np.ndarray, OutOfScopeDetector, OutOfScopeReport]:
+    """(reference, detector, report) fitted on 1,800 training and 200 validation tickets."""
+    rng = np.random.default_rng(1)
+    (reference, intents), (held, held_intents) = _clustered_tickets(rng, 1800), _clustered_tickets(rng, 200)
+    detector, report = fit_out_of_scope(
+        reference, intents, [True] * len(intents), held, held_intents, in_scope_loss=0.02, seed=3
+    )
+    return reference, detector, report
+
+
+def test_the_threshold_is_chosen_on_every_ticket_scored_out_of_fold_and_holds_on_new_ones() -> None:
+    """Issue #59: a full folder's validation tenth was too few rows to judge a 2 % loss by (its threshold
+    one of its few largest scores). The threshold now comes from every training and validation ticket,
+    each scored by statistics fitted without its fold; the card's figure is on all of them, the validation
+    part's own beside it, and tickets drawn afresh from the same intents are flagged within the promise."""
+    reference, detector, report = _cross_fitted()
+    assert report.held_out == 2000 and report.held_out_from == "cross-fit, 5 folds"
+    assert report.in_scope_flagged <= 0.02 and report.validation_in_scope_flagged is not None
+    fresh, _ = _clustered_tickets(np.random.default_rng(2), 20000)
+    flagged_fresh = float(detector.flags(nearest_distance(reference, fresh)).mean())
+    assert 0.01 <= flagged_fresh <= 0.02, flagged_fresh
+
+
+def test_the_card_states_the_promise_how_it_was_measured_and_where_the_worker_watches_it() -> None:
+    _, _, report = _cross_fitted()
+    card = compose.out_of_scope_paragraph(report.as_dict())
+    assert "an in-scope loss of 2% on new tickets with 90% confidence" in card
+    assert f"flagged {report.in_scope_flagged:.1%} of its 2000 training and validation tickets" in card
+    assert "each scored out of fold by statistics fitted without it (cross-fit, 5 folds)" in card
+    assert f"{report.validation_in_scope_flagged:.1%} of the validation part" in card
+    assert "`triage_out_of_scope_expected_ratio`" in card
+
+
+def test_an_encoder_tuned_on_the_training_tickets_leaves_the_threshold_to_the_validation_part() -> None:
+    """A fine-tuned encoder saw the training tickets: their out-of-fold scores would still be too small
+    for a new ticket's, so only the validation part, which it never saw, chooses the threshold."""
+    rng = np.random.default_rng(1)
+    (reference, intents), (held, held_intents) = _clustered_tickets(rng, 1800), _clustered_tickets(rng, 200)
+    _, report = fit_out_of_scope(
+        reference, intents, [True] * len(intents), held, held_intents, in_scope_loss=0.02, seed=3,
+        cross_fit=False,
+    )  # fmt: skip
+    assert (report.held_out, report.held_out_from, report.validation_in_scope_flagged) == (
+        200,
+        "validation",
+        None,
+    )

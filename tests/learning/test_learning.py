@@ -394,8 +394,9 @@ def test_model_train_fits_the_out_of_scope_detector_at_the_loss_asked_and_the_fo
     argv = ["model", "train", "--data", str(export), "--taxonomy", str(BANK_DESK_PATH), "--out", str(out)]
     assert main([*argv, "--in-scope-loss", "0.05"]) == 0
     scope = json.loads((out / "training.json").read_text())["encoder_stage"]["out_of_scope"]
-    assert scope["in_scope_loss_target"] == 0.05 and scope["held_out_from"] == "validation"
-    assert scope["in_scope_flagged"] <= 0.05 and scope["held_out"] == 24 and scope["stand_in_intents"] == 3
+    assert scope["in_scope_loss_target"] == 0.05 and scope["held_out_from"].startswith("cross-fit")
+    assert scope["in_scope_flagged"] <= 0.05 and scope["held_out"] == 300 and scope["stand_in_intents"] == 3
+    assert scope["validation_in_scope_flagged"] is not None
     assert read_manifest(out / "encoder").out_of_scope == "out_of_scope.npz"
     assert "an in-scope loss of 5%" in (out / "README.md").read_text()
     stranger = ["the printer on the third floor keeps jamming", "--model", str(out / "encoder")]
@@ -407,7 +408,8 @@ def test_the_encoder_stage_alone_chooses_its_operating_point_on_the_split_its_he
     tmp_path: Path,
 ) -> None:
     """`model train --encoder` calibrates its head out of fold and keeps the validation split for `model
-    eval`: the detector's threshold and doubt weight come from that split, as the shipped stage's did."""
+    eval`: the detector's doubt weight comes from that split, its threshold from the split's and the
+    training tickets' out-of-fold scores (issue #59)."""
     export = tmp_path / "export.jsonl"
     export.write_text(
         "".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in _per_intent(_shuffled_train(), 25))
@@ -417,7 +419,7 @@ def test_the_encoder_stage_alone_chooses_its_operating_point_on_the_split_its_he
     assert main([*argv, "--out", str(out)]) == 0
     training = json.loads((out / "training.json").read_text())
     scope = training["fit"]["out_of_scope"]
-    assert scope["held_out_from"] == "validation" and scope["held_out"] == training["validation_tickets"]
+    assert scope["held_out_from"].startswith("cross-fit") and scope["held_out"] == 300
     assert scope["stand_in_intents"] == 3 and scope["in_scope_flagged"] <= 0.02
     assert training["fit"]["calibration"].startswith("cross-validation")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 import structlog
@@ -220,7 +221,15 @@ class WorkerApp:
                 pipeline.metrics,
                 transaction_timeout_ms(settings.kafka),
             ).start()
-        telemetry.attach(pipeline.metrics, classifier.model_id, classifier.current.size)
+        telemetry.attach(
+            pipeline.metrics,
+            classifier.model_id,
+            classifier.current.size,
+            model=Path(settings.inference.model).expanduser(),
+            escalation_stage=None
+            if escalation.settings is None
+            else Path(escalation.settings.model).expanduser(),
+        )
         telemetry.watch_model_processes("primary", lambda: classifier.current.worker_pids())
         if self._shadow_pool is not None:
             telemetry.watch_model_processes("shadow", self._shadow_pool.worker_pids)

@@ -118,6 +118,24 @@ def read_manifest(folder: Path) -> EncoderManifest:
     return manifest
 
 
+def out_of_scope_promise(folder: Path) -> float | None:
+    """The share of new in-scope tickets the out-of-scope detector of the encoder stage `folder` serves
+    (itself, or a `model train` folder's only stage) was fitted to flag at most: what its card promises and
+    the worker's `triage_out_of_scope_expected_ratio` exports. None where no such detector is (another
+    kind of folder, none fitted, or one the engine could not read either: it would not serve)."""
+    stage = folder if is_encoder_folder(folder) else encoder_stage_only(folder)
+    if stage is None:
+        return None
+    try:
+        statistics = read_manifest(stage).out_of_scope
+        if statistics is None:
+            return None
+        with np.load(stage / statistics, allow_pickle=False) as stored:  # one member read, not the rows
+            return round(float(stored["in_scope_loss"]), 6)  # stored as float32: 0.02, not 0.0199999996
+    except (UserError, OSError, KeyError, ValueError):
+        return None
+
+
 def encoder_file(folder: Path, manifest: EncoderManifest) -> Path:
     """The ONNX encoder: in the folder, else in the user cache where `triage-worker model fetch` puts it."""
     candidates = [folder / manifest.encoder]

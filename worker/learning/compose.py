@@ -253,6 +253,7 @@ def train_model_folder(
                 progress=step_reporter(progress, "encoder stage: embedding tickets"),
                 in_scope_loss=in_scope_loss,
                 reviewed_out_of_scope=reviewed_out_of_scope,
+                encoder_saw_training=tuned is not None,
             )
         source = f"logistic regression C={encoder_stage.HEAD_C} on {data.get('file', 'labelled tickets')}"
         return _finish(
@@ -672,6 +673,8 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None, zero_shot: bool = False
         if scope["held_out_from"] == "leave-one-out examples"
         else f"{scope['held_out']} held-out in-scope tickets ({scope['held_out_from']})"
     )
+    if scope["held_out_from"].startswith("cross-fit"):
+        held_out = cross_fit_words(scope)
     assured = (
         f" on new tickets with {scope['assurance']:.0%} confidence" if scope.get("assurance") else ""
     )  # recorded since the operating point allows for its sampling error
@@ -687,6 +690,19 @@ def out_of_scope_paragraph(scope: dict[str, Any] | None, zero_shot: bool = False
         f"an in-scope loss of {scope['in_scope_loss_target']:.0%}{assured}: it flagged "
         f"{scope['in_scope_flagged']:.1%} of {held_out}.{stand_in}{reviewed} `model train --in-scope-loss` "
         "moves it."
+    )
+
+
+def cross_fit_words(scope: dict[str, Any]) -> str:
+    """How a cross-fitted threshold was measured, in the card's words: on tickets in no role of the
+    statistics that scored them, as a new ticket is (worker/learning/out_of_scope.py); the validation
+    part's share as served beside it; and where the worker says whether the promise holds live."""
+    return (
+        f"its {scope['held_out']} training and validation tickets, each scored out of fold by statistics "
+        f"fitted without it ({scope['held_out_from']}), as a new ticket is; served, it flags "
+        f"{scope['validation_in_scope_flagged']:.1%} of the validation part. The worker exports the promise "
+        "as `triage_out_of_scope_expected_ratio` beside the share it answers out of scope (an alert fires "
+        "past twice it: drift or new intents)"
     )
 
 

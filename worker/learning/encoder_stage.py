@@ -274,6 +274,7 @@ def fit_encoder_stage(
     in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
     held_for_detector: Sequence[tuple[str, str]] = (),
     reviewed_out_of_scope: Sequence[str] = (),
+    encoder_saw_training: bool = False,
 ) -> tuple[LinearHead, EncoderStageReport]:
     """Fit the head on `labelled` (text, intent) rows and calibrate it on `validation`, or, when that is
     empty, by k-fold cross-validation of `labelled`; and, when every intent has `BALANCE_BELOW` tickets, the
@@ -282,6 +283,8 @@ def fit_encoder_stage(
     head never sees, kept out of its calibration too), else each training ticket against the others.
     `reviewed_out_of_scope`: texts of tickets reviewers said fit none of the intents, never learnt as an
     intent: they choose the detector's doubt weight when there are enough (worker/learning/out_of_scope.py).
+    `encoder_saw_training`: the embedder was fine-tuned on `labelled`, whose embeddings then lie nearer each
+    other than a new ticket's do: no cross-fit over them, the validation part alone chooses the threshold.
     Embedding stops at `max_seconds` (the rows are shuffled, so the first ones are a fair sample; the report
     says so). Every intent must be one of the taxonomy's."""
     started = time.monotonic()
@@ -370,6 +373,7 @@ def fit_encoder_stage(
             doubt=dataclasses.replace(head, temperature=temperature, vote=vote).doubt,
             fit_doubt=doubt_fitter(temperature, seed, balanced),
             reviewed=embed(embedder, reviewed_out_of_scope) if reviewed_out_of_scope else None,
+            cross_fit=not encoder_saw_training,
         )
     head = dataclasses.replace(head, temperature=temperature, out_of_scope=detector, vote=vote)
     seen = set(train_y)

@@ -112,6 +112,13 @@ class PipelineCollector(Collector):
             return
         for name, attribute, doc in _COUNTERS:
             yield CounterMetricFamily(name, doc, value=getattr(metrics, attribute))
+        yield gauge(
+            "triage_out_of_scope_expected_ratio",
+            "The share of in-scope tickets the serving out-of-scope detector was fitted to answer 'none of "
+            "these' at most (its folder's card); 0: no detector serves. Against triage_out_of_scope_total / "
+            "triage_classified_total: far above it means drift or new intents.",
+            self._probes.out_of_scope_promise or 0.0,
+        )
         yield by_label(
             "triage_fallbacks",
             "Tickets answered with the fallback label, by reason.",

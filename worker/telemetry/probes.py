@@ -69,6 +69,9 @@ class WorkerProbes(Probes):
         self.reloads: dict[str, int] = {"succeeded": 0, "failed": 0}
         # Settings configured (as the last reload read them) that only a restart applies, by dotted key.
         self.restart_pending: tuple[str, ...] = ()
+        # The share of in-scope tickets the serving out-of-scope detector was fitted to flag at most (its
+        # folder's card); None: no detector serves.
+        self.out_of_scope_promise: float | None = None
 
     def loop_age(self) -> float | None:
         """Seconds since the consumer loop last turned; None before its first turn."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from worker import __version__
+from worker.inference.encoder import out_of_scope_promise
 from worker.inference.pool import ClassifierPool, default_pool_kind, default_pool_size
 from worker.pipeline.metrics import PipelineMetrics
 from worker.settings import InferenceSettings, MetricsSettings
@@ -32,6 +34,8 @@ class WorkerTelemetry:
     info: dict[str, str] = field(default_factory=dict)
     model_processes: ModelProcessCollector | None = None
     reload_access: ReloadAccess = field(default_factory=lambda: ReloadAccess(None))
+    # The cascade's encoder stage (None: no cascade), whose detector serves where the model has none.
+    escalation_stage: Path | None = None
 
     @classmethod
     def start(
@@ -73,13 +77,32 @@ class WorkerTelemetry:
         _log.info("telemetry_listening", host=metrics.host, port=server.port, reload=reload)
         return cls(probes, server, broker, info, model_processes, access)
 
-    def attach(self, metrics: PipelineMetrics, model_id: str, pool_contexts: int) -> None:
-        """The pool is warm and the pipeline built: from now on its numbers are exported."""
+    def attach(
+        self,
+        metrics: PipelineMetrics,
+        model_id: str,
+        pool_contexts: int,
+        model: Path | None = None,
+        escalation_stage: Path | None = None,
+    ) -> None:
+        """The pool is warm and the pipeline built: from now on its numbers are exported, with the promise
+        of the out-of-scope detector that serves: the `model` folder's, else the cascade's
+        `escalation_stage`'s (`promise`)."""
         if self.probes is None:
             return
         self.info["model"] = model_id
         self.probes.pool_contexts = self.probes.warm_contexts = pool_contexts
         self.probes.metrics = metrics
+        self.escalation_stage = escalation_stage
+        self.probes.out_of_scope_promise = self.promise(model)
+
+    def promise(self, model: Path | None) -> float | None:
+        """The share of in-scope tickets the detector answering "none of these" was fitted to flag at most:
+        the first stage's (`model`, an encoder stage) where it has one, else the cascade's stage's."""
+        found = None if model is None else out_of_scope_promise(model)
+        if found is None and self.escalation_stage is not None:
+            found = out_of_scope_promise(self.escalation_stage)
+        return found
 
     def watch_model_processes(self, role: str, pids: Callable[[], list[int]]) -> None:
         """Export the CPU and memory of the processes `pids` names, as pool `role` (primary, shadow)."""
@@ -95,7 +118,8 @@ class WorkerTelemetry:
     def reloaded(
         self, outcome: str, inference: InferenceSettings | None, pool: ClassifierPool | None
     ) -> None:
-        """Count a reload; a new pool's model and contexts are what runs from now on."""
+        """Count a reload; a new pool's model and contexts are what runs from now on (the cascade's stage,
+        and so the out-of-scope promise where it comes from that stage, only a restart changes)."""
         if self.probes is None:
             return
         self.probes.reloads[outcome] += 1
@@ -103,6 +127,7 @@ class WorkerTelemetry:
             kind = default_pool_kind(inference)
             self.info.update(model=pool.model_id, mode=inference.mode, provider=inference.provider, pool=kind)
             self.probes.pool_contexts = self.probes.warm_contexts = pool.size
+            self.probes.out_of_scope_promise = self.promise(Path(inference.model).expanduser())
 
     def restart_pending(self, settings: list[str]) -> None:
         """The settings configured now that only a restart applies (a hot reload's finding; none: [])."""
