@@ -133,6 +133,7 @@ class Chaos:
 
     def rebalance(self) -> str:
         if len(self.live) >= 3:
+            harness.wait_started(self.live)
             leaver = self.rng.choice(self.working())
             self.live.remove(leaver)
             if (code := leaver.stop(90)) != 0:
@@ -147,6 +148,7 @@ class Chaos:
             worker.kill()
 
     def stop_all(self) -> None:
+        harness.wait_started(self.live)
         for worker in self.live:
             if (code := worker.stop(90)) != 0:
                 self.bad_exits.append(f"{worker.log_path.name} stopped with {code}:\n{worker.tail(8)}")

@@ -305,6 +305,17 @@ class Worker(WorkerProcess):
         self._log.close()
 
 
+def wait_started(workers: Sequence[Worker], timeout: float = 120.0) -> None:
+    """Until every one of `workers` is past its start (`pipeline_started`: signal handlers installed) or
+    `timeout` passed: a SIGTERM before that ends the process by the signal's default (exit -15), as for any
+    program, with nothing taken yet; on a loaded machine a start takes tens of seconds."""
+    deadline = time.monotonic() + timeout
+    while any(w.process.poll() is None and not w.events("pipeline_started") for w in workers):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+
+
 # A read_committed reader sees a partition only up to its last stable offset (LSO): the first offset of the
 # oldest transaction still open on it. A killed exactly-once worker's open transaction holds the LSO back
 # until the broker aborts it (its transaction.timeout.ms, 10 s here, then the broker's scan for timed-out

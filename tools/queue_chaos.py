@@ -110,9 +110,7 @@ class Queue:
         return f"SIGTERM {leaver.log_path.name}"
 
     def stop_all(self) -> None:
-        deadline = time.monotonic() + STARTED_S
-        while any(not w.events("pipeline_started") for w in self.live) and time.monotonic() < deadline:
-            time.sleep(0.5)  # every one past its start: see `started`
+        harness.wait_started(self.live, STARTED_S)
         for worker in self.live:
             if (code := worker.stop(90)) != 0:
                 self.bad_exits.append(f"{worker.log_path.name} stopped with {code}:\n{worker.tail(8)}")
