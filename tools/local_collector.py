@@ -44,7 +44,9 @@ def collector_binary() -> Path:
     if go is None:
         raise CollectorUnavailable("no Go toolchain (go) to build the OpenTelemetry Collector with")
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
+    # A build of its own per process: two test processes may build at once (pytest-xdist), and a shared
+    # partial file would be renamed away under the second one. The rename is atomic; the last one wins.
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
         built = subprocess.run(
             [go, "build", "-trimpath", "-o", str(partial), "."],
