@@ -114,12 +114,7 @@ class Chaos:
 
     def working(self, timeout: float = 30.0) -> list[harness.Worker]:
         """Live workers that own partitions (have been assigned some), waiting up to `timeout` for one."""
-        deadline = time.monotonic() + timeout
-        while True:
-            busy = [w for w in self.live if w.events("partitions_assigned")]
-            if busy or time.monotonic() > deadline:
-                return busy or list(self.live)
-            time.sleep(0.5)
+        return harness.those_with(self.live, "partitions_assigned", timeout)
 
     def kill(self) -> str:
         victim = self.rng.choice(self.working())

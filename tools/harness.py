@@ -305,6 +305,17 @@ class Worker(WorkerProcess):
         self._log.close()
 
 
+def those_with(workers: Sequence[Worker], event: str, timeout: float) -> list[Worker]:
+    """The workers of `workers` that logged `event`, waiting up to `timeout` for one; all of them if none did
+    by then (a chaos schedule goes on either way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [w for w in workers if w.events(event)]
+        if found or time.monotonic() > deadline:
+            return found or list(workers)
+        time.sleep(0.5)
+
+
 def wait_started(workers: Sequence[Worker], timeout: float = 120.0) -> None:
     """Until every one of `workers` is past its start (`pipeline_started`: signal handlers installed) or
     `timeout` passed: a SIGTERM before that ends the process by the signal's default (exit -15), as for any

@@ -86,12 +86,7 @@ class Queue:
         """Live workers past their start (signal handlers installed, subscribed), waiting up to `timeout`
         for one: a SIGTERM before that ends a process by the signal's default, as for any program, with
         nothing taken yet (on a loaded machine a start takes tens of seconds)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            ready = [w for w in self.live if w.events("pipeline_started")]
-            if ready or time.monotonic() > deadline:
-                return ready or list(self.live)
-            time.sleep(0.5)
+        return harness.those_with(self.live, "pipeline_started", timeout)
 
     def kill(self) -> str:
         victim = self.rng.choice(self.started())
