@@ -338,12 +338,7 @@ def chaos(args: argparse.Namespace) -> bool:
         publisher = harness.Publisher(bootstrap, topics, count, rate, seed=args.seed)
         started = time.monotonic()
         publisher.start()
-        for index, action in enumerate(plan):
-            due = started + (index + 1) * produce_s / (len(plan) + 1) + rng.uniform(-1.0, 1.0)
-            while (left := due - time.monotonic()) > 0:
-                time.sleep(min(left, 1.0))
-                group.check()
-            group.check()
+        for index, action in harness.paced(plan, produce_s, rng, group.check):
             if action == "kill":
                 what = f"kill -9 {group.kill()}"
             elif action == "rebalance":

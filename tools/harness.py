@@ -13,6 +13,7 @@ import collections
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -303,6 +304,22 @@ class Worker(WorkerProcess):
             self.process.wait(30)
         # The pool's worker processes notice the closed pipe and exit by themselves.
         self._log.close()
+
+
+def paced(
+    plan: Sequence[str], span_s: float, rng: random.Random, between: Callable[[], None]
+) -> Iterator[tuple[int, str]]:
+    """A chaos schedule's events, each at its instant: `plan` spread evenly over `span_s` from now, each a
+    second or so early or late (drawn from `rng`); `between` runs about every second while it waits and
+    once before each event (the group's own checks)."""
+    started = time.monotonic()
+    for index, action in enumerate(plan):
+        due = started + (index + 1) * span_s / (len(plan) + 1) + rng.uniform(-1.0, 1.0)
+        while (left := due - time.monotonic()) > 0:
+            time.sleep(min(left, 1.0))
+            between()
+        between()
+        yield index, action
 
 
 def those_with(workers: Sequence[Worker], event: str, timeout: float) -> list[Worker]:

@@ -184,12 +184,7 @@ def queue_chaos(args: argparse.Namespace) -> bool:
         publisher = harness.Publisher(bootstrap, topics, count, rate, seed=args.seed)
         started = time.monotonic()
         publisher.start()
-        for index, action in enumerate(plan):
-            due = started + (index + 1) * produce_s / (len(plan) + 1) + rng.uniform(-1.0, 1.0)
-            while (left := due - time.monotonic()) > 0:
-                time.sleep(min(left, 1.0))
-                queue.check()
-            queue.check()
+        for index, action in harness.paced(plan, produce_s, rng, queue.check):
             if action == "kill":
                 what = queue.kill()
             elif action == "roll":
