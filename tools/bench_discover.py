@@ -38,20 +38,19 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from tools import REPO
-from tools.bench_open_intent import BANKING77, VectorLookup, cached_embeddings, known_taxonomy
+from tools.bench_open_intent import BANKING77, VectorLookup, cached_embeddings, fit_as_train, known_taxonomy
 from tools.cluster_metrics import accuracy, ari, nmi
 from worker.cache import cache_root
 from worker.inference.encoder import FloatArray, SentenceEmbedder
 from worker.inference.taxonomy import Intent, Taxonomy, load_taxonomy
-from worker.learning import compose, discovery, encoder_stage
+from worker.learning import discovery, encoder_stage
 from worker.learning.evaluation import read_examples
-from worker.learning.out_of_scope import DEFAULT_IN_SCOPE_LOSS
 
 KNOWN_SHARES = (0.25, 0.5, 0.75)
 SEEDS = (1, 2, 3)
@@ -105,16 +104,7 @@ def flagged_by_detector(
 ) -> Any:
     """The test tickets the encoder stage trained on `taxonomy`'s intents answers "none of these"."""
     rows = [row for row in train_rows if row[1] in set(taxonomy.labels)]
-    train, validation, _ = compose.split_rows(rows, seed)
-    head, _ = encoder_stage.fit_encoder_stage(
-        train,
-        validation,
-        taxonomy,
-        cast(SentenceEmbedder, lookup),
-        max_seconds=3600.0,
-        seed=seed,
-        in_scope_loss=DEFAULT_IN_SCOPE_LOSS,
-    )
+    head = fit_as_train(rows, taxonomy, lookup, seed).head
     assert head.out_of_scope is not None
     probabilities = head.probabilities(test_x)
     scores = head.out_of_scope.scores(test_x, probabilities.max(axis=1))
@@ -163,15 +153,9 @@ def retrained(
     taxonomy = msgspec.structs.replace(known_tax, intents=known_tax.intents + accepted)
     rows = [row for row in train_rows if row[1] in set(known_tax.labels)]
     rows += [(half[i][0], intent.name) for intent in found.intents for i in intent.members]
-    train, validation, _ = compose.split_rows(rows, seed)
-    head, _ = encoder_stage.fit_encoder_stage(
-        train,
-        validation,
-        taxonomy,
-        cast(SentenceEmbedder, EmbeddingLookup(vectors, len(next(iter(vectors.values()))))),
-        max_seconds=3600.0,
-        seed=seed,
-    )
+    head = fit_as_train(
+        rows, taxonomy, EmbeddingLookup(vectors, len(next(iter(vectors.values())))), seed
+    ).head
     answers = head.probabilities(np.stack([vectors[t] for t, _ in held_out])).argmax(axis=1)
     right = [
         stands_for.get(taxonomy.labels[a]) == truth for a, (_, truth) in zip(answers, held_out, strict=True)

@@ -97,6 +97,42 @@ def known_taxonomy(taxonomy: Taxonomy, share: float, seed: int) -> Taxonomy:
     return msgspec.structs.replace(taxonomy, intents=intents)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """An encoder stage fitted as `model train` fits it: the rows of each part, the head, its report, and
+    how long the fit took."""
+
+    train: list[Row]
+    validation: list[Row]
+    head: encoder_stage.LinearHead
+    report: encoder_stage.EncoderStageReport
+    seconds: float
+
+
+def fit_as_train(
+    rows: Sequence[Row],
+    taxonomy: Taxonomy,
+    embedder: object,
+    seed: int,
+    in_scope_loss: float = DEFAULT_IN_SCOPE_LOSS,
+) -> Fitted:
+    """`rows` split (a stratified tenth held out) and the stage fitted on them as `model train` does, with
+    no time limit that matters here (the benches that share this). `embedder`: a `SentenceEmbedder` or a
+    lookup of vectors computed before, which embeds the same way."""
+    train, validation, _ = compose.split_rows(rows, seed)
+    started = time.monotonic()
+    head, report = encoder_stage.fit_encoder_stage(
+        train,
+        validation,
+        taxonomy,
+        cast(SentenceEmbedder, embedder),
+        max_seconds=3600.0,
+        seed=seed,
+        in_scope_loss=in_scope_loss,
+    )
+    return Fitted(train, validation, head, report, time.monotonic() - started)
+
+
 def one_split(
     taxonomy: Taxonomy,
     train_rows: Sequence[Row],
@@ -109,18 +145,14 @@ def one_split(
     """Train on the known intents' tickets as `model train` does; both detectors' figures on test.csv."""
     known = set(taxonomy.labels)
     rows = [row for row in train_rows if row[1] in known]
-    train, validation, _ = compose.split_rows(rows, seed)
-    started = time.monotonic()
-    head, report = encoder_stage.fit_encoder_stage(
-        train,
-        validation,
-        taxonomy,
-        cast(SentenceEmbedder, embedder),
-        max_seconds=3600.0,
-        seed=seed,
-        in_scope_loss=in_scope_loss,
+    fitted = fit_as_train(rows, taxonomy, embedder, seed, in_scope_loss)
+    train, validation, head, report, seconds = (
+        fitted.train,
+        fitted.validation,
+        fitted.head,
+        fitted.report,
+        fitted.seconds,
     )
-    seconds = time.monotonic() - started
     assert head.out_of_scope is not None and report.out_of_scope is not None
     validation_x = embedder.embed_batch([text for text, _ in validation])[0]
     in_scope = np.array([intent in known for _, intent in test_rows])

@@ -31,16 +31,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from tools import REPO
-from tools.bench_open_intent import BANKING77, VectorLookup, cached_embeddings, known_taxonomy
+from tools.bench_open_intent import BANKING77, VectorLookup, cached_embeddings, fit_as_train, known_taxonomy
 from worker.cache import cache_root
-from worker.inference.encoder import SentenceEmbedder
 from worker.inference.taxonomy import Taxonomy, load_taxonomy
-from worker.learning import compose, encoder_stage
+from worker.learning import encoder_stage
 from worker.learning.evaluation import read_examples
 from worker.learning.out_of_scope import ASSURANCE, DEFAULT_IN_SCOPE_LOSS, threshold_for
 
@@ -80,18 +79,14 @@ def one_fit(
     seed: int,
 ) -> dict[str, Any]:
     """Fit as `model train` does; both operating points' card figure and test figures."""
-    train, validation, _ = compose.split_rows(rows, seed)
-    started = time.monotonic()
-    head, report = encoder_stage.fit_encoder_stage(
-        train,
-        validation,
-        taxonomy,
-        cast(SentenceEmbedder, embedder),
-        max_seconds=3600.0,
-        seed=seed,
-        in_scope_loss=in_scope_loss,
+    fitted = fit_as_train(rows, taxonomy, embedder, seed, in_scope_loss)
+    train, validation, head, report, seconds = (
+        fitted.train,
+        fitted.validation,
+        fitted.head,
+        fitted.report,
+        fitted.seconds,
     )
-    seconds = time.monotonic() - started
     detector, scope = head.out_of_scope, report.out_of_scope
     assert detector is not None and scope is not None
     known = set(taxonomy.labels)
